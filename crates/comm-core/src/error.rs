@@ -1,0 +1,167 @@
+use std::time::Duration;
+
+use crate::{DType, Rank};
+
+/// The one error type of the workspace.
+///
+/// Every variant names the problem and carries enough context (op, rank, dtype, values) to act
+/// on it without reading the source.
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    /// An argument was invalid on this rank (root out of range, wrong dtype, bad lengths...).
+    #[error("invalid argument to {op}: {reason}")]
+    InvalidArgument {
+        /// The op that was called.
+        op: &'static str,
+        /// What is wrong, with the values.
+        reason: String,
+    },
+    /// Ranks called different ops, or the same op with different sizes, dtypes or roots.
+    #[error("{op}: ranks disagree: {detail}")]
+    Mismatch {
+        /// The op this rank called.
+        op: &'static str,
+        /// What differed, between which ranks.
+        detail: String,
+    },
+    /// A peer died, exited or aborted the group.
+    #[error("peer rank {rank} lost: {detail}")]
+    PeerLost {
+        /// The peer's rank in the group.
+        rank: Rank,
+        /// How it was noticed.
+        detail: String,
+    },
+    /// A wait ran past its deadline.
+    #[error("{op} timed out after {after:?}: {detail}")]
+    Timeout {
+        /// What was being waited for.
+        op: String,
+        /// The timeout that elapsed.
+        after: Duration,
+        /// Who or what was missing.
+        detail: String,
+    },
+    /// An earlier error left the group unusable; later ops fail fast.
+    #[error("process group is poisoned by an earlier error: {cause}")]
+    Poisoned {
+        /// The error that poisoned the group.
+        cause: String,
+    },
+    /// The backend cannot be used here (not compiled in, no GPU, ranks on different hosts...).
+    #[error("backend `{backend}` is unavailable: {why}")]
+    Unavailable {
+        /// The backend's name.
+        backend: &'static str,
+        /// Why, and what to do about it.
+        why: String,
+    },
+    /// The backend does not implement this op/dtype combination.
+    #[error("{op}{} is not supported by backend `{backend}`", dtype.map(|d| format!(" on {d}")).unwrap_or_default())]
+    Unsupported {
+        /// The op.
+        op: &'static str,
+        /// The dtype, when it matters.
+        dtype: Option<DType>,
+        /// The backend's name.
+        backend: &'static str,
+    },
+    /// The rendezvous store failed or refused a request.
+    #[error("store: {0}")]
+    Store(String),
+    /// Bad configuration (environment variables, config values).
+    #[error("configuration: {0}")]
+    Config(String),
+    /// An operating-system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The process group was shut down, or its worker is gone.
+    #[error("process group has been shut down{}", if .0.is_empty() { String::new() } else { format!(": {}", .0) })]
+    Shutdown(String),
+    /// A backend-specific failure.
+    #[error("backend `{backend}`: {source}")]
+    Backend {
+        /// The backend's name.
+        backend: &'static str,
+        /// The native error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl CommError {
+    /// Shorthand for [`CommError::InvalidArgument`].
+    pub fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
+        CommError::InvalidArgument { op, reason: reason.into() }
+    }
+
+    /// Shorthand for [`CommError::Io`] from an error convertible to `std::io::Error`.
+    pub fn io(context: impl Into<String>, source: impl Into<std::io::Error>) -> Self {
+        CommError::Io { context: context.into(), source: source.into() }
+    }
+
+    /// Whether the error leaves the group unusable (peer lost, mismatch, timeout...), as opposed to
+    /// a local argument error after which the group is still fine.
+    pub fn poisons_group(&self) -> bool {
+        !matches!(
+            self,
+            CommError::InvalidArgument { .. } | CommError::Unsupported { .. } | CommError::Config(_)
+        )
+    }
+
+    /// A copy of this error suitable for reporting the same failure to several waiters.
+    ///
+    /// `CommError` is not `Clone` (it may hold an `io::Error`); this keeps the variant where it
+    /// carries plain data and falls back to its message otherwise.
+    pub fn duplicate(&self) -> CommError {
+        match self {
+            CommError::InvalidArgument { op, reason } => CommError::InvalidArgument { op, reason: reason.clone() },
+            CommError::Mismatch { op, detail } => CommError::Mismatch { op, detail: detail.clone() },
+            CommError::PeerLost { rank, detail } => CommError::PeerLost { rank: *rank, detail: detail.clone() },
+            CommError::Timeout { op, after, detail } => {
+                CommError::Timeout { op: op.clone(), after: *after, detail: detail.clone() }
+            }
+            CommError::Poisoned { cause } => CommError::Poisoned { cause: cause.clone() },
+            CommError::Unavailable { backend, why } => CommError::Unavailable { backend, why: why.clone() },
+            CommError::Unsupported { op, dtype, backend } => {
+                CommError::Unsupported { op, dtype: *dtype, backend }
+            }
+            CommError::Store(s) => CommError::Store(s.clone()),
+            CommError::Config(s) => CommError::Config(s.clone()),
+            CommError::Shutdown(s) => CommError::Shutdown(s.clone()),
+            CommError::Io { context, source } => CommError::Io {
+                context: context.clone(),
+                source: std::io::Error::new(source.kind(), source.to_string()),
+            },
+            CommError::Backend { backend, source } => {
+                CommError::Backend { backend, source: source.to_string().into() }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_the_problem() {
+        let e = CommError::Unsupported { op: "all_reduce", dtype: Some(DType::BF16), backend: "mpi" };
+        assert_eq!(e.to_string(), "all_reduce on bf16 is not supported by backend `mpi`");
+        let e = CommError::Shutdown(String::new());
+        assert_eq!(e.to_string(), "process group has been shut down");
+        let e = CommError::invalid("broadcast", "root 4 >= world size 4");
+        assert_eq!(e.to_string(), "invalid argument to broadcast: root 4 >= world size 4");
+        assert!(!e.poisons_group());
+        let e = CommError::PeerLost { rank: 2, detail: "process 77 exited".into() };
+        assert!(e.poisons_group());
+        assert_eq!(e.duplicate().to_string(), e.to_string());
+    }
+}

@@ -1,0 +1,42 @@
+//! Core types and traits of the comm workspace.
+//!
+//! This crate is small and changes rarely: it holds the vocabulary every other crate speaks.
+//! It has no native dependencies and no `unsafe` code.
+//!
+//! - [`DType`], [`ReduceOp`], [`Element`]: what is moved and how it is combined.
+//! - [`HostBuffer`]: owned, typed host memory that is moved into an op and handed back by it.
+//! - [`Work`]: the completion handle every op returns (a `Future`, plus `is_completed`/`wait`).
+//! - [`ops`]: one request struct per op, each an [`Op`].
+//! - [`Collective`], [`Group`], [`Backend`]: what a backend implements; a layer implements
+//!   `Collective<R>` once, generically, for every op.
+//! - [`Store`]: the rendezvous key-value store backends use to bootstrap.
+//! - [`WorldInfo`]: who this process is in the job.
+//! - [`CommError`]: the one error type.
+#![forbid(unsafe_code)]
+
+mod buffer;
+mod collective;
+mod dtype;
+mod error;
+pub mod ops;
+mod store;
+mod work;
+mod world;
+
+pub use buffer::HostBuffer;
+pub use collective::{Backend, Collective, Group};
+pub use dtype::{DType, Element, ReduceOp};
+pub use error::CommError;
+pub use ops::Op;
+pub use store::{MemoryStore, Store};
+pub use work::{Completer, Work};
+pub use world::{Launcher, WorldInfo, WorldSource};
+
+/// A rank: a process's index inside a group, `0..world_size`.
+pub type Rank = u32;
+
+/// `Result` with [`CommError`].
+pub type Result<T, E = CommError> = std::result::Result<T, E>;
+
+/// Re-exported so users name the half-precision element types without adding `half` themselves.
+pub use half::{bf16, f16};

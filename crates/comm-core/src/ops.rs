@@ -1,0 +1,473 @@
+//! One request struct per op. A backend implements [`Collective<R>`](crate::Collective) for
+//! each; layers implement it once for every `R: Op`.
+//!
+//! Every request validates itself against the caller's rank and the group size with
+//! [`Op::validate`], so all backends reject the same bad input with the same error.
+
+use crate::{CommError, DType, HostBuffer, Rank, ReduceOp};
+
+/// A request for one op.
+pub trait Op: std::marker::Send + 'static {
+    /// What the op's [`Work`](crate::Work) resolves to.
+    type Output: std::marker::Send + 'static;
+    /// The op's name as torch spells it (`"all_reduce"`); also its span name suffix.
+    const NAME: &'static str;
+    /// Message size in bytes, as nccl-tests counts it (per-rank input size; for all_gather the
+    /// gathered output size; for reduce_scatter the full input size).
+    fn bytes(&self) -> usize;
+    /// Element type, when the op carries data.
+    fn dtype(&self) -> Option<DType>;
+    /// Checks the arguments on this rank; group-wide agreement is the backend's job.
+    fn validate(&self, rank: Rank, world_size: u32) -> Result<(), CommError>;
+}
+
+fn check_root(op: &'static str, root: Rank, world: u32) -> Result<(), CommError> {
+    if root >= world {
+        return Err(CommError::invalid(op, format!("root {root} is out of range for a group of {world} ranks")));
+    }
+    Ok(())
+}
+
+fn check_reduce(op: &'static str, r: ReduceOp, dtype: DType) -> Result<(), CommError> {
+    if !r.applies_to(dtype) {
+        let why = if r == ReduceOp::Avg { "avg needs a floating-point dtype" } else { "bitwise ops need an integer dtype" };
+        return Err(CommError::invalid(op, format!("reduce op {r} is not defined for {dtype}: {why}")));
+    }
+    Ok(())
+}
+
+fn check_output(op: &'static str, out: &HostBuffer, dtype: DType, len: usize) -> Result<(), CommError> {
+    if out.dtype() != dtype {
+        return Err(CommError::invalid(op, format!("output buffer is {} but the input is {dtype}", out.dtype())));
+    }
+    if out.len() != len {
+        return Err(CommError::invalid(
+            op,
+            format!("output buffer holds {} elements, {len} are needed", out.len()),
+        ));
+    }
+    Ok(())
+}
+
+fn check_peer(op: &'static str, peer: Rank, rank: Rank, world: u32) -> Result<(), CommError> {
+    if peer >= world {
+        return Err(CommError::invalid(op, format!("peer rank {peer} is out of range for a group of {world} ranks")));
+    }
+    if peer == rank {
+        return Err(CommError::invalid(op, format!("rank {rank} cannot {op} to/from itself")));
+    }
+    Ok(())
+}
+
+/// `all_reduce`: every rank ends with the reduction of all ranks' `buf`. In place.
+#[derive(Debug)]
+pub struct AllReduce {
+    /// Input, and output once reduced.
+    pub buf: HostBuffer,
+    /// How to combine.
+    pub op: ReduceOp,
+}
+
+impl Op for AllReduce {
+    type Output = HostBuffer;
+    const NAME: &'static str = "all_reduce";
+    fn bytes(&self) -> usize {
+        self.buf.byte_len()
+    }
+    fn dtype(&self) -> Option<DType> {
+        Some(self.buf.dtype())
+    }
+    fn validate(&self, _: Rank, _: u32) -> Result<(), CommError> {
+        check_reduce(Self::NAME, self.op, self.buf.dtype())
+    }
+}
+
+/// `broadcast`: every rank ends with `root`'s `buf`. In place.
+#[derive(Debug)]
+pub struct Broadcast {
+    /// Data on the root; overwritten elsewhere.
+    pub buf: HostBuffer,
+    /// The rank whose data is sent.
+    pub root: Rank,
+}
+
+impl Op for Broadcast {
+    type Output = HostBuffer;
+    const NAME: &'static str = "broadcast";
+    fn bytes(&self) -> usize {
+        self.buf.byte_len()
+    }
+    fn dtype(&self) -> Option<DType> {
+        Some(self.buf.dtype())
+    }
+    fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
+        check_root(Self::NAME, self.root, world)
+    }
+}
+
+/// `reduce`: `root` ends with the reduction of all ranks' `buf`; other ranks get their input back.
+#[derive(Debug)]
+pub struct Reduce {
+    /// Input; on the root, the output.
+    pub buf: HostBuffer,
+    /// How to combine.
+    pub op: ReduceOp,
+    /// The rank that receives the result.
+    pub root: Rank,
+}
+
+impl Op for Reduce {
+    type Output = HostBuffer;
+    const NAME: &'static str = "reduce";
+    fn bytes(&self) -> usize {
+        self.buf.byte_len()
+    }
+    fn dtype(&self) -> Option<DType> {
+        Some(self.buf.dtype())
+    }
+    fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
+        check_root(Self::NAME, self.root, world)?;
+        check_reduce(Self::NAME, self.op, self.buf.dtype())
+    }
+}
+
+/// `all_gather_into_tensor`: every rank ends with the concatenation of all ranks' `input`,
+/// in rank order. Returns `output` (allocated when `None`), `world_size × input.len()` long.
+#[derive(Debug)]
+pub struct AllGather {
+    /// This rank's shard.
+    pub input: HostBuffer,
+    /// Caller-provided output to fill (the `_into` variants).
+    pub output: Option<HostBuffer>,
+}
+
+impl Op for AllGather {
+    type Output = HostBuffer;
+    const NAME: &'static str = "all_gather";
+    fn bytes(&self) -> usize {
+        self.input.byte_len()
+    }
+    fn dtype(&self) -> Option<DType> {
+        Some(self.input.dtype())
+    }
+    fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
+        match &self.output {
+            Some(out) => check_output(Self::NAME, out, self.input.dtype(), self.input.len() * world as usize),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `reduce_scatter_tensor`: `input` (`world_size × k` elements) is reduced across ranks and rank
+/// `r` gets block `r` (`k` elements), in `output` (allocated when `None`).
+#[derive(Debug)]
+pub struct ReduceScatter {
+    /// Full-length input.
+    pub input: HostBuffer,
+    /// How to combine.
+    pub op: ReduceOp,
+    /// Caller-provided output to fill (the `_into` variants).
+    pub output: Option<HostBuffer>,
+}
+
+impl Op for ReduceScatter {
+    type Output = HostBuffer;
+    const NAME: &'static str = "reduce_scatter";
+    fn bytes(&self) -> usize {
+        self.input.byte_len()
+    }
+    fn dtype(&self) -> Option<DType> {
+        Some(self.input.dtype())
+    }
+    fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
+        check_reduce(Self::NAME, self.op, self.input.dtype())?;
+        let n = self.input.len();
+        if n % world as usize != 0 {
+            return Err(CommError::invalid(
+                Self::NAME,
+                format!("input length {n} is not divisible by the group size {world}"),
+            ));
+        }
+        match &self.output {
+            Some(out) => check_output(Self::NAME, out, self.input.dtype(), n / world as usize),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `all_to_all_single`: rank `i` sends block `j` of its input to rank `j`, which stores it as
+/// its block `i`. Blocks are equal (`input.len() / world_size`) unless splits are given
+/// (element counts per peer, as torch's `input_split_sizes` / `output_split_sizes`).
+#[derive(Debug)]
+pub struct AllToAll {
+    /// Data to send, blocks in destination-rank order.
+    pub input: HostBuffer,
+    /// Caller-provided output to fill.
+    pub output: Option<HostBuffer>,
+    /// Elements sent to each rank; `None` = equal split.
+    pub input_splits: Option<Vec<usize>>,
+    /// Elements received from each rank; `None` = equal split.
+    pub output_splits: Option<Vec<usize>>,
+}
+
+impl AllToAll {
+    /// The resolved (input, output) splits for a group of `world` ranks; call after `validate`.
+    pub fn splits(&self, world: u32) -> (Vec<usize>, Vec<usize>) {
+        let n = world as usize;
+        let eq = |len: usize| vec![len / n; n];
+        let ins = self.input_splits.clone().unwrap_or_else(|| eq(self.input.len()));
+        let outs = self.output_splits.clone().unwrap_or_else(|| match &self.output {
+            Some(o) => eq(o.len()),
+            None => eq(self.input.len()),
+        });
+        (ins, outs)
+    }
+}
+
+impl Op for AllToAll {
+    type Output = HostBuffer;
+    const NAME: &'static str = "all_to_all";
+    fn bytes(&self) -> usize {
+        self.input.byte_len()
+    }
+    fn dtype(&self) -> Option<DType> {
+        Some(self.input.dtype())
+    }
+    fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
+        let n = world as usize;
+        for (what, splits, len) in [
+            ("input", &self.input_splits, Some(self.input.len())),
+            ("output", &self.output_splits, self.output.as_ref().map(HostBuffer::len)),
+        ] {
+            match splits {
+                Some(s) => {
+                    if s.len() != n {
+                        return Err(CommError::invalid(
+                            Self::NAME,
+                            format!("{what}_splits has {} entries, the group has {n} ranks", s.len()),
+                        ));
+                    }
+                    let sum: usize = s.iter().sum();
+                    if let Some(len) = len.filter(|&l| l != sum) {
+                        return Err(CommError::invalid(
+                            Self::NAME,
+                            format!("{what}_splits sum to {sum} but the {what} buffer holds {len} elements"),
+                        ));
+                    }
+                }
+                None => {
+                    let len = len.unwrap_or(self.input.len());
+                    if len % n != 0 {
+                        return Err(CommError::invalid(
+                            Self::NAME,
+                            format!("{what} length {len} is not divisible by the group size {n} (give splits for uneven blocks)"),
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(out) = &self.output {
+            if out.dtype() != self.input.dtype() {
+                return Err(CommError::invalid(
+                    Self::NAME,
+                    format!("output buffer is {} but the input is {}", out.dtype(), self.input.dtype()),
+                ));
+            }
+        } else if self.input_splits.is_some() && self.output_splits.is_none() {
+            return Err(CommError::invalid(
+                Self::NAME,
+                "input_splits without output_splits or an output buffer: the receive size is unknown",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `scatter`: the root's `input` (`world_size × output.len()` elements) is split in rank order
+/// and rank `r` receives block `r` into `output`.
+#[derive(Debug)]
+pub struct Scatter {
+    /// Receives this rank's block.
+    pub output: HostBuffer,
+    /// On the root: the blocks for every rank. Ignored elsewhere.
+    pub input: Option<HostBuffer>,
+    /// The rank that sends.
+    pub root: Rank,
+}
+
+impl Op for Scatter {
+    type Output = HostBuffer;
+    const NAME: &'static str = "scatter";
+    fn bytes(&self) -> usize {
+        self.output.byte_len()
+    }
+    fn dtype(&self) -> Option<DType> {
+        Some(self.output.dtype())
+    }
+    fn validate(&self, rank: Rank, world: u32) -> Result<(), CommError> {
+        check_root(Self::NAME, self.root, world)?;
+        if rank == self.root {
+            let Some(input) = &self.input else {
+                return Err(CommError::invalid(Self::NAME, "the root must pass the data to scatter"));
+            };
+            check_output(Self::NAME, input, self.output.dtype(), self.output.len() * world as usize)
+                .map_err(|_| {
+                    CommError::invalid(
+                        Self::NAME,
+                        format!(
+                            "root input is {} × {} elements, expected {} × {} (world size × output length)",
+                            input.dtype(),
+                            input.len(),
+                            self.output.dtype(),
+                            self.output.len() * world as usize
+                        ),
+                    )
+                })?;
+        }
+        Ok(())
+    }
+}
+
+/// `gather`: the root receives every rank's `input`, concatenated in rank order, in `output`
+/// (allocated when `None`). Non-root ranks get their `input` back.
+#[derive(Debug)]
+pub struct Gather {
+    /// This rank's contribution.
+    pub input: HostBuffer,
+    /// On the root, a caller-provided output (`world_size × input.len()`).
+    pub output: Option<HostBuffer>,
+    /// The rank that receives.
+    pub root: Rank,
+}
+
+impl Op for Gather {
+    type Output = HostBuffer;
+    const NAME: &'static str = "gather";
+    fn bytes(&self) -> usize {
+        self.input.byte_len()
+    }
+    fn dtype(&self) -> Option<DType> {
+        Some(self.input.dtype())
+    }
+    fn validate(&self, rank: Rank, world: u32) -> Result<(), CommError> {
+        check_root(Self::NAME, self.root, world)?;
+        match &self.output {
+            Some(out) if rank == self.root => {
+                check_output(Self::NAME, out, self.input.dtype(), self.input.len() * world as usize)
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `send`: point-to-point to `dst`. Resolves (handing `buf` back) once the data is out of
+/// `buf`. Messages between two ranks are delivered in order; the receiver's `tag` must match.
+#[derive(Debug)]
+pub struct Send {
+    /// The data.
+    pub buf: HostBuffer,
+    /// Destination rank.
+    pub dst: Rank,
+    /// Message tag.
+    pub tag: u32,
+}
+
+impl Op for Send {
+    type Output = HostBuffer;
+    const NAME: &'static str = "send";
+    fn bytes(&self) -> usize {
+        self.buf.byte_len()
+    }
+    fn dtype(&self) -> Option<DType> {
+        Some(self.buf.dtype())
+    }
+    fn validate(&self, rank: Rank, world: u32) -> Result<(), CommError> {
+        check_peer(Self::NAME, self.dst, rank, world)
+    }
+}
+
+/// `recv`: point-to-point from `src` into `buf` (its dtype and length must match the send).
+#[derive(Debug)]
+pub struct Recv {
+    /// Receives the data.
+    pub buf: HostBuffer,
+    /// Source rank.
+    pub src: Rank,
+    /// Message tag.
+    pub tag: u32,
+}
+
+impl Op for Recv {
+    type Output = HostBuffer;
+    const NAME: &'static str = "recv";
+    fn bytes(&self) -> usize {
+        self.buf.byte_len()
+    }
+    fn dtype(&self) -> Option<DType> {
+        Some(self.buf.dtype())
+    }
+    fn validate(&self, rank: Rank, world: u32) -> Result<(), CommError> {
+        check_peer(Self::NAME, self.src, rank, world)
+    }
+}
+
+/// `barrier`: resolves once every rank of the group has entered it.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Barrier;
+
+impl Op for Barrier {
+    type Output = ();
+    const NAME: &'static str = "barrier";
+    fn bytes(&self) -> usize {
+        0
+    }
+    fn dtype(&self) -> Option<DType> {
+        None
+    }
+    fn validate(&self, _: Rank, _: u32) -> Result<(), CommError> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32s(n: usize) -> HostBuffer {
+        HostBuffer::zeroed(DType::F32, n)
+    }
+
+    #[test]
+    fn bad_input_is_named() {
+        let e = Broadcast { buf: f32s(1), root: 4 }.validate(0, 4).unwrap_err().to_string();
+        assert!(e.contains("root 4") && e.contains("4 ranks"), "{e}");
+        let e = AllReduce { buf: f32s(1), op: ReduceOp::BXor }.validate(0, 2).unwrap_err().to_string();
+        assert!(e.contains("bxor") && e.contains("f32"), "{e}");
+        let e = ReduceScatter { input: f32s(7), op: ReduceOp::Sum, output: None }.validate(0, 2).unwrap_err();
+        assert!(e.to_string().contains("not divisible"), "{e}");
+        let e = AllToAll { input: f32s(4), output: None, input_splits: Some(vec![1, 2]), output_splits: Some(vec![2, 2]) }
+            .validate(0, 2)
+            .unwrap_err();
+        assert!(e.to_string().contains("input_splits sum to 3"), "{e}");
+        let e = Send { buf: f32s(1), dst: 1, tag: 0 }.validate(1, 2).unwrap_err();
+        assert!(e.to_string().contains("itself"), "{e}");
+        let e = Recv { buf: f32s(1), src: 9, tag: 0 }.validate(1, 2).unwrap_err();
+        assert!(e.to_string().contains("out of range"), "{e}");
+        let e = AllGather { input: f32s(2), output: Some(HostBuffer::zeroed(DType::F64, 4)) }.validate(0, 2).unwrap_err();
+        assert!(e.to_string().contains("output buffer is f64"), "{e}");
+        let e = Scatter { output: f32s(2), input: None, root: 0 }.validate(0, 2).unwrap_err();
+        assert!(e.to_string().contains("root must pass"), "{e}");
+    }
+
+    #[test]
+    fn good_input_passes_and_splits_resolve() {
+        AllReduce { buf: HostBuffer::zeroed(DType::I8, 3), op: ReduceOp::BAnd }.validate(0, 3).unwrap();
+        Scatter { output: f32s(2), input: None, root: 0 }.validate(1, 2).unwrap();
+        let a = AllToAll { input: f32s(6), output: None, input_splits: None, output_splits: None };
+        a.validate(0, 3).unwrap();
+        assert_eq!(a.splits(3), (vec![2, 2, 2], vec![2, 2, 2]));
+        let a = AllToAll { input: f32s(3), output: None, input_splits: Some(vec![0, 3]), output_splits: Some(vec![1, 1]) };
+        a.validate(0, 2).unwrap();
+        assert_eq!(a.splits(2), (vec![0, 3], vec![1, 1]));
+    }
+}

@@ -1,0 +1,300 @@
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+
+use crate::CommError;
+
+/// Completion handle of an op, like torch's `Work` for `async_op=True`.
+///
+/// The op was issued when the method that returned this handle returned (ops are *eager*);
+/// the handle only reports completion. It is a [`Future`], can be polled with
+/// [`is_completed`](Work::is_completed) and waited on with [`wait`](Work::wait).
+/// Dropping it detaches: the op still completes, nothing is cancelled.
+///
+/// ```
+/// use comm_core::{Work, CommError};
+/// let (done, work) = Work::<u32>::pending();
+/// assert!(!work.is_completed());
+/// done.complete(Ok(7));
+/// assert!(work.is_completed());
+/// assert_eq!(work.wait().unwrap(), 7);
+/// ```
+#[must_use = "ops are issued eagerly; drop the Work explicitly to detach from the result"]
+pub struct Work<T> {
+    inner: Inner<T>,
+}
+
+enum Inner<T> {
+    Ready(Option<Result<T, CommError>>),
+    Shared(Arc<Shared<T>>),
+    Boxed(Box<dyn Source<T>>),
+}
+
+trait Source<T>: Send {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<T, CommError>>;
+    fn is_completed(&self) -> bool;
+    fn wait(&mut self) -> Result<T, CommError>;
+}
+
+struct Shared<T> {
+    done: AtomicBool,
+    slot: Mutex<Slot<T>>,
+    cond: Condvar,
+}
+
+struct Slot<T> {
+    result: Option<Result<T, CommError>>,
+    waker: Option<Waker>,
+    taken: bool,
+}
+
+impl<T> Shared<T> {
+    fn lock(&self) -> MutexGuard<'_, Slot<T>> {
+        // A panic while holding this lock cannot leave the slot inconsistent (plain assignments).
+        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn take(&self, mut slot: MutexGuard<'_, Slot<T>>) -> Result<T, CommError> {
+        slot.taken = true;
+        slot.result
+            .take()
+            .unwrap_or_else(|| Err(CommError::invalid("Work", "result already taken (Work polled after completion)")))
+    }
+}
+
+impl<T: Send + 'static> Work<T> {
+    /// A handle that is already complete, for ops that finish inline.
+    pub fn ready(result: Result<T, CommError>) -> Self {
+        Work { inner: Inner::Ready(Some(result)) }
+    }
+
+    /// A pending handle and the [`Completer`] a backend uses to finish it.
+    pub fn pending() -> (Completer<T>, Work<T>) {
+        let shared = Arc::new(Shared {
+            done: AtomicBool::new(false),
+            slot: Mutex::new(Slot { result: None, waker: None, taken: false }),
+            cond: Condvar::new(),
+        });
+        (Completer { shared: Some(shared.clone()) }, Work { inner: Inner::Shared(shared) })
+    }
+
+    /// Whether the op has finished (successfully or not). Never blocks.
+    pub fn is_completed(&self) -> bool {
+        match &self.inner {
+            Inner::Ready(_) => true,
+            Inner::Shared(s) => s.done.load(Ordering::Acquire),
+            Inner::Boxed(b) => b.is_completed(),
+        }
+    }
+
+    /// Blocks the calling thread until the op completes and returns its result.
+    ///
+    /// Backends progress ops on their own threads, so this never needs the async runtime to
+    /// make progress and cannot deadlock it; but like tokio's `blocking_recv` it does block the
+    /// calling thread, so inside async code prefer `.await`.
+    pub fn wait(self) -> Result<T, CommError> {
+        match self.inner {
+            Inner::Ready(mut r) => r.take().expect("Ready work holds its result until taken"),
+            Inner::Shared(s) => {
+                let mut slot = s.lock();
+                while slot.result.is_none() && !slot.taken {
+                    slot = s.cond.wait(slot).unwrap_or_else(|e| e.into_inner());
+                }
+                s.take(slot)
+            }
+            Inner::Boxed(mut b) => b.wait(),
+        }
+    }
+
+    /// A handle whose result is `f` applied to this one's.
+    pub fn map<U: Send + 'static>(self, f: impl FnOnce(T) -> U + Send + 'static) -> Work<U> {
+        self.and_then(move |t| Ok(f(t)))
+    }
+
+    /// A handle whose result is `f` applied to this one's successful result.
+    pub fn and_then<U: Send + 'static>(
+        self,
+        f: impl FnOnce(T) -> Result<U, CommError> + Send + 'static,
+    ) -> Work<U> {
+        match self.inner {
+            Inner::Ready(mut r) => Work::ready(r.take().expect("Ready work holds its result").and_then(f)),
+            _ => Work { inner: Inner::Boxed(Box::new(Map { work: self, f: Some(f) })) },
+        }
+    }
+}
+
+impl<T: Send + 'static> Future for Work<T> {
+    type Output = Result<T, CommError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.inner {
+            Inner::Ready(r) => Poll::Ready(
+                r.take().unwrap_or_else(|| Err(CommError::invalid("Work", "polled after completion"))),
+            ),
+            Inner::Shared(s) => {
+                let mut slot = s.lock();
+                if slot.result.is_some() || slot.taken {
+                    return Poll::Ready(s.take(slot));
+                }
+                match &slot.waker {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => slot.waker = Some(cx.waker().clone()),
+                }
+                Poll::Pending
+            }
+            Inner::Boxed(b) => b.poll(cx),
+        }
+    }
+}
+
+impl<T> Unpin for Work<T> {}
+
+impl<T> fmt::Debug for Work<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let done = match &self.inner {
+            Inner::Ready(_) => true,
+            Inner::Shared(s) => s.done.load(Ordering::Acquire),
+            Inner::Boxed(b) => b.is_completed(),
+        };
+        f.debug_struct("Work").field("completed", &done).finish()
+    }
+}
+
+struct Map<T, F> {
+    work: Work<T>,
+    f: Option<F>,
+}
+
+impl<T, U, F> Source<U> for Map<T, F>
+where
+    T: Send + 'static,
+    F: FnOnce(T) -> Result<U, CommError> + Send,
+{
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<U, CommError>> {
+        let r = std::task::ready!(Pin::new(&mut self.work).poll(cx));
+        Poll::Ready(self.apply(r))
+    }
+    fn is_completed(&self) -> bool {
+        self.work.is_completed()
+    }
+    fn wait(&mut self) -> Result<U, CommError> {
+        let work = std::mem::replace(&mut self.work, Work::ready(Err(CommError::invalid("Work", "waited twice"))));
+        let r = work.wait();
+        self.apply(r)
+    }
+}
+
+impl<T, U, F: FnOnce(T) -> Result<U, CommError>> Map<T, F> {
+    fn apply(&mut self, r: Result<T, CommError>) -> Result<U, CommError> {
+        match self.f.take() {
+            Some(f) => r.and_then(f),
+            None => Err(CommError::invalid("Work", "polled after completion")),
+        }
+    }
+}
+
+/// The backend's side of a [`Work`]: completes it exactly once.
+///
+/// Dropping a `Completer` without completing it completes the `Work` with
+/// [`CommError::Shutdown`], so a waiter never hangs on a worker that went away.
+pub struct Completer<T> {
+    shared: Option<Arc<Shared<T>>>,
+}
+
+impl<T> Completer<T> {
+    /// Finish the op with `result` and wake whoever waits on the `Work`.
+    pub fn complete(mut self, result: Result<T, CommError>) {
+        self.finish(result);
+    }
+
+    /// Whether the `Work` is still held by someone (it was not dropped/detached).
+    pub fn is_observed(&self) -> bool {
+        self.shared.as_ref().is_some_and(|s| Arc::strong_count(s) > 1)
+    }
+
+    fn finish(&mut self, result: Result<T, CommError>) {
+        let Some(shared) = self.shared.take() else { return };
+        let waker = {
+            let mut slot = shared.lock();
+            slot.result = Some(result);
+            shared.done.store(true, Ordering::Release);
+            slot.waker.take()
+        };
+        shared.cond.notify_all();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+impl<T> Drop for Completer<T> {
+    fn drop(&mut self) {
+        if self.shared.is_some() {
+            self.finish(Err(CommError::Shutdown("the worker dropped the op before finishing it".into())));
+        }
+    }
+}
+
+impl<T> fmt::Debug for Completer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Completer").field("pending", &self.shared.is_some()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn wait_blocks_until_completed_from_another_thread() {
+        let (c, w) = Work::<Vec<u8>>::pending();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            c.complete(Ok(vec![1, 2]));
+        });
+        assert_eq!(w.wait().unwrap(), vec![1, 2]);
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn dropped_completer_reports_shutdown() {
+        let (c, w) = Work::<u8>::pending();
+        drop(c);
+        assert!(w.is_completed());
+        assert!(matches!(w.wait(), Err(CommError::Shutdown(_))));
+    }
+
+    #[test]
+    fn dropping_work_detaches() {
+        let (c, w) = Work::<u8>::pending();
+        assert!(c.is_observed());
+        drop(w);
+        assert!(!c.is_observed());
+        c.complete(Ok(1)); // no panic, nobody listening
+    }
+
+    #[tokio::test]
+    async fn await_and_map() {
+        let (c, w) = Work::<u32>::pending();
+        let w = w.map(|x| x * 2);
+        assert!(!w.is_completed());
+        tokio::spawn(async move { c.complete(Ok(21)) });
+        assert_eq!(w.await.unwrap(), 42);
+        let w = Work::ready(Ok(1u8)).and_then(|_| Err::<u8, _>(CommError::Shutdown(String::new())));
+        assert!(w.await.is_err());
+    }
+
+    #[test]
+    fn futures_poll_registers_waker() {
+        let (c, mut w) = Work::<u8>::pending();
+        let waker = futures::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        assert!(Pin::new(&mut w).poll(&mut cx).is_pending());
+        c.complete(Ok(3));
+        assert!(matches!(Pin::new(&mut w).poll(&mut cx), Poll::Ready(Ok(3))));
+    }
+}
