@@ -1,0 +1,422 @@
+//! Starting the ranks, pumping their output and supervising them until the job ends.
+//!
+//! Each rank is started in a process group of its own (so stopping a rank also stops what it
+//! started, e.g. a shell's children) with standard input from `/dev/null`; on Linux it also gets
+//! `PR_SET_PDEATHSIG = SIGKILL`, so it does not outlive a `commrun` that is killed outright.
+//! The wait loop observes exits with `waitid(WNOWAIT)` and reaps nobody before the job ends:
+//! a rank's pid (its process group id) cannot be reused while it is an unreaped zombie, so
+//! signalling the groups is always safe.
+
+use std::io::{self, BufReader, Read, Write};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::cli::Options;
+use crate::job::Job;
+use crate::output::{prefix_lines, rank_prefix, MAX_LINE};
+use crate::signals::{self, signal_name};
+
+/// How often the wait loop checks the ranks and the signals.
+const POLL: Duration = Duration::from_millis(10);
+/// After the ranks have ended, how long the output threads may go without passing on a line
+/// before commrun stops waiting for them (a pipe can be held open by a process the rank left
+/// behind).
+const OUTPUT_IDLE: Duration = Duration::from_secs(2);
+
+/// How a rank ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// It exited with this code.
+    Code(i32),
+    /// It was killed by this signal; `true` when it dumped core.
+    Signal(i32, bool),
+}
+
+impl Exit {
+    /// Whether this is a success (exit code 0).
+    pub fn success(self) -> bool {
+        self == Exit::Code(0)
+    }
+
+    /// The exit code a shell would report: the code, or 128 + the signal number.
+    pub fn shell_code(self) -> i32 {
+        match self {
+            Exit::Code(code) => code,
+            Exit::Signal(signo, _) => 128 + signo,
+        }
+    }
+}
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Exit::Code(code) => write!(f, "exited with code {code}"),
+            Exit::Signal(signo, core) => {
+                write!(f, "was killed by signal {signo} ({})", signal_name(signo))?;
+                if core {
+                    write!(f, " (core dumped)")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Why the job is being stopped (the first reason wins and gives the exit code).
+#[derive(Debug, Clone, Copy)]
+enum Stop {
+    /// A rank failed.
+    RankFailed(Exit),
+    /// commrun received a signal.
+    Signal(i32),
+    /// A rank could not be started; the exit code.
+    SpawnFailed(i32),
+}
+
+impl Stop {
+    fn exit_code(self) -> i32 {
+        match self {
+            Stop::RankFailed(exit) => exit.shell_code(),
+            Stop::Signal(signo) => 128 + signo,
+            Stop::SpawnFailed(code) => code,
+        }
+    }
+}
+
+/// One started rank.
+struct Rank {
+    rank: u32,
+    pid: libc::pid_t,
+    /// Set once its exit was observed (it is a zombie until [`Rank::reap`]).
+    exit: Option<Exit>,
+}
+
+impl Rank {
+    /// Checks, without reaping, whether the rank has exited.
+    fn peek(&mut self) -> io::Result<Option<Exit>> {
+        if self.exit.is_some() {
+            return Ok(self.exit);
+        }
+        loop {
+            // SAFETY: zeroed siginfo_t is a valid out-parameter for waitid.
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: waitid on our own child; WNOWAIT leaves it waitable.
+            let rc = unsafe {
+                libc::waitid(
+                    libc::P_PID,
+                    self.pid as libc::id_t,
+                    &mut info,
+                    libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+                )
+            };
+            if rc == -1 {
+                let err = io::Error::last_os_error();
+                if err.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(err);
+            }
+            // SAFETY: waitid filled (or left zeroed) the SIGCHLD fields of `info`.
+            let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
+            if pid == 0 {
+                return Ok(None);
+            }
+            self.exit = match info.si_code {
+                libc::CLD_EXITED => Some(Exit::Code(status)),
+                libc::CLD_KILLED => Some(Exit::Signal(status, false)),
+                libc::CLD_DUMPED => Some(Exit::Signal(status, true)),
+                _ => None,
+            };
+            return Ok(self.exit);
+        }
+    }
+
+    /// Sends `signo` to the rank's process group (the rank and whatever it started). Only
+    /// called before [`Rank::reap`], while the pid cannot have been reused.
+    fn signal(&self, signo: i32) {
+        // SAFETY: kill has no memory-safety preconditions.
+        unsafe {
+            if libc::kill(-self.pid, signo) == -1 {
+                libc::kill(self.pid, signo);
+            }
+        }
+    }
+
+    /// Waits for the rank (blocking) and releases its process-table entry.
+    fn reap(&mut self) -> Exit {
+        let mut status = 0;
+        loop {
+            // SAFETY: waitpid on our own child with a valid status pointer.
+            let rc = unsafe { libc::waitpid(self.pid, &mut status, 0) };
+            if rc == self.pid {
+                let exit = if libc::WIFSIGNALED(status) {
+                    Exit::Signal(libc::WTERMSIG(status), libc::WCOREDUMP(status))
+                } else {
+                    Exit::Code(libc::WEXITSTATUS(status))
+                };
+                return *self.exit.get_or_insert(exit);
+            }
+            if rc == -1 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            // ECHILD: somebody else reaped it; keep what we saw.
+            return *self.exit.get_or_insert(Exit::Code(0));
+        }
+    }
+}
+
+/// Copies a rank's pipe to commrun's stdout or stderr with the rank prefix, one locked write
+/// (and flush) per line so lines of different ranks never mix. Write errors (a closed stdout)
+/// are ignored, but the pipe is still drained so the rank never blocks on it.
+fn spawn_pump<R: Read + Send + 'static>(
+    pipe: R,
+    rank: u32,
+    to_stderr: bool,
+    lines: Arc<AtomicU64>,
+    done: mpsc::Sender<()>,
+) -> io::Result<()> {
+    let name = format!("rank{rank}-{}", if to_stderr { "stderr" } else { "stdout" });
+    thread::Builder::new().name(name).spawn(move || {
+        let prefix = rank_prefix(rank);
+        let _ = prefix_lines(BufReader::with_capacity(64 * 1024, pipe), &prefix, MAX_LINE, |line| {
+            if to_stderr {
+                let mut err = io::stderr().lock();
+                let _ = err.write_all(line).and_then(|()| err.flush());
+            } else {
+                let mut out = io::stdout().lock();
+                let _ = out.write_all(line).and_then(|()| out.flush());
+            }
+            lines.fetch_add(1, Ordering::Relaxed);
+        });
+        let _ = done.send(());
+    })?;
+    Ok(())
+}
+
+/// The `io::Error` text without Rust's ` (os error N)` suffix.
+fn os_message(err: &io::Error) -> String {
+    let text = err.to_string();
+    match text.rfind(" (os error ") {
+        Some(at) if text.ends_with(')') => text[..at].to_owned(),
+        _ => text,
+    }
+}
+
+fn build_command(opts: &Options, job: &Job, rank: u32) -> Command {
+    let mut cmd = Command::new(&opts.command[0]);
+    cmd.args(&opts.command[1..]).envs(job.rank_env(rank)).stdin(Stdio::null()).stderr(Stdio::piped());
+    cmd.stdout(if opts.quiet_ranks && rank != 0 { Stdio::null() } else { Stdio::piped() });
+    cmd.process_group(0);
+    #[cfg(target_os = "linux")]
+    {
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
+        // calls (prctl, getppid) and builds errors without allocating.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) == -1 {
+                    return Err(io::Error::last_os_error());
+                }
+                if libc::getppid() != parent {
+                    // commrun died before prctl took effect.
+                    return Err(io::Error::from_raw_os_error(libc::ESRCH));
+                }
+                Ok(())
+            });
+        }
+    }
+    cmd
+}
+
+/// Runs the job described by `opts` to its end and returns commrun's exit code: 0 when every
+/// rank exited with 0; the first failing rank's code (128 + signal for a rank killed by a
+/// signal); 128 + signal when commrun itself got SIGINT/SIGTERM/SIGHUP; 127 (126) when the
+/// program cannot be found (started); 2 for a bad environment; 1 for other launcher errors.
+pub fn run(opts: &Options) -> i32 {
+    let job = match Job::resolve(opts, |key| std::env::var(key).ok()) {
+        Ok(job) => job,
+        Err(msg) => {
+            eprintln!("commrun: {msg}");
+            return 2;
+        }
+    };
+    if let Err(err) = signals::install() {
+        eprintln!("commrun: cannot install signal handlers: {}", os_message(&err));
+        return 1;
+    }
+
+    let lines = Arc::new(AtomicU64::new(0));
+    let (done_tx, done_rx) = mpsc::channel();
+    let mut pumps = 0usize;
+    let mut ranks: Vec<Rank> = Vec::with_capacity(job.world_size as usize);
+    let mut stop: Option<Stop> = None;
+
+    for rank in 0..job.world_size {
+        if signals::received().is_some() {
+            break; // handled by the wait loop
+        }
+        let mut child = match build_command(opts, &job, rank).spawn() {
+            Ok(child) => child,
+            Err(err) => {
+                let prog = opts.command[0].to_string_lossy();
+                let code = if err.kind() == io::ErrorKind::NotFound { 127 } else { 126 };
+                eprintln!("commrun: cannot start `{prog}`: {}", os_message(&err));
+                stop = Some(Stop::SpawnFailed(code));
+                break;
+            }
+        };
+        ranks.push(Rank { rank, pid: child.id() as libc::pid_t, exit: None });
+        let pipes: [(Option<Box<dyn Read + Send>>, bool); 2] = [
+            (child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>), false),
+            (child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>), true),
+        ];
+        for (pipe, to_stderr) in pipes {
+            let Some(pipe) = pipe else { continue };
+            match spawn_pump(pipe, rank, to_stderr, lines.clone(), done_tx.clone()) {
+                Ok(()) => pumps += 1,
+                // The pipe was dropped with the closure; the rank gets EPIPE/SIGPIPE on output.
+                Err(err) => eprintln!("commrun: cannot start an output thread for rank {rank}: {}", os_message(&err)),
+            }
+        }
+        // `child` is dropped here without waiting: the wait loop owns the pid from now on.
+    }
+    drop(done_tx);
+
+    let code = supervise(&mut ranks, stop, opts.timeout_kill);
+    wait_for_output(&done_rx, pumps, &lines);
+    code
+}
+
+/// Signals every rank whose process group is still ours.
+fn signal_all(ranks: &[Rank], signo: i32) {
+    for r in ranks {
+        r.signal(signo);
+    }
+}
+
+/// The wait loop: watches exits and signals, stops the job on the first failure, then kills
+/// stragglers and reaps every rank. Returns the exit code.
+fn supervise(ranks: &mut [Rank], mut stop: Option<Stop>, grace: Duration) -> i32 {
+    let mut deadline = stop.map(|_| {
+        signal_all(ranks, libc::SIGTERM);
+        Instant::now() + grace
+    });
+    let mut killed = false;
+    let mut signals_seen = 0;
+
+    loop {
+        if let Some((signo, count)) = signals::received() {
+            if count > signals_seen {
+                if stop.is_none() {
+                    // Forward the signal itself, then the usual grace period and SIGKILL.
+                    eprintln!("commrun: received {}; stopping all ranks", signal_name(signo));
+                    stop = Some(Stop::Signal(signo));
+                    signal_all(ranks, signo);
+                    deadline = Some(Instant::now() + grace);
+                } else if !killed {
+                    // A signal while already stopping (a second Ctrl-C): no more grace.
+                    eprintln!("commrun: received a signal while stopping; killing all ranks");
+                    signal_all(ranks, libc::SIGKILL);
+                    killed = true;
+                }
+                signals_seen = count;
+            }
+        }
+
+        let mut running = 0;
+        for i in 0..ranks.len() {
+            let exit = match ranks[i].peek() {
+                Ok(Some(exit)) => exit,
+                Ok(None) => {
+                    running += 1;
+                    continue;
+                }
+                Err(err) => {
+                    eprintln!("commrun: cannot wait for rank {}: {}", ranks[i].rank, os_message(&err));
+                    ranks[i].exit = Some(Exit::Code(1));
+                    Exit::Code(1)
+                }
+            };
+            if stop.is_none() && !exit.success() {
+                let others = ranks.iter().any(|r| r.exit.is_none());
+                let tail = if others { "; stopping the other ranks" } else { "" };
+                eprintln!("commrun: rank {} {exit}{tail}", ranks[i].rank);
+                stop = Some(Stop::RankFailed(exit));
+                signal_all(ranks, libc::SIGTERM);
+                deadline = Some(Instant::now() + grace);
+            }
+        }
+        if running == 0 {
+            break;
+        }
+        if let Some(deadline) = deadline {
+            if !killed && Instant::now() >= deadline {
+                for r in ranks.iter().filter(|r| r.exit.is_none()) {
+                    eprintln!("commrun: rank {} did not stop within {:?}; sending SIGKILL", r.rank, grace);
+                }
+                signal_all(ranks, libc::SIGKILL);
+                killed = true;
+            }
+        }
+        thread::sleep(POLL);
+    }
+
+    if stop.is_some() {
+        // Every rank has exited; kill what they left behind in their process groups.
+        signal_all(ranks, libc::SIGKILL);
+    }
+    for r in ranks.iter_mut() {
+        r.reap();
+    }
+    stop.map_or(0, Stop::exit_code)
+}
+
+/// Waits for the output threads to drain the pipes; gives up once no line was passed on for
+/// [`OUTPUT_IDLE`] (a pipe held open by a process a rank left behind).
+fn wait_for_output(done: &mpsc::Receiver<()>, mut pending: usize, lines: &AtomicU64) {
+    let mut seen = lines.load(Ordering::Relaxed);
+    let mut idle_since = Instant::now();
+    while pending > 0 {
+        match done.recv_timeout(Duration::from_millis(50)) {
+            Ok(()) => pending -= 1,
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let now = lines.load(Ordering::Relaxed);
+                if now != seen {
+                    seen = now;
+                    idle_since = Instant::now();
+                } else if idle_since.elapsed() >= OUTPUT_IDLE {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_and_messages() {
+        assert!(Exit::Code(0).success());
+        assert!(!Exit::Code(3).success());
+        assert_eq!(Exit::Code(3).shell_code(), 3);
+        assert_eq!(Exit::Signal(libc::SIGKILL, false).shell_code(), 137);
+        assert_eq!(Exit::Code(3).to_string(), "exited with code 3");
+        assert_eq!(Exit::Signal(9, false).to_string(), "was killed by signal 9 (SIGKILL)");
+        assert_eq!(Exit::Signal(11, true).to_string(), "was killed by signal 11 (SIGSEGV) (core dumped)");
+        assert_eq!(Stop::Signal(libc::SIGINT).exit_code(), 130);
+        assert_eq!(Stop::SpawnFailed(127).exit_code(), 127);
+    }
+
+    #[test]
+    fn os_messages() {
+        assert_eq!(os_message(&io::Error::from_raw_os_error(libc::ENOENT)), "No such file or directory");
+        assert_eq!(os_message(&io::Error::other("plain")), "plain");
+    }
+}
