@@ -1,1 +1,414 @@
-//! placeholder
+//! Same-host shared-memory backend for comm.
+//!
+//! Every rank of a group maps one POSIX shared-memory segment per rank (created mode 0600
+//! under a random name, exchanged through the rendezvous [`Store`], and unlinked as soon as
+//! every rank has mapped it, so nothing is left in `/dev/shm` even after `kill -9`). One worker
+//! thread per group owns the mappings and runs ops in submission order; see `engine.rs` for
+//! the step protocol and ARCHITECTURE.md for the path of one op.
+//!
+//! Guarantees:
+//! - every op, dtype and reduce op of `comm-core`; results reduced in rank order, so every
+//!   rank gets bit-identical output (f16/bf16 accumulate in f32);
+//! - ranks that call different ops, sizes, dtypes or roots get [`CommError::Mismatch`];
+//! - a peer that dies, exits or fails gives [`CommError::PeerLost`], and a peer that never
+//!   arrives gives [`CommError::Timeout`] after [`ShmOptions::timeout`];
+//! - buffers larger than the window are processed in chunks.
+//!
+//! # Backend mapping
+//! Small all_reduce/reduce: every rank reduces all inputs (one step). Large ones:
+//! reduce-scatter then all-gather through the double-buffered window. Point-to-point:
+//! per-pair mailboxes, progressed concurrently with collectives.
+
+mod engine;
+mod kernels;
+mod layout;
+mod segment;
+mod sys;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use comm_core::ops::{self, Op};
+use comm_core::{Backend, Collective, CommError, Completer, Group, Rank, Store, Work};
+
+use engine::{Command, Engine, Params};
+use layout::{Layout, MAGIC, OFF_DOORBELL, OFF_MAGIC, OFF_RANK, OFF_SLEEPING, OFF_STATE, OFF_VERSION, OFF_WINDOW, OFF_WORLD, STATE_READY, VERSION};
+use segment::Segment;
+use sys::ProcId;
+
+/// Settings of the shm backend. Rank 0's window, slot and threshold are used by every rank.
+#[derive(Clone, Debug)]
+pub struct ShmOptions {
+    /// How long any wait for peers may take before [`CommError::Timeout`].
+    pub timeout: Duration,
+    /// Bytes per collective buffer (two per rank); larger ops are chunked.
+    pub window: usize,
+    /// Bytes per point-to-point mailbox slot (two per peer per rank).
+    pub p2p_slot: usize,
+    /// all_reduce/reduce up to this many bytes use the one-step algorithm.
+    pub small_max: usize,
+    /// Spin before sleeping; `None` picks: 50 µs, or 0 when ranks outnumber cores.
+    pub spin: Option<Duration>,
+}
+
+impl Default for ShmOptions {
+    fn default() -> Self {
+        ShmOptions {
+            timeout: Duration::from_secs(300),
+            window: 4 << 20,
+            p2p_slot: 256 << 10,
+            small_max: 256 << 10,
+            spin: None,
+        }
+    }
+}
+
+impl ShmOptions {
+    /// Defaults, overridden by `COMM_SHM_WINDOW`, `COMM_SHM_SLOT`, `COMM_SHM_SMALL_MAX` (bytes,
+    /// with optional `K`/`M`/`G` suffix) and `COMM_SHM_SPIN_US`.
+    pub fn from_env() -> Result<Self, CommError> {
+        let mut o = ShmOptions::default();
+        let size = |name: &str, slot: &mut usize| -> Result<(), CommError> {
+            if let Ok(v) = std::env::var(name) {
+                *slot = parse_size(&v).ok_or_else(|| CommError::Config(format!("{name}={v:?} is not a size (e.g. 4M, 65536)")))?;
+            }
+            Ok(())
+        };
+        size("COMM_SHM_WINDOW", &mut o.window)?;
+        size("COMM_SHM_SLOT", &mut o.p2p_slot)?;
+        size("COMM_SHM_SMALL_MAX", &mut o.small_max)?;
+        if let Ok(v) = std::env::var("COMM_SHM_SPIN_US") {
+            let us = v.parse().map_err(|_| CommError::Config(format!("COMM_SHM_SPIN_US={v:?} is not a number of microseconds")))?;
+            o.spin = Some(Duration::from_micros(us));
+        }
+        Ok(o)
+    }
+}
+
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 1 << 10),
+        (i, 'm' | 'M') => (&s[..i], 1 << 20),
+        (i, 'g' | 'G') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mult)
+}
+
+/// Handle to a shared-memory process group. Cheap to clone; the worker stops when the last
+/// clone is dropped (after finishing submitted ops) or on [`Group::shutdown`].
+#[derive(Clone)]
+pub struct ShmBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    rank: Rank,
+    world: u32,
+    tx: Sender<Command>,
+    me: Arc<Segment>,
+    poison: Arc<Mutex<Option<String>>>,
+    shut: AtomicBool,
+    store: Arc<dyn Store>,
+    opts: ShmOptions,
+    prefix: String,
+    subgroups: AtomicU64,
+}
+
+impl std::fmt::Debug for ShmBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmBackend")
+            .field("rank", &self.inner.rank)
+            .field("world", &self.inner.world)
+            .field("group", &self.inner.prefix)
+            .finish()
+    }
+}
+
+fn io_err(context: String) -> impl FnOnce(std::io::Error) -> CommError {
+    move |e| CommError::Io { context, source: e }
+}
+
+impl ShmBackend {
+    /// Joins the world group: `world` ranks that all call this with the same store.
+    pub async fn new(store: Arc<dyn Store>, rank: Rank, world: u32, opts: ShmOptions) -> Result<ShmBackend, CommError> {
+        Self::create(store, rank, world, opts, "shm/world".into()).await
+    }
+
+    async fn create(
+        store: Arc<dyn Store>,
+        rank: Rank,
+        world: u32,
+        opts: ShmOptions,
+        prefix: String,
+    ) -> Result<ShmBackend, CommError> {
+        if world == 0 || rank >= world {
+            return Err(CommError::invalid("shm init", format!("rank {rank} is not in a world of {world}")));
+        }
+        let to = opts.timeout;
+        let host = sys::host_identity();
+        store.set(&format!("{prefix}/host/{rank}"), host.as_bytes()).await?;
+        if rank == 0 {
+            let p = format!("{} {} {}", opts.window, opts.p2p_slot, opts.small_max);
+            store.set(&format!("{prefix}/params"), p.as_bytes()).await?;
+        }
+        let params = String::from_utf8_lossy(&store.get(&format!("{prefix}/params"), to).await?).into_owned();
+        let nums: Vec<usize> = params.split(' ').filter_map(|x| x.parse().ok()).collect();
+        let [window, slot, small_max] = nums[..] else {
+            return Err(CommError::Store(format!("malformed shm parameters `{params}` in the store")));
+        };
+        for r in 0..world {
+            let theirs = store.get(&format!("{prefix}/host/{r}"), to).await?;
+            if theirs != host.as_bytes() {
+                return Err(CommError::Unavailable {
+                    backend: "shm",
+                    why: format!(
+                        "rank {r} runs on another host ({}) than rank {rank} ({host}); shared memory needs every rank of the group on one host (use the mpi or nccl backend)",
+                        String::from_utf8_lossy(&theirs)
+                    ),
+                });
+            }
+        }
+
+        reap_stale_segments();
+        let lay = Layout::new(world as usize, window, slot);
+        let mut rnd = [0u8; 8];
+        getrandom::fill(&mut rnd).map_err(|e| CommError::Io { context: "random segment name".into(), source: std::io::Error::other(e.to_string()) })?;
+        let me_id = ProcId::current();
+        let name = format!("/commshm-{}-{:016x}", me_id.pid, u64::from_le_bytes(rnd));
+        let me = Arc::new(Segment::create(&name, lay.total).map_err(io_err(format!("creating shared memory `{name}` ({} bytes)", lay.total)))?);
+        // SAFETY: nobody else knows the segment's name yet.
+        unsafe {
+            me.write(OFF_VERSION, VERSION);
+            me.write(OFF_WORLD, world);
+            me.write(OFF_RANK, rank);
+            me.write(OFF_WINDOW, lay.window as u64);
+        }
+        me.u32_at(OFF_STATE).store(STATE_READY, SeqCst);
+        me.u64_at(OFF_MAGIC).store(MAGIC, SeqCst);
+
+        let joined = Self::join_peers(&*store, &prefix, rank, world, &lay, &me, me_id, to).await;
+        // Unlink as soon as every rank mapped it (or at once on failure): nothing is left in
+        // /dev/shm whatever happens to the processes later.
+        let _ = me.unlink();
+        let (segs, procs) = joined?;
+
+        let params = Params {
+            timeout: to,
+            small_max,
+            spin: opts.spin.unwrap_or_else(|| {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                if world as usize > cores { Duration::ZERO } else { Duration::from_micros(50) }
+            }),
+        };
+        let (tx, rx) = channel();
+        let poison = Arc::new(Mutex::new(None));
+        let engine = Engine::new(rank as usize, lay, segs, procs, params, rx, poison.clone());
+        std::thread::Builder::new()
+            .name(format!("comm-shm-r{rank}"))
+            .spawn(move || engine.run())
+            .map_err(io_err("starting the shm worker thread".into()))?;
+        Ok(ShmBackend {
+            inner: Arc::new(Inner {
+                rank,
+                world,
+                tx,
+                me,
+                poison,
+                shut: AtomicBool::new(false),
+                store,
+                opts,
+                prefix,
+                subgroups: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn join_peers(
+        store: &dyn Store,
+        prefix: &str,
+        rank: Rank,
+        world: u32,
+        lay: &Layout,
+        me: &Arc<Segment>,
+        me_id: ProcId,
+        to: Duration,
+    ) -> Result<(Vec<Arc<Segment>>, Vec<Option<ProcId>>), CommError> {
+        let info = format!("{} {} {}", me.name(), me_id.pid, me_id.start);
+        store.set(&format!("{prefix}/seg/{rank}"), info.as_bytes()).await?;
+        let mut segs = Vec::with_capacity(world as usize);
+        let mut procs = Vec::with_capacity(world as usize);
+        for r in 0..world {
+            if r == rank {
+                segs.push(me.clone());
+                procs.push(None);
+                continue;
+            }
+            let raw = String::from_utf8_lossy(&store.get(&format!("{prefix}/seg/{r}"), to).await?).into_owned();
+            let mut it = raw.split(' ');
+            let (Some(name), Some(pid), Some(start)) = (it.next(), it.next(), it.next()) else {
+                return Err(CommError::Store(format!("malformed segment record `{raw}` for rank {r}")));
+            };
+            let seg = Segment::open(name, lay.total).map_err(io_err(format!("mapping rank {r}'s shared memory `{name}`")))?;
+            let ok = seg.u64_at(OFF_MAGIC).load(SeqCst) == MAGIC
+                && seg.read::<u32>(OFF_VERSION) == VERSION
+                && seg.read::<u32>(OFF_WORLD) == world
+                && seg.read::<u32>(OFF_RANK) == r
+                && seg.read::<u64>(OFF_WINDOW) == lay.window as u64;
+            if !ok {
+                return Err(CommError::Mismatch {
+                    op: "shm init",
+                    detail: format!("rank {r}'s segment `{name}` has a different layout (another job or version?)"),
+                });
+            }
+            let id = ProcId { pid: pid.parse().unwrap_or(0), start: start.parse().unwrap_or(0) };
+            segs.push(Arc::new(seg));
+            // A pid we cannot see (another pid namespace) is not checked; timeouts still apply.
+            procs.push((id.pid != 0 && id.alive() == Some(true)).then_some(id));
+        }
+        store.set(&format!("{prefix}/mapped/{rank}"), b"1").await?;
+        let keys: Vec<String> = (0..world).map(|r| format!("{prefix}/mapped/{r}")).collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        store.wait(&keys, to).await?;
+        Ok((segs, procs))
+    }
+
+    fn submit<R: Op>(&self, req: R, wrap: impl FnOnce(R, Completer<R::Output>) -> Command) -> Work<R::Output> {
+        let inner = &*self.inner;
+        if let Err(e) = req.validate(inner.rank, inner.world) {
+            return Work::ready(Err(e));
+        }
+        if let Some(cause) = inner.poison.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Work::ready(Err(CommError::Poisoned { cause }));
+        }
+        if inner.shut.load(SeqCst) {
+            return Work::ready(Err(CommError::Shutdown(String::new())));
+        }
+        let (done, work) = Work::pending();
+        // If the worker is gone the command (and its Completer) is dropped, which completes
+        // the Work with `Shutdown`.
+        let _ = inner.tx.send(wrap(req, done));
+        let me = &inner.me;
+        me.u32_at(OFF_DOORBELL).fetch_add(1, SeqCst);
+        if me.u32_at(OFF_SLEEPING).load(SeqCst) != 0 {
+            sys::futex_wake(me.u32_at(OFF_DOORBELL));
+        }
+        work
+    }
+}
+
+/// Removes `commshm-<pid>-*` segments whose creator is dead: left behind only when a process
+/// was killed between creating its segment and the end of the handshake.
+fn reap_stale_segments() {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("commshm-")).and_then(|r| r.split('-').next()) else {
+            continue;
+        };
+        if let Ok(pid) = pid.parse::<u32>() {
+            if (ProcId { pid, start: 0 }).alive() == Some(false) {
+                let _ = rustix::shm::unlink(format!("/{}", name.to_string_lossy()).as_str());
+            }
+        }
+    }
+}
+
+macro_rules! collectives {
+    ($($req:ident => $variant:ident),* $(,)?) => {$(
+        impl Collective<ops::$req> for ShmBackend {
+            fn submit(&self, req: ops::$req) -> Work<<ops::$req as Op>::Output> {
+                ShmBackend::submit(self, req, Command::$variant)
+            }
+        }
+    )*};
+}
+
+collectives! {
+    AllReduce => AllReduce,
+    Broadcast => Broadcast,
+    Reduce => Reduce,
+    AllGather => AllGather,
+    ReduceScatter => ReduceScatter,
+    AllToAll => AllToAll,
+    Scatter => Scatter,
+    Gather => Gather,
+    Send => Send,
+    Recv => Recv,
+}
+
+impl Collective<ops::Barrier> for ShmBackend {
+    fn submit(&self, req: ops::Barrier) -> Work<()> {
+        ShmBackend::submit(self, req, |_, done| Command::Barrier(done))
+    }
+}
+
+#[async_trait]
+impl Group for ShmBackend {
+    fn rank(&self) -> Rank {
+        self.inner.rank
+    }
+
+    fn world_size(&self) -> u32 {
+        self.inner.world
+    }
+
+    fn backend_name(&self) -> &'static str {
+        "shm"
+    }
+
+    async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
+        let inner = &*self.inner;
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.is_empty() || sorted.len() != ranks.len() || sorted.last().is_some_and(|&r| r >= inner.world) {
+            return Err(CommError::invalid(
+                "new_group",
+                format!("ranks {ranks:?} must be distinct ranks of this group of {} (and at least one)", inner.world),
+            ));
+        }
+        // Every rank counts every new_group call, so all agree on the new group's name.
+        let id = inner.subgroups.fetch_add(1, SeqCst);
+        let Some(pos) = sorted.iter().position(|&r| r == inner.rank) else { return Ok(None) };
+        let prefix = format!("{}/g{id}", inner.prefix);
+        let g = Self::create(inner.store.clone(), pos as Rank, sorted.len() as u32, inner.opts.clone(), prefix).await?;
+        Ok(Some(Arc::new(g)))
+    }
+
+    async fn shutdown(&self) -> Result<(), CommError> {
+        if self.inner.shut.swap(true, SeqCst) {
+            return Ok(());
+        }
+        let (done, work) = Work::pending();
+        if self.inner.tx.send(Command::Shutdown(done)).is_err() {
+            return Ok(());
+        }
+        let me = &self.inner.me;
+        me.u32_at(OFF_DOORBELL).fetch_add(1, SeqCst);
+        sys::futex_wake(me.u32_at(OFF_DOORBELL));
+        match work.await {
+            Ok(()) | Err(CommError::Shutdown(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("4M"), Some(4 << 20));
+        assert_eq!(parse_size("64k"), Some(64 << 10));
+        assert_eq!(parse_size("1000"), Some(1000));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size(""), None);
+    }
+}

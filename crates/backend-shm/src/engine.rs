@@ -1,0 +1,1030 @@
+//! The worker: one thread per group that owns the mapped segments and runs every op.
+//!
+//! Collectives run one at a time in submission order as a sequence of *steps*. In step `k`
+//! every rank (1) waits until all peers have published step `k-1` — so nobody still reads the
+//! buffer `k % 2` it is about to overwrite —, (2) writes its step header and its data into its
+//! own buffer `k % 2`, (3) publishes `k` with a release store of its step counter, (4) waits
+//! until all peers published `k` (acquire) and checks their headers against its own, (5) reads
+//! any peer's buffer `k % 2`. It publishes `k + 1` only after those reads, which is what makes
+//! (1) sufficient. Point-to-point messages use per-pair mailboxes with sent/acked counters
+//! and progress independently of collectives, so an isend never blocks a collective.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::{Acquire, SeqCst};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use comm_core::ops::{AllGather, AllReduce, AllToAll, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send};
+use comm_core::{CommError, Completer, DType, HostBuffer, Rank, ReduceOp};
+
+use crate::kernels;
+use crate::layout::*;
+use crate::segment::Segment;
+use crate::sys::{futex_wait, futex_wake, ProcId};
+
+/// What the handle sends to the worker.
+pub(crate) enum Command {
+    AllReduce(AllReduce, Completer<HostBuffer>),
+    Broadcast(Broadcast, Completer<HostBuffer>),
+    Reduce(Reduce, Completer<HostBuffer>),
+    AllGather(AllGather, Completer<HostBuffer>),
+    ReduceScatter(ReduceScatter, Completer<HostBuffer>),
+    AllToAll(AllToAll, Completer<HostBuffer>),
+    Scatter(Scatter, Completer<HostBuffer>),
+    Gather(Gather, Completer<HostBuffer>),
+    Barrier(Completer<()>),
+    Send(Send, Completer<HostBuffer>),
+    Recv(Recv, Completer<HostBuffer>),
+    Shutdown(Completer<()>),
+}
+
+const OP_ALL_REDUCE: u8 = 1;
+const OP_BROADCAST: u8 = 2;
+const OP_REDUCE: u8 = 3;
+const OP_ALL_GATHER: u8 = 4;
+const OP_REDUCE_SCATTER: u8 = 5;
+const OP_ALL_TO_ALL: u8 = 6;
+const OP_SCATTER: u8 = 7;
+const OP_GATHER: u8 = 8;
+const OP_BARRIER: u8 = 9;
+
+fn op_name(code: u8) -> &'static str {
+    match code {
+        OP_ALL_REDUCE => "all_reduce",
+        OP_BROADCAST => "broadcast",
+        OP_REDUCE => "reduce",
+        OP_ALL_GATHER => "all_gather",
+        OP_REDUCE_SCATTER => "reduce_scatter",
+        OP_ALL_TO_ALL => "all_to_all",
+        OP_SCATTER => "scatter",
+        OP_GATHER => "gather",
+        OP_BARRIER => "barrier",
+        _ => "unknown op",
+    }
+}
+
+fn describe(h: &StepHeader) -> String {
+    let dtype = DType::from_code(h.dtype).map(|d| d.name()).unwrap_or("?");
+    let mut s = format!("{} #{} ({dtype} × {}", op_name(h.op), h.seq, h.count);
+    if matches!(h.op, OP_BROADCAST | OP_REDUCE | OP_SCATTER | OP_GATHER) {
+        s += &format!(", root {}", h.root);
+    }
+    if matches!(h.op, OP_ALL_REDUCE | OP_REDUCE | OP_REDUCE_SCATTER) {
+        if let Some(op) = ReduceOp::ALL.get(h.redop as usize) {
+            s += &format!(", {op}");
+        }
+    }
+    s + ")"
+}
+
+/// Tunables, identical on every rank of a group (rank 0's are published through the store).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Params {
+    pub(crate) timeout: Duration,
+    /// Largest all_reduce/reduce (bytes) done in one step by every rank reducing all inputs;
+    /// larger ones use reduce-scatter + all-gather (two steps, each rank reduces a slice).
+    pub(crate) small_max: usize,
+    /// How long a waiter spins before it sleeps on its futex (0 when ranks outnumber cores).
+    pub(crate) spin: Duration,
+}
+
+/// Yields `(offset, len)` pieces of `total` elements, `per` at most; one empty piece when
+/// `total` is 0 so that empty ops still meet (and are checked) like any other.
+fn pieces(total: usize, per: usize) -> impl Iterator<Item = (usize, usize)> {
+    let per = per.max(1);
+    let n = total.div_ceil(per).max(1);
+    (0..n).map(move |i| (i * per, per.min(total - (i * per).min(total))))
+}
+
+/// Splits `len` elements into `parts` contiguous slices, boundaries rounded to 16 elements so
+/// slices start on cache lines. Returns the `(start, end)` of slice `i`.
+fn slice_of(len: usize, parts: usize, i: usize) -> (usize, usize) {
+    let per = len.div_ceil(parts).div_ceil(16) * 16;
+    ((i * per).min(len), ((i + 1) * per).min(len))
+}
+
+/// The two phases of a step, as seen by an op's closure.
+enum Io<'a> {
+    /// Our buffer for this step, to fill.
+    Write(&'a mut [u8]),
+    /// Every rank's buffer for this step (index = rank), and our buffer for the next step.
+    Read(&'a [&'a [u8]], &'a mut [u8]),
+}
+
+enum Phase {
+    Idle,
+    Writable(u64),
+    Readable(u64),
+}
+
+struct SendOp {
+    req: Send,
+    done: Completer<HostBuffer>,
+    offset: usize,
+    started: Instant,
+}
+
+struct RecvOp {
+    req: Recv,
+    done: Completer<HostBuffer>,
+    offset: usize,
+    started: Instant,
+}
+
+pub(crate) struct Engine {
+    rank: usize,
+    world: usize,
+    lay: Layout,
+    segs: Vec<Arc<Segment>>,
+    procs: Vec<Option<ProcId>>,
+    params: Params,
+    rx: Receiver<Command>,
+    /// Set by the worker when the group is poisoned; the handle reads it to fail fast.
+    poison: Arc<Mutex<Option<String>>>,
+    poisoned: Option<String>,
+
+    step: u64,
+    seq: u64,
+    phase: Phase,
+    op: &'static str,
+    colls: VecDeque<Command>,
+    closing: bool,
+    shutdown_waiters: Vec<Completer<()>>,
+
+    sends: Vec<VecDeque<SendOp>>,
+    recvs: Vec<VecDeque<RecvOp>>,
+    sent: Vec<u64>,
+    acked: Vec<u64>,
+    last_liveness: Instant,
+}
+
+type Result<T, E = CommError> = std::result::Result<T, E>;
+
+impl Engine {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        rank: usize,
+        lay: Layout,
+        segs: Vec<Arc<Segment>>,
+        procs: Vec<Option<ProcId>>,
+        params: Params,
+        rx: Receiver<Command>,
+        poison: Arc<Mutex<Option<String>>>,
+    ) -> Engine {
+        let world = lay.world;
+        Engine {
+            rank,
+            world,
+            lay,
+            segs,
+            procs,
+            params,
+            rx,
+            poison,
+            poisoned: None,
+            step: 0,
+            seq: 0,
+            phase: Phase::Idle,
+            op: "",
+            colls: VecDeque::new(),
+            closing: false,
+            shutdown_waiters: Vec::new(),
+            sends: (0..world).map(|_| VecDeque::new()).collect(),
+            recvs: (0..world).map(|_| VecDeque::new()).collect(),
+            sent: vec![0; world],
+            acked: vec![0; world],
+            last_liveness: Instant::now(),
+        }
+    }
+
+    fn p2p_idle(&self) -> bool {
+        self.sends.iter().all(VecDeque::is_empty) && self.recvs.iter().all(VecDeque::is_empty)
+    }
+
+    fn me(&self) -> &Segment {
+        &self.segs[self.rank]
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Main loop
+
+    pub(crate) fn run(mut self) {
+        loop {
+            if let Some(cmd) = self.colls.pop_front() {
+                self.execute(cmd);
+                continue;
+            }
+            if self.closing && self.p2p_idle() {
+                break;
+            }
+            match self.pump() {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => {
+                    self.poison_with(&e);
+                    continue;
+                }
+            }
+            if let Err(e) = self.idle() {
+                self.poison_with(&e);
+            }
+        }
+        let me = self.me();
+        if self.poisoned.is_none() {
+            me.u32_at(OFF_STATE).store(STATE_CLOSED, SeqCst);
+        }
+        self.ring_all();
+        for w in self.shutdown_waiters.drain(..) {
+            w.complete(Ok(()));
+        }
+    }
+
+    /// Takes new commands and progresses point-to-point traffic. Returns whether anything
+    /// happened.
+    fn pump(&mut self) -> Result<bool> {
+        let mut progressed = false;
+        loop {
+            match self.rx.try_recv() {
+                Ok(cmd) => {
+                    progressed = true;
+                    self.accept(cmd);
+                }
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    // Every handle is gone: finish what was submitted, then stop.
+                    progressed |= !self.closing;
+                    self.closing = true;
+                    break;
+                }
+            }
+        }
+        if self.poisoned.is_none() {
+            progressed |= self.progress_p2p()?;
+        }
+        Ok(progressed)
+    }
+
+    fn accept(&mut self, cmd: Command) {
+        let now = Instant::now();
+        match cmd {
+            Command::Send(req, done) => {
+                if let Some(e) = self.poison_error() {
+                    return done.complete(Err(e));
+                }
+                let dst = req.dst as usize;
+                self.sends[dst].push_back(SendOp { req, done, offset: 0, started: now });
+            }
+            Command::Recv(req, done) => {
+                if let Some(e) = self.poison_error() {
+                    return done.complete(Err(e));
+                }
+                let src = req.src as usize;
+                self.recvs[src].push_back(RecvOp { req, done, offset: 0, started: now });
+            }
+            other => self.colls.push_back(other),
+        }
+    }
+
+    /// Nothing to do: spin briefly, then sleep on the doorbell until a peer or the handle
+    /// rings it (or a short timeout, to check deadlines and peers' liveness).
+    fn idle(&mut self) -> Result<()> {
+        let t0 = Instant::now();
+        while t0.elapsed() < self.params.spin {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+            if self.pump()? {
+                return Ok(());
+            }
+        }
+        self.sleep(|_| false)?;
+        self.check_p2p_deadlines()
+    }
+
+    /// One futex sleep on this rank's doorbell, unless `ready` or new work shows up first.
+    fn sleep(&mut self, ready: impl Fn(&Engine) -> bool) -> Result<()> {
+        let me = self.segs[self.rank].clone();
+        let bell = me.u32_at(OFF_DOORBELL);
+        let seen = bell.load(SeqCst);
+        me.u32_at(OFF_SLEEPING).store(1, SeqCst);
+        // Re-check after announcing the sleep: a peer that published before seeing the flag
+        // is visible now; one that publishes after will ring.
+        let skip = ready(self) || self.pump()?;
+        if !skip {
+            futex_wait(bell, seen, Duration::from_millis(10));
+        }
+        me.u32_at(OFF_SLEEPING).store(0, SeqCst);
+        Ok(())
+    }
+
+    fn ring(&self, peer: usize) {
+        let seg = &self.segs[peer];
+        if seg.u32_at(OFF_SLEEPING).load(SeqCst) != 0 {
+            seg.u32_at(OFF_DOORBELL).fetch_add(1, SeqCst);
+            futex_wake(seg.u32_at(OFF_DOORBELL));
+        }
+    }
+
+    fn ring_all(&self) {
+        for p in (0..self.world).filter(|&p| p != self.rank) {
+            let seg = &self.segs[p];
+            seg.u32_at(OFF_DOORBELL).fetch_add(1, SeqCst);
+            futex_wake(seg.u32_at(OFF_DOORBELL));
+        }
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Errors and liveness
+
+    fn poison_error(&self) -> Option<CommError> {
+        self.poisoned.as_ref().map(|cause| CommError::Poisoned { cause: cause.clone() })
+    }
+
+    /// Marks the group unusable: tells peers (state + reason in our segment), fails
+    /// everything queued, and makes the handle fail new ops fast.
+    fn poison_with(&mut self, e: &CommError) {
+        if self.poisoned.is_some() {
+            return;
+        }
+        let cause = e.to_string();
+        let me = self.segs[self.rank].clone();
+        let bytes = cause.as_bytes();
+        let n = bytes.len().min(REASON_LEN - 1);
+        for (i, b) in bytes[..n].iter().chain(std::iter::once(&0)).enumerate() {
+            // SAFETY: the reason area is written only here, once, before the state store
+            // below releases it; peers read it only after acquiring STATE_ABORTED.
+            unsafe { me.write(OFF_REASON + i, *b) };
+        }
+        me.u32_at(OFF_STATE).store(STATE_ABORTED, SeqCst);
+        self.ring_all();
+        *self.poison.lock().unwrap_or_else(|p| p.into_inner()) = Some(cause.clone());
+        self.poisoned = Some(cause);
+        let cause = self.poisoned.clone().unwrap_or_default();
+        let err = || CommError::Poisoned { cause: cause.clone() };
+        for q in &mut self.sends {
+            for op in q.drain(..) {
+                op.done.complete(Err(err()));
+            }
+        }
+        for q in &mut self.recvs {
+            for op in q.drain(..) {
+                op.done.complete(Err(err()));
+            }
+        }
+        for cmd in std::mem::take(&mut self.colls) {
+            self.fail(cmd, err());
+        }
+    }
+
+    fn fail(&mut self, cmd: Command, e: CommError) {
+        match cmd {
+            Command::AllReduce(_, d)
+            | Command::Broadcast(_, d)
+            | Command::Reduce(_, d)
+            | Command::AllGather(_, d)
+            | Command::ReduceScatter(_, d)
+            | Command::AllToAll(_, d)
+            | Command::Scatter(_, d)
+            | Command::Gather(_, d)
+            | Command::Send(_, d)
+            | Command::Recv(_, d) => d.complete(Err(e)),
+            Command::Barrier(d) => d.complete(Err(e)),
+            Command::Shutdown(d) => {
+                self.closing = true;
+                self.shutdown_waiters.push(d);
+            }
+        }
+    }
+
+    fn peer_reason(&self, peer: usize) -> String {
+        let seg = &self.segs[peer];
+        let bytes: Vec<u8> =
+            (0..REASON_LEN).map(|i| seg.read::<u8>(OFF_REASON + i)).take_while(|&b| b != 0).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// `Err` when `peer` can no longer make progress: it aborted, shut down, or died.
+    fn check_peer(&mut self, peer: usize, throttle: bool) -> Result<()> {
+        match self.segs[peer].u32_at(OFF_STATE).load(Acquire) {
+            STATE_ABORTED => {
+                return Err(CommError::PeerLost {
+                    rank: peer as Rank,
+                    detail: format!("it aborted the group: {}", self.peer_reason(peer)),
+                })
+            }
+            STATE_CLOSED => {
+                return Err(CommError::PeerLost {
+                    rank: peer as Rank,
+                    detail: "it shut its process group down (or exited) without joining this op".into(),
+                })
+            }
+            _ => {}
+        }
+        if throttle && self.last_liveness.elapsed() < Duration::from_millis(50) {
+            return Ok(());
+        }
+        self.last_liveness = Instant::now();
+        if let Some(p) = self.procs[peer] {
+            if p.alive() == Some(false) {
+                return Err(CommError::PeerLost { rank: peer as Rank, detail: format!("its process {} exited", p.pid) });
+            }
+        }
+        Ok(())
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // The step protocol
+
+    fn peer_step(&self, p: usize) -> u64 {
+        self.segs[p].u64_at(OFF_STEP).load(Acquire)
+    }
+
+    fn reached(&self, target: u64) -> bool {
+        (0..self.world).all(|p| p == self.rank || self.peer_step(p) >= target)
+    }
+
+    /// Waits until every peer published step `target`, progressing p2p meanwhile.
+    fn wait_all(&mut self, target: u64) -> Result<()> {
+        if self.reached(target) {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut spun = false;
+        loop {
+            if self.reached(target) {
+                return Ok(());
+            }
+            if self.pump()? {
+                continue;
+            }
+            if let Some(e) = self.poison_error() {
+                return Err(e);
+            }
+            if !spun {
+                spun = true;
+                while start.elapsed() < self.params.spin {
+                    for _ in 0..32 {
+                        std::hint::spin_loop();
+                    }
+                    if self.reached(target) {
+                        return Ok(());
+                    }
+                }
+                continue;
+            }
+            let late: Vec<usize> = (0..self.world).filter(|&p| p != self.rank && self.peer_step(p) < target).collect();
+            for &p in &late {
+                self.check_peer(p, true)?;
+            }
+            if start.elapsed() >= self.params.timeout {
+                let who: Vec<String> = late.iter().map(|p| format!("rank {p}")).collect();
+                return Err(CommError::Timeout {
+                    op: self.op.to_owned(),
+                    after: self.params.timeout,
+                    detail: format!("{} never joined op #{} (set COMM_TIMEOUT to wait longer)", who.join(", "), self.seq),
+                });
+            }
+            self.sleep(|e| e.reached(target))?;
+        }
+    }
+
+    fn header(&self, op: u8, dtype: DType, count: usize, root: Rank, redop: Option<ReduceOp>) -> StepHeader {
+        StepHeader {
+            seq: self.seq,
+            count: count as u64,
+            root,
+            op,
+            dtype: dtype.code(),
+            redop: redop.map_or(u8::MAX, ReduceOp::code),
+            ..StepHeader::default()
+        }
+    }
+
+    /// Starts step `k = step + 1`: waits for the buffer to be free and writes our header.
+    fn begin(&mut self, hdr: &StepHeader) -> Result<u64> {
+        let k = self.step + 1;
+        self.wait_all(k - 1)?;
+        // SAFETY: every peer published `k - 1`, so all reads of this buffer from step `k - 2`
+        // are finished, and we publish `k` only after writing.
+        unsafe { self.me().write(self.lay.step_header(k), StepHeader { step: k, ..*hdr }) };
+        self.phase = Phase::Writable(k);
+        Ok(k)
+    }
+
+    /// Our buffer for step `k`, while writable.
+    fn window_mut(&mut self, k: u64) -> &mut [u8] {
+        assert!(matches!(self.phase, Phase::Writable(s) if s == k), "window_mut outside the write phase of step {k}");
+        // SAFETY: write phase of step `k` (checked above): no peer reads this buffer until we
+        // publish `k`, and `&mut self` makes this the only live slice of it on our side.
+        unsafe { self.segs[self.rank].bytes_mut(self.lay.step_data(k), self.lay.window) }
+    }
+
+    /// Publishes step `k`, waits for every peer to publish it, and checks their headers.
+    fn publish(&mut self, k: u64, hdr: &StepHeader) -> Result<()> {
+        self.me().u64_at(OFF_STEP).store(k, SeqCst);
+        self.step = k;
+        self.phase = Phase::Idle;
+        for p in (0..self.world).filter(|&p| p != self.rank) {
+            self.ring(p);
+        }
+        self.wait_all(k)?;
+        for p in (0..self.world).filter(|&p| p != self.rank) {
+            let theirs: StepHeader = self.segs[p].read(self.lay.step_header(k));
+            if theirs.step != k {
+                return Err(CommError::Mismatch {
+                    op: self.op,
+                    detail: format!("rank {p} is out of step (at step {}, expected {k})", theirs.step),
+                });
+            }
+            if (StepHeader { step: k, ..*hdr }) != theirs {
+                return Err(CommError::Mismatch {
+                    op: self.op,
+                    detail: format!(
+                        "rank {p} called {} but rank {} called {}",
+                        describe(&theirs),
+                        self.rank,
+                        describe(hdr)
+                    ),
+                });
+            }
+        }
+        self.phase = Phase::Readable(k);
+        Ok(())
+    }
+
+    /// Every rank's buffer for step `k` (index = rank) and our buffer for step `k + 1`,
+    /// while step `k` is readable.
+    fn views(&self, k: u64) -> (Vec<&[u8]>, &mut [u8]) {
+        assert!(matches!(self.phase, Phase::Readable(s) if s == k), "views outside the read phase of step {k}");
+        let off = self.lay.step_data(k);
+        // SAFETY: read phase of step `k` (checked): every rank published `k`, and none writes
+        // its buffer `k % 2` again before all of us publish `k + 1`, which we do only after
+        // these slices are gone (`step`/`begin` take `&mut self`).
+        let views = self.segs.iter().map(|s| unsafe { s.bytes(off, self.lay.window) }).collect();
+        // SAFETY: our buffer `(k + 1) % 2` was last read by peers in step `k - 1`, and all of
+        // them published `k`; it is a different range from every slice above.
+        let next = unsafe { self.me().bytes_mut(self.lay.step_data(k + 1), self.lay.window) };
+        (views, next)
+    }
+
+    /// One step: `io(Io::Write(our buffer))`, publish and check, then
+    /// `io(Io::Read(every rank's buffer, our next buffer))`. One closure for both phases, so
+    /// it can borrow the user's buffer mutably in both.
+    fn step(&mut self, hdr: &StepHeader, mut io: impl FnMut(Io<'_>)) -> Result<()> {
+        let k = self.begin(hdr)?;
+        io(Io::Write(self.window_mut(k)));
+        self.publish(k, hdr)?;
+        let (views, next) = self.views(k);
+        io(Io::Read(&views, next));
+        Ok(())
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Collectives
+
+    fn execute(&mut self, cmd: Command) {
+        if let Some(e) = self.poison_error() {
+            return self.fail(cmd, e);
+        }
+        self.seq += 1;
+        match cmd {
+            Command::AllReduce(mut r, d) => {
+                let res = self.run_op("all_reduce", |e| e.all_reduce(&mut r.buf, r.op, None));
+                d.complete(res.map(|()| r.buf));
+            }
+            Command::Reduce(mut r, d) => {
+                let res = self.run_op("reduce", |e| e.all_reduce(&mut r.buf, r.op, Some(r.root)));
+                d.complete(res.map(|()| r.buf));
+            }
+            Command::Broadcast(mut r, d) => {
+                let res = self.run_op("broadcast", |e| e.broadcast(&mut r.buf, r.root));
+                d.complete(res.map(|()| r.buf));
+            }
+            Command::AllGather(r, d) => d.complete(self.run_op("all_gather", |e| e.all_gather(r))),
+            Command::ReduceScatter(r, d) => d.complete(self.run_op("reduce_scatter", |e| e.reduce_scatter(r))),
+            Command::AllToAll(r, d) => d.complete(self.run_op("all_to_all", |e| e.all_to_all(r))),
+            Command::Scatter(r, d) => d.complete(self.run_op("scatter", |e| e.scatter(r))),
+            Command::Gather(r, d) => d.complete(self.run_op("gather", |e| e.gather(r))),
+            Command::Barrier(d) => d.complete(self.run_op("barrier", |e| e.barrier())),
+            Command::Shutdown(d) => {
+                self.closing = true;
+                self.shutdown_waiters.push(d);
+            }
+            Command::Send(..) | Command::Recv(..) => unreachable!("p2p commands never enter the collective queue"),
+        }
+    }
+
+    fn run_op<T>(&mut self, name: &'static str, f: impl FnOnce(&mut Engine) -> Result<T>) -> Result<T> {
+        self.op = name;
+        let res = f(self);
+        self.phase = Phase::Idle;
+        if let Err(e) = &res {
+            if e.poisons_group() {
+                self.poison_with(e);
+            }
+        }
+        res
+    }
+
+    /// all_reduce, or reduce to `root` (non-roots keep their input).
+    fn all_reduce(&mut self, buf: &mut HostBuffer, op: ReduceOp, root: Option<Rank>) -> Result<()> {
+        let (dtype, count, es, n) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world);
+        let code = if root.is_some() { OP_REDUCE } else { OP_ALL_REDUCE };
+        let hdr = self.header(code, dtype, count, root.unwrap_or(0), Some(op));
+        if n == 1 {
+            return Ok(());
+        }
+        let me = self.rank;
+        let keep = root.is_none_or(|r| r as usize == me);
+        let direct = count * es <= self.params.small_max;
+        let user = buf.as_bytes_mut();
+        for (off, len) in pieces(count, self.lay.window / es) {
+            let chunk = &mut user[off * es..(off + len) * es];
+            let bytes = chunk.len();
+            if direct {
+                // Every rank reduces all inputs: one step, n reads per rank.
+                self.step(&hdr, |io| match io {
+                    Io::Write(w) => w[..bytes].copy_from_slice(chunk),
+                    Io::Read(views, _) if keep => {
+                        let ins: Vec<&[u8]> = views.iter().map(|v| &v[..bytes]).collect();
+                        kernels::reduce(dtype, op, &ins, chunk);
+                    }
+                    Io::Read(..) => {}
+                })?;
+            } else {
+                // Reduce-scatter into our next buffer, then all-gather the reduced slices.
+                let (lo, hi) = slice_of(len, n, me);
+                self.step(&hdr, |io| match io {
+                    Io::Write(w) => w[..bytes].copy_from_slice(chunk),
+                    Io::Read(views, next) => {
+                        let ins: Vec<&[u8]> = views.iter().map(|v| &v[lo * es..hi * es]).collect();
+                        kernels::reduce(dtype, op, &ins, &mut next[lo * es..hi * es]);
+                    }
+                })?;
+                self.step(&hdr, |io| {
+                    if let (Io::Read(views, _), true) = (io, keep) {
+                        // Start with our own slice and rotate, spreading readers over owners.
+                        for i in 0..n {
+                            let p = (me + i) % n;
+                            let (lo, hi) = slice_of(len, n, p);
+                            chunk[lo * es..hi * es].copy_from_slice(&views[p][lo * es..hi * es]);
+                        }
+                    }
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    fn broadcast(&mut self, buf: &mut HostBuffer, root: Rank) -> Result<()> {
+        let (es, root) = (buf.dtype().size(), root as usize);
+        let hdr = self.header(OP_BROADCAST, buf.dtype(), buf.len(), root as Rank, None);
+        if self.world == 1 {
+            return Ok(());
+        }
+        let is_root = self.rank == root;
+        let user = buf.as_bytes_mut();
+        for (off, len) in pieces(user.len() / es, self.lay.window / es) {
+            let chunk = &mut user[off * es..(off + len) * es];
+            let bytes = chunk.len();
+            self.step(&hdr, |io| match io {
+                Io::Write(w) if is_root => w[..bytes].copy_from_slice(chunk),
+                Io::Read(views, _) if !is_root => chunk.copy_from_slice(&views[root][..bytes]),
+                _ => {}
+            })?;
+        }
+        Ok(())
+    }
+
+    fn all_gather(&mut self, r: AllGather) -> Result<HostBuffer> {
+        let (dtype, count, es, n) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world);
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n));
+        let hdr = self.header(OP_ALL_GATHER, dtype, count, 0, None);
+        let input = r.input.as_bytes();
+        let dst = out.as_bytes_mut();
+        if n == 1 {
+            dst.copy_from_slice(input);
+            return Ok(out);
+        }
+        for (off, len) in pieces(count, self.lay.window / es) {
+            let src = &input[off * es..(off + len) * es];
+            self.step(&hdr, |io| match io {
+                Io::Write(w) => w[..src.len()].copy_from_slice(src),
+                Io::Read(views, _) => {
+                    for (p, v) in views.iter().enumerate() {
+                        let at = (p * count + off) * es;
+                        dst[at..at + src.len()].copy_from_slice(&v[..src.len()]);
+                    }
+                }
+            })?;
+        }
+        Ok(out)
+    }
+
+    fn reduce_scatter(&mut self, r: ReduceScatter) -> Result<HostBuffer> {
+        let (dtype, es, n, me, op) = (r.input.dtype(), r.input.dtype().size(), self.world, self.rank, r.op);
+        let block = r.input.len() / n;
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, block));
+        let hdr = self.header(OP_REDUCE_SCATTER, dtype, r.input.len(), 0, Some(op));
+        let input = r.input.as_bytes();
+        let dst = out.as_bytes_mut();
+        if n == 1 {
+            dst.copy_from_slice(input);
+            return Ok(out);
+        }
+        for (off, len) in pieces(block, self.lay.window / es / n) {
+            let b = len * es;
+            self.step(&hdr, |io| match io {
+                Io::Write(w) => {
+                    for j in 0..n {
+                        let at = (j * block + off) * es;
+                        w[j * b..(j + 1) * b].copy_from_slice(&input[at..at + b]);
+                    }
+                }
+                Io::Read(views, _) => {
+                    let ins: Vec<&[u8]> = views.iter().map(|v| &v[me * b..(me + 1) * b]).collect();
+                    kernels::reduce(dtype, op, &ins, &mut dst[off * es..off * es + b]);
+                }
+            })?;
+        }
+        Ok(out)
+    }
+
+    fn all_to_all(&mut self, r: AllToAll) -> Result<HostBuffer> {
+        let (dtype, es, n, me) = (r.input.dtype(), r.input.dtype().size(), self.world, self.rank);
+        let (ins, outs) = r.splits(n as u32);
+        let out_len: usize = outs.iter().sum();
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, out_len));
+        let hdr = self.header(OP_ALL_TO_ALL, dtype, 0, 0, None);
+        // Step 0: everyone publishes its send splits, so each rank checks that what it
+        // expects from every peer is what that peer sends, and all agree on the rounds.
+        let mine: Vec<u64> = ins.iter().map(|&x| x as u64).collect();
+        let mut matrix = vec![0u64; n * n];
+        self.step(&hdr, |io| match io {
+            Io::Write(w) => w[..n * 8].copy_from_slice(bytemuck::cast_slice(&mine)),
+            Io::Read(views, _) => {
+                for (p, v) in views.iter().enumerate() {
+                    matrix[p * n..(p + 1) * n].copy_from_slice(bytemuck::cast_slice(&v[..n * 8]));
+                }
+            }
+        })?;
+        for (p, &expect) in outs.iter().enumerate() {
+            let sends = matrix[p * n + me] as usize;
+            if sends != expect {
+                return Err(CommError::Mismatch {
+                    op: "all_to_all",
+                    detail: format!(
+                        "rank {p} sends {sends} elements to rank {me}, but rank {me}'s output_splits expect {expect}"
+                    ),
+                });
+            }
+        }
+        let input = r.input.as_bytes();
+        let dst = out.as_bytes_mut();
+        let in_off: Vec<usize> = ins.iter().scan(0, |a, &x| Some(std::mem::replace(a, *a + x))).collect();
+        let out_off: Vec<usize> = outs.iter().scan(0, |a, &x| Some(std::mem::replace(a, *a + x))).collect();
+        let per = (self.lay.window / n / es).max(1);
+        let rounds = (matrix.iter().copied().max().unwrap_or(0) as usize).div_ceil(per);
+        let slot = per * es;
+        for t in 0..rounds {
+            let lo = t * per;
+            self.step(&hdr, |io| match io {
+                Io::Write(w) => {
+                    for j in 0..n {
+                        let (a, b) = (lo.min(ins[j]), (lo + per).min(ins[j]));
+                        let src = &input[(in_off[j] + a) * es..(in_off[j] + b) * es];
+                        w[j * slot..j * slot + src.len()].copy_from_slice(src);
+                    }
+                }
+                Io::Read(views, _) => {
+                    for (p, v) in views.iter().enumerate() {
+                        let (a, b) = (lo.min(outs[p]), (lo + per).min(outs[p]));
+                        let bytes = (b - a) * es;
+                        let at = (out_off[p] + a) * es;
+                        dst[at..at + bytes].copy_from_slice(&v[me * slot..me * slot + bytes]);
+                    }
+                }
+            })?;
+        }
+        Ok(out)
+    }
+
+    fn scatter(&mut self, r: Scatter) -> Result<HostBuffer> {
+        let (dtype, es, n, me, root) = (r.output.dtype(), r.output.dtype().size(), self.world, self.rank, r.root as usize);
+        let block = r.output.len();
+        let mut out = r.output;
+        let hdr = self.header(OP_SCATTER, dtype, block, root as Rank, None);
+        let input = r.input;
+        let src = input.as_ref().filter(|_| me == root).map(HostBuffer::as_bytes);
+        let dst = out.as_bytes_mut();
+        if n == 1 {
+            if let Some(s) = src {
+                dst.copy_from_slice(s);
+            }
+            return Ok(out);
+        }
+        for (off, len) in pieces(block, self.lay.window / es / n) {
+            let b = len * es;
+            self.step(&hdr, |io| match io {
+                Io::Write(w) => {
+                    if let Some(s) = src {
+                        for j in 0..n {
+                            let at = (j * block + off) * es;
+                            w[j * b..(j + 1) * b].copy_from_slice(&s[at..at + b]);
+                        }
+                    }
+                }
+                Io::Read(views, _) => dst[off * es..off * es + b].copy_from_slice(&views[root][me * b..(me + 1) * b]),
+            })?;
+        }
+        Ok(out)
+    }
+
+    fn gather(&mut self, r: Gather) -> Result<HostBuffer> {
+        let (dtype, count, es, n, root) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, r.root as usize);
+        let hdr = self.header(OP_GATHER, dtype, count, root as Rank, None);
+        let is_root = self.rank == root;
+        let mut out = is_root.then(|| r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n)));
+        let input = r.input;
+        {
+            let src = input.as_bytes();
+            let mut dst = out.as_mut().map(HostBuffer::as_bytes_mut);
+            if n == 1 {
+                if let Some(d) = dst {
+                    d.copy_from_slice(src);
+                }
+                return Ok(out.unwrap_or(input));
+            }
+            for (off, len) in pieces(count, self.lay.window / es) {
+                let piece = &src[off * es..(off + len) * es];
+                self.step(&hdr, |io| match io {
+                    Io::Write(w) => w[..piece.len()].copy_from_slice(piece),
+                    Io::Read(views, _) => {
+                        if let Some(dst) = dst.as_deref_mut() {
+                            for (p, v) in views.iter().enumerate() {
+                                let at = (p * count + off) * es;
+                                dst[at..at + piece.len()].copy_from_slice(&v[..piece.len()]);
+                            }
+                        }
+                    }
+                })?;
+            }
+        }
+        Ok(out.unwrap_or(input))
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        let hdr = self.header(OP_BARRIER, DType::U8, 0, 0, None);
+        if self.world == 1 {
+            return Ok(());
+        }
+        self.step(&hdr, |_| {})
+    }
+
+    // ----------------------------------------------------------------------------------------
+    // Point-to-point
+
+    fn progress_p2p(&mut self) -> Result<bool> {
+        let mut any = false;
+        for peer in 0..self.world {
+            while self.progress_send(peer)? {
+                any = true;
+            }
+            while self.progress_recv(peer)? {
+                any = true;
+            }
+        }
+        Ok(any)
+    }
+
+    /// Writes the next chunk of the first queued send to `peer`, if a slot is free.
+    fn progress_send(&mut self, peer: usize) -> Result<bool> {
+        let Some(op) = self.sends[peer].front_mut() else { return Ok(false) };
+        let chunk = self.sent[peer];
+        let acked = self.segs[peer].u64_at(self.lay.acked(self.rank)).load(Acquire);
+        if chunk - acked >= SLOTS {
+            return Ok(false);
+        }
+        let total = op.req.buf.byte_len();
+        let len = (total - op.offset).min(self.lay.slot);
+        let me = &self.segs[self.rank];
+        let hdr = MsgHeader {
+            chunk,
+            total: total as u64,
+            offset: op.offset as u64,
+            len: len as u64,
+            tag: op.req.tag,
+            dtype: op.req.buf.dtype().code(),
+            ..MsgHeader::default()
+        };
+        // SAFETY: slot `chunk % SLOTS` was last used by chunk `chunk - SLOTS`, which the peer
+        // acknowledged (acked > chunk - SLOTS) after it finished copying it out.
+        unsafe {
+            me.write(self.lay.msg_header(peer, chunk), hdr);
+            me.bytes_mut(self.lay.msg_data(peer, chunk), len)
+                .copy_from_slice(&op.req.buf.as_bytes()[op.offset..op.offset + len]);
+        }
+        me.u64_at(self.lay.sent(peer)).store(chunk + 1, SeqCst);
+        self.sent[peer] = chunk + 1;
+        op.offset += len;
+        let finished = op.offset == total;
+        self.ring(peer);
+        if finished {
+            let op = self.sends[peer].pop_front().expect("front exists");
+            op.done.complete(Ok(op.req.buf));
+        }
+        Ok(true)
+    }
+
+    /// Copies the next available chunk from `peer` into the first queued receive.
+    fn progress_recv(&mut self, peer: usize) -> Result<bool> {
+        let Some(op) = self.recvs[peer].front_mut() else { return Ok(false) };
+        let chunk = self.acked[peer];
+        let src = &self.segs[peer];
+        if src.u64_at(self.lay.sent(self.rank)).load(Acquire) <= chunk {
+            return Ok(false);
+        }
+        let h: MsgHeader = src.read(self.lay.msg_header(self.rank, chunk));
+        let want_total = op.req.buf.byte_len() as u64;
+        let want_dtype = op.req.buf.dtype();
+        if h.chunk != chunk || h.offset != op.offset as u64 {
+            return Err(CommError::Mismatch {
+                op: "recv",
+                detail: format!("mailbox from rank {peer} is out of order (chunk {} at offset {}, expected chunk {chunk} at offset {})", h.chunk, h.offset, op.offset),
+            });
+        }
+        if h.tag != op.req.tag || h.total != want_total || h.dtype != want_dtype.code() {
+            let their_dtype = DType::from_code(h.dtype).map_or("?", DType::name);
+            return Err(CommError::Mismatch {
+                op: "recv",
+                detail: format!(
+                    "rank {peer} sent {} bytes of {their_dtype} with tag {} but rank {} posted a recv of {want_total} bytes of {want_dtype} with tag {} (messages between two ranks match in order)",
+                    h.total, h.tag, self.rank, op.req.tag
+                ),
+            });
+        }
+        let len = h.len as usize;
+        if op.offset + len > op.req.buf.byte_len() || len > self.lay.slot {
+            return Err(CommError::Mismatch { op: "recv", detail: format!("rank {peer} sent a chunk of {len} bytes past the message end") });
+        }
+        // SAFETY: the sender published `sent > chunk` after writing this slot and will not
+        // rewrite it until we acknowledge below.
+        let data = unsafe { src.bytes(self.lay.msg_data(self.rank, chunk), len) };
+        op.req.buf.as_bytes_mut()[op.offset..op.offset + len].copy_from_slice(data);
+        op.offset += len;
+        let finished = op.offset == op.req.buf.byte_len();
+        self.acked[peer] = chunk + 1;
+        self.me().u64_at(self.lay.acked(peer)).store(chunk + 1, SeqCst);
+        self.ring(peer);
+        if finished {
+            let op = self.recvs[peer].pop_front().expect("front exists");
+            op.done.complete(Ok(op.req.buf));
+        }
+        Ok(true)
+    }
+
+    fn check_p2p_deadlines(&mut self) -> Result<()> {
+        for peer in 0..self.world {
+            let oldest = self.sends[peer].front().map(|o| o.started).into_iter().chain(self.recvs[peer].front().map(|o| o.started)).min();
+            let Some(started) = oldest else { continue };
+            self.check_peer(peer, true)?;
+            if started.elapsed() >= self.params.timeout {
+                return Err(CommError::Timeout {
+                    op: "send/recv".into(),
+                    after: self.params.timeout,
+                    detail: format!("rank {peer} never posted the matching operation"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_everything_once() {
+        assert_eq!(pieces(0, 4).collect::<Vec<_>>(), [(0, 0)]);
+        assert_eq!(pieces(10, 4).collect::<Vec<_>>(), [(0, 4), (4, 4), (8, 2)]);
+        assert_eq!(pieces(8, 4).collect::<Vec<_>>(), [(0, 4), (4, 4)]);
+    }
+
+    #[test]
+    fn slices_partition() {
+        for len in [0, 1, 15, 16, 17, 1000, 4099] {
+            for parts in 1..=8 {
+                let mut next = 0;
+                for i in 0..parts {
+                    let (lo, hi) = slice_of(len, parts, i);
+                    assert_eq!(lo, next);
+                    assert!(hi >= lo);
+                    next = hi;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+}

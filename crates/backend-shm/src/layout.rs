@@ -1,0 +1,145 @@
+//! Where everything lives inside one rank's segment.
+//!
+//! ```text
+//! 0     control: magic, version, world, rank, state, window          (line 0)
+//! 64    step counter: last step this rank published                 (line 1)
+//! 128   doorbell + sleeping flag: futex word peers ring               (line 2)
+//! 192   abort reason (256 bytes of UTF-8)
+//! 512   p2p counters, one cache line each: sent[peer]..., acked[peer]...
+//! coll  2 × (64-byte step header + window)      double-buffered collective window
+//! p2p   world × SLOTS × (64-byte msg header + slot)   one mailbox per destination
+//! ```
+//! Every rank writes only its own segment; peers read it.
+
+use bytemuck::{Pod, Zeroable};
+
+pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"commshm1");
+pub(crate) const VERSION: u32 = 1;
+
+pub(crate) const OFF_MAGIC: usize = 0;
+pub(crate) const OFF_VERSION: usize = 8;
+pub(crate) const OFF_WORLD: usize = 12;
+pub(crate) const OFF_RANK: usize = 16;
+pub(crate) const OFF_STATE: usize = 20;
+pub(crate) const OFF_WINDOW: usize = 24;
+pub(crate) const OFF_STEP: usize = 64;
+pub(crate) const OFF_DOORBELL: usize = 128;
+pub(crate) const OFF_SLEEPING: usize = 132;
+pub(crate) const OFF_REASON: usize = 192;
+pub(crate) const REASON_LEN: usize = 256;
+const OFF_P2P_COUNTERS: usize = 512;
+const LINE: usize = 64;
+const HDR: usize = 64;
+
+/// Mailbox slots per destination: two, so a sender fills one while the receiver drains the other.
+pub(crate) const SLOTS: u64 = 2;
+
+/// `state` values.
+pub(crate) const STATE_READY: u32 = 1;
+pub(crate) const STATE_ABORTED: u32 = 2;
+pub(crate) const STATE_CLOSED: u32 = 3;
+
+/// Offsets of one segment, identical on every rank of a group.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Layout {
+    pub(crate) world: usize,
+    pub(crate) window: usize,
+    pub(crate) slot: usize,
+    coll: usize,
+    p2p: usize,
+    pub(crate) total: usize,
+}
+
+const fn align(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+impl Layout {
+    pub(crate) fn new(world: usize, window: usize, slot: usize) -> Layout {
+        let window = align(window.max(4096), LINE);
+        let slot = align(slot.max(4096), LINE);
+        let coll = align(OFF_P2P_COUNTERS + 2 * world * LINE, 4096);
+        let p2p = coll + 2 * (HDR + window);
+        let total = align(p2p + world * SLOTS as usize * (HDR + slot), 4096);
+        Layout { world, window, slot, coll, p2p, total }
+    }
+
+    /// Counter of chunks this rank has published to `peer`.
+    pub(crate) fn sent(&self, peer: usize) -> usize {
+        OFF_P2P_COUNTERS + peer * LINE
+    }
+
+    /// Counter of chunks this rank has consumed from `peer`.
+    pub(crate) fn acked(&self, peer: usize) -> usize {
+        OFF_P2P_COUNTERS + (self.world + peer) * LINE
+    }
+
+    /// Header of the collective buffer used by step `k`.
+    pub(crate) fn step_header(&self, k: u64) -> usize {
+        self.coll + (k % 2) as usize * (HDR + self.window)
+    }
+
+    /// Data of the collective buffer used by step `k` (`window` bytes).
+    pub(crate) fn step_data(&self, k: u64) -> usize {
+        self.step_header(k) + HDR
+    }
+
+    /// Header of the mailbox slot for chunk number `chunk` to `peer`.
+    pub(crate) fn msg_header(&self, peer: usize, chunk: u64) -> usize {
+        self.p2p + (peer * SLOTS as usize + (chunk % SLOTS) as usize) * (HDR + self.slot)
+    }
+
+    /// Data of that slot (`slot` bytes).
+    pub(crate) fn msg_data(&self, peer: usize, chunk: u64) -> usize {
+        self.msg_header(peer, chunk) + HDR
+    }
+}
+
+/// Written by every rank at every collective step; peers compare it with their own, so ranks
+/// that call different ops (or sizes, dtypes, roots) get `Mismatch` instead of garbage.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub(crate) struct StepHeader {
+    pub(crate) step: u64,
+    pub(crate) seq: u64,
+    pub(crate) count: u64,
+    pub(crate) aux: u64,
+    pub(crate) root: u32,
+    pub(crate) op: u8,
+    pub(crate) dtype: u8,
+    pub(crate) redop: u8,
+    pub(crate) _pad: [u8; 25],
+}
+
+/// Header of one mailbox chunk.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub(crate) struct MsgHeader {
+    pub(crate) chunk: u64,
+    pub(crate) total: u64,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    pub(crate) tag: u32,
+    pub(crate) dtype: u8,
+    pub(crate) _pad: [u8; 27],
+}
+
+const _: () = assert!(size_of::<StepHeader>() == HDR && size_of::<MsgHeader>() == HDR);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_do_not_overlap() {
+        for world in 1..=16 {
+            let l = Layout::new(world, 1 << 16, 1 << 13);
+            assert!(l.acked(world - 1) + 8 <= l.step_header(0));
+            assert_eq!(l.step_data(0) + l.window, l.step_header(1));
+            assert!(l.step_data(1) + l.window <= l.msg_header(0, 0));
+            assert!(l.msg_data(world - 1, 1) + l.slot <= l.total);
+            assert_eq!(l.step_header(0) % 64, 0);
+            assert_eq!(l.msg_data(1 % world, 1) % 64, 0);
+        }
+    }
+}

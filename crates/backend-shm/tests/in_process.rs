@@ -1,0 +1,90 @@
+//! Several ranks in one process (threads), sharing a MemoryStore: quick protocol checks.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use backend_shm::{ShmBackend, ShmOptions};
+use comm_core::ops::{AllGather, AllReduce, Barrier, Recv, Send};
+use comm_core::{Collective, CommError, Group, HostBuffer, MemoryStore, ReduceOp, Store};
+
+async fn world(n: u32, opts: ShmOptions) -> Vec<ShmBackend> {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let futs = (0..n).map(|r| {
+        let store = store.clone();
+        let opts = opts.clone();
+        tokio::spawn(async move { ShmBackend::new(store, r, n, opts).await.unwrap() })
+    });
+    futures::future::join_all(futs).await.into_iter().map(Result::unwrap).collect()
+}
+
+fn small_opts() -> ShmOptions {
+    ShmOptions { window: 4096, p2p_slot: 4096, small_max: 1024, timeout: Duration::from_secs(20), ..Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_reduce_small_and_chunked() {
+    for n in [1u32, 2, 3] {
+        let ranks = world(n, small_opts()).await;
+        for len in [0usize, 1, 7, 300, 5000] {
+            let works: Vec<_> = ranks
+                .iter()
+                .enumerate()
+                .map(|(r, b)| {
+                    let data: Vec<f32> = (0..len).map(|i| (i * (r + 1)) as f32).collect();
+                    b.submit(AllReduce { buf: HostBuffer::from_slice(&data), op: ReduceOp::Sum })
+                })
+                .collect();
+            let tri = (n * (n + 1) / 2) as f32;
+            for w in works {
+                let out = w.await.unwrap().to_vec::<f32>().unwrap();
+                let want: Vec<f32> = (0..len).map(|i| i as f32 * tri).collect();
+                assert_eq!(out, want, "n={n} len={len}");
+            }
+        }
+        for b in &ranks {
+            b.shutdown().await.unwrap();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatch_is_reported() {
+    let ranks = world(2, small_opts()).await;
+    let a = ranks[0].submit(AllReduce { buf: HostBuffer::from_slice(&[1.0f32; 4]), op: ReduceOp::Sum });
+    let b = ranks[1].submit(AllGather { input: HostBuffer::from_slice(&[1.0f32; 4]), output: None });
+    let (a, b) = (a.await, b.await);
+    let msg = format!("{a:?} {b:?}");
+    assert!(msg.contains("Mismatch"), "{msg}");
+    // The group is poisoned now.
+    let c = ranks[0].submit(Barrier).await;
+    assert!(matches!(c, Err(CommError::Poisoned { .. })), "{c:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p2p_large_both_directions() {
+    let ranks = world(2, small_opts()).await;
+    let n = 20_000usize;
+    let a = HostBuffer::from_slice(&(0..n as i32).collect::<Vec<_>>());
+    let s0 = ranks[0].submit(Send { buf: a.clone(), dst: 1, tag: 3 });
+    let s1 = ranks[1].submit(Send { buf: a.clone(), dst: 0, tag: 3 });
+    let r0 = ranks[0].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::I32, n), src: 1, tag: 3 });
+    let r1 = ranks[1].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::I32, n), src: 0, tag: 3 });
+    s0.await.unwrap();
+    s1.await.unwrap();
+    assert_eq!(r0.await.unwrap(), a);
+    assert_eq!(r1.await.unwrap(), a);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeout_names_the_missing_rank() {
+    let mut o = small_opts();
+    o.timeout = Duration::from_millis(300);
+    let ranks = world(3, o).await;
+    let t = std::time::Instant::now();
+    let a = ranks[0].submit(Barrier);
+    let b = ranks[1].submit(Barrier);
+    let e = a.await.unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert!(e.to_string().contains("rank 2"), "{e}");
+    let _ = b.await;
+}
