@@ -1,0 +1,444 @@
+//! The TCP store client every rank uses.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use comm_core::{CommError, Store};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::wire::{self, op, Dec, Enc, FrameError};
+
+/// How long a request that does not wait (`set`, `add`...) may go unanswered by default.
+const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+/// Extra time a wait's reply may take beyond its timeout (the server answers at the timeout).
+const REPLY_GRACE: Duration = Duration::from_secs(10);
+/// Shortest time given to one connection attempt or handshake, even when the budget is spent.
+const MIN_ATTEMPT: Duration = Duration::from_millis(100);
+/// First and largest pause between connection attempts.
+const BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
+
+/// The job token this process presents to (or expects from) the store: `COMM_JOB_TOKEN`, or
+/// the empty string when it is unset.
+///
+/// Every rank of a job reads it the same way, so a launcher that sets one random token for the
+/// whole job keeps the ranks of another job (or a stray client) off its store.
+pub fn job_token() -> String {
+    std::env::var_os("COMM_JOB_TOKEN").map(|v| v.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+/// `addr:port`, with brackets around an IPv6 address.
+pub(crate) fn display_addr(addr: &str, port: u16) -> String {
+    if addr.contains(':') && !addr.starts_with('[') {
+        format!("[{addr}]:{port}")
+    } else {
+        format!("{addr}:{port}")
+    }
+}
+
+/// A client of a [`StoreServer`](crate::StoreServer): the [`Store`] every rank uses.
+///
+/// Cloning is cheap and clones share the connection. Requests from several tasks may be in
+/// flight at once: each carries an id and its reply is matched to it, so a task blocked in
+/// [`Store::get`] does not hold up another task's [`Store::set`] on the same client.
+///
+/// The connection is driven by a dedicated OS thread with its own small tokio runtime, so the
+/// client works from any executor and cancelling a request (dropping its future) never leaves
+/// half a frame on the wire. The thread ends when the last clone is dropped. If the connection
+/// is lost, every pending and later request fails with [`CommError::Store`] saying why.
+///
+/// Every request has a deadline: waits their own timeout (plus a grace period for the reply),
+/// others the request timeout (300 s unless changed with [`TcpStore::with_request_timeout`]).
+#[derive(Clone)]
+pub struct TcpStore {
+    inner: Arc<Inner>,
+    request_timeout: Duration,
+}
+
+struct Inner {
+    /// `addr:port`, for messages.
+    shown: String,
+    calls: mpsc::UnboundedSender<Call>,
+    next_id: AtomicU64,
+    /// Why the connection ended, once it has.
+    closed: Closed,
+}
+
+type Closed = Arc<Mutex<Option<String>>>;
+type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Reply>>>>;
+
+/// A request handed to the connection thread.
+struct Call {
+    id: u64,
+    frame: Vec<u8>,
+    /// How long to wait for the reply.
+    limit: Duration,
+    reply: oneshot::Sender<Result<Reply, CommError>>,
+}
+
+struct Reply {
+    status: u8,
+    body: Vec<u8>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Records why the connection ended; the first reason wins.
+fn set_closed(closed: &Closed, why: String) {
+    lock(closed).get_or_insert(why);
+}
+
+impl fmt::Debug for TcpStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TcpStore").field("addr", &self.inner.shown).finish_non_exhaustive()
+    }
+}
+
+impl TcpStore {
+    /// Connects to the store at `addr:port` presenting `token` (see [`job_token`]).
+    ///
+    /// Retries with backoff (10 ms doubling to 500 ms) until `timeout`, since rank 0 may not
+    /// be listening yet; then fails with a [`CommError::Store`] saying the store never came
+    /// up. A server that refuses the token fails at once: it belongs to another job.
+    pub async fn connect(addr: &str, port: u16, token: &str, timeout: Duration) -> Result<TcpStore, CommError> {
+        if token.len() > wire::MAX_TOKEN {
+            return Err(CommError::Config(format!(
+                "COMM_JOB_TOKEN is {} bytes long; at most {} are allowed",
+                token.len(),
+                wire::MAX_TOKEN
+            )));
+        }
+        let shown = display_addr(addr, port);
+        let (calls_tx, calls_rx) = mpsc::unbounded_channel();
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let closed = Closed::default();
+        let thread_closed = closed.clone();
+        let (addr, token, thread_shown) = (addr.to_owned(), token.to_owned(), shown.clone());
+        std::thread::Builder::new()
+            .name("comm-store-client".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread().enable_io().enable_time().build() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(CommError::io("starting the store client's runtime", e)));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let mut ready_tx = ready_tx;
+                    let connected = tokio::select! {
+                        r = connect_with_retry(&addr, port, &token, timeout, &thread_shown) => r,
+                        // The caller stopped waiting: give up early.
+                        _ = ready_tx.closed() => return,
+                    };
+                    match connected {
+                        Ok(stream) => {
+                            if ready_tx.send(Ok(())).is_ok() {
+                                run(stream, calls_rx, thread_closed, thread_shown).await;
+                            }
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                        }
+                    }
+                });
+            })
+            .map_err(|e| CommError::io("spawning the store client thread", e))?;
+        ready_rx.await.unwrap_or_else(|_| Err(CommError::Store("the store client thread exited".into())))?;
+        Ok(TcpStore {
+            inner: Arc::new(Inner { shown, calls: calls_tx, next_id: AtomicU64::new(1), closed }),
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+        })
+    }
+
+    /// This client with another deadline for requests that do not wait (`set`, `add`,
+    /// `compare_set`, `delete`); the default is 300 s.
+    pub fn with_request_timeout(mut self, timeout: Duration) -> TcpStore {
+        self.request_timeout = timeout;
+        self
+    }
+
+    fn lost(&self) -> CommError {
+        let why = lock(&self.inner.closed).clone().unwrap_or_else(|| "the connection closed".into());
+        CommError::Store(format!("lost the connection to the store at {}: {why} (did rank 0 exit?)", self.inner.shown))
+    }
+
+    /// Sends a request built by `build` (after its id) and returns its reply's body.
+    ///
+    /// `wait` is the timeout of a request the server may hold (`get`, `wait`); others get the
+    /// request timeout.
+    async fn request(
+        &self,
+        name: &'static str,
+        size_hint: usize,
+        wait: Option<Duration>,
+        build: impl FnOnce(Enc) -> Enc,
+    ) -> Result<Vec<u8>, CommError> {
+        let limit = wait.map_or(self.request_timeout, |t| t.min(wire::MAX_WAIT).saturating_add(REPLY_GRACE));
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = build(Enc::with_capacity(size_hint + 32).u64(id)).finish(wire::MAX_FRAME).map_err(|n| {
+            CommError::invalid(
+                name,
+                format!("the request is {n} bytes, over the store's limit of {} bytes per frame", wire::MAX_FRAME),
+            )
+        })?;
+        let (tx, rx) = oneshot::channel();
+        self.inner.calls.send(Call { id, frame, limit, reply: tx }).map_err(|_| self.lost())?;
+        let reply = rx.await.map_err(|_| self.lost())??;
+        match reply.status {
+            wire::STATUS_OK => Ok(reply.body),
+            wire::STATUS_TIMEOUT => Err(CommError::Timeout {
+                op: name.into(),
+                after: wait.unwrap_or(limit),
+                detail: format!("{} (store at {})", String::from_utf8_lossy(&reply.body), self.inner.shown),
+            }),
+            wire::STATUS_ERROR => Err(CommError::Store(String::from_utf8_lossy(&reply.body).into_owned())),
+            s => Err(CommError::Store(format!("malformed reply from the store at {} (status {s})", self.inner.shown))),
+        }
+    }
+
+    fn malformed(&self, name: &str) -> CommError {
+        CommError::Store(format!("malformed reply to {name} from the store at {}", self.inner.shown))
+    }
+}
+
+#[async_trait]
+impl Store for TcpStore {
+    async fn set(&self, key: &str, value: &[u8]) -> Result<(), CommError> {
+        let size = key.len() + value.len();
+        self.request("store set", size, None, |e| e.u8(op::SET).bytes(key.as_bytes()).bytes(value)).await.map(drop)
+    }
+
+    async fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, CommError> {
+        self.request("store get", key.len(), Some(timeout), |e| e.u8(op::GET).bytes(key.as_bytes()).duration(timeout))
+            .await
+    }
+
+    async fn add(&self, key: &str, delta: i64) -> Result<i64, CommError> {
+        let body =
+            self.request("store add", key.len(), None, |e| e.u8(op::ADD).bytes(key.as_bytes()).i64(delta)).await?;
+        let mut d = Dec(&body);
+        d.i64().ok().filter(|_| d.end().is_ok()).ok_or_else(|| self.malformed("add"))
+    }
+
+    async fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>, CommError> {
+        let size = key.len() + expected.map_or(0, <[u8]>::len) + desired.len();
+        self.request("store compare_set", size, None, |e| {
+            let e = e.u8(op::COMPARE_SET).bytes(key.as_bytes());
+            match expected {
+                None => e.u8(0),
+                Some(x) => e.u8(1).bytes(x),
+            }
+            .bytes(desired)
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, CommError> {
+        let body = self.request("store delete", key.len(), None, |e| e.u8(op::DELETE).bytes(key.as_bytes())).await?;
+        match body.as_slice() {
+            [0] => Ok(false),
+            [1] => Ok(true),
+            _ => Err(self.malformed("delete")),
+        }
+    }
+
+    async fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), CommError> {
+        let size = keys.iter().map(|k| k.len() + 4).sum();
+        self.request("store wait", size, Some(timeout), |e| {
+            let e = e.u8(op::WAIT).duration(timeout).u32(u32::try_from(keys.len()).unwrap_or(u32::MAX));
+            keys.iter().fold(e, |e, k| e.bytes(k.as_bytes()))
+        })
+        .await
+        .map(drop)
+    }
+}
+
+/// Why a handshake did not succeed.
+enum Hello {
+    /// The server answered and said no, or is not a store: retrying will not help.
+    Refused(CommError),
+    /// The connection failed: worth another attempt.
+    Retry(String),
+}
+
+async fn connect_with_retry(
+    addr: &str,
+    port: u16,
+    token: &str,
+    timeout: Duration,
+    shown: &str,
+) -> Result<TcpStream, CommError> {
+    let start = Instant::now();
+    let deadline = start + timeout.min(wire::MAX_WAIT);
+    let mut backoff = BACKOFF.0;
+    let last = loop {
+        let left = deadline.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT);
+        // A host name is resolved on every attempt: it may only appear once rank 0's host is up.
+        let why = match tokio::time::timeout(left, TcpStream::connect((addr, port))).await {
+            Ok(Ok(stream)) => {
+                let _ = stream.set_nodelay(true);
+                match tokio::time::timeout(left, hello(stream, token, shown)).await {
+                    Ok(Ok(stream)) => return Ok(stream),
+                    Ok(Err(Hello::Refused(e))) => return Err(e),
+                    Ok(Err(Hello::Retry(why))) => why,
+                    Err(_) => "no handshake reply (is something else listening on MASTER_PORT?)".into(),
+                }
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "the connection attempt timed out".into(),
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break why;
+        }
+        tokio::time::sleep(backoff.min(left)).await;
+        backoff = (backoff * 2).min(BACKOFF.1);
+    };
+    Err(CommError::Store(format!(
+        "rank 0's store never came up at {shown} after {} s (is MASTER_ADDR/MASTER_PORT right? did rank 0 start?); \
+         last error: {last}",
+        timeout.as_secs_f64()
+    )))
+}
+
+/// Sends the handshake and reads the answer.
+async fn hello(mut stream: TcpStream, token: &str, shown: &str) -> Result<TcpStream, Hello> {
+    let frame = Enc::new()
+        .raw(&wire::MAGIC)
+        .u32(wire::VERSION)
+        .raw(token.as_bytes())
+        .finish(wire::HELLO_MAX)
+        .map_err(|_| Hello::Refused(CommError::Config("COMM_JOB_TOKEN is too long".into())))?;
+    wire::write_frame(&mut stream, &frame)
+        .await
+        .map_err(|e| Hello::Retry(format!("sending the handshake failed: {e}")))?;
+    let not_a_store = || {
+        Hello::Refused(CommError::Store(format!(
+            "{shown} is not a comm rendezvous store (unexpected handshake reply); is MASTER_PORT used by another \
+             service?"
+        )))
+    };
+    let reply = match wire::read_frame(&mut stream, wire::HELLO_MAX).await {
+        Ok(Some(r)) => r,
+        Ok(None) => {
+            return Err(Hello::Retry(
+                "the peer closed the connection during the handshake (is something else listening on MASTER_PORT?)"
+                    .into(),
+            ));
+        }
+        Err(FrameError::TooLarge(_)) => return Err(not_a_store()),
+        Err(e) => return Err(Hello::Retry(format!("the handshake failed: {e}"))),
+    };
+    let mut d = Dec(&reply);
+    match (d.take(wire::MAGIC.len()), d.u8(), d.u32()) {
+        (Ok(m), Ok(status), Ok(version)) if m == wire::MAGIC => match status {
+            wire::HELLO_OK => Ok(stream),
+            wire::HELLO_BAD_TOKEN => Err(Hello::Refused(CommError::Store(format!(
+                "store at {shown} belongs to another job (job token mismatch); give every rank of a job the same \
+                 COMM_JOB_TOKEN, or use another MASTER_PORT"
+            )))),
+            wire::HELLO_BAD_VERSION => Err(Hello::Refused(CommError::Store(format!(
+                "store at {shown} speaks protocol version {version}, this rank speaks version {} (ranks built from \
+                 different versions of the library?)",
+                wire::VERSION
+            )))),
+            _ => Err(not_a_store()),
+        },
+        _ => Err(not_a_store()),
+    }
+}
+
+/// Drives the connection: writes requests as they come, matches replies, enforces deadlines.
+async fn run(stream: TcpStream, mut calls: mpsc::UnboundedReceiver<Call>, closed: Closed, shown: String) {
+    let (rd, mut wr) = stream.into_split();
+    let pending = Pending::default();
+    let mut reader = tokio::spawn(read_replies(rd, pending.clone(), closed.clone()));
+    loop {
+        tokio::select! {
+            call = calls.recv() => {
+                // `None`: every handle is gone; closing the socket is all that is left.
+                let Some(call) = call else { break };
+                let (tx, rx) = oneshot::channel();
+                lock(&pending).insert(call.id, tx);
+                if let Err(e) = wire::write_frame(&mut wr, &call.frame).await {
+                    // Before `call` drops, so its caller reads the reason.
+                    set_closed(&closed, format!("sending a request failed: {e}"));
+                    break;
+                }
+                tokio::spawn(forward(call, rx, pending.clone(), shown.clone()));
+            }
+            _ = &mut reader => {
+                set_closed(&closed, "the connection's reader stopped".into());
+                break;
+            }
+        }
+    }
+    reader.abort();
+    // Returning drops the runtime with the `forward` tasks, and with them the callers' reply
+    // senders: callers then report the reason recorded in `closed`.
+}
+
+/// Reads replies and hands each to the request with its id, until the connection ends.
+async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, closed: Closed) {
+    // A reply is at most a stored value plus its header, and values fit in a request frame.
+    let why = loop {
+        let mut frame = match wire::read_frame(&mut rd, wire::MAX_FRAME).await {
+            Ok(Some(f)) => f,
+            Ok(None) => break "the store closed the connection".to_owned(),
+            Err(e) => break format!("reading from the store failed: {e}"),
+        };
+        let mut d = Dec(&frame);
+        let (Ok(id), Ok(status)) = (d.u64(), d.u8()) else {
+            break "malformed reply from the store".to_owned();
+        };
+        frame.drain(..9);
+        // No entry: the request's deadline passed or its caller gave up; drop the reply.
+        if let Some(tx) = lock(&pending).remove(&id) {
+            let _ = tx.send(Reply { status, body: frame });
+        }
+    };
+    set_closed(&closed, why);
+}
+
+/// Waits for one request's reply, up to its deadline, and hands it to the caller.
+async fn forward(call: Call, rx: oneshot::Receiver<Reply>, pending: Pending, shown: String) {
+    enum Outcome {
+        Reply(Reply),
+        Lost,
+        TimedOut,
+        Abandoned,
+    }
+    let Call { id, limit, mut reply, .. } = call;
+    let outcome = tokio::select! {
+        r = rx => r.map_or(Outcome::Lost, Outcome::Reply),
+        _ = tokio::time::sleep(limit) => Outcome::TimedOut,
+        _ = reply.closed() => Outcome::Abandoned,
+    };
+    match outcome {
+        Outcome::Reply(r) => {
+            let _ = reply.send(Ok(r));
+        }
+        // Dropping `reply` makes the caller report why the connection ended.
+        Outcome::Lost => {}
+        Outcome::TimedOut => {
+            lock(&pending).remove(&id);
+            let _ = reply.send(Err(CommError::Timeout {
+                op: "store request".into(),
+                after: limit,
+                detail: format!("no reply from the store at {shown} (is rank 0 alive and reachable?)"),
+            }));
+        }
+        Outcome::Abandoned => {
+            lock(&pending).remove(&id);
+        }
+    }
+}

@@ -1,0 +1,357 @@
+//! The TCP store server rank 0 runs.
+
+use std::fmt;
+use std::future::Future;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use comm_core::{CommError, MemoryStore, Store};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::wire::{self, FrameError, Request};
+
+/// How long a new connection may take to send its handshake before it is dropped.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The rendezvous store server, served from its own thread until dropped.
+///
+/// The server owns a dedicated OS thread running a current-thread tokio runtime, so it keeps
+/// answering even while the thread that created it is blocked, or its runtime is a busy
+/// current-thread one. Each connection is served by its own task; a wait (`get`, `wait`) is
+/// served by a task of its own with the client's timeout, so a blocked client blocks no one.
+/// Only clients that present the same job token are served.
+///
+/// Dropping the server (or calling [`StoreServer::shutdown`]) stops it, closes every
+/// connection and joins its thread.
+pub struct StoreServer {
+    local_addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl fmt::Debug for StoreServer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreServer").field("local_addr", &self.local_addr).finish_non_exhaustive()
+    }
+}
+
+/// A server thread that has been started but has not reported its bind result yet.
+pub(crate) struct Starting {
+    stop: oneshot::Sender<()>,
+    thread: JoinHandle<()>,
+}
+
+impl Starting {
+    /// The server, once its thread reported `bound`.
+    pub(crate) fn finish(self, bound: Result<SocketAddr, CommError>) -> Result<StoreServer, CommError> {
+        match bound {
+            Ok(local_addr) => Ok(StoreServer { local_addr, stop: Some(self.stop), thread: Some(self.thread) }),
+            Err(e) => {
+                // The thread reported its failure and is exiting: reap it.
+                let _ = self.thread.join();
+                Err(e)
+            }
+        }
+    }
+}
+
+impl StoreServer {
+    /// Starts a server listening on `addr:port` (a host name is resolved; port 0 picks a free
+    /// port, see [`StoreServer::local_addr`]) that serves clients presenting `token`.
+    ///
+    /// `SO_REUSEADDR` is set, so a server restarted right away on the same port can bind while
+    /// the previous one's connections linger in `TIME_WAIT`.
+    pub fn bind(addr: &str, port: u16, token: &str) -> Result<StoreServer, CommError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let starting = start(addr, port, token, move |r| {
+            let _ = tx.send(r);
+        })?;
+        let bound =
+            rx.recv().unwrap_or_else(|_| Err(CommError::Store("the store server thread exited before binding".into())));
+        starting.finish(bound)
+    }
+
+    /// The address the server listens on (with the actual port when bound to port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stops the server and joins its thread (what dropping it does).
+    pub fn shutdown(self) {
+        drop(self);
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                tracing::error!("comm store server thread panicked");
+            }
+        }
+    }
+}
+
+/// Starts the server thread; it resolves and binds `addr:port` and calls `report` with the
+/// result before serving.
+pub(crate) fn start(
+    addr: &str,
+    port: u16,
+    token: &str,
+    report: impl FnOnce(Result<SocketAddr, CommError>) + Send + 'static,
+) -> Result<Starting, CommError> {
+    if token.len() > wire::MAX_TOKEN {
+        return Err(CommError::Config(format!(
+            "COMM_JOB_TOKEN is {} bytes long; at most {} are allowed",
+            token.len(),
+            wire::MAX_TOKEN
+        )));
+    }
+    let (stop_tx, stop_rx) = oneshot::channel();
+    let (addr, token) = (addr.to_owned(), Arc::<[u8]>::from(token.as_bytes()));
+    let thread = std::thread::Builder::new()
+        .name("comm-store-server".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread().enable_io().enable_time().build() {
+                Ok(rt) => rt,
+                Err(e) => return report(Err(CommError::io("starting the store server's runtime", e))),
+            };
+            rt.block_on(async move {
+                let listener = match listen(&addr, port).await {
+                    Ok(l) => l,
+                    Err(e) => return report(Err(e)),
+                };
+                match listener.local_addr() {
+                    Ok(a) => report(Ok(a)),
+                    Err(e) => return report(Err(CommError::io("reading the store's bound address", e))),
+                }
+                serve(listener, token, stop_rx).await;
+            });
+            // Dropping the runtime here cancels every connection task, closing their sockets.
+        })
+        .map_err(|e| CommError::io("spawning the store server thread", e))?;
+    Ok(Starting { stop: stop_tx, thread })
+}
+
+/// Resolves `addr` and listens on the first of its addresses that binds.
+async fn listen(addr: &str, port: u16) -> Result<TcpListener, CommError> {
+    let shown = crate::client::display_addr(addr, port);
+    // Blocking resolution is fine: this is the server's own thread, before it serves anyone.
+    let addrs: Vec<SocketAddr> = (addr, port)
+        .to_socket_addrs()
+        .map_err(|e| CommError::Config(format!("cannot resolve the store address {shown}: {e}")))?
+        .collect();
+    let mut last = None;
+    for a in &addrs {
+        let bound = (|| {
+            let socket = if a.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+            socket.set_reuseaddr(true)?;
+            socket.bind(*a)?;
+            socket.listen(1024)
+        })();
+        match bound {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some((*a, e)),
+        }
+    }
+    Err(match last {
+        None => CommError::Config(format!("the store address {shown} resolves to no address")),
+        Some((a, e)) => {
+            let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
+                " (is another job, or a torchrun agent's store, using MASTER_PORT? pick another port)"
+            } else {
+                ""
+            };
+            CommError::io(format!("binding the rendezvous store on {a}{hint}"), e)
+        }
+    })
+}
+
+/// Accepts connections until told to stop.
+async fn serve(listener: TcpListener, token: Arc<[u8]>, mut stop: oneshot::Receiver<()>) {
+    let store = Arc::new(MemoryStore::new());
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    tokio::spawn(connection(stream, peer, token.clone(), store.clone()));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!("comm store: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+}
+
+/// Serves one connection: the handshake, then requests until it closes or misbehaves.
+async fn connection(stream: TcpStream, peer: SocketAddr, token: Arc<[u8]>, store: Arc<MemoryStore>) {
+    let (mut rd, mut wr) = stream.into_split();
+    if !handshake(&mut rd, &mut wr, peer, &token).await {
+        return;
+    }
+    // Responses go through a writer task so reading never waits on writing: a client that
+    // pipelines requests without reading cannot deadlock against the server.
+    let (tx, rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let writer = tokio::spawn(write_responses(wr, rx));
+    loop {
+        let frame = match wire::read_frame(&mut rd, wire::MAX_FRAME).await {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(FrameError::Io(e)) => {
+                tracing::debug!("comm store: connection from {peer} failed: {e}");
+                break;
+            }
+            Err(e) => {
+                tracing::warn!("comm store: closing the connection from {peer}: {e}");
+                break;
+            }
+        };
+        let (id, req) = match wire::decode_request(&frame) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("comm store: closing the connection from {peer}: malformed request ({})", e.0);
+                break;
+            }
+        };
+        match req {
+            // Waits get a task each, so a blocked wait holds up nothing else.
+            Request::Get { key, timeout } => {
+                let store = store.clone();
+                spawn_wait(id, tx.clone(), async move { store.get(&key, timeout).await });
+            }
+            Request::Wait { keys, timeout } => {
+                let store = store.clone();
+                spawn_wait(id, tx.clone(), async move { wait(&store, &keys, timeout).await.map(|()| Vec::new()) });
+            }
+            // The rest complete at once, in the order they arrived.
+            other => {
+                let _ = tx.send(immediate(&store, id, other).await);
+            }
+        }
+    }
+    // The client is gone or misbehaved: drop what it still waits for.
+    writer.abort();
+}
+
+/// Serves a wait on a task of its own, which ends early if the connection goes away.
+fn spawn_wait(
+    id: u64,
+    tx: mpsc::UnboundedSender<Vec<u8>>,
+    wait: impl Future<Output = Result<Vec<u8>, CommError>> + Send + 'static,
+) {
+    tokio::spawn(async move {
+        tokio::select! {
+            r = wait => {
+                let _ = tx.send(r.map_or_else(|e| error_response(id, e), |v| wire::response(id, wire::STATUS_OK, &v)));
+            }
+            _ = tx.closed() => {}
+        }
+    });
+}
+
+/// Reads and checks the handshake; answers it. Whether to go on serving.
+async fn handshake(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: SocketAddr, token: &[u8]) -> bool {
+    let hello = match tokio::time::timeout(HELLO_TIMEOUT, wire::read_frame(rd, wire::HELLO_MAX)).await {
+        Err(_) => {
+            tracing::warn!("comm store: {peer} sent no handshake within {HELLO_TIMEOUT:?}; closing");
+            return false;
+        }
+        Ok(Ok(Some(f))) => f,
+        Ok(Ok(None)) => return false,
+        Ok(Err(e)) => {
+            tracing::warn!("comm store: {peer} is not a store client ({e}); closing");
+            return false;
+        }
+    };
+    let mut d = wire::Dec(&hello);
+    let version = match (d.take(wire::MAGIC.len()), d.u32()) {
+        (Ok(m), Ok(v)) if m == wire::MAGIC => v,
+        _ => {
+            tracing::warn!("comm store: {peer} is not a store client (bad handshake); closing");
+            return false;
+        }
+    };
+    let status = if version != wire::VERSION {
+        tracing::warn!("comm store: refusing {peer}: protocol version {version}, this server speaks {}", wire::VERSION);
+        wire::HELLO_BAD_VERSION
+    } else if !same_token(d.rest(), token) {
+        tracing::warn!("comm store: refusing {peer}: job token mismatch (a client of another job?)");
+        wire::HELLO_BAD_TOKEN
+    } else {
+        wire::HELLO_OK
+    };
+    let reply = wire::Enc::new().raw(&wire::MAGIC).u8(status).u32(wire::VERSION).finish(wire::HELLO_MAX);
+    let sent = match reply {
+        Ok(frame) => wire::write_frame(wr, &frame).await.is_ok(),
+        Err(_) => false,
+    };
+    sent && status == wire::HELLO_OK
+}
+
+/// Compares tokens in time independent of where they differ.
+fn same_token(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn write_responses(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Vec<u8>>) {
+    while let Some(frame) = rx.recv().await {
+        if wire::write_frame(&mut wr, &frame).await.is_err() {
+            break;
+        }
+    }
+}
+
+/// Serves a request that does not wait.
+async fn immediate(store: &MemoryStore, id: u64, req: Request) -> Vec<u8> {
+    let r = match req {
+        Request::Set { key, value } => store.set(&key, &value).await.map(|()| Vec::new()),
+        Request::Add { key, delta } => store.add(&key, delta).await.map(|n| n.to_le_bytes().to_vec()),
+        Request::CompareSet { key, expected, desired } => store.compare_set(&key, expected.as_deref(), &desired).await,
+        Request::Delete { key } => store.delete(&key).await.map(|b| vec![u8::from(b)]),
+        Request::Get { .. } | Request::Wait { .. } => {
+            Err(CommError::Store("internal: a wait served as immediate".into()))
+        }
+    };
+    r.map_or_else(|e| error_response(id, e), |body| wire::response(id, wire::STATUS_OK, &body))
+}
+
+/// Waits for `keys`; on timeout, names only the keys still missing.
+async fn wait(store: &MemoryStore, keys: &[String], timeout: Duration) -> Result<(), CommError> {
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    match store.wait(&refs, timeout).await {
+        Err(CommError::Timeout { op, after, .. }) => {
+            let mut missing = Vec::new();
+            for k in &refs {
+                if store.get(k, Duration::ZERO).await.is_err() {
+                    missing.push(format!("`{k}`"));
+                }
+            }
+            if missing.is_empty() {
+                // All set just as the wait timed out: still a timeout, name them all.
+                missing = refs.iter().map(|k| format!("`{k}`")).collect();
+            }
+            Err(CommError::Timeout { op, after, detail: format!("key(s) {} never set", missing.join(", ")) })
+        }
+        other => other,
+    }
+}
+
+fn error_response(id: u64, e: CommError) -> Vec<u8> {
+    match e {
+        CommError::Timeout { detail, .. } => wire::response(id, wire::STATUS_TIMEOUT, detail.as_bytes()),
+        CommError::Store(msg) => wire::response(id, wire::STATUS_ERROR, msg.as_bytes()),
+        other => wire::response(id, wire::STATUS_ERROR, other.to_string().as_bytes()),
+    }
+}

@@ -1,0 +1,368 @@
+//! Tests of the TCP store, the server's robustness and `rendezvous`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use comm_core::{CommError, Launcher, Store, WorldInfo, WorldSource};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::wire::{self, Enc};
+use crate::{rendezvous, StoreServer, TcpStore};
+
+const T: Duration = Duration::from_secs(10);
+
+fn server(token: &str) -> StoreServer {
+    StoreServer::bind("127.0.0.1", 0, token).unwrap()
+}
+
+async fn client(s: &StoreServer, token: &str) -> TcpStore {
+    TcpStore::connect("127.0.0.1", s.local_addr().port(), token, T).await.unwrap()
+}
+
+/// A raw connection that has done the handshake (empty token).
+async fn raw_client(s: &StoreServer) -> TcpStream {
+    let mut stream = TcpStream::connect(s.local_addr()).await.unwrap();
+    let hello = Enc::new().raw(&wire::MAGIC).u32(wire::VERSION).finish(wire::HELLO_MAX).unwrap();
+    stream.write_all(&hello).await.unwrap();
+    let reply = wire::read_frame(&mut stream, wire::HELLO_MAX).await.unwrap().unwrap();
+    assert_eq!(reply[wire::MAGIC.len()], wire::HELLO_OK);
+    stream
+}
+
+/// Whether the server closed `stream` (EOF or reset) within a few seconds.
+async fn closed_by_server(stream: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 64];
+    matches!(tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf)).await, Ok(Ok(0) | Err(_)))
+}
+
+/// The server still serves a fresh, normal client.
+async fn still_serves(s: &StoreServer) {
+    let c = client(s, "").await;
+    let n = c.add("still-serves", 1).await.unwrap();
+    assert!(n >= 1);
+}
+
+#[tokio::test]
+async fn get_waits_for_set_and_times_out() {
+    // MemoryStore's test, on one shared client: a pending get must not block the set.
+    let srv = server("");
+    let s = Arc::new(client(&srv, "").await);
+    let s2 = s.clone();
+    let t = tokio::spawn(async move { s2.get("k", Duration::from_secs(5)).await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    s.set("k", b"v").await.unwrap();
+    assert_eq!(t.await.unwrap().unwrap(), b"v");
+    let e = s.wait(&["k", "missing"], Duration::from_millis(50)).await.unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, CommError::Timeout { .. }), "{e:?}");
+    assert!(msg.contains("`missing`") && !msg.contains("`k`"), "{msg}");
+    let e = s.get("nope", Duration::from_millis(20)).await.unwrap_err();
+    assert!(matches!(&e, CommError::Timeout { op, .. } if op == "store get"), "{e:?}");
+    assert!(e.to_string().contains("nope"), "{e}");
+    s.wait(&[], Duration::ZERO).await.unwrap();
+    s.wait(&["k"], Duration::ZERO).await.unwrap();
+}
+
+#[tokio::test]
+async fn add_compare_set_delete() {
+    let srv = server("");
+    let s = client(&srv, "").await;
+    assert_eq!(s.add("c", 2).await.unwrap(), 2);
+    assert_eq!(s.add("c", -5).await.unwrap(), -3);
+    assert_eq!(s.get("c", T).await.unwrap(), b"-3");
+    assert_eq!(s.compare_set("x", None, b"a").await.unwrap(), b"a");
+    assert_eq!(s.compare_set("x", Some(b"b"), b"c").await.unwrap(), b"a");
+    assert_eq!(s.compare_set("x", Some(b"a"), b"c").await.unwrap(), b"c");
+    assert_eq!(s.compare_set("x", None, b"d").await.unwrap(), b"c");
+    assert_eq!(s.compare_set("absent", Some(b"a"), b"z").await.unwrap(), b"");
+    assert!(s.delete("x").await.unwrap());
+    assert!(!s.delete("x").await.unwrap());
+    s.set("y", b"zz").await.unwrap();
+    let e = s.add("y", 1).await.unwrap_err();
+    assert!(matches!(&e, CommError::Store(m) if m.contains("not an integer")), "{e:?}");
+    // Empty keys and values, and binary values, are fine.
+    s.set("", b"").await.unwrap();
+    assert_eq!(s.get("", T).await.unwrap(), b"");
+    let bin: Vec<u8> = (0..=255).collect();
+    s.set("bin", &bin).await.unwrap();
+    assert_eq!(s.get("bin", T).await.unwrap(), bin);
+}
+
+#[tokio::test]
+async fn get_waits_for_another_client() {
+    let srv = server("");
+    let (a, b) = (client(&srv, "").await, client(&srv, "").await);
+    let t = tokio::spawn(async move { a.get("later", T).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // b is not held up by a's pending get.
+    assert_eq!(b.add("other", 1).await.unwrap(), 1);
+    b.set("later", b"hello").await.unwrap();
+    assert_eq!(t.await.unwrap().unwrap(), b"hello");
+}
+
+#[tokio::test]
+async fn big_values_round_trip_and_oversized_are_refused() {
+    let srv = server("");
+    let s = client(&srv, "").await;
+    let big: Vec<u8> = (0..8 << 20).map(|i: u32| (i % 251) as u8).collect();
+    s.set("big", &big).await.unwrap();
+    assert_eq!(s.get("big", T).await.unwrap(), big);
+    let huge = vec![0u8; wire::MAX_FRAME + 1];
+    let e = s.set("huge", &huge).await.unwrap_err();
+    assert!(matches!(e, CommError::InvalidArgument { op: "store set", .. }), "{e:?}");
+    // The connection is still good.
+    assert_eq!(s.add("after", 1).await.unwrap(), 1);
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn thirty_two_clients_count_exactly() {
+    let srv = server("job");
+    let port = srv.local_addr().port();
+    let tasks: Vec<_> = (0..32)
+        .map(|_| {
+            tokio::spawn(async move {
+                let c = TcpStore::connect("127.0.0.1", port, "job", T).await?;
+                for _ in 0..10 {
+                    c.add("counter", 1).await?;
+                }
+                c.get("counter", T).await
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let c = client(&srv, "job").await;
+    assert_eq!(c.add("counter", 0).await.unwrap(), 320);
+}
+
+#[tokio::test]
+async fn client_killed_mid_request() {
+    let srv = server("");
+    let good = client(&srv, "").await;
+    let mut raw = raw_client(&srv).await;
+    // A frame header announcing 100 bytes, then 10 of them.
+    raw.write_all(&100u32.to_le_bytes()).await.unwrap();
+    raw.write_all(&[7u8; 10]).await.unwrap();
+    // While that connection is stuck mid-frame, others are served.
+    good.set("a", b"1").await.unwrap();
+    assert_eq!(good.get("a", T).await.unwrap(), b"1");
+    drop(raw);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(good.add("n", 1).await.unwrap(), 1);
+    still_serves(&srv).await;
+}
+
+#[tokio::test]
+async fn garbage_closes_only_that_connection() {
+    let srv = server("");
+    let good = client(&srv, "").await;
+    let cases: &[&[u8]] = &[
+        b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n",
+        &[5, 0, 0, 0, b'h', b'e', b'l', b'l', b'o'],
+        &[0xff, 0xff, 0xff, 0xff],
+        &[0, 0, 0, 0],
+    ];
+    for garbage in cases {
+        let mut raw = TcpStream::connect(srv.local_addr()).await.unwrap();
+        raw.write_all(garbage).await.unwrap();
+        assert!(closed_by_server(&mut raw).await, "not closed after {garbage:?}");
+        assert!(good.add("g", 1).await.unwrap() > 0);
+        still_serves(&srv).await;
+    }
+}
+
+#[tokio::test]
+async fn oversized_and_malformed_frames_after_handshake() {
+    let srv = server("");
+    let good = client(&srv, "").await;
+    let mut raw = raw_client(&srv).await;
+    raw.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+    assert!(closed_by_server(&mut raw).await);
+    let mut raw = raw_client(&srv).await;
+    let bad = Enc::new().u64(1).u8(200).finish(wire::MAX_FRAME).unwrap();
+    raw.write_all(&bad).await.unwrap();
+    assert!(closed_by_server(&mut raw).await);
+    good.set("still", b"here").await.unwrap();
+    still_serves(&srv).await;
+}
+
+#[tokio::test]
+async fn wrong_job_token_is_refused_at_once() {
+    let srv = server("job-a");
+    let start = Instant::now();
+    let e = TcpStore::connect("127.0.0.1", srv.local_addr().port(), "job-b", T).await.unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(2));
+    let msg = e.to_string();
+    assert!(matches!(e, CommError::Store(_)), "{e:?}");
+    assert!(msg.contains("belongs to another job (job token mismatch)"), "{msg}");
+    assert!(msg.contains(&format!("127.0.0.1:{}", srv.local_addr().port())), "{msg}");
+    // No token at all is a different token too.
+    assert!(TcpStore::connect("127.0.0.1", srv.local_addr().port(), "", T).await.is_err());
+    still_serves_with(&srv, "job-a").await;
+}
+
+async fn still_serves_with(s: &StoreServer, token: &str) {
+    client(s, token).await.set("ok", b"1").await.unwrap();
+}
+
+#[tokio::test]
+async fn nothing_listening_never_came_up() {
+    // A port that was free a moment ago.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let start = Instant::now();
+    let e = TcpStore::connect("127.0.0.1", port, "", Duration::from_millis(300)).await.unwrap_err();
+    let took = start.elapsed();
+    let msg = e.to_string();
+    assert!(took >= Duration::from_millis(250) && took < Duration::from_millis(1500), "{took:?}");
+    assert!(msg.contains(&format!("rank 0's store never came up at 127.0.0.1:{port} after 0.3 s")), "{msg}");
+    assert!(msg.contains("is MASTER_ADDR/MASTER_PORT right? did rank 0 start?"), "{msg}");
+}
+
+#[tokio::test]
+async fn connect_waits_for_a_late_server() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let late = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        StoreServer::bind("127.0.0.1", port, "")
+    });
+    let c = TcpStore::connect("127.0.0.1", port, "", T).await.unwrap();
+    c.set("k", b"v").await.unwrap();
+    let srv = late.join().unwrap().unwrap();
+    assert_eq!(srv.local_addr().port(), port);
+}
+
+#[tokio::test]
+async fn server_shutdown_fails_clients_clearly() {
+    let srv = server("");
+    let c = client(&srv, "").await;
+    let c2 = c.clone();
+    let pending = tokio::spawn(async move { c2.get("never", T).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    srv.shutdown();
+    let e = tokio::time::timeout(Duration::from_secs(5), pending).await.unwrap().unwrap().unwrap_err();
+    assert!(e.to_string().contains("lost the connection to the store"), "{e}");
+    let e = c.set("k", b"v").await.unwrap_err();
+    assert!(e.to_string().contains("lost the connection to the store"), "{e}");
+}
+
+#[tokio::test]
+async fn restart_on_the_same_port() {
+    let srv = server("");
+    let port = srv.local_addr().port();
+    let c = client(&srv, "").await;
+    c.set("k", b"v").await.unwrap();
+    // The server closes first, leaving its side of the connection in TIME_WAIT.
+    drop(srv);
+    let _ = c.set("k", b"v").await;
+    let srv = StoreServer::bind("127.0.0.1", port, "").unwrap();
+    still_serves(&srv).await;
+}
+
+#[tokio::test]
+async fn cancelled_requests_leave_the_client_usable() {
+    let srv = server("");
+    let c = client(&srv, "").await;
+    for _ in 0..5 {
+        assert!(tokio::time::timeout(Duration::from_millis(10), c.get("nope", T)).await.is_err());
+    }
+    c.set("k", b"v").await.unwrap();
+    assert_eq!(c.get("k", T).await.unwrap(), b"v");
+    // Effectively unbounded waits are fine too.
+    let c2 = c.clone();
+    let t = tokio::spawn(async move { c2.get("forever", Duration::MAX).await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    c.set("forever", b"x").await.unwrap();
+    assert_eq!(t.await.unwrap().unwrap(), b"x");
+}
+
+#[test]
+fn works_without_the_callers_runtime() {
+    // The server needs no runtime from its creator, and the client none from its user: here
+    // the test thread is busy (blocked in join) and the client runs under futures' executor.
+    let srv = StoreServer::bind("localhost", 0, "tok").unwrap();
+    let port = srv.local_addr().port();
+    let user = std::thread::spawn(move || {
+        futures::executor::block_on(async {
+            let c = TcpStore::connect("127.0.0.1", port, "tok", T).await?;
+            c.set("k", b"v").await?;
+            c.get("k", T).await
+        })
+    });
+    assert_eq!(user.join().unwrap().unwrap(), b"v");
+    assert!(format!("{srv:?}").contains("StoreServer"));
+}
+
+#[test]
+fn bind_errors_name_the_address() {
+    let srv = server("");
+    let port = srv.local_addr().port();
+    let e = StoreServer::bind("127.0.0.1", port, "").unwrap_err();
+    assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
+    let e = StoreServer::bind("no-such-host.invalid", 0, "").unwrap_err();
+    assert!(e.to_string().contains("no-such-host.invalid"), "{e}");
+    let long = "x".repeat(wire::MAX_TOKEN + 1);
+    assert!(matches!(StoreServer::bind("127.0.0.1", 0, &long), Err(CommError::Config(_))));
+}
+
+fn world(rank: u32, world_size: u32, port: u16) -> WorldInfo {
+    WorldInfo {
+        rank,
+        world_size,
+        local_rank: rank,
+        local_world_size: world_size,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        source: WorldSource { launcher: Launcher::Explicit, variables: Vec::new() },
+    }
+}
+
+#[tokio::test]
+async fn rendezvous_single_process_uses_memory() {
+    let (store, server) = rendezvous(&WorldInfo::single(), T).await.unwrap();
+    assert!(server.is_none());
+    assert!(format!("{store:?}").contains("MemoryStore"), "{store:?}");
+    store.set("k", b"v").await.unwrap();
+    assert!(rendezvous(&world(3, 3, 0), T).await.is_err());
+}
+
+#[tokio::test]
+async fn rendezvous_three_ranks() {
+    let (s0, server) = rendezvous(&world(0, 3, 0), T).await.unwrap();
+    let server = server.unwrap();
+    let port = server.local_addr().port();
+    let ranks: Vec<_> = (1..3)
+        .map(|r| {
+            tokio::spawn(async move {
+                let (s, server) = rendezvous(&world(r, 3, port), T).await?;
+                assert!(server.is_none());
+                s.set(&format!("rank{r}"), b"up").await?;
+                s.wait(&["rank0", "rank1", "rank2"], T).await?;
+                Ok::<_, CommError>(())
+            })
+        })
+        .collect();
+    s0.set("rank0", b"up").await.unwrap();
+    for r in ranks {
+        r.await.unwrap().unwrap();
+    }
+    s0.wait(&["rank1", "rank2"], T).await.unwrap();
+    // A rank with another idea of the world size is told so.
+    let e = rendezvous(&world(1, 4, port), T).await.unwrap_err();
+    assert!(matches!(e, CommError::Mismatch { op: "rendezvous", .. }), "{e:?}");
+    assert!(e.to_string().contains("world size 4") && e.to_string().contains("world size 3"), "{e}");
+    // Other ranks need the real port.
+    assert!(matches!(rendezvous(&world(1, 3, 0), T).await, Err(CommError::Config(_))));
+}
+
+#[tokio::test]
+async fn rendezvous_falls_back_to_all_interfaces() {
+    // 192.0.2.1 (TEST-NET-1) is not an address of this host: rank 0 listens on 0.0.0.0.
+    let mut info = world(0, 2, 0);
+    info.master_addr = "192.0.2.1".into();
+    let (s, server) = rendezvous(&info, T).await.unwrap();
+    let server = server.unwrap();
+    assert!(server.local_addr().ip().is_unspecified());
+    s.set("k", b"v").await.unwrap();
+}
