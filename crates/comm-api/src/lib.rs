@@ -1,1 +1,45 @@
-//! placeholder
+//! **comm**: the collective operations of `torch.distributed` / `deepspeed.comm` for async Rust.
+//!
+//! ```no_run
+//! use comm_api::{Config, HostBuffer, ReduceOp};
+//!
+//! # async fn run() -> Result<(), comm_api::CommError> {
+//! let pg = comm_api::init(Config::from_env()?).await?;        // discovery + rendezvous + backend
+//! let grads = HostBuffer::from_slice(&[1.0f32, 2.0, 3.0]);
+//! let summed = pg.all_reduce(grads, ReduceOp::Sum).await?;     // Work<HostBuffer>, awaited
+//! let w = pg.all_gather(summed);                               // issued now...
+//! // ... compute while it runs ...
+//! let gathered = w.await?;                                     // ...completed here
+//! assert_eq!(gathered.len(), 3 * pg.world_size() as usize);
+//! # Ok(()) }
+//! ```
+//!
+//! Launch N local ranks with `commrun -n N -- prog` (or torchrun, which sets the same
+//! variables). Every op returns a [`Work`] at once: a `Future` that also offers
+//! `is_completed()` and a blocking `wait()`. Ops are *eager*: they are issued in program
+//! order when called, so awaiting works in any order (or dropping them) never reorders
+//! collectives across ranks.
+//!
+//! # Feature flags
+//!
+//! | feature | default | backend | needs to build | needs to run |
+//! |---|---|---|---|---|
+//! | `shm` | yes | same-host shared memory | nothing | every rank on one host, `/dev/shm` with room for `2 × window + mailboxes` per rank (≈ 8.5 MiB at 2 ranks) |
+//!
+//! The `mpi` and `nccl` backends come with their own features; asking for a backend that
+//! was not compiled in fails with [`CommError::Unavailable`] naming the feature to enable.
+//!
+//! # Environment
+//! `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (as
+//! torchrun sets them); `COMM_TIMEOUT` (seconds, default 300) bounds every wait;
+//! `COMM_BACKEND` (`auto`, `shm`, `mpi`, `nccl`); `COMM_SHM_WINDOW` and friends tune shm.
+
+mod config;
+mod group;
+
+pub use comm_core::{
+    bf16, f16, ops, Backend, Collective, CommError, DType, Element, Group, HostBuffer, Launcher, Rank, ReduceOp,
+    Store, Work, WorldInfo, WorldSource,
+};
+pub use config::{builder, init, BackendKind, Builder, Config};
+pub use group::{P2POp, ProcessGroup};

@@ -1,0 +1,353 @@
+use std::fmt;
+use std::sync::Arc;
+
+use comm_core::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send};
+use comm_core::{Backend, Collective, CommError, DType, HostBuffer, Op, Rank, ReduceOp, Work, WorldInfo};
+
+/// A group of ranks and every collective op on it. Cheap to clone.
+///
+/// Methods return a [`Work`] immediately (the op is already issued); `.await` it, poll
+/// `is_completed()`, or `wait()` from synchronous code. Buffers are moved in and handed back.
+/// Every rank of the group must call the same ops in the same order.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    backend: Arc<dyn Backend>,
+    world: Arc<WorldInfo>,
+    /// Global rank of each group rank.
+    members: Arc<Vec<Rank>>,
+    /// Rank 0 serves the rendezvous store; it must outlive every group created from it.
+    _server: Option<Arc<discovery::StoreServer>>,
+}
+
+/// One point-to-point op of a [`ProcessGroup::batch_isend_irecv`] batch.
+#[derive(Debug)]
+pub enum P2POp {
+    /// Send `buf` to `peer`.
+    Send {
+        /// Data.
+        buf: HostBuffer,
+        /// Destination (group rank).
+        peer: Rank,
+        /// Tag.
+        tag: u32,
+    },
+    /// Receive into `buf` from `peer`.
+    Recv {
+        /// Receives the data.
+        buf: HostBuffer,
+        /// Source (group rank).
+        peer: Rank,
+        /// Tag.
+        tag: u32,
+    },
+}
+
+impl fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("backend", &self.backend.backend_name())
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("members", &self.members)
+            .finish()
+    }
+}
+
+impl ProcessGroup {
+    pub(crate) fn new(
+        backend: Arc<dyn Backend>,
+        world: WorldInfo,
+        server: Option<Arc<discovery::StoreServer>>,
+    ) -> ProcessGroup {
+        let members = (0..backend.world_size()).collect();
+        ProcessGroup { backend, world: Arc::new(world), members: Arc::new(members), _server: server }
+    }
+
+    /// Wraps a backend you built yourself (for example `comm_test::LocalWorld` ranks);
+    /// `world` describes the process.
+    pub fn from_backend(backend: Arc<dyn Backend>, world: WorldInfo) -> ProcessGroup {
+        ProcessGroup::new(backend, world, None)
+    }
+
+    /// The backend under this group.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    fn submit<R: Op>(&self, req: R) -> Work<R::Output>
+    where
+        dyn Backend: Collective<R>,
+    {
+        Collective::<R>::submit(&*self.backend, req)
+    }
+
+    /// This process's rank in the group.
+    pub fn rank(&self) -> Rank {
+        self.backend.rank()
+    }
+
+    /// Number of ranks in the group.
+    pub fn world_size(&self) -> u32 {
+        self.backend.world_size()
+    }
+
+    /// This process's rank on its host (from the launcher).
+    pub fn local_rank(&self) -> Rank {
+        self.world.local_rank
+    }
+
+    /// The global rank of group rank `group_rank`, or `None` if out of range.
+    pub fn global_rank(&self, group_rank: Rank) -> Option<Rank> {
+        self.members.get(group_rank as usize).copied()
+    }
+
+    /// Short backend name: `"shm"`, `"mpi"`, `"nccl"`.
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.backend_name()
+    }
+
+    /// How this process found its place in the job (launcher, variables), for logs.
+    pub fn describe(&self) -> String {
+        format!("{} on backend {}", self.world, self.backend_name())
+    }
+
+    /// The world as discovered at `init`.
+    pub fn world_info(&self) -> &WorldInfo {
+        &self.world
+    }
+
+    /// Every rank ends with `root`'s `buf`.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let pg = comm_api::init(comm_api::Config::single()).await.unwrap();
+    /// let b = pg.broadcast(comm_api::HostBuffer::from_slice(&[7u8, 8]), 0).await.unwrap();
+    /// assert_eq!(b.to_vec::<u8>().unwrap(), [7, 8]);
+    /// # });
+    /// ```
+    pub fn broadcast(&self, buf: HostBuffer, root: Rank) -> Work<HostBuffer> {
+        self.submit(Broadcast { buf, root })
+    }
+
+    /// Every rank ends with the reduction of every rank's `buf` (in place, handed back).
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// use comm_api::{HostBuffer, ReduceOp};
+    /// let pg = comm_api::init(comm_api::Config::single()).await.unwrap();
+    /// let out = pg.all_reduce(HostBuffer::from_slice(&[1.5f32, 2.0]), ReduceOp::Sum).await.unwrap();
+    /// assert_eq!(out.to_vec::<f32>().unwrap(), [1.5, 2.0]); // one rank: the sum of one input
+    /// # });
+    /// ```
+    pub fn all_reduce(&self, buf: HostBuffer, op: ReduceOp) -> Work<HostBuffer> {
+        self.submit(AllReduce { buf, op })
+    }
+
+    /// DeepSpeed's `inference_all_reduce`: the same as [`all_reduce`](Self::all_reduce), which
+    /// already takes the fastest path the backend has — and, unlike DeepSpeed's, honours `op`,
+    /// the group and every dtype.
+    pub fn inference_all_reduce(&self, buf: HostBuffer, op: ReduceOp) -> Work<HostBuffer> {
+        self.all_reduce(buf, op)
+    }
+
+    /// `root` ends with the reduction; other ranks get their input back unchanged.
+    pub fn reduce(&self, buf: HostBuffer, op: ReduceOp, root: Rank) -> Work<HostBuffer> {
+        self.submit(Reduce { buf, op, root })
+    }
+
+    /// Concatenation of every rank's `input`, in rank order (`world_size × len`).
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let pg = comm_api::init(comm_api::Config::single()).await.unwrap();
+    /// let all = pg.all_gather(comm_api::HostBuffer::from_slice(&[3i64])).await.unwrap();
+    /// assert_eq!(all.to_vec::<i64>().unwrap(), [3]);
+    /// # });
+    /// ```
+    pub fn all_gather(&self, input: HostBuffer) -> Work<HostBuffer> {
+        self.submit(AllGather { input, output: None })
+    }
+
+    /// [`all_gather`](Self::all_gather) into a caller's buffer (reused, no allocation); it must
+    /// hold `world_size × input.len()` elements of the input's dtype.
+    pub fn all_gather_into(&self, input: HostBuffer, output: HostBuffer) -> Work<HostBuffer> {
+        self.submit(AllGather { input, output: Some(output) })
+    }
+
+    /// All-gathers several buffers in one op (DeepSpeed's `all_gather_coalesced`): buffer `i`
+    /// of the result holds every rank's buffer `i`, concatenated in rank order. Buffers may
+    /// differ in dtype and length, but every rank must pass the same shapes.
+    pub fn all_gather_coalesced(&self, inputs: Vec<HostBuffer>) -> Work<Vec<HostBuffer>> {
+        let shapes: Vec<(DType, usize)> = inputs.iter().map(|b| (b.dtype(), b.byte_len())).collect();
+        let total: usize = shapes.iter().map(|s| s.1).sum();
+        let mut packed = HostBuffer::zeroed(DType::U8, total);
+        let mut at = 0;
+        for b in &inputs {
+            packed.as_bytes_mut()[at..at + b.byte_len()].copy_from_slice(b.as_bytes());
+            at += b.byte_len();
+        }
+        let n = self.world_size() as usize;
+        self.all_gather(packed).and_then(move |all| {
+            let bytes = all.as_bytes();
+            let mut out = Vec::with_capacity(shapes.len());
+            let mut at = 0;
+            for (dtype, len) in shapes {
+                let mut b = HostBuffer::zeroed(dtype, n * len / dtype.size());
+                for r in 0..n {
+                    let src = &bytes[r * total + at..r * total + at + len];
+                    b.as_bytes_mut()[r * len..(r + 1) * len].copy_from_slice(src);
+                }
+                out.push(b);
+                at += len;
+            }
+            Ok(out)
+        })
+    }
+
+    /// `input` (`world_size × k` elements) reduced across ranks; rank `r` gets block `r`.
+    pub fn reduce_scatter(&self, input: HostBuffer, op: ReduceOp) -> Work<HostBuffer> {
+        self.submit(ReduceScatter { input, op, output: None })
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) into a caller's buffer of `input.len() / world_size`.
+    pub fn reduce_scatter_into(&self, input: HostBuffer, op: ReduceOp, output: HostBuffer) -> Work<HostBuffer> {
+        self.submit(ReduceScatter { input, op, output: Some(output) })
+    }
+
+    /// torch's `all_to_all_single` with equal blocks: block `j` of this rank's input goes to
+    /// rank `j`, which stores it as its block `rank`.
+    pub fn all_to_all_single(&self, input: HostBuffer) -> Work<HostBuffer> {
+        self.submit(AllToAll { input, output: None, input_splits: None, output_splits: None })
+    }
+
+    /// `all_to_all_single` with uneven blocks: `input_splits[j]` elements go to rank `j`,
+    /// `output_splits[i]` elements come from rank `i`. Splits that do not match across ranks
+    /// give [`CommError::Mismatch`].
+    pub fn all_to_all_single_uneven(
+        &self,
+        input: HostBuffer,
+        input_splits: Vec<usize>,
+        output_splits: Vec<usize>,
+    ) -> Work<HostBuffer> {
+        self.submit(AllToAll { input, output: None, input_splits: Some(input_splits), output_splits: Some(output_splits) })
+    }
+
+    /// `all_to_all_single` into a caller's buffer; `None` splits mean equal blocks.
+    pub fn all_to_all_single_into(
+        &self,
+        input: HostBuffer,
+        output: HostBuffer,
+        input_splits: Option<Vec<usize>>,
+        output_splits: Option<Vec<usize>>,
+    ) -> Work<HostBuffer> {
+        self.submit(AllToAll { input, output: Some(output), input_splits, output_splits })
+    }
+
+    /// Rank `r` receives block `r` of the root's `input` (`world_size × output.len()`) into
+    /// `output`. Non-roots pass `None` as input.
+    pub fn scatter(&self, output: HostBuffer, input: Option<HostBuffer>, root: Rank) -> Work<HostBuffer> {
+        self.submit(Scatter { output, input, root })
+    }
+
+    /// The root receives every rank's `input` concatenated in rank order; other ranks get
+    /// their input back.
+    pub fn gather(&self, input: HostBuffer, root: Rank) -> Work<HostBuffer> {
+        self.submit(Gather { input, output: None, root })
+    }
+
+    /// [`gather`](Self::gather) into a caller's buffer on the root.
+    pub fn gather_into(&self, input: HostBuffer, output: HostBuffer, root: Rank) -> Work<HostBuffer> {
+        self.submit(Gather { input, output: Some(output), root })
+    }
+
+    /// Sends `buf` to `dst` (tag 0); the `Work` hands `buf` back once it is sent. Awaiting it
+    /// is torch's blocking `send`; not awaiting it right away is `isend`.
+    pub fn send(&self, buf: HostBuffer, dst: Rank) -> Work<HostBuffer> {
+        self.isend(buf, dst, 0)
+    }
+
+    /// Receives from `src` (tag 0) into `buf`, whose dtype and length must match the send.
+    pub fn recv(&self, buf: HostBuffer, src: Rank) -> Work<HostBuffer> {
+        self.irecv(buf, src, 0)
+    }
+
+    /// Tagged send. Messages between two ranks arrive in order; a receive whose tag, dtype
+    /// or size differs from the next message is a [`CommError::Mismatch`].
+    pub fn isend(&self, buf: HostBuffer, dst: Rank, tag: u32) -> Work<HostBuffer> {
+        self.submit(Send { buf, dst, tag })
+    }
+
+    /// Tagged receive.
+    pub fn irecv(&self, buf: HostBuffer, src: Rank, tag: u32) -> Work<HostBuffer> {
+        self.submit(Recv { buf, src, tag })
+    }
+
+    /// Issues every op of `ops` at once (sends and receives progress concurrently, so any
+    /// order is deadlock-free) and returns their works in the same order.
+    pub fn batch_isend_irecv(&self, ops: Vec<P2POp>) -> Vec<Work<HostBuffer>> {
+        ops.into_iter()
+            .map(|op| match op {
+                P2POp::Send { buf, peer, tag } => self.isend(buf, peer, tag),
+                P2POp::Recv { buf, peer, tag } => self.irecv(buf, peer, tag),
+            })
+            .collect()
+    }
+
+    /// Resolves once every rank of the group has entered the barrier.
+    pub fn barrier(&self) -> Work<()> {
+        self.submit(Barrier)
+    }
+
+    /// A sub-group of `ranks` (ranks of this group; sorted like torch does). Collective: every
+    /// rank of this group calls it, in the same order relative to other `new_group` calls.
+    /// Members get `Some`, the others `None`. Ops on the sub-group involve only its members.
+    pub async fn new_group(&self, ranks: &[Rank]) -> Result<Option<ProcessGroup>, CommError> {
+        let Some(backend) = self.backend.new_group(ranks).await? else { return Ok(None) };
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        let members = sorted.iter().map(|&r| self.members[r as usize]).collect();
+        Ok(Some(ProcessGroup {
+            backend,
+            world: self.world.clone(),
+            members: Arc::new(members),
+            _server: self._server.clone(),
+        }))
+    }
+
+    /// FlexLLMGen's pipeline helper: the two-rank groups `{r, r+1 mod n}` of a ring, created
+    /// in the same order on every rank; returns this rank's `(with previous, with next)`.
+    /// Needs at least 2 ranks (with exactly 2, both are the same pair).
+    pub async fn pairwise_ring_groups(&self) -> Result<(ProcessGroup, ProcessGroup), CommError> {
+        let n = self.world_size();
+        if n < 2 {
+            return Err(CommError::invalid("pairwise_ring_groups", "needs at least 2 ranks"));
+        }
+        let me = self.rank();
+        let (mut prev, mut next) = (None, None);
+        for r in 0..n {
+            let pair = [r, (r + 1) % n];
+            if n == 2 && r == 1 {
+                break; // {0,1} and {1,0} are the same group
+            }
+            if let Some(g) = self.new_group(&pair).await? {
+                if pair[1] == me {
+                    prev = Some(g.clone());
+                }
+                if pair[0] == me {
+                    next = Some(g);
+                }
+            }
+        }
+        match (prev, next) {
+            (Some(p), Some(n)) => Ok((p, n)),
+            (Some(p), None) | (None, Some(p)) => Ok((p.clone(), p)),
+            (None, None) => Err(CommError::invalid("pairwise_ring_groups", "this rank is in no ring group")),
+        }
+    }
+
+    /// Stops this group's backend after the ops already issued (torch's
+    /// `destroy_process_group`). Later ops fail with [`CommError::Shutdown`].
+    pub async fn shutdown(&self) -> Result<(), CommError> {
+        self.backend.shutdown().await
+    }
+}
