@@ -53,7 +53,8 @@ impl MemoryStore {
         timeout: Duration,
         mut probe: impl FnMut(&HashMap<String, Vec<u8>>) -> Option<T>,
     ) -> Result<T, CommError> {
-        let deadline = tokio::time::Instant::now() + timeout;
+        // Far-future deadlines (Duration::MAX) mean "no deadline", not an overflow panic.
+        let deadline = tokio::time::Instant::now().checked_add(timeout);
         loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
@@ -61,7 +62,14 @@ impl MemoryStore {
             if let Some(v) = probe(&self.map.lock().unwrap_or_else(|e| e.into_inner())) {
                 return Ok(v);
             }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+            let expired = match deadline {
+                Some(d) => tokio::time::timeout_at(d, notified).await.is_err(),
+                None => {
+                    notified.await;
+                    false
+                }
+            };
+            if expired {
                 return Err(CommError::Timeout {
                     op: "store wait".into(),
                     after: timeout,
@@ -133,6 +141,7 @@ mod tests {
         s.set("k", b"v").await.unwrap();
         assert_eq!(t.await.unwrap().unwrap(), b"v");
         let e = s.wait(&["k", "missing"], Duration::from_millis(20)).await.unwrap_err();
+        s.wait(&["k"], Duration::MAX).await.unwrap();
         assert!(e.to_string().contains("missing"), "{e}");
     }
 
