@@ -48,6 +48,23 @@ pub const FAILURE_GRACE: Duration = Duration::from_secs(5);
 /// "the harness found no test of that name and exited 0".
 const DONE_MARKER: &str = "COMM_TEST_CHILD_DONE";
 
+/// Printed by [`dying_on_purpose`]: the rank's end (any exit status, even a signal) is the test.
+const DEATH_MARKER: &str = "COMM_TEST_CHILD_DIES_ON_PURPOSE";
+
+/// Declares, from inside a rank's body, that this rank is about to exit or be killed on
+/// purpose (to test how its peers react): the harness then accepts whatever status it ends
+/// with, instead of reporting it as a failure.
+pub fn dying_on_purpose() {
+    use std::io::Write;
+    let rank = std::env::var("RANK").unwrap_or_else(|_| "?".into());
+    println!("\n{DEATH_MARKER} rank={rank}");
+    let _ = std::io::stdout().flush();
+}
+
+fn expected_death(lines: &[String]) -> bool {
+    lines.iter().any(|l| l.contains(DEATH_MARKER))
+}
+
 /// How many output lines of a failed rank the panic message shows.
 const TAIL_LINES: usize = 40;
 /// How many output lines of a rank that passed the panic message shows.
@@ -184,7 +201,8 @@ fn parent(n: u32, test_name: &str, timeout: Duration, env: &dyn Fn(Rank) -> Vec<
             if r.status.is_none() {
                 if let Ok(Some(s)) = r.child.try_wait() {
                     r.status = Some(s);
-                    if !s.success() && first_failure.is_none() {
+                    let on_purpose = expected_death(&r.output.lock().unwrap_or_else(|e| e.into_inner()));
+                    if !s.success() && !on_purpose && first_failure.is_none() {
                         first_failure = Some((Instant::now(), i));
                     }
                 }
@@ -220,7 +238,7 @@ fn parent(n: u32, test_name: &str, timeout: Duration, env: &dyn Fn(Rank) -> Vec<
             println!("[rank {i}] {l}");
         }
         let done = lines.iter().any(|l| l.contains(DONE_MARKER));
-        let ok = r.status.is_some_and(|s| s.success()) && r.killed.is_none() && done;
+        let ok = r.killed.is_none() && (expected_death(&lines) || r.status.is_some_and(|s| s.success()) && done);
         if !ok {
             failed.push(i);
         }

@@ -106,3 +106,29 @@ fn a_wrong_test_name_is_not_a_silent_pass() {
     });
     assert!(msg.contains("is there a test named exactly `no_such_test`"), "{msg}");
 }
+
+/// A rank that announces its death is not a failure, whatever status it ends with; one that
+/// dies without announcing it is.
+#[test]
+fn announced_deaths_are_accepted() {
+    multiprocess::run(2, "announced_deaths_are_accepted", Duration::from_secs(60), || async {
+        if env_u32("RANK")? == 1 {
+            multiprocess::dying_on_purpose();
+            std::process::abort();
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn unannounced_deaths_fail() {
+    let msg = panic_message(|| {
+        multiprocess::run(2, "unannounced_deaths_fail", Duration::from_secs(60), || async {
+            if env_u32("RANK")? == 1 {
+                std::process::abort();
+            }
+            Ok(())
+        })
+    });
+    assert!(msg.contains("failed on rank(s) [1]"), "{msg}");
+}

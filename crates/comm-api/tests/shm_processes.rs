@@ -1,0 +1,226 @@
+//! The shm backend as real separate processes: the conformance suite at world sizes 1–4,
+//! a 100 MiB all_reduce, and the bad-input and fault cases. Each test re-executes this test
+//! binary once per rank (comm_test::multiprocess).
+
+use std::time::{Duration, Instant};
+
+use comm_api::{BackendKind, CommError, Config, DType, HostBuffer, ProcessGroup, ReduceOp};
+use comm_test::{multiprocess, SuiteConfig};
+
+async fn connect() -> Result<ProcessGroup, String> {
+    comm_api::builder(Config::from_env().map_err(|e| e.to_string())?)
+        .backend(BackendKind::Shm)
+        .connect()
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Names of our segments still present in /dev/shm (created by `pid`).
+fn leftovers(pid: u32) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&format!("commshm-{pid}-")))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn suite(cfg: SuiteConfig) -> Result<(), String> {
+    let pg = connect().await?;
+    let report = comm_test::suite::run(pg.backend().clone(), &cfg).await?;
+    if report.checks == 0 {
+        return Err("the suite checked nothing".into());
+    }
+    println!("rank {}: {} checks in {:?}", report.rank, report.checks, report.elapsed);
+    pg.shutdown().await.map_err(|e| e.to_string())?;
+    let left = leftovers(std::process::id());
+    if !left.is_empty() {
+        return Err(format!("segments left in /dev/shm: {left:?}"));
+    }
+    Ok(())
+}
+
+const T: Duration = Duration::from_secs(240);
+
+#[test]
+fn suite_world_1() {
+    multiprocess::run(1, "suite_world_1", T, || suite(SuiteConfig::default()));
+}
+
+#[test]
+fn suite_world_2() {
+    multiprocess::run(2, "suite_world_2", T, || suite(SuiteConfig::default()));
+}
+
+#[test]
+fn suite_world_3() {
+    multiprocess::run(3, "suite_world_3", T, || suite(SuiteConfig::default()));
+}
+
+#[test]
+fn suite_world_4() {
+    multiprocess::run(4, "suite_world_4", T, || suite(SuiteConfig::default()));
+}
+
+/// A small window forces every op through its chunked path at every world size.
+#[test]
+fn suite_small_window_world_3() {
+    multiprocess::run_with_env(
+        3,
+        "suite_small_window_world_3",
+        T,
+        |_| vec![("COMM_SHM_WINDOW".into(), "4K".into()), ("COMM_SHM_SLOT".into(), "4K".into()), ("COMM_SHM_SMALL_MAX".into(), "1K".into())],
+        || suite(SuiteConfig::quick()),
+    );
+}
+
+#[test]
+fn all_reduce_100_mib() {
+    multiprocess::run(2, "all_reduce_100_mib", T, || async {
+        let pg = connect().await?;
+        let n = 100 << 20 >> 2; // 100 MiB of f32
+        let rank = pg.rank() as usize;
+        let data: Vec<f32> = (0..n).map(|i| ((i + rank) % 1024) as f32).collect();
+        let out = pg.all_reduce(HostBuffer::from_slice(&data), ReduceOp::Sum).await.map_err(|e| e.to_string())?;
+        let out = out.as_slice::<f32>().map_err(|e| e.to_string())?;
+        for (i, &x) in out.iter().enumerate() {
+            let want = ((i % 1024) + ((i + 1) % 1024)) as f32;
+            if x != want {
+                return Err(format!("element {i}: {x} != {want}"));
+            }
+        }
+        Ok(())
+    });
+}
+
+fn expect_err(r: Result<HostBuffer, CommError>, what: &str) -> Result<CommError, String> {
+    match r {
+        Ok(_) => Err(format!("{what}: expected an error, got a result")),
+        Err(e) => Ok(e),
+    }
+}
+
+/// Ranks that disagree on dtype, length or op get Mismatch (never a hang or garbage), and
+/// nothing is left in /dev/shm.
+#[test]
+fn mismatches_across_ranks() {
+    multiprocess::run(2, "mismatches_across_ranks", T, || async {
+        let rank = pg_rank();
+        for case in 0..3 {
+            let pg = connect().await?;
+            let r = match (case, rank) {
+                (0, 0) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 8), ReduceOp::Sum).await,
+                (0, _) => pg.all_reduce(HostBuffer::zeroed(DType::F64, 8), ReduceOp::Sum).await,
+                (1, 0) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 8), ReduceOp::Sum).await,
+                (1, _) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 9), ReduceOp::Sum).await,
+                (_, 0) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 8), ReduceOp::Sum).await,
+                (_, _) => pg.broadcast(HostBuffer::zeroed(DType::F32, 8), 0).await,
+            };
+            let e = expect_err(r, "mismatch")?;
+            let msg = e.to_string();
+            if !matches!(e, CommError::Mismatch { .. } | CommError::PeerLost { .. }) || !msg.contains("rank") {
+                return Err(format!("case {case}: expected Mismatch naming a rank, got {msg}"));
+            }
+            println!("case {case}: {msg}");
+            // The group is poisoned: later ops fail fast.
+            match pg.barrier().await {
+                Err(CommError::Poisoned { .. }) => {}
+                other => return Err(format!("case {case}: expected Poisoned after a mismatch, got {other:?}")),
+            }
+            // A fresh group works again (every rank builds one per case).
+            let _ = pg.shutdown().await;
+        }
+        if !leftovers(std::process::id()).is_empty() {
+            return Err("segments left in /dev/shm".into());
+        }
+        Ok(())
+    });
+}
+
+fn pg_rank() -> u32 {
+    std::env::var("RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0)
+}
+
+/// A rank that exits before a collective: the others get PeerLost quickly (not after the
+/// 300 s default timeout), naming the rank.
+#[test]
+fn peer_exits_before_collective() {
+    multiprocess::run(3, "peer_exits_before_collective", T, || async {
+        let pg = connect().await?;
+        pg.barrier().await.map_err(|e| e.to_string())?;
+        if pg.rank() == 2 {
+            multiprocess::dying_on_purpose();
+            std::process::exit(0); // leaves without a word
+        }
+        let t = Instant::now();
+        let e = expect_err(pg.all_reduce(HostBuffer::zeroed(DType::I32, 1000), ReduceOp::Sum).await, "peer exit")?;
+        let msg = e.to_string();
+        if !matches!(e, CommError::PeerLost { rank: 2, .. } | CommError::PeerLost { .. }) || !msg.contains('2') {
+            return Err(format!("expected PeerLost naming rank 2, got {msg}"));
+        }
+        if t.elapsed() > Duration::from_secs(10) {
+            return Err(format!("took {:?} to notice", t.elapsed()));
+        }
+        println!("rank {}: {msg} after {:?}", pg.rank(), t.elapsed());
+        Ok(())
+    });
+}
+
+/// A rank killed with SIGKILL in the middle of a long stream of ops.
+#[test]
+fn peer_killed_mid_job() {
+    multiprocess::run(2, "peer_killed_mid_job", T, || async {
+        let pg = connect().await?;
+        let mut buf = HostBuffer::zeroed(DType::F32, 1 << 20);
+        for i in 0.. {
+            if pg.rank() == 1 && i == 20 {
+                multiprocess::dying_on_purpose();
+                let _ = std::process::Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
+                std::thread::sleep(Duration::from_secs(5));
+            }
+            match pg.all_reduce(buf, ReduceOp::Sum).await {
+                Ok(b) => buf = b,
+                Err(e) => {
+                    let msg = e.to_string();
+                    if !matches!(e, CommError::PeerLost { rank: 1, .. }) {
+                        return Err(format!("expected PeerLost(1), got {msg}"));
+                    }
+                    println!("rank 0 after {i} ops: {msg}");
+                    return Ok(());
+                }
+            }
+        }
+        unreachable!()
+    });
+}
+
+/// The timeout applies when a peer is alive but never joins.
+#[test]
+fn timeout_when_peer_never_joins() {
+    multiprocess::run_with_env(
+        2,
+        "timeout_when_peer_never_joins",
+        T,
+        |_| vec![("COMM_TIMEOUT".into(), "1.5".into())],
+        || async {
+            let pg = connect().await?;
+            if pg.rank() == 1 {
+                // Alive but busy elsewhere: wait for rank 0's verdict, then leave.
+                std::thread::sleep(Duration::from_secs(4));
+                return Ok(());
+            }
+            let t = Instant::now();
+            let e = expect_err(pg.broadcast(HostBuffer::zeroed(DType::U8, 3), 0).await, "timeout")?;
+            let msg = e.to_string();
+            if !matches!(e, CommError::Timeout { .. }) || !msg.contains("rank 1") {
+                return Err(format!("expected a Timeout naming rank 1, got {msg}"));
+            }
+            if t.elapsed() < Duration::from_millis(1400) || t.elapsed() > Duration::from_secs(4) {
+                return Err(format!("timed out after {:?}, configured 1.5 s", t.elapsed()));
+            }
+            Ok(())
+        },
+    );
+}
