@@ -1,0 +1,440 @@
+//! `comm-bench`: an nccl-tests–style bandwidth benchmark of the comm collectives, run as one
+//! process per rank (`commrun -n 2 -- comm-bench ...`, or `cargo xtask bench`).
+//!
+//! For every (op, dtype, size) it fills known inputs, runs warm-up iterations, a barrier and
+//! the timed iterations (mean wall time per op, maximum over ranks), then one checked
+//! iteration whose wrong elements are counted on every rank and summed. Rank 0 prints the
+//! table and optionally writes JSON; every rank exits 1 when any element was wrong.
+
+mod cases;
+mod report;
+mod sizes;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use comm_api::{CommError, Config, DType, HostBuffer, ProcessGroup, ReduceOp};
+
+use cases::{shape, Case, Coll};
+use report::Row;
+
+/// Default timed iterations move about this many bytes per row...
+const TARGET_BYTES: usize = 1 << 30;
+/// ...within these bounds.
+const ITERS_MIN: usize = 5;
+const ITERS_MAX: usize = 1000;
+/// Ops that consume their input get a fresh copy per iteration, made before the clock starts;
+/// at most this many bytes of copies exist at once (more iterations run in several batches).
+const POOL_BYTES: usize = 256 << 20;
+
+const AFTER_HELP: &str = "\
+SIZES (nccl-tests conventions, see shared/reference/nccl-tests-bw.md):
+  --sizes takes a comma list of sizes or ranges: 8B..64MiB (doubling), 8B..64MiB:x8 (times 8
+  per step), 1MiB..8MiB:+1MiB (adding), 8B,1KiB,1MiB. Units are binary and case-insensitive:
+  B, K/KiB, M/MiB, G/GiB. A requested size S gives count = S / sizeof(dtype) and:
+    all_reduce, broadcast, reduce   buffer of `count` elements;         size(B) = count * T
+    all_gather       input `count` per rank, output n * count;          size(B) = full output
+    reduce_scatter   input n * count, output `count` per rank;          size(B) = full input
+    all_to_all       `count` per peer, n * count in and out;            size(B) = per-rank send buffer
+  where the per-rank `count` of the last three is (S / T / n) rounded down to a multiple of
+  16 bytes, so size(B) may be slightly below the requested size; a size that leaves no
+  element per rank is skipped.
+
+TIMING:
+  time(us) = mean wall time of one op over the timed iterations, the maximum over ranks.
+  algbw = size(B) / time; busbw = algbw * factor with factor 2(n-1)/n for all_reduce,
+  (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast and reduce.
+  GB/s means 10^9 bytes per second. Without --iters, iterations = clamp(1 GiB / size, 5, 1000);
+  without --warmup, warm-up = clamp(iters / 10, 2, 50).
+
+CHECKING:
+  After the timed loop one more iteration runs on fresh known inputs (small integers, exact
+  in every dtype; sums stay exact up to 63 ranks). #wrong is the number of wrong elements,
+  summed over ranks; any wrong element makes every rank exit 1.
+
+JSON (--json PATH, written by rank 0):
+  {\"host\", \"cpu\", \"nproc\", \"git_rev\" (env COMM_BENCH_GIT_REV), \"timestamp\" (RFC 3339 UTC),
+   \"backend\", \"np\", \"time\", \"args\", \"rows\": [{\"op\", \"dtype\", \"bytes\", \"count\", \"redop\",
+   \"root\", \"iters\", \"warmup\", \"time_us\", \"algbw_gbps\", \"busbw_gbps\", \"wrong\" (null
+   with --no-check), \"backend\", \"np\"}]}
+
+ENVIRONMENT:
+  The launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), COMM_BACKEND, COMM_TIMEOUT.";
+
+/// nccl-tests–style collective benchmark; run one process per rank (commrun -n N -- comm-bench).
+#[derive(Parser, Debug)]
+#[command(name = "comm-bench", version, after_help = AFTER_HELP)]
+struct Cli {
+    /// Collectives, comma-separated: all_reduce, all_gather, reduce_scatter, broadcast,
+    /// all_to_all, reduce, or `all`.
+    #[arg(long, value_delimiter = ',', default_value = "all_reduce", value_name = "OPS")]
+    op: Vec<String>,
+    /// Element types, comma-separated: u8, i8, i32, i64, f16, bf16, f32, f64, or `all`.
+    #[arg(long, value_delimiter = ',', default_value = "f32", value_name = "DTYPES")]
+    dtype: Vec<String>,
+    /// Message sizes (see SIZES below).
+    #[arg(long, default_value = "8B..64MiB", value_name = "SPEC")]
+    sizes: String,
+    /// Reduce op of all_reduce, reduce_scatter and reduce: sum, prod, min, max, avg.
+    #[arg(long, default_value = "sum")]
+    redop: String,
+    /// Root rank of broadcast and reduce.
+    #[arg(long, default_value_t = 0)]
+    root: u32,
+    /// Timed iterations per row (default: adaptive, see TIMING).
+    #[arg(long, short = 'n', value_parser = clap::value_parser!(u64).range(1..))]
+    iters: Option<u64>,
+    /// Warm-up iterations per row (default: adaptive).
+    #[arg(long, short = 'w')]
+    warmup: Option<u64>,
+    /// Write the results as JSON to this file (rank 0).
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
+    /// Check every row's results (the default).
+    #[arg(long, overrides_with = "no_check")]
+    check: bool,
+    /// Do not check results (#wrong shows N/A).
+    #[arg(long, overrides_with = "check")]
+    no_check: bool,
+}
+
+/// The parsed, validated request.
+#[derive(Debug)]
+struct Plan {
+    colls: Vec<Coll>,
+    dtypes: Vec<DType>,
+    sizes: Vec<usize>,
+    sizes_spec: String,
+    redop: ReduceOp,
+    root: u32,
+    iters: Option<usize>,
+    warmup: Option<usize>,
+    json: Option<PathBuf>,
+    check: bool,
+}
+
+impl Plan {
+    fn from_cli(cli: Cli) -> Result<Plan, String> {
+        let mut colls = Vec::new();
+        for o in &cli.op {
+            if o.trim().eq_ignore_ascii_case("all") {
+                colls.extend(Coll::ALL);
+            } else {
+                colls.push(Coll::parse(o)?);
+            }
+        }
+        let mut dtypes = Vec::new();
+        for d in &cli.dtype {
+            if d.trim().eq_ignore_ascii_case("all") {
+                dtypes.extend(DType::ALL);
+            } else {
+                dtypes.push(d.trim().parse::<DType>()?);
+            }
+        }
+        dedup(&mut colls);
+        dedup(&mut dtypes);
+        let redop = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg]
+            .into_iter()
+            .find(|r| r.name().eq_ignore_ascii_case(cli.redop.trim()))
+            .ok_or_else(|| format!("unknown --redop `{}` (expected sum, prod, min, max or avg)", cli.redop))?;
+        if colls.iter().any(|c| c.reduces()) {
+            if let Some(d) = dtypes.iter().find(|d| !redop.applies_to(**d)) {
+                return Err(format!("--redop {redop} is not defined for {d}"));
+            }
+        }
+        Ok(Plan {
+            colls,
+            dtypes,
+            sizes: sizes::parse_sizes(&cli.sizes)?,
+            sizes_spec: cli.sizes,
+            redop,
+            root: cli.root,
+            iters: cli.iters.map(|n| n as usize),
+            warmup: cli.warmup.map(|n| n as usize),
+            json: cli.json,
+            check: !cli.no_check,
+        })
+    }
+
+    fn iters_for(&self, bytes: usize) -> usize {
+        self.iters.unwrap_or_else(|| (TARGET_BYTES / bytes.max(1)).clamp(ITERS_MIN, ITERS_MAX))
+    }
+
+    fn warmup_for(&self, iters: usize) -> usize {
+        self.warmup.unwrap_or_else(|| (iters / 10).clamp(2, 50))
+    }
+}
+
+fn dedup<T: PartialEq + Copy>(v: &mut Vec<T>) {
+    let mut seen = Vec::with_capacity(v.len());
+    v.retain(|x| {
+        let new = !seen.contains(x);
+        seen.push(*x);
+        new
+    });
+}
+
+fn main() -> ExitCode {
+    let plan = match Plan::from_cli(Cli::parse()) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("comm-bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("comm-bench: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(&plan)) {
+        Ok(0) => ExitCode::SUCCESS,
+        Ok(wrong) => {
+            eprintln!("comm-bench: {wrong} wrong element(s)");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("comm-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs the whole plan; returns the number of wrong elements over every row and rank.
+async fn run(plan: &Plan) -> Result<u64, CommError> {
+    let pg = comm_api::init(Config::from_env()?).await?;
+    let (rank, n) = (pg.rank(), pg.world_size());
+    if plan.root >= n && plan.colls.iter().any(|c| c.rooted()) {
+        return Err(CommError::Config(format!("--root {} is out of range for {n} ranks", plan.root)));
+    }
+    let leader = rank == 0;
+    let git_rev = std::env::var("COMM_BENCH_GIT_REV").ok().filter(|s| !s.is_empty());
+    if leader {
+        print_preamble(plan, &pg, git_rev.as_deref());
+    }
+    let mut rows = Vec::new();
+    for &coll in &plan.colls {
+        if leader {
+            println!("#");
+            println!("# {coll}: busbw factor {:.3} ({n} ranks)", coll.bus_factor(n));
+            println!("{}", report::column_header());
+        }
+        for &dtype in &plan.dtypes {
+            for &size in &plan.sizes {
+                let Some(shape) = shape(coll, dtype, size, n) else { continue };
+                let case = Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n };
+                let row = bench_row(&pg, plan, case).await?;
+                if leader {
+                    println!("{}", report::format_row(&row));
+                }
+                rows.push(row);
+            }
+        }
+    }
+    let wrong: u64 = rows.iter().filter_map(|r| r.wrong).sum();
+    if leader {
+        for line in report::footer(&rows, &plan.colls) {
+            println!("{line}");
+        }
+        if let Some(path) = &plan.json {
+            let doc = report::Report {
+                host: report::hostname(),
+                cpu: report::cpu_model(),
+                nproc: std::thread::available_parallelism().map_or(1, usize::from),
+                git_rev,
+                timestamp: report::timestamp(),
+                backend: pg.backend_name(),
+                np: n,
+                time: "mean wall time per op, max over ranks",
+                args: std::env::args().skip(1).collect(),
+                rows: &rows,
+            };
+            report::write_json(path, &doc).map_err(|e| CommError::io(format!("writing {}", path.display()), e))?;
+            println!("# JSON written to {}", path.display());
+        }
+    }
+    pg.barrier().await?;
+    pg.shutdown().await?;
+    Ok(wrong)
+}
+
+fn print_preamble(plan: &Plan, pg: &ProcessGroup, git_rev: Option<&str>) {
+    let names = |v: Vec<&str>| v.join(",");
+    println!("# comm-bench: nccl-tests-style collective benchmark");
+    println!(
+        "# backend: {}  ranks: {}  host: {}  git: {}",
+        pg.backend_name(),
+        pg.world_size(),
+        report::hostname(),
+        git_rev.unwrap_or("unknown")
+    );
+    println!(
+        "# ops: {}  dtypes: {}  sizes: {} ({} sizes, {}..{})  redop: {}  root: {}",
+        names(plan.colls.iter().map(|c| c.name()).collect()),
+        names(plan.dtypes.iter().map(|d| d.name()).collect()),
+        plan.sizes_spec,
+        plan.sizes.len(),
+        sizes::format_size(plan.sizes.iter().copied().min().unwrap_or(0)),
+        sizes::format_size(plan.sizes.iter().copied().max().unwrap_or(0)),
+        plan.redop,
+        plan.root
+    );
+    let iters = plan.iters.map_or_else(|| format!("clamp(1GiB/size, {ITERS_MIN}, {ITERS_MAX})"), |n| n.to_string());
+    let warmup = plan.warmup.map_or_else(|| "clamp(iters/10, 2, 50)".to_owned(), |n| n.to_string());
+    println!("# iters: {iters}  warmup: {warmup}  validation: {}", if plan.check { "on" } else { "off" });
+    println!("# time: mean wall time per op, max over ranks; GB/s = 1e9 B/s; size(B) as nccl-tests (see --help)");
+}
+
+/// Times one row and checks it; every rank returns the same row.
+async fn bench_row(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<Row, CommError> {
+    let template = case.input()?;
+    let iters = plan.iters_for(case.shape.bytes);
+    let warmup = plan.warmup_for(iters);
+    // The buffer that comes back from each op: in place, the data itself; else the output.
+    let mut slot = Some(if case.coll.in_place() { template.clone() } else { case.sentinel_output()? });
+    run_iters(pg, &case, warmup, &template, &mut slot).await?;
+    let elapsed = run_iters(pg, &case, iters, &template, &mut slot).await?;
+    drop(slot);
+
+    let wrong = if plan.check {
+        let output = (!case.coll.in_place()).then(|| case.sentinel_output()).transpose()?;
+        let got = issue(pg, &case, template, output).await?;
+        Some(case.count_wrong(&got)?)
+    } else {
+        None
+    };
+
+    // Same numbers on every rank: the slowest rank's time, the sum of wrong elements.
+    let mean = elapsed.as_secs_f64() / iters as f64;
+    let time = pg.all_reduce(HostBuffer::from_slice(&[mean]), ReduceOp::Max).await?.to_vec::<f64>()?[0];
+    let wrong = match wrong {
+        Some(w) => {
+            let all = pg.all_reduce(HostBuffer::from_slice(&[w as i64]), ReduceOp::Sum).await?;
+            Some(all.to_vec::<i64>()?[0] as u64)
+        }
+        None => None,
+    };
+    let algbw = if time > 0.0 { case.shape.bytes as f64 / time / 1e9 } else { 0.0 };
+    Ok(Row {
+        op: case.coll.name(),
+        dtype: case.dtype.name(),
+        bytes: case.shape.bytes,
+        count: case.shape.count,
+        redop: if case.coll.reduces() { case.redop.name() } else { "none" },
+        root: if case.coll.rooted() { i64::from(case.root) } else { -1 },
+        iters,
+        warmup,
+        time_us: time * 1e6,
+        algbw_gbps: algbw,
+        busbw_gbps: algbw * case.coll.bus_factor(case.n),
+        wrong,
+        backend: pg.backend_name(),
+        np: case.n,
+    })
+}
+
+/// Runs `iters` ops and returns the time spent in them. In-place ops reuse the buffer in
+/// `slot`; ops that consume their input take a copy of `template` made beforehand, in batches
+/// of at most [`POOL_BYTES`], each batch starting with a barrier outside the clock.
+async fn run_iters(
+    pg: &ProcessGroup,
+    case: &Case,
+    iters: usize,
+    template: &HostBuffer,
+    slot: &mut Option<HostBuffer>,
+) -> Result<Duration, CommError> {
+    let in_place = case.coll.in_place();
+    let mut total = Duration::ZERO;
+    let mut done = 0;
+    while done < iters {
+        let left = iters - done;
+        let batch = if in_place { left } else { (POOL_BYTES / template.byte_len().max(1)).clamp(1, left) };
+        let mut pool: Vec<HostBuffer> = if in_place { Vec::new() } else { vec![template.clone(); batch] };
+        pg.barrier().await?;
+        let start = Instant::now();
+        for _ in 0..batch {
+            let taken = slot.take();
+            let (input, output) = if in_place { (taken, None) } else { (pool.pop(), taken) };
+            let input = input.ok_or_else(|| CommError::invalid("comm-bench", "lost a buffer"))?;
+            *slot = Some(issue(pg, case, input, output).await?);
+        }
+        total += start.elapsed();
+        done += batch;
+    }
+    Ok(total)
+}
+
+/// Issues one op and waits for it; returns the buffer it hands back (in place: the data;
+/// otherwise the output).
+async fn issue(
+    pg: &ProcessGroup,
+    case: &Case,
+    input: HostBuffer,
+    output: Option<HostBuffer>,
+) -> Result<HostBuffer, CommError> {
+    let (op, root) = (case.redop, case.root);
+    let output = || output.ok_or_else(|| CommError::invalid("comm-bench", "missing output buffer"));
+    match case.coll {
+        Coll::AllReduce => pg.all_reduce(input, op).await,
+        Coll::Broadcast => pg.broadcast(input, root).await,
+        Coll::Reduce => pg.reduce(input, op, root).await,
+        Coll::AllGather => pg.all_gather_into(input, output()?).await,
+        Coll::ReduceScatter => pg.reduce_scatter_into(input, op, output()?).await,
+        Coll::AllToAll => pg.all_to_all_single_into(input, output()?, None, None).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(args: &[&str]) -> Result<Plan, String> {
+        let cli = Cli::try_parse_from(std::iter::once("comm-bench").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())?;
+        Plan::from_cli(cli)
+    }
+
+    #[test]
+    fn defaults() {
+        let p = plan(&[]).unwrap();
+        assert_eq!(p.colls, [Coll::AllReduce]);
+        assert_eq!(p.dtypes, [DType::F32]);
+        assert_eq!(p.sizes.len(), 24);
+        assert!(p.check);
+        assert_eq!(p.iters_for(8), ITERS_MAX);
+        assert_eq!(p.iters_for(64 << 20), 16);
+        assert_eq!(p.iters_for(1 << 30), ITERS_MIN);
+        assert_eq!(p.warmup_for(1000), 50);
+        assert_eq!(p.warmup_for(5), 2);
+    }
+
+    #[test]
+    fn lists_and_flags() {
+        let p =
+            plan(&["--op", "all_reduce,all_gather", "--op", "reduce", "--dtype", "bf16,f64", "--no-check"]).unwrap();
+        assert_eq!(p.colls, [Coll::AllReduce, Coll::AllGather, Coll::Reduce]);
+        assert_eq!(p.dtypes, [DType::BF16, DType::F64]);
+        assert!(!p.check);
+        assert!(plan(&["--no-check", "--check"]).unwrap().check);
+        let p = plan(&["--op", "all", "--dtype", "all", "--redop", "max", "--iters", "7", "--warmup", "0"]).unwrap();
+        assert_eq!(p.colls.len(), 6);
+        assert_eq!(p.dtypes.len(), 8);
+        assert_eq!((p.iters_for(8), p.warmup_for(7)), (7, 0));
+    }
+
+    #[test]
+    fn bad_arguments_are_rejected() {
+        assert!(plan(&["--op", "gossip"]).unwrap_err().contains("unknown op"));
+        assert!(plan(&["--dtype", "f8"]).unwrap_err().contains("unknown dtype"));
+        assert!(plan(&["--redop", "band"]).unwrap_err().contains("--redop"));
+        assert!(plan(&["--redop", "avg", "--dtype", "i32"]).unwrap_err().contains("not defined"));
+        assert!(plan(&["--sizes", "1MiB..1KiB"]).is_err());
+        assert!(plan(&["--iters", "0"]).is_err());
+        // avg on integers is fine when no reducing op runs.
+        assert!(plan(&["--redop", "avg", "--dtype", "i32", "--op", "all_gather"]).is_ok());
+    }
+}
