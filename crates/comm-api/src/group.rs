@@ -302,9 +302,10 @@ impl ProcessGroup {
     /// rank of this group calls it, in the same order relative to other `new_group` calls.
     /// Members get `Some`, the others `None`. Ops on the sub-group involve only its members.
     pub async fn new_group(&self, ranks: &[Rank]) -> Result<Option<ProcessGroup>, CommError> {
-        let Some(backend) = self.backend.new_group(ranks).await? else { return Ok(None) };
+        // Backends take strictly increasing ranks; torch accepts any order and sorts.
         let mut sorted = ranks.to_vec();
         sorted.sort_unstable();
+        let Some(backend) = self.backend.new_group(&sorted).await? else { return Ok(None) };
         let members = sorted.iter().map(|&r| self.members[r as usize]).collect();
         Ok(Some(ProcessGroup {
             backend,
