@@ -1,1 +1,539 @@
-fn main() {}
+//! Project automation: `cargo xtask test [--quick]`, `cargo xtask ci`, `cargo xtask bench [...]`.
+//!
+//! Plain `std`: no dependencies, so it builds in seconds before anything else.
+
+use std::env;
+use std::ffi::OsStr;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, ExitStatus};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+const USAGE: &str = "\
+usage: cargo xtask <command> [options]
+
+commands:
+  test [--quick]   fmt check, clippy -D warnings, cargo test --workspace, every comm-api example
+                   under commrun -n 2 and -n 3, and a comm-bench smoke run (debug build).
+                   --quick skips fmt and clippy.
+  ci               the same as `test` (what .ci/run calls).
+  bench [options]  builds commrun and comm-bench in release and runs
+                   `commrun -n NP -- comm-bench ...` once per backend.
+      --backend LIST   comma list of backends (default shm; compiled-in ones only)
+      --np N           ranks (default 2)
+      --op LIST        all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,reduce or all
+                       (default all_reduce)
+      --dtype LIST     f32,bf16,f16,f64,i32,i64,i8,u8 or all (default f32)
+      --sizes SPEC     8B..64MiB (default), 8B..64MiB:x8, 8B,1KiB,1MiB
+      --iters N, --warmup N, --redop OP, --root R, --check, --no-check
+      --json PATH      write the JSON report (PATH.<backend>.json per backend when several)
+      -- ARGS...       anything after `--` goes to comm-bench as it is
+                       (see `target/release/comm-bench --help`)";
+
+/// Backends `--backend` knows about; each must be a feature of comm-bench to be usable.
+const BACKENDS: [&str; 3] = ["shm", "mpi", "nccl"];
+/// Wall-clock bound of one launched job (examples, smoke bench).
+const JOB_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Why xtask stops: a message and the exit code to stop with.
+#[derive(Debug)]
+struct Failure {
+    code: u8,
+    msg: String,
+}
+
+impl Failure {
+    fn usage(msg: impl Into<String>) -> Failure {
+        Failure { code: 2, msg: format!("{}\n\n{USAGE}", msg.into()) }
+    }
+}
+
+type Result<T = (), E = Failure> = std::result::Result<T, E>;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("test" | "ci") => test(&args[1..]),
+        Some("bench") => bench(&args[1..]),
+        Some("help" | "-h" | "--help") => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        None => Err(Failure::usage("no command given")),
+        Some(other) => Err(Failure::usage(format!("unknown command `{other}`"))),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("xtask: {}", f.msg);
+            ExitCode::from(f.code.max(1))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared helpers
+
+/// The workspace root (the parent of this crate's directory).
+fn root() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    dir.parent().unwrap_or(dir).to_path_buf()
+}
+
+/// The cargo that runs us (`cargo xtask` sets `CARGO`), or `cargo` from `PATH`.
+fn cargo() -> Command {
+    let mut c = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+/// The shell form of a command, for logs.
+fn show(cmd: &Command) -> String {
+    let mut s = String::new();
+    for (k, v) in cmd.get_envs() {
+        if let Some(v) = v {
+            let _ = write!(s, "{}={} ", k.to_string_lossy(), v.to_string_lossy());
+        }
+    }
+    s.push_str(&cmd.get_program().to_string_lossy());
+    for a in cmd.get_args() {
+        let a = a.to_string_lossy();
+        if a.is_empty() || a.contains(|c: char| c.is_whitespace() || "'\"$*?;&|<>()".contains(c)) {
+            let _ = write!(s, " '{}'", a.replace('\'', r"'\''"));
+        } else {
+            let _ = write!(s, " {a}");
+        }
+    }
+    s
+}
+
+/// The exit code to stop with for a finished child.
+fn exit_code(status: ExitStatus) -> u8 {
+    match status.code() {
+        Some(c) => u8::try_from(c).unwrap_or(1).max(1),
+        None => {
+            #[cfg(unix)]
+            {
+                use std::os::unix::process::ExitStatusExt;
+                status.signal().map_or(1, |s| 128u8.saturating_add(u8::try_from(s).unwrap_or(0)))
+            }
+            #[cfg(not(unix))]
+            {
+                1
+            }
+        }
+    }
+}
+
+/// Runs `cmd` to completion, failing with its exit code.
+fn run(mut cmd: Command) -> Result {
+    println!("$ {}", show(&cmd));
+    let status = cmd.status().map_err(|e| Failure { code: 1, msg: format!("cannot run `{}`: {e}", show(&cmd)) })?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(Failure { code: exit_code(status), msg: format!("`{}` failed ({status})", show(&cmd)) })
+    }
+}
+
+/// Like [`run`], but stops the command (SIGTERM, then SIGKILL) after `limit`.
+fn run_bounded(mut cmd: Command, limit: Duration) -> Result {
+    println!("$ {}", show(&cmd));
+    let mut child = cmd.spawn().map_err(|e| Failure { code: 1, msg: format!("cannot run `{}`: {e}", show(&cmd)) })?;
+    let start = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if start.elapsed() < limit => sleep(Duration::from_millis(50)),
+            Ok(None) => {
+                stop(&mut child);
+                return Err(Failure {
+                    code: 124,
+                    msg: format!("`{}` did not finish within {}s and was stopped", show(&cmd), limit.as_secs()),
+                });
+            }
+            Err(e) => return Err(Failure { code: 1, msg: format!("waiting for `{}`: {e}", show(&cmd)) }),
+        }
+    };
+    if status.success() {
+        Ok(())
+    } else {
+        Err(Failure { code: exit_code(status), msg: format!("`{}` failed ({status})", show(&cmd)) })
+    }
+}
+
+/// SIGTERM (commrun forwards it to its ranks), then SIGKILL if it is still there after 5 s.
+fn stop(child: &mut Child) {
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Prints a banner, runs `f`, and reports how long it took.
+fn step(name: &str, f: impl FnOnce() -> Result) -> Result {
+    println!("\n== {name} ==");
+    let start = Instant::now();
+    let r = f();
+    let secs = start.elapsed().as_secs_f64();
+    match &r {
+        Ok(()) => println!("== {name}: ok ({secs:.1}s) =="),
+        Err(e) => println!("== {name}: FAILED ({secs:.1}s, exit code {}) ==", e.code),
+    }
+    r
+}
+
+/// Cargo's target directory (honours `CARGO_TARGET_DIR` and config), from `cargo metadata`.
+fn target_dir() -> Result<PathBuf> {
+    let mut cmd = cargo();
+    cmd.args(["metadata", "--format-version", "1", "--no-deps", "--offline"]);
+    let out = cmd.output().map_err(|e| Failure { code: 1, msg: format!("cannot run cargo metadata: {e}") })?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    json_string_field(&text, "target_directory")
+        .map(PathBuf::from)
+        .ok_or_else(|| Failure { code: 1, msg: "cargo metadata printed no target_directory".into() })
+}
+
+/// The value of the first `"key":"value"` string field in a JSON text (enough for
+/// `cargo metadata`, whose top-level `target_directory` comes after the packages).
+fn json_string_field(json: &str, key: &str) -> Option<String> {
+    let pat = format!("\"{key}\":\"");
+    let start = json.rfind(&pat)? + pat.len();
+    let mut out = String::new();
+    let mut chars = json[start..].chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(out),
+            '\\' => match chars.next()? {
+                'n' => out.push('\n'),
+                't' => out.push('\t'),
+                'u' => {
+                    let hex: String = chars.by_ref().take(4).collect();
+                    out.push(char::from_u32(u32::from_str_radix(&hex, 16).ok()?)?);
+                }
+                other => out.push(other),
+            },
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// The names of the `[features]` of a Cargo.toml (top-level keys of that table).
+fn cargo_features(manifest: &str) -> Vec<String> {
+    let mut in_features = false;
+    let mut out = Vec::new();
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            in_features = line == "[features]";
+        } else if in_features {
+            if let Some((key, _)) = line.split_once('=') {
+                let key = key.trim().trim_matches('"');
+                if !key.is_empty() && !key.starts_with('#') {
+                    out.push(key.to_owned());
+                }
+            }
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// cargo xtask test
+
+fn test(args: &[String]) -> Result {
+    let mut quick = false;
+    for a in args {
+        match a.as_str() {
+            "--quick" => quick = true,
+            other => return Err(Failure::usage(format!("`test` does not take `{other}`"))),
+        }
+    }
+    let total = Instant::now();
+    // A later backend (MPI) will install its system packages here (apt) before building.
+    if quick {
+        println!("== fmt, clippy: skipped (--quick) ==");
+    } else {
+        step("fmt", || {
+            let mut c = cargo();
+            c.args(["fmt", "--all", "--", "--check"]);
+            run(c)
+        })?;
+        step("clippy", || {
+            let mut c = cargo();
+            c.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
+            run(c)
+        })?;
+    }
+    step("test", || {
+        let mut c = cargo();
+        c.args(["test", "--workspace"]);
+        run(c)
+    })?;
+    step("build commrun, comm-bench, examples", || {
+        let mut c = cargo();
+        c.args(["build", "-p", "commrun", "-p", "comm-bench", "-p", "comm-api", "--bins", "--examples"]);
+        run(c)
+    })?;
+    let target = target_dir()?.join("debug");
+    let commrun = target.join("commrun");
+    for example in examples(&root().join("crates/comm-api/examples"))? {
+        for np in [2, 3] {
+            step(&format!("example {example}, {np} ranks"), || {
+                let mut c = Command::new(&commrun);
+                c.current_dir(root()).env("COMM_TIMEOUT", "120");
+                c.arg("-n").arg(np.to_string()).arg("--").arg(target.join("examples").join(&example));
+                run_bounded(c, JOB_TIMEOUT)
+            })?;
+        }
+    }
+    step("bench smoke (comm-bench, 2 ranks)", || {
+        let mut c = Command::new(&commrun);
+        c.current_dir(root()).env("COMM_TIMEOUT", "120");
+        c.args(["-n", "2", "--"]).arg(target.join("comm-bench"));
+        c.args(["--op", "all", "--dtype", "f32,bf16", "--sizes", "8B..1MiB:x16", "--iters", "5", "--warmup", "1"]);
+        run_bounded(c, JOB_TIMEOUT)
+    })?;
+    println!("\n== all steps passed in {:.1}s ==", total.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Example names in `dir`: `name.rs` files and `name/main.rs` directories, sorted.
+fn examples(dir: &Path) -> Result<Vec<String>> {
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| Failure { code: 1, msg: format!("reading {}: {e}", dir.display()) })?;
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter_map(|p| {
+            if p.extension() == Some(OsStr::new("rs")) {
+                p.file_stem().map(|s| s.to_string_lossy().into_owned())
+            } else if p.join("main.rs").is_file() {
+                p.file_name().map(|s| s.to_string_lossy().into_owned())
+            } else {
+                None
+            }
+        })
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+// ---------------------------------------------------------------------------------------------
+// cargo xtask bench
+
+#[derive(Debug, PartialEq)]
+struct BenchArgs {
+    backends: Vec<String>,
+    np: u32,
+    json: Option<PathBuf>,
+    /// Flags passed through to comm-bench.
+    forward: Vec<String>,
+}
+
+fn parse_bench(args: &[String]) -> Result<BenchArgs> {
+    const FORWARDED: [&str; 8] = ["--op", "--dtype", "--sizes", "--iters", "--warmup", "--redop", "--root", "--json"];
+    let mut b = BenchArgs { backends: vec!["shm".into()], np: 2, json: None, forward: Vec::new() };
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        if arg == "--" {
+            b.forward.extend(it.by_ref().cloned());
+            break;
+        }
+        if arg == "--check" || arg == "--no-check" {
+            b.forward.push(arg.clone());
+            continue;
+        }
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_owned())),
+            _ => (arg.as_str(), None),
+        };
+        if flag != "--backend" && flag != "--np" && !FORWARDED.contains(&flag) {
+            return Err(Failure::usage(format!("`bench` does not take `{arg}`")));
+        }
+        let value = match inline {
+            Some(v) => v,
+            None => it.next().cloned().ok_or_else(|| Failure::usage(format!("`{flag}` needs a value")))?,
+        };
+        match flag {
+            "--backend" => {
+                b.backends =
+                    value.split(',').map(|s| s.trim().to_ascii_lowercase()).filter(|s| !s.is_empty()).collect();
+            }
+            "--np" => {
+                b.np = value
+                    .parse()
+                    .ok()
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| Failure::usage(format!("--np {value}: expected a number of ranks ≥ 1")))?;
+            }
+            "--json" => b.json = Some(PathBuf::from(value)),
+            _ => b.forward.extend([flag.to_owned(), value]),
+        }
+    }
+    if b.backends.is_empty() {
+        return Err(Failure::usage("--backend needs at least one backend"));
+    }
+    Ok(b)
+}
+
+/// Checks the backends against those comm-bench can be built with; returns the cargo
+/// features to build with.
+fn backend_features(backends: &[String], bench_manifest: &str) -> Result<Vec<String>> {
+    let available = cargo_features(bench_manifest);
+    let mut features = Vec::new();
+    for b in backends {
+        if !BACKENDS.contains(&b.as_str()) {
+            return Err(Failure::usage(format!("unknown backend `{b}` (known: {})", BACKENDS.join(", "))));
+        }
+        if !available.contains(b) {
+            let usable: Vec<&str> = BACKENDS.iter().copied().filter(|k| available.iter().any(|a| a == k)).collect();
+            return Err(Failure {
+                code: 2,
+                msg: format!(
+                    "backend `{b}` is not available: comm-bench has no `{b}` feature yet (crates/comm-bench/Cargo.toml); usable now: {}",
+                    usable.join(", ")
+                ),
+            });
+        }
+        features.push(format!("comm-bench/{b}"));
+    }
+    Ok(features)
+}
+
+/// `PATH` for one backend, `PATH` with `.<backend>` before the extension for several.
+fn json_path(path: &Path, backend: &str, several: bool) -> PathBuf {
+    if !several {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().map_or_else(|| "bench".into(), |s| s.to_string_lossy().into_owned());
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.{backend}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.{backend}"),
+    };
+    path.with_file_name(name)
+}
+
+fn git_rev() -> String {
+    Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(root())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn bench(args: &[String]) -> Result {
+    let b = parse_bench(args)?;
+    let manifest = root().join("crates/comm-bench/Cargo.toml");
+    let manifest = std::fs::read_to_string(&manifest)
+        .map_err(|e| Failure { code: 1, msg: format!("reading {}: {e}", manifest.display()) })?;
+    let features = backend_features(&b.backends, &manifest)?;
+    step("build (release)", || {
+        let mut c = cargo();
+        c.args(["build", "--release", "-p", "commrun", "-p", "comm-bench", "--features", &features.join(",")]);
+        run(c)
+    })?;
+    let target = target_dir()?.join("release");
+    let rev = git_rev();
+    let several = b.backends.len() > 1;
+    let mut first_failure = None;
+    for backend in &b.backends {
+        let r = step(&format!("bench {backend}, {} ranks", b.np), || {
+            let mut c = Command::new(target.join("commrun"));
+            c.current_dir(root()).env("COMM_BACKEND", backend).env("COMM_BENCH_GIT_REV", &rev);
+            c.arg("-n").arg(b.np.to_string()).arg("--").arg(target.join("comm-bench"));
+            c.args(&b.forward);
+            if let Some(p) = &b.json {
+                c.arg("--json").arg(json_path(p, backend, several));
+            }
+            run(c)
+        });
+        if let Err(e) = r {
+            eprintln!("xtask: {}", e.msg);
+            first_failure.get_or_insert(e);
+        }
+    }
+    match first_failure {
+        None => Ok(()),
+        Some(f) => Err(Failure { code: f.code, msg: "bench failed".into() }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn bench_defaults_and_forwarding() {
+        let b = parse_bench(&[]).unwrap();
+        assert_eq!((b.backends, b.np, b.json, b.forward.len()), (vec!["shm".to_owned()], 2, None, 0));
+        let b = parse_bench(&args(
+            "--np 4 --op all_reduce,all_gather --dtype=bf16 --sizes 8B..1MiB:x8 --no-check --json out.json -- --root 1",
+        ))
+        .unwrap();
+        assert_eq!(b.np, 4);
+        assert_eq!(b.json, Some(PathBuf::from("out.json")));
+        assert_eq!(b.forward, args("--op all_reduce,all_gather --dtype bf16 --sizes 8B..1MiB:x8 --no-check --root 1"));
+        assert_eq!(parse_bench(&args("--backend SHM,mpi")).unwrap().backends, ["shm", "mpi"]);
+    }
+
+    #[test]
+    fn bench_rejects_bad_arguments() {
+        assert!(parse_bench(&args("--np 0")).is_err());
+        assert!(parse_bench(&args("--np")).is_err());
+        assert!(parse_bench(&args("--frobnicate 3")).is_err());
+        assert!(parse_bench(&args("--backend ,")).is_err());
+    }
+
+    #[test]
+    fn backends_must_be_known_and_compiled() {
+        let manifest = "[package]\nname = \"x\"\n\n[features]\ndefault = [\"shm\"]\n## doc\nshm = [\"comm-api/shm\"]\n\n[dependencies]\nmpi = \"1\"\n";
+        assert_eq!(cargo_features(manifest), ["default", "shm"]);
+        assert_eq!(backend_features(&["shm".into()], manifest).unwrap(), ["comm-bench/shm"]);
+        let e = backend_features(&["mpi".into()], manifest).unwrap_err().msg;
+        assert!(e.contains("no `mpi` feature") && e.contains("usable now: shm"), "{e}");
+        let e = backend_features(&["gloo".into()], manifest).unwrap_err().msg;
+        assert!(e.contains("unknown backend `gloo`"), "{e}");
+    }
+
+    #[test]
+    fn json_paths_per_backend() {
+        assert_eq!(json_path(Path::new("r/out.json"), "shm", false), Path::new("r/out.json"));
+        assert_eq!(json_path(Path::new("r/out.json"), "shm", true), Path::new("r/out.shm.json"));
+        assert_eq!(json_path(Path::new("out"), "mpi", true), Path::new("out.mpi"));
+    }
+
+    #[test]
+    fn metadata_target_dir() {
+        let j = r#"{"packages":[{"target_directory":"nope"}],"target_directory":"/w/t\"x\\y","version":1}"#;
+        assert_eq!(json_string_field(j, "target_directory").unwrap(), "/w/t\"x\\y");
+        assert_eq!(json_string_field("{}", "target_directory"), None);
+    }
+
+    #[test]
+    fn commands_are_shown_quoted() {
+        let mut c = Command::new("prog");
+        c.args(["a", "b c", ""]).env("K", "v");
+        assert_eq!(show(&c), "K=v prog a 'b c' ''");
+    }
+
+    #[test]
+    fn comm_api_examples_are_found() {
+        let names = examples(&root().join("crates/comm-api/examples")).unwrap();
+        assert!(names.iter().any(|n| n == "all_reduce"), "{names:?}");
+    }
+}

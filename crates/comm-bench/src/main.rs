@@ -21,7 +21,7 @@ use cases::{shape, Case, Coll};
 use report::Row;
 
 /// Default timed iterations move about this many bytes per row...
-const TARGET_BYTES: usize = 1 << 30;
+const TARGET_BYTES: usize = 4 << 30;
 /// ...within these bounds.
 const ITERS_MIN: usize = 5;
 const ITERS_MAX: usize = 1000;
@@ -46,7 +46,7 @@ TIMING:
   time(us) = mean wall time of one op over the timed iterations, the maximum over ranks.
   algbw = size(B) / time; busbw = algbw * factor with factor 2(n-1)/n for all_reduce,
   (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast and reduce.
-  GB/s means 10^9 bytes per second. Without --iters, iterations = clamp(1 GiB / size, 5, 1000);
+  GB/s means 10^9 bytes per second. Without --iters, iterations = clamp(4 GiB / size, 5, 1000);
   without --warmup, warm-up = clamp(iters / 10, 2, 50).
 
 CHECKING:
@@ -283,7 +283,7 @@ fn print_preamble(plan: &Plan, pg: &ProcessGroup, git_rev: Option<&str>) {
         plan.redop,
         plan.root
     );
-    let iters = plan.iters.map_or_else(|| format!("clamp(1GiB/size, {ITERS_MIN}, {ITERS_MAX})"), |n| n.to_string());
+    let iters = plan.iters.map_or_else(|| format!("clamp(4GiB/size, {ITERS_MIN}, {ITERS_MAX})"), |n| n.to_string());
     let warmup = plan.warmup.map_or_else(|| "clamp(iters/10, 2, 50)".to_owned(), |n| n.to_string());
     println!("# iters: {iters}  warmup: {warmup}  validation: {}", if plan.check { "on" } else { "off" });
     println!("# time: mean wall time per op, max over ranks; GB/s = 1e9 B/s; size(B) as nccl-tests (see --help)");
@@ -406,8 +406,9 @@ mod tests {
         assert_eq!(p.sizes.len(), 24);
         assert!(p.check);
         assert_eq!(p.iters_for(8), ITERS_MAX);
-        assert_eq!(p.iters_for(64 << 20), 16);
+        assert_eq!(p.iters_for(64 << 20), 64);
         assert_eq!(p.iters_for(1 << 30), ITERS_MIN);
+        assert_eq!(p.iters_for(4 << 20), ITERS_MAX);
         assert_eq!(p.warmup_for(1000), 50);
         assert_eq!(p.warmup_for(5), 2);
     }
