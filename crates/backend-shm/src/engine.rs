@@ -291,9 +291,9 @@ impl Engine {
     fn idle(&mut self) -> Result<()> {
         let t0 = Instant::now();
         while t0.elapsed() < self.params.spin {
-            for _ in 0..64 {
-                std::hint::spin_loop();
-            }
+            // Yield rather than spin: on a small machine the thread we wait for (a peer, or our
+            // own caller) may need this core.
+            std::thread::yield_now();
             if self.pump()? {
                 return Ok(());
             }
@@ -464,9 +464,7 @@ impl Engine {
             if !spun {
                 spun = true;
                 while start.elapsed() < self.params.spin {
-                    for _ in 0..32 {
-                        std::hint::spin_loop();
-                    }
+                    std::thread::yield_now();
                     if self.reached(target) {
                         return Ok(());
                     }
