@@ -33,11 +33,12 @@ const AFTER_HELP: &str = "\
 SIZES (nccl-tests conventions, see shared/reference/nccl-tests-bw.md):
   --sizes takes a comma list of sizes or ranges: 8B..64MiB (doubling), 8B..64MiB:x8 (times 8
   per step), 1MiB..8MiB:+1MiB (adding), 8B,1KiB,1MiB. Units are binary and case-insensitive:
-  B, K/KiB, M/MiB, G/GiB. A requested size S gives count = S / sizeof(dtype) and:
-    all_reduce, broadcast, reduce   buffer of `count` elements;         size(B) = count * T
-    all_gather       input `count` per rank, output n * count;          size(B) = full output
-    reduce_scatter   input n * count, output `count` per rank;          size(B) = full input
-    all_to_all       `count` per peer, n * count in and out;            size(B) = per-rank send buffer
+  B, K/KiB, M/MiB, G/GiB. A requested size S gives count = S / T (T = element size) and:
+    op                             buffers                             size(B) column
+    all_reduce, broadcast, reduce  one of `count` elements             count * T
+    all_gather                     in: count, out: n * count           full output, n * count * T
+    reduce_scatter                 in: n * count, out: count           full input, n * count * T
+    all_to_all                     in = out: n * count (count/peer)    send buffer, n * count * T
   where the per-rank `count` of the last three is (S / T / n) rounded down to a multiple of
   16 bytes, so size(B) may be slightly below the requested size; a size that leaves no
   element per rank is skipped.
