@@ -10,6 +10,7 @@
 //! and progress independently of collectives, so an isend never blocks a collective.
 
 use std::collections::VecDeque;
+use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::{Acquire, SeqCst};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -33,10 +34,145 @@ pub(crate) enum Command {
     AllToAll(AllToAll, Completer<HostBuffer>),
     Scatter(Scatter, Completer<HostBuffer>),
     Gather(Gather, Completer<HostBuffer>),
-    Barrier(Completer<()>),
     Send(Send, Completer<HostBuffer>),
     Recv(Recv, Completer<HostBuffer>),
     Shutdown(Completer<()>),
+    /// A small collective the caller could not finish inline.
+    OneShot(OneShot, Done),
+}
+
+/// The completer of a one-step op, by output type.
+pub(crate) enum Done {
+    Buf(Completer<HostBuffer>),
+    Unit(Completer<()>),
+}
+
+impl Done {
+    fn complete(self, r: Result<OneShot>) {
+        match self {
+            Done::Buf(c) => c.complete(r.map(OneShot::into_buffer)),
+            Done::Unit(c) => c.complete(r.map(drop)),
+        }
+    }
+}
+
+/// A collective that takes exactly one step (its data fits the window). These are the
+/// latency-bound ops, which the caller's thread runs inline when the group is idle.
+pub(crate) enum OneShot {
+    /// all_reduce (`root: None`) or reduce, by every rank reducing all inputs.
+    AllReduce {
+        buf: HostBuffer,
+        op: ReduceOp,
+        root: Option<Rank>,
+    },
+    Broadcast {
+        buf: HostBuffer,
+        root: Rank,
+    },
+    AllGather {
+        input: HostBuffer,
+        out: HostBuffer,
+    },
+    Barrier,
+}
+
+impl OneShot {
+    /// The result buffer (the barrier's is empty).
+    pub(crate) fn into_buffer(self) -> HostBuffer {
+        match self {
+            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf,
+            OneShot::AllGather { out, .. } => out,
+            OneShot::Barrier => HostBuffer::zeroed(DType::U8, 0),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            OneShot::AllReduce { root: None, .. } => "all_reduce",
+            OneShot::AllReduce { .. } => "reduce",
+            OneShot::Broadcast { .. } => "broadcast",
+            OneShot::AllGather { .. } => "all_gather",
+            OneShot::Barrier => "barrier",
+        }
+    }
+
+    fn header(&self, e: &Engine) -> StepHeader {
+        match self {
+            OneShot::AllReduce { buf, op, root } => {
+                let code = if root.is_some() { OP_REDUCE } else { OP_ALL_REDUCE };
+                e.header(code, buf.dtype(), buf.len(), root.unwrap_or(0), Some(*op))
+            }
+            OneShot::Broadcast { buf, root } => e.header(OP_BROADCAST, buf.dtype(), buf.len(), *root, None),
+            OneShot::AllGather { input, .. } => e.header(OP_ALL_GATHER, input.dtype(), input.len(), 0, None),
+            OneShot::Barrier => e.header(OP_BARRIER, DType::U8, 0, 0, None),
+        }
+    }
+
+    fn io(&mut self, me: usize, io: Io<'_>) {
+        match (self, io) {
+            (OneShot::AllReduce { buf, .. }, Io::Write(w)) => w[..buf.byte_len()].copy_from_slice(buf.as_bytes()),
+            (OneShot::AllReduce { buf, op, root }, Io::Read(views, _)) if root.is_none_or(|r| r as usize == me) => {
+                reduce_views(buf.dtype(), *op, views, buf.as_bytes_mut());
+            }
+            (OneShot::Broadcast { buf, root }, Io::Write(w)) if *root as usize == me => {
+                w[..buf.byte_len()].copy_from_slice(buf.as_bytes())
+            }
+            (OneShot::Broadcast { buf, root }, Io::Read(views, _)) if *root as usize != me => {
+                let n = buf.byte_len();
+                buf.as_bytes_mut().copy_from_slice(&views[*root as usize][..n]);
+            }
+            (OneShot::AllGather { input, .. }, Io::Write(w)) => w[..input.byte_len()].copy_from_slice(input.as_bytes()),
+            (OneShot::AllGather { input, out }, Io::Read(views, _)) => {
+                let b = input.byte_len();
+                for (p, v) in views.iter().enumerate() {
+                    out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(&v[..b]);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The result in a world of one rank, where no step is needed.
+    fn alone(self) -> OneShot {
+        match self {
+            OneShot::AllGather { input, mut out } => {
+                out.as_bytes_mut().copy_from_slice(input.as_bytes());
+                OneShot::AllGather { input, out }
+            }
+            other => other,
+        }
+    }
+}
+
+/// `out = views[0][..] ⊕ views[1][..] ⊕ ...` over `out.len()` bytes, in rank order.
+fn reduce_views(dtype: DType, op: ReduceOp, views: &[&[u8]], out: &mut [u8]) {
+    let ins: Vec<&[u8]> = views.iter().map(|v| &v[..out.len()]).collect();
+    kernels::reduce(dtype, op, &ins, out);
+}
+
+/// What an inline attempt came to.
+pub(crate) enum Inline {
+    /// Finished on the caller's thread.
+    Done(Result<OneShot>),
+    /// Published but peers are late: the worker finishes it; attach the completer with
+    /// [`Engine::attach`].
+    Parked,
+    /// The group was not ready for it (a previous step still open): submit it normally.
+    NotNow(OneShot),
+}
+
+struct Parked {
+    op: OneShot,
+    k: u64,
+    hdr: StepHeader,
+    done: Option<Done>,
+}
+
+/// What one turn of the worker did.
+pub(crate) enum Flow {
+    Busy,
+    Idle,
+    Exit,
 }
 
 const OP_ALL_REDUCE: u8 = 1;
@@ -140,6 +276,9 @@ pub(crate) struct Engine {
     procs: Vec<Option<ProcId>>,
     params: Params,
     rx: Receiver<Command>,
+    /// Commands sent but not yet taken from `rx`: an inline op may only run when it is 0.
+    pending: Arc<AtomicUsize>,
+    parked: Option<Parked>,
     /// Set by the worker when the group is poisoned; the handle reads it to fail fast.
     poison: Arc<Mutex<Option<String>>>,
     poisoned: Option<String>,
@@ -170,6 +309,7 @@ impl Engine {
         procs: Vec<Option<ProcId>>,
         params: Params,
         rx: Receiver<Command>,
+        pending: Arc<AtomicUsize>,
         poison: Arc<Mutex<Option<String>>>,
     ) -> Engine {
         let world = lay.world;
@@ -181,6 +321,8 @@ impl Engine {
             procs,
             params,
             rx,
+            pending,
+            parked: None,
             poison,
             poisoned: None,
             step: 0,
@@ -209,35 +351,125 @@ impl Engine {
     // ----------------------------------------------------------------------------------------
     // Main loop
 
-    pub(crate) fn run(mut self) {
-        loop {
-            if let Some(cmd) = self.colls.pop_front() {
-                self.execute(cmd);
-                continue;
-            }
-            if self.closing && self.p2p_idle() {
-                break;
-            }
-            match self.pump() {
-                Ok(true) => continue,
-                Ok(false) => {}
-                Err(e) => {
-                    self.poison_with(&e);
-                    continue;
-                }
-            }
-            if let Err(e) = self.idle() {
+    /// One turn of the worker: finishes a parked op, runs one queued collective, or
+    /// progresses point-to-point. Never waits for a wake-up (the worker does that unlocked,
+    /// so callers can run small ops inline meanwhile).
+    pub(crate) fn work(&mut self) -> Flow {
+        if let Some(p) = self.parked.take() {
+            self.resume(p);
+            return Flow::Busy;
+        }
+        if let Some(cmd) = self.colls.pop_front() {
+            self.execute(cmd);
+            return Flow::Busy;
+        }
+        match self.pump() {
+            Ok(true) => return Flow::Busy,
+            Ok(false) => {}
+            Err(e) => {
                 self.poison_with(&e);
+                return Flow::Busy;
             }
         }
-        let me = self.me();
+        if let Err(e) = self.check_p2p_deadlines() {
+            self.poison_with(&e);
+            return Flow::Busy;
+        }
+        if self.closing && self.p2p_idle() && self.colls.is_empty() {
+            self.close();
+            return Flow::Exit;
+        }
+        Flow::Idle
+    }
+
+    /// Whether an op submitted now could run inline: nothing queued, parked or in flight.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.parked.is_none() && self.colls.is_empty() && self.pending.load(SeqCst) == 0 && !self.closing
+    }
+
+    fn close(&mut self) {
         if self.poisoned.is_none() {
-            me.u32_at(OFF_STATE).store(STATE_CLOSED, SeqCst);
+            self.me().u32_at(OFF_STATE).store(STATE_CLOSED, SeqCst);
         }
         self.ring_all();
         for w in self.shutdown_waiters.drain(..) {
             w.complete(Ok(()));
         }
+    }
+
+    /// Runs `op` on the caller's thread: publishes it and waits up to `budget` for the
+    /// peers. Call only when [`is_idle`](Self::is_idle).
+    pub(crate) fn try_inline(&mut self, mut op: OneShot, budget: Duration) -> Inline {
+        if let Some(e) = self.poison_error() {
+            return Inline::Done(Err(e));
+        }
+        if self.world == 1 {
+            return Inline::Done(Ok(op.alone()));
+        }
+        let k = self.step + 1;
+        if !self.reached(k - 1) {
+            return Inline::NotNow(op);
+        }
+        self.seq += 1;
+        self.op = op.name();
+        let hdr = op.header(self);
+        // SAFETY: every peer published `k - 1` (checked above): see `begin`.
+        unsafe { self.me().write(self.lay.step_header(k), StepHeader { step: k, ..hdr }) };
+        self.phase = Phase::Writable(k);
+        op.io(self.rank, Io::Write(self.window_mut(k)));
+        self.announce(k);
+        let t0 = Instant::now();
+        while !self.reached(k) {
+            if t0.elapsed() >= budget {
+                self.parked = Some(Parked { op, k, hdr, done: None });
+                return Inline::Parked;
+            }
+            // A true spin: the budget is zero when ranks outnumber cores, and otherwise the
+            // peer runs on another core and arrives within microseconds.
+            std::hint::spin_loop();
+        }
+        Inline::Done(self.read_step(&mut op, k, &hdr).map(|()| op))
+    }
+
+    /// Gives the parked op (after [`Inline::Parked`]) its completer.
+    pub(crate) fn attach(&mut self, done: Done) {
+        if let Some(p) = &mut self.parked {
+            p.done = Some(done);
+        }
+    }
+
+    fn resume(&mut self, mut p: Parked) {
+        self.op = p.op.name();
+        let r = self.wait_all(p.k).and_then(|()| self.read_step(&mut p.op, p.k, &p.hdr));
+        let r = r.map(|()| p.op);
+        if let Some(done) = p.done {
+            done.complete(r);
+        }
+    }
+
+    /// Checks the headers of published step `k` and runs the op's read phase.
+    fn read_step(&mut self, op: &mut OneShot, k: u64, hdr: &StepHeader) -> Result<()> {
+        if let Err(e) = self.check_headers(k, hdr) {
+            self.phase = Phase::Idle;
+            self.poison_with(&e);
+            return Err(e);
+        }
+        let me = self.rank;
+        let (views, next) = self.views(k);
+        op.io(me, Io::Read(&views, next));
+        self.phase = Phase::Idle;
+        Ok(())
+    }
+
+    /// A one-step op on the worker (or one that could not run inline).
+    fn oneshot(&mut self, mut op: OneShot) -> Result<OneShot> {
+        if self.world == 1 {
+            return Ok(op.alone());
+        }
+        let hdr = op.header(self);
+        let me = self.rank;
+        self.step(&hdr, |io| op.io(me, io))?;
+        Ok(op)
     }
 
     /// Takes new commands and progresses point-to-point traffic. Returns whether anything
@@ -248,6 +480,7 @@ impl Engine {
             match self.rx.try_recv() {
                 Ok(cmd) => {
                     progressed = true;
+                    self.pending.fetch_sub(1, SeqCst);
                     self.accept(cmd);
                 }
                 Err(TryRecvError::Empty) => break,
@@ -284,22 +517,6 @@ impl Engine {
             }
             other => self.colls.push_back(other),
         }
-    }
-
-    /// Nothing to do: spin briefly, then sleep on the doorbell until a peer or the handle
-    /// rings it (or a short timeout, to check deadlines and peers' liveness).
-    fn idle(&mut self) -> Result<()> {
-        let t0 = Instant::now();
-        while t0.elapsed() < self.params.spin {
-            // Yield rather than spin: on a small machine the thread we wait for (a peer, or our
-            // own caller) may need this core.
-            std::thread::yield_now();
-            if self.pump()? {
-                return Ok(());
-            }
-        }
-        self.sleep(|_| false)?;
-        self.check_p2p_deadlines()
     }
 
     /// One futex sleep on this rank's doorbell, unless `ready` or new work shows up first.
@@ -389,7 +606,7 @@ impl Engine {
             | Command::Gather(_, d)
             | Command::Send(_, d)
             | Command::Recv(_, d) => d.complete(Err(e)),
-            Command::Barrier(d) => d.complete(Err(e)),
+            Command::OneShot(_, d) => d.complete(Err(e)),
             Command::Shutdown(d) => {
                 self.closing = true;
                 self.shutdown_waiters.push(d);
@@ -399,8 +616,7 @@ impl Engine {
 
     fn peer_reason(&self, peer: usize) -> String {
         let seg = &self.segs[peer];
-        let bytes: Vec<u8> =
-            (0..REASON_LEN).map(|i| seg.read::<u8>(OFF_REASON + i)).take_while(|&b| b != 0).collect();
+        let bytes: Vec<u8> = (0..REASON_LEN).map(|i| seg.read::<u8>(OFF_REASON + i)).take_while(|&b| b != 0).collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
@@ -427,7 +643,10 @@ impl Engine {
         self.last_liveness = Instant::now();
         if let Some(p) = self.procs[peer] {
             if p.alive() == Some(false) {
-                return Err(CommError::PeerLost { rank: peer as Rank, detail: format!("its process {} exited", p.pid) });
+                return Err(CommError::PeerLost {
+                    rank: peer as Rank,
+                    detail: format!("its process {} exited", p.pid),
+                });
             }
         }
         Ok(())
@@ -480,7 +699,11 @@ impl Engine {
                 return Err(CommError::Timeout {
                     op: self.op.to_owned(),
                     after: self.params.timeout,
-                    detail: format!("{} never joined op #{} (set COMM_TIMEOUT to wait longer)", who.join(", "), self.seq),
+                    detail: format!(
+                        "{} never joined op #{} (set COMM_TIMEOUT to wait longer)",
+                        who.join(", "),
+                        self.seq
+                    ),
                 });
             }
             self.sleep(|e| e.reached(target))?;
@@ -520,13 +743,24 @@ impl Engine {
 
     /// Publishes step `k`, waits for every peer to publish it, and checks their headers.
     fn publish(&mut self, k: u64, hdr: &StepHeader) -> Result<()> {
+        self.announce(k);
+        self.wait_all(k)?;
+        self.check_headers(k, hdr)
+    }
+
+    /// Publishes step `k` (release) and wakes sleeping peers.
+    fn announce(&mut self, k: u64) {
         self.me().u64_at(OFF_STEP).store(k, SeqCst);
         self.step = k;
         self.phase = Phase::Idle;
         for p in (0..self.world).filter(|&p| p != self.rank) {
             self.ring(p);
         }
-        self.wait_all(k)?;
+    }
+
+    /// Once every peer published `k`: compares their step headers with ours and opens the
+    /// read phase.
+    fn check_headers(&mut self, k: u64, hdr: &StepHeader) -> Result<()> {
         for p in (0..self.world).filter(|&p| p != self.rank) {
             let theirs: StepHeader = self.segs[p].read(self.lay.step_header(k));
             if theirs.step != k {
@@ -553,7 +787,7 @@ impl Engine {
 
     /// Every rank's buffer for step `k` (index = rank) and our buffer for step `k + 1`,
     /// while step `k` is readable.
-    fn views(&self, k: u64) -> (Vec<&[u8]>, &mut [u8]) {
+    fn views(&mut self, k: u64) -> (Vec<&[u8]>, &mut [u8]) {
         assert!(matches!(self.phase, Phase::Readable(s) if s == k), "views outside the read phase of step {k}");
         let off = self.lay.step_data(k);
         // SAFETY: read phase of step `k` (checked): every rank published `k`, and none writes
@@ -604,10 +838,13 @@ impl Engine {
             Command::AllToAll(r, d) => d.complete(self.run_op("all_to_all", |e| e.all_to_all(r))),
             Command::Scatter(r, d) => d.complete(self.run_op("scatter", |e| e.scatter(r))),
             Command::Gather(r, d) => d.complete(self.run_op("gather", |e| e.gather(r))),
-            Command::Barrier(d) => d.complete(self.run_op("barrier", |e| e.barrier())),
             Command::Shutdown(d) => {
                 self.closing = true;
                 self.shutdown_waiters.push(d);
+            }
+            Command::OneShot(op, d) => {
+                let name = op.name();
+                d.complete(self.run_op(name, |e| e.oneshot(op)));
             }
             Command::Send(..) | Command::Recv(..) => unreachable!("p2p commands never enter the collective queue"),
         }
@@ -644,10 +881,7 @@ impl Engine {
                 // Every rank reduces all inputs: one step, n reads per rank.
                 self.step(&hdr, |io| match io {
                     Io::Write(w) => w[..bytes].copy_from_slice(chunk),
-                    Io::Read(views, _) if keep => {
-                        let ins: Vec<&[u8]> = views.iter().map(|v| &v[..bytes]).collect();
-                        kernels::reduce(dtype, op, &ins, chunk);
-                    }
+                    Io::Read(views, _) if keep => reduce_views(dtype, op, views, chunk),
                     Io::Read(..) => {}
                 })?;
             } else {
@@ -809,7 +1043,8 @@ impl Engine {
     }
 
     fn scatter(&mut self, r: Scatter) -> Result<HostBuffer> {
-        let (dtype, es, n, me, root) = (r.output.dtype(), r.output.dtype().size(), self.world, self.rank, r.root as usize);
+        let (dtype, es, n, me, root) =
+            (r.output.dtype(), r.output.dtype().size(), self.world, self.rank, r.root as usize);
         let block = r.output.len();
         let mut out = r.output;
         let hdr = self.header(OP_SCATTER, dtype, block, root as Rank, None);
@@ -840,7 +1075,8 @@ impl Engine {
     }
 
     fn gather(&mut self, r: Gather) -> Result<HostBuffer> {
-        let (dtype, count, es, n, root) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, r.root as usize);
+        let (dtype, count, es, n, root) =
+            (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, r.root as usize);
         let hdr = self.header(OP_GATHER, dtype, count, root as Rank, None);
         let is_root = self.rank == root;
         let mut out = is_root.then(|| r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n)));
@@ -870,14 +1106,6 @@ impl Engine {
             }
         }
         Ok(out.unwrap_or(input))
-    }
-
-    fn barrier(&mut self) -> Result<()> {
-        let hdr = self.header(OP_BARRIER, DType::U8, 0, 0, None);
-        if self.world == 1 {
-            return Ok(());
-        }
-        self.step(&hdr, |_| {})
     }
 
     // ----------------------------------------------------------------------------------------
@@ -964,7 +1192,10 @@ impl Engine {
         }
         let len = h.len as usize;
         if op.offset + len > op.req.buf.byte_len() || len > self.lay.slot {
-            return Err(CommError::Mismatch { op: "recv", detail: format!("rank {peer} sent a chunk of {len} bytes past the message end") });
+            return Err(CommError::Mismatch {
+                op: "recv",
+                detail: format!("rank {peer} sent a chunk of {len} bytes past the message end"),
+            });
         }
         // SAFETY: the sender published `sent > chunk` after writing this slot and will not
         // rewrite it until we acknowledge below.
@@ -984,7 +1215,12 @@ impl Engine {
 
     fn check_p2p_deadlines(&mut self) -> Result<()> {
         for peer in 0..self.world {
-            let oldest = self.sends[peer].front().map(|o| o.started).into_iter().chain(self.recvs[peer].front().map(|o| o.started)).min();
+            let oldest = self.sends[peer]
+                .front()
+                .map(|o| o.started)
+                .into_iter()
+                .chain(self.recvs[peer].front().map(|o| o.started))
+                .min();
             let Some(started) = oldest else { continue };
             self.check_peer(peer, true)?;
             if started.elapsed() >= self.params.timeout {
@@ -996,6 +1232,32 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+/// The worker thread: runs [`Engine::work`] under the lock and sleeps on the doorbell,
+/// unlocked, whenever there is nothing to do.
+pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
+    let lock = || engine.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let bell = me.u32_at(OFF_DOORBELL);
+        let seen = bell.load(SeqCst);
+        match lock().work() {
+            Flow::Exit => return,
+            Flow::Busy => continue,
+            Flow::Idle => {}
+        }
+        // Announce the sleep, then look once more: a peer that published before seeing the
+        // flag is visible now; one that publishes later rings the bell.
+        me.u32_at(OFF_SLEEPING).store(1, SeqCst);
+        let flow = lock().work();
+        if matches!(flow, Flow::Idle) {
+            futex_wait(bell, seen, Duration::from_millis(10));
+        }
+        me.u32_at(OFF_SLEEPING).store(0, SeqCst);
+        if matches!(flow, Flow::Exit) {
+            return;
+        }
     }
 }
 

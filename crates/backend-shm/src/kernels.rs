@@ -7,6 +7,7 @@
 use comm_core::{bf16, f16, DType, ReduceOp};
 
 const BLOCK: usize = 1024;
+const SMALL: usize = 64;
 
 trait Lane: bytemuck::Pod {
     type Acc: Copy + Default;
@@ -60,6 +61,14 @@ fn run<T: Lane>(
 ) {
     let out: &mut [T] = bytemuck::cast_slice_mut(out);
     let ins: Vec<&[T]> = inputs.iter().map(|b| bytemuck::cast_slice::<u8, T>(b)).collect();
+    if out.len() <= SMALL {
+        // Latency-bound sizes: no accumulator block to initialise.
+        for (i, o) in out.iter_mut().enumerate() {
+            let acc = ins[1..].iter().fold(ins[0][i].load(), |a, x| combine(a, x[i].load()));
+            *o = T::store(finish(acc));
+        }
+        return;
+    }
     let mut acc = [T::Acc::default(); BLOCK];
     let mut start = 0;
     while start < out.len() {
@@ -157,6 +166,17 @@ mod tests {
         assert_eq!(red(ReduceOp::Sum, &[a.clone(), b.clone()]).to_vec::<i8>().unwrap(), [-126, 9, 127]);
         assert_eq!(red(ReduceOp::BXor, &[a.clone(), b.clone()]).to_vec::<i8>().unwrap(), [120 ^ 10, 0b0101, 127]);
         assert_eq!(red(ReduceOp::Min, &[a, b]).to_vec::<i8>().unwrap(), [10, 3, -128]);
+    }
+
+    #[test]
+    fn small_and_blocked_paths_agree() {
+        for len in [1, SMALL, SMALL + 1, BLOCK + 3] {
+            let a: Vec<f32> = (0..len).map(|i| i as f32 * 0.1).collect();
+            let b: Vec<f32> = (0..len).map(|i| 1.0 / (i + 1) as f32).collect();
+            let out = red(ReduceOp::Sum, &[HostBuffer::from_slice(&a), HostBuffer::from_slice(&b)]);
+            let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+            assert_eq!(out.to_vec::<f32>().unwrap(), want, "len {len}");
+        }
     }
 
     #[test]

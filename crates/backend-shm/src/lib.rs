@@ -25,17 +25,20 @@ mod layout;
 mod segment;
 mod sys;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::ops::{self, Op};
-use comm_core::{Backend, Collective, CommError, Completer, Group, Rank, Store, Work};
+use comm_core::{Backend, Collective, CommError, Completer, Group, HostBuffer, Rank, Store, Work};
 
-use engine::{Command, Engine, Params};
-use layout::{Layout, MAGIC, OFF_DOORBELL, OFF_MAGIC, OFF_RANK, OFF_SLEEPING, OFF_STATE, OFF_VERSION, OFF_WINDOW, OFF_WORLD, STATE_READY, VERSION};
+use engine::{Command, Done, Engine, Inline, OneShot, Params};
+use layout::{
+    Layout, MAGIC, OFF_DOORBELL, OFF_MAGIC, OFF_RANK, OFF_SLEEPING, OFF_STATE, OFF_VERSION, OFF_WINDOW, OFF_WORLD,
+    STATE_READY, VERSION,
+};
 use segment::Segment;
 use sys::ProcId;
 
@@ -73,7 +76,8 @@ impl ShmOptions {
         let mut o = ShmOptions::default();
         let size = |name: &str, slot: &mut usize| -> Result<(), CommError> {
             if let Ok(v) = std::env::var(name) {
-                *slot = parse_size(&v).ok_or_else(|| CommError::Config(format!("{name}={v:?} is not a size (e.g. 4M, 65536)")))?;
+                *slot = parse_size(&v)
+                    .ok_or_else(|| CommError::Config(format!("{name}={v:?} is not a size (e.g. 4M, 65536)")))?;
             }
             Ok(())
         };
@@ -81,7 +85,9 @@ impl ShmOptions {
         size("COMM_SHM_SLOT", &mut o.p2p_slot)?;
         size("COMM_SHM_SMALL_MAX", &mut o.small_max)?;
         if let Ok(v) = std::env::var("COMM_SHM_SPIN_US") {
-            let us = v.parse().map_err(|_| CommError::Config(format!("COMM_SHM_SPIN_US={v:?} is not a number of microseconds")))?;
+            let us = v
+                .parse()
+                .map_err(|_| CommError::Config(format!("COMM_SHM_SPIN_US={v:?} is not a number of microseconds")))?;
             o.spin = Some(Duration::from_micros(us));
         }
         Ok(o)
@@ -110,6 +116,14 @@ struct Inner {
     rank: Rank,
     world: u32,
     tx: Sender<Command>,
+    /// Commands sent to the worker and not yet taken (see `Engine::is_idle`).
+    pending: Arc<AtomicUsize>,
+    engine: Arc<Mutex<Engine>>,
+    /// Largest one-step op (bytes): the window, and for reductions `small_max` too.
+    window: usize,
+    small_max: usize,
+    /// How long a caller running an op inline waits for peers before handing it over.
+    inline_budget: Duration,
     me: Arc<Segment>,
     poison: Arc<Mutex<Option<String>>>,
     shut: AtomicBool,
@@ -177,10 +191,16 @@ impl ShmBackend {
         reap_stale_segments();
         let lay = Layout::new(world as usize, window, slot);
         let mut rnd = [0u8; 8];
-        getrandom::fill(&mut rnd).map_err(|e| CommError::Io { context: "random segment name".into(), source: std::io::Error::other(e.to_string()) })?;
+        getrandom::fill(&mut rnd).map_err(|e| CommError::Io {
+            context: "random segment name".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
         let me_id = ProcId::current();
         let name = format!("/commshm-{}-{:016x}", me_id.pid, u64::from_le_bytes(rnd));
-        let me = Arc::new(Segment::create(&name, lay.total).map_err(io_err(format!("creating shared memory `{name}` ({} bytes)", lay.total)))?);
+        let me = Arc::new(
+            Segment::create(&name, lay.total)
+                .map_err(io_err(format!("creating shared memory `{name}` ({} bytes)", lay.total)))?,
+        );
         // SAFETY: nobody else knows the segment's name yet.
         unsafe {
             me.write(OFF_VERSION, VERSION);
@@ -202,21 +222,33 @@ impl ShmBackend {
             small_max,
             spin: opts.spin.unwrap_or_else(|| {
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                if world as usize > cores { Duration::ZERO } else { Duration::from_micros(50) }
+                if world as usize > cores {
+                    Duration::ZERO
+                } else {
+                    Duration::from_micros(50)
+                }
             }),
         };
         let (tx, rx) = channel();
         let poison = Arc::new(Mutex::new(None));
-        let engine = Engine::new(rank as usize, lay, segs, procs, params, rx, poison.clone());
+        let pending = Arc::new(AtomicUsize::new(0));
+        let engine = Engine::new(rank as usize, lay, segs, procs, params, rx, pending.clone(), poison.clone());
+        let engine = Arc::new(Mutex::new(engine));
+        let (worker_engine, worker_me) = (engine.clone(), me.clone());
         std::thread::Builder::new()
             .name(format!("comm-shm-r{rank}"))
-            .spawn(move || engine.run())
+            .spawn(move || engine::worker(worker_engine, worker_me))
             .map_err(io_err("starting the shm worker thread".into()))?;
         Ok(ShmBackend {
             inner: Arc::new(Inner {
                 rank,
                 world,
                 tx,
+                pending,
+                engine,
+                window: lay.window,
+                small_max,
+                inline_budget: params.spin,
                 me,
                 poison,
                 shut: AtomicBool::new(false),
@@ -254,7 +286,8 @@ impl ShmBackend {
             let (Some(name), Some(pid), Some(start)) = (it.next(), it.next(), it.next()) else {
                 return Err(CommError::Store(format!("malformed segment record `{raw}` for rank {r}")));
             };
-            let seg = Segment::open(name, lay.total).map_err(io_err(format!("mapping rank {r}'s shared memory `{name}`")))?;
+            let seg =
+                Segment::open(name, lay.total).map_err(io_err(format!("mapping rank {r}'s shared memory `{name}`")))?;
             let ok = seg.u64_at(OFF_MAGIC).load(SeqCst) == MAGIC
                 && seg.read::<u32>(OFF_VERSION) == VERSION
                 && seg.read::<u32>(OFF_WORLD) == world
@@ -278,27 +311,180 @@ impl ShmBackend {
         Ok((segs, procs))
     }
 
-    fn submit<R: Op>(&self, req: R, wrap: impl FnOnce(R, Completer<R::Output>) -> Command) -> Work<R::Output> {
+    /// Checks that apply to every op before it is issued.
+    fn admit<R: Op>(&self, req: &R) -> Result<(), CommError> {
         let inner = &*self.inner;
-        if let Err(e) = req.validate(inner.rank, inner.world) {
-            return Work::ready(Err(e));
-        }
+        req.validate(inner.rank, inner.world)?;
         if let Some(cause) = inner.poison.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            return Work::ready(Err(CommError::Poisoned { cause }));
+            return Err(CommError::Poisoned { cause });
         }
         if inner.shut.load(SeqCst) {
-            return Work::ready(Err(CommError::Shutdown(String::new())));
+            return Err(CommError::Shutdown(String::new()));
+        }
+        Ok(())
+    }
+
+    fn submit<R: Op>(&self, req: R, wrap: impl FnOnce(R, Completer<R::Output>) -> Command) -> Work<R::Output> {
+        if let Err(e) = self.admit(&req) {
+            return Work::ready(Err(e));
         }
         let (done, work) = Work::pending();
+        self.enqueue(wrap(req, done));
+        work
+    }
+
+    fn enqueue(&self, cmd: Command) {
+        let inner = &*self.inner;
+        inner.pending.fetch_add(1, SeqCst);
         // If the worker is gone the command (and its Completer) is dropped, which completes
         // the Work with `Shutdown`.
-        let _ = inner.tx.send(wrap(req, done));
-        let me = &inner.me;
+        if inner.tx.send(cmd).is_err() {
+            inner.pending.fetch_sub(1, SeqCst);
+        }
+        self.ring_worker();
+    }
+
+    fn ring_worker(&self) {
+        let me = &self.inner.me;
         me.u32_at(OFF_DOORBELL).fetch_add(1, SeqCst);
         if me.u32_at(OFF_SLEEPING).load(SeqCst) != 0 {
             sys::futex_wake(me.u32_at(OFF_DOORBELL));
         }
+    }
+
+    /// Small ops run on the caller's thread when the group is idle: no hand-off to the
+    /// worker, no wake-up. If peers are late the op is parked and the worker finishes it.
+    fn submit_inline<R: InlineOp>(&self, req: R) -> Work<R::Output> {
+        if let Err(e) = self.admit(&req) {
+            return Work::ready(Err(e));
+        }
+        let inner = &*self.inner;
+        let mut op = match req.one_shot(inner) {
+            Ok(op) => op,
+            Err(req) => {
+                let (done, work) = Work::pending();
+                self.enqueue(R::command(req, done));
+                return work;
+            }
+        };
+        let guard = match inner.engine.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        if let Some(mut engine) = guard.filter(|e| e.is_idle()) {
+            match engine.try_inline(op, inner.inline_budget) {
+                Inline::Done(r) => return Work::ready(r.map(R::output)),
+                Inline::Parked => {
+                    let (done, work) = Work::pending();
+                    engine.attach(R::done(done));
+                    drop(engine);
+                    self.ring_worker();
+                    return work;
+                }
+                Inline::NotNow(back) => op = back,
+            }
+        }
+        let (done, work) = Work::pending();
+        self.enqueue(Command::OneShot(op, R::done(done)));
         work
+    }
+}
+
+/// Ops that may take the one-step inline path.
+trait InlineOp: Op + Sized {
+    /// The one-step form, when the op fits one step; else the request back.
+    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self>;
+    /// The general command, for ops too big for one step.
+    fn command(self, done: Completer<Self::Output>) -> Command;
+    fn output(op: OneShot) -> Self::Output;
+    fn done(c: Completer<Self::Output>) -> Done;
+}
+
+impl InlineOp for ops::AllReduce {
+    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
+        if inner.world > 1 && self.buf.byte_len() > inner.small_max.min(inner.window) {
+            return Err(self);
+        }
+        Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: None })
+    }
+    fn command(self, done: Completer<HostBuffer>) -> Command {
+        Command::AllReduce(self, done)
+    }
+    fn output(op: OneShot) -> HostBuffer {
+        op.into_buffer()
+    }
+    fn done(c: Completer<HostBuffer>) -> Done {
+        Done::Buf(c)
+    }
+}
+
+impl InlineOp for ops::Reduce {
+    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
+        if inner.world > 1 && self.buf.byte_len() > inner.small_max.min(inner.window) {
+            return Err(self);
+        }
+        Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: Some(self.root) })
+    }
+    fn command(self, done: Completer<HostBuffer>) -> Command {
+        Command::Reduce(self, done)
+    }
+    fn output(op: OneShot) -> HostBuffer {
+        op.into_buffer()
+    }
+    fn done(c: Completer<HostBuffer>) -> Done {
+        Done::Buf(c)
+    }
+}
+
+impl InlineOp for ops::Broadcast {
+    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
+        if self.buf.byte_len() > inner.window {
+            return Err(self);
+        }
+        Ok(OneShot::Broadcast { buf: self.buf, root: self.root })
+    }
+    fn command(self, done: Completer<HostBuffer>) -> Command {
+        Command::Broadcast(self, done)
+    }
+    fn output(op: OneShot) -> HostBuffer {
+        op.into_buffer()
+    }
+    fn done(c: Completer<HostBuffer>) -> Done {
+        Done::Buf(c)
+    }
+}
+
+impl InlineOp for ops::AllGather {
+    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
+        if self.input.byte_len() > inner.window {
+            return Err(self);
+        }
+        let n = self.input.len() * inner.world as usize;
+        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), n));
+        Ok(OneShot::AllGather { input: self.input, out })
+    }
+    fn command(self, done: Completer<HostBuffer>) -> Command {
+        Command::AllGather(self, done)
+    }
+    fn output(op: OneShot) -> HostBuffer {
+        op.into_buffer()
+    }
+    fn done(c: Completer<HostBuffer>) -> Done {
+        Done::Buf(c)
+    }
+}
+
+impl InlineOp for ops::Barrier {
+    fn one_shot(self, _: &Inner) -> Result<OneShot, Self> {
+        Ok(OneShot::Barrier)
+    }
+    fn command(self, _: Completer<()>) -> Command {
+        unreachable!("a barrier always fits one step")
+    }
+    fn output(_: OneShot) {}
+    fn done(c: Completer<()>) -> Done {
+        Done::Unit(c)
     }
 }
 
@@ -329,23 +515,25 @@ macro_rules! collectives {
     )*};
 }
 
+macro_rules! inline_collectives {
+    ($($req:ident),* $(,)?) => {$(
+        impl Collective<ops::$req> for ShmBackend {
+            fn submit(&self, req: ops::$req) -> Work<<ops::$req as Op>::Output> {
+                self.submit_inline(req)
+            }
+        }
+    )*};
+}
+
+inline_collectives!(AllReduce, Broadcast, Reduce, AllGather, Barrier);
+
 collectives! {
-    AllReduce => AllReduce,
-    Broadcast => Broadcast,
-    Reduce => Reduce,
-    AllGather => AllGather,
     ReduceScatter => ReduceScatter,
     AllToAll => AllToAll,
     Scatter => Scatter,
     Gather => Gather,
     Send => Send,
     Recv => Recv,
-}
-
-impl Collective<ops::Barrier> for ShmBackend {
-    fn submit(&self, req: ops::Barrier) -> Work<()> {
-        ShmBackend::submit(self, req, |_, done| Command::Barrier(done))
-    }
 }
 
 #[async_trait]
@@ -386,12 +574,7 @@ impl Group for ShmBackend {
             return Ok(());
         }
         let (done, work) = Work::pending();
-        if self.inner.tx.send(Command::Shutdown(done)).is_err() {
-            return Ok(());
-        }
-        let me = &self.inner.me;
-        me.u32_at(OFF_DOORBELL).fetch_add(1, SeqCst);
-        sys::futex_wake(me.u32_at(OFF_DOORBELL));
+        self.enqueue(Command::Shutdown(done));
         match work.await {
             Ok(()) | Err(CommError::Shutdown(_)) => Ok(()),
             Err(e) => Err(e),

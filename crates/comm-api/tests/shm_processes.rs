@@ -71,7 +71,13 @@ fn suite_small_window_world_3() {
         3,
         "suite_small_window_world_3",
         T,
-        |_| vec![("COMM_SHM_WINDOW".into(), "4K".into()), ("COMM_SHM_SLOT".into(), "4K".into()), ("COMM_SHM_SMALL_MAX".into(), "1K".into())],
+        |_| {
+            vec![
+                ("COMM_SHM_WINDOW".into(), "4K".into()),
+                ("COMM_SHM_SLOT".into(), "4K".into()),
+                ("COMM_SHM_SMALL_MAX".into(), "1K".into()),
+            ]
+        },
         || suite(SuiteConfig::quick()),
     );
 }
@@ -108,8 +114,10 @@ fn expect_err(r: Result<HostBuffer, CommError>, what: &str) -> Result<CommError,
 fn mismatches_across_ranks() {
     multiprocess::run(2, "mismatches_across_ranks", T, || async {
         let rank = pg_rank();
+        let world = connect().await?;
         for case in 0..3 {
-            let pg = connect().await?;
+            // A fresh sub-group per case: a mismatch poisons only the group it happened in.
+            let pg = world.new_group(&[0, 1]).await.map_err(|e| e.to_string())?.ok_or("not a member")?;
             let r = match (case, rank) {
                 (0, 0) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 8), ReduceOp::Sum).await,
                 (0, _) => pg.all_reduce(HostBuffer::zeroed(DType::F64, 8), ReduceOp::Sum).await,
@@ -129,9 +137,10 @@ fn mismatches_across_ranks() {
                 Err(CommError::Poisoned { .. }) => {}
                 other => return Err(format!("case {case}: expected Poisoned after a mismatch, got {other:?}")),
             }
-            // A fresh group works again (every rank builds one per case).
             let _ = pg.shutdown().await;
         }
+        // The parent group was not touched by its sub-groups' failures.
+        world.barrier().await.map_err(|e| format!("parent group after sub-group mismatches: {e}"))?;
         if !leftovers(std::process::id()).is_empty() {
             return Err("segments left in /dev/shm".into());
         }

@@ -2,7 +2,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use crate::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send};
+use crate::ops::{
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send,
+};
 use crate::{CommError, Op, Rank, Work};
 
 /// Membership of a group of ranks, and the group-level operations.

@@ -26,16 +26,8 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in a fixed order (useful for tests and benchmarks).
-    pub const ALL: [DType; 8] = [
-        DType::U8,
-        DType::I8,
-        DType::I32,
-        DType::I64,
-        DType::F16,
-        DType::BF16,
-        DType::F32,
-        DType::F64,
-    ];
+    pub const ALL: [DType; 8] =
+        [DType::U8, DType::I8, DType::I32, DType::I64, DType::F16, DType::BF16, DType::F32, DType::F64];
 
     /// Size of one element in bytes.
     pub const fn size(self) -> usize {

@@ -110,10 +110,7 @@ impl CommError {
     /// Whether the error leaves the group unusable (peer lost, mismatch, timeout...), as opposed to
     /// a local argument error after which the group is still fine.
     pub fn poisons_group(&self) -> bool {
-        !matches!(
-            self,
-            CommError::InvalidArgument { .. } | CommError::Unsupported { .. } | CommError::Config(_)
-        )
+        !matches!(self, CommError::InvalidArgument { .. } | CommError::Unsupported { .. } | CommError::Config(_))
     }
 
     /// A copy of this error suitable for reporting the same failure to several waiters.
@@ -130,9 +127,7 @@ impl CommError {
             }
             CommError::Poisoned { cause } => CommError::Poisoned { cause: cause.clone() },
             CommError::Unavailable { backend, why } => CommError::Unavailable { backend, why: why.clone() },
-            CommError::Unsupported { op, dtype, backend } => {
-                CommError::Unsupported { op, dtype: *dtype, backend }
-            }
+            CommError::Unsupported { op, dtype, backend } => CommError::Unsupported { op, dtype: *dtype, backend },
             CommError::Store(s) => CommError::Store(s.clone()),
             CommError::Config(s) => CommError::Config(s.clone()),
             CommError::Shutdown(s) => CommError::Shutdown(s.clone()),
@@ -140,9 +135,7 @@ impl CommError {
                 context: context.clone(),
                 source: std::io::Error::new(source.kind(), source.to_string()),
             },
-            CommError::Backend { backend, source } => {
-                CommError::Backend { backend, source: source.to_string().into() }
-            }
+            CommError::Backend { backend, source } => CommError::Backend { backend, source: source.to_string().into() },
         }
     }
 }

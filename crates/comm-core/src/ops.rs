@@ -30,7 +30,8 @@ fn check_root(op: &'static str, root: Rank, world: u32) -> Result<(), CommError>
 
 fn check_reduce(op: &'static str, r: ReduceOp, dtype: DType) -> Result<(), CommError> {
     if !r.applies_to(dtype) {
-        let why = if r == ReduceOp::Avg { "avg needs a floating-point dtype" } else { "bitwise ops need an integer dtype" };
+        let why =
+            if r == ReduceOp::Avg { "avg needs a floating-point dtype" } else { "bitwise ops need an integer dtype" };
         return Err(CommError::invalid(op, format!("reduce op {r} is not defined for {dtype}: {why}")));
     }
     Ok(())
@@ -41,10 +42,7 @@ fn check_output(op: &'static str, out: &HostBuffer, dtype: DType, len: usize) ->
         return Err(CommError::invalid(op, format!("output buffer is {} but the input is {dtype}", out.dtype())));
     }
     if out.len() != len {
-        return Err(CommError::invalid(
-            op,
-            format!("output buffer holds {} elements, {len} are needed", out.len()),
-        ));
+        return Err(CommError::invalid(op, format!("output buffer holds {} elements, {len} are needed", out.len())));
     }
     Ok(())
 }
@@ -310,19 +308,18 @@ impl Op for Scatter {
             let Some(input) = &self.input else {
                 return Err(CommError::invalid(Self::NAME, "the root must pass the data to scatter"));
             };
-            check_output(Self::NAME, input, self.output.dtype(), self.output.len() * world as usize)
-                .map_err(|_| {
-                    CommError::invalid(
-                        Self::NAME,
-                        format!(
-                            "root input is {} × {} elements, expected {} × {} (world size × output length)",
-                            input.dtype(),
-                            input.len(),
-                            self.output.dtype(),
-                            self.output.len() * world as usize
-                        ),
-                    )
-                })?;
+            check_output(Self::NAME, input, self.output.dtype(), self.output.len() * world as usize).map_err(|_| {
+                CommError::invalid(
+                    Self::NAME,
+                    format!(
+                        "root input is {} × {} elements, expected {} × {} (world size × output length)",
+                        input.dtype(),
+                        input.len(),
+                        self.output.dtype(),
+                        self.output.len() * world as usize
+                    ),
+                )
+            })?;
         }
         Ok(())
     }
@@ -445,15 +442,17 @@ mod tests {
         assert!(e.contains("bxor") && e.contains("f32"), "{e}");
         let e = ReduceScatter { input: f32s(7), op: ReduceOp::Sum, output: None }.validate(0, 2).unwrap_err();
         assert!(e.to_string().contains("not divisible"), "{e}");
-        let e = AllToAll { input: f32s(4), output: None, input_splits: Some(vec![1, 2]), output_splits: Some(vec![2, 2]) }
-            .validate(0, 2)
-            .unwrap_err();
+        let e =
+            AllToAll { input: f32s(4), output: None, input_splits: Some(vec![1, 2]), output_splits: Some(vec![2, 2]) }
+                .validate(0, 2)
+                .unwrap_err();
         assert!(e.to_string().contains("input_splits sum to 3"), "{e}");
         let e = Send { buf: f32s(1), dst: 1, tag: 0 }.validate(1, 2).unwrap_err();
         assert!(e.to_string().contains("itself"), "{e}");
         let e = Recv { buf: f32s(1), src: 9, tag: 0 }.validate(1, 2).unwrap_err();
         assert!(e.to_string().contains("out of range"), "{e}");
-        let e = AllGather { input: f32s(2), output: Some(HostBuffer::zeroed(DType::F64, 4)) }.validate(0, 2).unwrap_err();
+        let e =
+            AllGather { input: f32s(2), output: Some(HostBuffer::zeroed(DType::F64, 4)) }.validate(0, 2).unwrap_err();
         assert!(e.to_string().contains("output buffer is f64"), "{e}");
         let e = Scatter { output: f32s(2), input: None, root: 0 }.validate(0, 2).unwrap_err();
         assert!(e.to_string().contains("root must pass"), "{e}");
@@ -466,7 +465,8 @@ mod tests {
         let a = AllToAll { input: f32s(6), output: None, input_splits: None, output_splits: None };
         a.validate(0, 3).unwrap();
         assert_eq!(a.splits(3), (vec![2, 2, 2], vec![2, 2, 2]));
-        let a = AllToAll { input: f32s(3), output: None, input_splits: Some(vec![0, 3]), output_splits: Some(vec![1, 1]) };
+        let a =
+            AllToAll { input: f32s(3), output: None, input_splits: Some(vec![0, 3]), output_splits: Some(vec![1, 1]) };
         a.validate(0, 2).unwrap();
         assert_eq!(a.splits(2), (vec![0, 3], vec![1, 1]));
     }

@@ -115,10 +115,7 @@ impl<T: Send + 'static> Work<T> {
     }
 
     /// A handle whose result is `f` applied to this one's successful result.
-    pub fn and_then<U: Send + 'static>(
-        self,
-        f: impl FnOnce(T) -> Result<U, CommError> + Send + 'static,
-    ) -> Work<U> {
+    pub fn and_then<U: Send + 'static>(self, f: impl FnOnce(T) -> Result<U, CommError> + Send + 'static) -> Work<U> {
         match self.inner {
             Inner::Ready(mut r) => Work::ready(r.take().expect("Ready work holds its result").and_then(f)),
             _ => Work { inner: Inner::Boxed(Box::new(Map { work: self, f: Some(f) })) },
@@ -131,9 +128,9 @@ impl<T: Send + 'static> Future for Work<T> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match &mut self.inner {
-            Inner::Ready(r) => Poll::Ready(
-                r.take().unwrap_or_else(|| Err(CommError::invalid("Work", "polled after completion"))),
-            ),
+            Inner::Ready(r) => {
+                Poll::Ready(r.take().unwrap_or_else(|| Err(CommError::invalid("Work", "polled after completion"))))
+            }
             Inner::Shared(s) => {
                 let mut slot = s.lock();
                 if slot.result.is_some() || slot.taken {
