@@ -21,9 +21,8 @@ async fn main() -> Result<(), comm_api::CommError> {
     let gather = pg.all_gather(HostBuffer::from_slice(&shard)); // issued now
 
     // Compute something unrelated meanwhile.
-    let local = tokio::task::spawn_blocking(move || shard.iter().map(|&x| x as f64).sum::<f64>())
-        .await
-        .expect("compute task");
+    let local =
+        tokio::task::spawn_blocking(move || shard.iter().map(|&x| x as f64).sum::<f64>()).await.expect("compute task");
 
     let all = gather.await?.to_vec::<f32>()?;
     assert_eq!(all.len(), n << 20);
@@ -34,6 +33,10 @@ async fn main() -> Result<(), comm_api::CommError> {
 
     // Agree on the global sum of the local sums.
     let total = pg.all_reduce(HostBuffer::from_slice(&[local]), ReduceOp::Sum).await?.to_vec::<f64>()?[0];
-    println!("rank {rank}: gathered {} floats and computed while waiting ({:?}); global sum {total}", all.len(), t.elapsed());
+    println!(
+        "rank {rank}: gathered {} floats and computed while waiting ({:?}); global sum {total}",
+        all.len(),
+        t.elapsed()
+    );
     pg.shutdown().await
 }

@@ -1,7 +1,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use comm_core::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send};
+use comm_core::ops::{
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send,
+};
 use comm_core::{Backend, Collective, CommError, DType, HostBuffer, Op, Rank, ReduceOp, Work, WorldInfo};
 
 /// A group of ranks and every collective op on it. Cheap to clone.
@@ -229,7 +231,12 @@ impl ProcessGroup {
         input_splits: Vec<usize>,
         output_splits: Vec<usize>,
     ) -> Work<HostBuffer> {
-        self.submit(AllToAll { input, output: None, input_splits: Some(input_splits), output_splits: Some(output_splits) })
+        self.submit(AllToAll {
+            input,
+            output: None,
+            input_splits: Some(input_splits),
+            output_splits: Some(output_splits),
+        })
     }
 
     /// `all_to_all_single` into a caller's buffer; `None` splits mean equal blocks.
