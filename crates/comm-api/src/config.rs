@@ -2,7 +2,7 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use comm_core::{Backend, CommError, Launcher, Rank, WorldInfo, WorldSource};
+use comm_core::{Backend, CommError, Launcher, Rank, StoreKind, WorldInfo, WorldSource};
 
 use crate::ProcessGroup;
 
@@ -97,6 +97,7 @@ impl Config {
                 local_world_size: world_size,
                 master_addr: master_addr.to_owned(),
                 master_port,
+                store: StoreKind::Rank0,
                 source: WorldSource { launcher: Launcher::Explicit, variables: Vec::new() },
             },
             backend: BackendKind::Auto,

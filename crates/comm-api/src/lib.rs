@@ -39,7 +39,7 @@ mod group;
 
 pub use comm_core::{
     bf16, f16, ops, Backend, Collective, CommError, DType, Element, Group, HostBuffer, Launcher, Rank, ReduceOp, Store,
-    Work, WorldInfo, WorldSource,
+    StoreKind, Work, WorldInfo, WorldSource,
 };
 pub use config::{builder, init, BackendKind, Builder, Config};
 pub use group::{P2POp, ProcessGroup};

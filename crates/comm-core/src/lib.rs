@@ -30,7 +30,7 @@ pub use error::CommError;
 pub use ops::Op;
 pub use store::{MemoryStore, Store};
 pub use work::{Completer, Work};
-pub use world::{Launcher, WorldInfo, WorldSource};
+pub use world::{Launcher, StoreKind, WorldInfo, WorldSource};
 
 /// A rank: a process's index inside a group, `0..world_size`.
 pub type Rank = u32;

@@ -28,6 +28,20 @@ pub enum Launcher {
     Single,
 }
 
+/// Who serves the rendezvous store at [`WorldInfo::master_addr`]:[`WorldInfo::master_port`].
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StoreKind {
+    /// Rank 0 serves the library's own store there (the default).
+    #[default]
+    Rank0,
+    /// The library's own store is already served there by another process (nobody binds).
+    External,
+    /// A torch `TCPStore` is served there (torchrun's agent store): every rank connects to it
+    /// as a torch client and nobody binds the port.
+    Torch,
+}
+
 /// Where a [`WorldInfo`] came from: the launcher and the variables that were read.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorldSource {
@@ -52,6 +66,8 @@ pub struct WorldInfo {
     pub master_addr: String,
     /// Port of the rendezvous store.
     pub master_port: u16,
+    /// Who serves the store at `master_addr:master_port`.
+    pub store: StoreKind,
     /// How this was found.
     pub source: WorldSource,
 }
@@ -66,6 +82,7 @@ impl WorldInfo {
             local_world_size: 1,
             master_addr: "127.0.0.1".into(),
             master_port: 29500,
+            store: StoreKind::Rank0,
             source: WorldSource { launcher: Launcher::Single, variables: Vec::new() },
         }
     }
@@ -89,6 +106,11 @@ impl fmt::Display for WorldInfo {
             self.master_port,
             self.source.launcher
         )?;
+        match self.store {
+            StoreKind::Rank0 => {}
+            StoreKind::External => f.write_str(" (external store)")?,
+            StoreKind::Torch => f.write_str(" (torch TCPStore)")?,
+        }
         if !self.source.variables.is_empty() {
             write!(f, " [{}]", self.source.variables.join(" "))?;
         }

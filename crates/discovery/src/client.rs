@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -64,6 +65,8 @@ pub struct TcpStore {
 struct Inner {
     /// `addr:port`, for messages.
     shown: String,
+    /// This end of the connection.
+    local_addr: Option<SocketAddr>,
     calls: mpsc::UnboundedSender<Call>,
     next_id: AtomicU64,
     /// Why the connection ended, once it has.
@@ -109,6 +112,17 @@ impl TcpStore {
     /// be listening yet; then fails with a [`CommError::Store`] saying the store never came
     /// up. A server that refuses the token fails at once: it belongs to another job.
     pub async fn connect(addr: &str, port: u16, token: &str, timeout: Duration) -> Result<TcpStore, CommError> {
+        Self::connect_from(addr, port, token, timeout, None).await
+    }
+
+    /// [`TcpStore::connect`] from the local address `bind` (see [`bind_addr`](crate::bind_addr)).
+    pub async fn connect_from(
+        addr: &str,
+        port: u16,
+        token: &str,
+        timeout: Duration,
+        bind: Option<IpAddr>,
+    ) -> Result<TcpStore, CommError> {
         if token.len() > wire::MAX_TOKEN {
             return Err(CommError::Config(format!(
                 "COMM_JOB_TOKEN is {} bytes long; at most {} are allowed",
@@ -135,13 +149,14 @@ impl TcpStore {
                 rt.block_on(async move {
                     let mut ready_tx = ready_tx;
                     let connected = tokio::select! {
-                        r = connect_with_retry(&addr, port, &token, timeout, &thread_shown) => r,
+                        r = connect_with_retry(&addr, port, bind, &token, timeout, &thread_shown) => r,
                         // The caller stopped waiting: give up early.
                         _ = ready_tx.closed() => return,
                     };
                     match connected {
                         Ok(stream) => {
-                            if ready_tx.send(Ok(())).is_ok() {
+                            let local = stream.local_addr().ok();
+                            if ready_tx.send(Ok(local)).is_ok() {
                                 run(stream, calls_rx, thread_closed, thread_shown).await;
                             }
                         }
@@ -152,9 +167,10 @@ impl TcpStore {
                 });
             })
             .map_err(|e| CommError::io("spawning the store client thread", e))?;
-        ready_rx.await.unwrap_or_else(|_| Err(CommError::Store("the store client thread exited".into())))?;
+        let local_addr =
+            ready_rx.await.unwrap_or_else(|_| Err(CommError::Store("the store client thread exited".into())))?;
         Ok(TcpStore {
-            inner: Arc::new(Inner { shown, calls: calls_tx, next_id: AtomicU64::new(1), closed }),
+            inner: Arc::new(Inner { shown, local_addr, calls: calls_tx, next_id: AtomicU64::new(1), closed }),
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
         })
     }
@@ -164,6 +180,11 @@ impl TcpStore {
     pub fn with_request_timeout(mut self, timeout: Duration) -> TcpStore {
         self.request_timeout = timeout;
         self
+    }
+
+    /// The local address of the connection to the store (which interface this rank uses).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.inner.local_addr
     }
 
     fn lost(&self) -> CommError {
@@ -273,6 +294,7 @@ enum Hello {
 async fn connect_with_retry(
     addr: &str,
     port: u16,
+    bind: Option<IpAddr>,
     token: &str,
     timeout: Duration,
     shown: &str,
@@ -283,16 +305,16 @@ async fn connect_with_retry(
     let last = loop {
         let left = deadline.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT);
         // A host name is resolved on every attempt: it may only appear once rank 0's host is up.
-        let why = match tokio::time::timeout(left, TcpStream::connect((addr, port))).await {
-            Ok(Ok(stream)) => {
-                let _ = stream.set_nodelay(true);
-                match tokio::time::timeout(left, hello(stream, token, shown)).await {
-                    Ok(Ok(stream)) => return Ok(stream),
-                    Ok(Err(Hello::Refused(e))) => return Err(e),
-                    Ok(Err(Hello::Retry(why))) => why,
-                    Err(_) => "no handshake reply (is something else listening on MASTER_PORT?)".into(),
-                }
-            }
+        let why = match tokio::time::timeout(left, crate::net::dial(addr, port, bind)).await {
+            Ok(Ok(stream)) => match tokio::time::timeout(left, hello(stream, token, shown)).await {
+                Ok(Ok(stream)) => return Ok(stream),
+                Ok(Err(Hello::Refused(e))) => return Err(e),
+                Ok(Err(Hello::Retry(why))) => why,
+                Err(_) => "no handshake reply: something else listens on MASTER_PORT (a torch TCPStore, such as \
+                               torchrun's agent store, stays silent like this: set TORCHELASTIC_USE_AGENT_STORE=True \
+                               or COMM_STORE=torch to use it)"
+                    .into(),
+            },
             Ok(Err(e)) => e.to_string(),
             Err(_) => "the connection attempt timed out".into(),
         };

@@ -16,8 +16,11 @@
 
 mod client;
 mod env;
+mod net;
 mod rendezvous;
 mod server;
+pub mod slurm;
+pub mod torch;
 mod wire;
 
 #[cfg(test)]
@@ -25,5 +28,7 @@ mod store_tests;
 
 pub use client::{job_token, TcpStore};
 pub use env::{from_env, from_vars};
+pub use net::bind_addr;
 pub use rendezvous::rendezvous;
 pub use server::StoreServer;
+pub use torch::TorchStore;

@@ -4,11 +4,13 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use comm_core::{CommError, MemoryStore, Store, WorldInfo};
+use comm_core::{CommError, MemoryStore, Store, StoreKind, WorldInfo};
 use tokio::sync::oneshot;
 
 use crate::client::{display_addr, job_token, TcpStore};
+use crate::net::bind_addr;
 use crate::server::{self, StoreServer};
+use crate::torch::TorchStore;
 
 /// The key every rank checks its world size against (the first rank to arrive sets it).
 const WORLD_SIZE_KEY: &str = "discovery/world_size";
@@ -16,16 +18,24 @@ const WORLD_SIZE_KEY: &str = "discovery/world_size";
 /// The job's rendezvous store, and the server when this is rank 0.
 ///
 /// - A world of one gets a [`MemoryStore`]; no port is touched.
-/// - Rank 0 starts a [`StoreServer`] on `master_addr:master_port` (a host name is resolved; if
-///   that exact address cannot be bound, e.g. it names another interface, it listens on all
-///   interfaces instead) and connects to it like every other rank. A `master_port` of 0 gives
-///   rank 0 an ephemeral port, readable from the returned server, that it must publish itself.
-/// - Every other rank connects a [`TcpStore`], retrying until `timeout` for rank 0 to come up.
+/// - [`StoreKind::Rank0`] (the default): rank 0 starts a [`StoreServer`] on
+///   `master_addr:master_port` (a host name is resolved; if that exact address cannot be
+///   bound, e.g. it names another interface, it listens on all interfaces instead) and
+///   connects to it like every other rank. A `master_port` of 0 gives rank 0 an ephemeral
+///   port, readable from the returned server, that it must publish itself. Every other rank
+///   connects a [`TcpStore`], retrying until `timeout` for rank 0 to come up.
+/// - [`StoreKind::External`]: the store is already served there; every rank connects.
+/// - [`StoreKind::Torch`] (torchrun, `TORCHELASTIC_USE_AGENT_STORE=True`): torchrun's agent
+///   already serves a torch `TCPStore` on `master_port`, so nobody binds it; every rank
+///   connects a [`TorchStore`] with keys under `comm/r<TORCHELASTIC_RESTART_COUNT>/` (a
+///   restarted job does not see the previous attempt's keys).
 ///
-/// Both sides present [`job_token`]. Keep the server alive as long as any rank may use the
-/// store: dropping it stops the store for everyone. Each rank also checks that its
-/// `world_size` agrees with the first rank's (key `discovery/world_size`), so a rank started
-/// with the wrong `WORLD_SIZE` fails here with [`CommError::Mismatch`] instead of hanging later.
+/// Our own store's clients present [`job_token`] (torch's store has no such check).
+/// Connections are made from `COMM_BIND_ADDR` when it is set (see [`bind_addr`]). Keep the
+/// server alive as long as any rank may use the store: dropping it stops the store for
+/// everyone. Each rank also checks that its `world_size` agrees with the first rank's (key
+/// `discovery/world_size`), so a rank started with the wrong `WORLD_SIZE` fails here with
+/// [`CommError::Mismatch`] instead of hanging later.
 pub async fn rendezvous(
     info: &WorldInfo,
     timeout: Duration,
@@ -39,25 +49,48 @@ pub async fn rendezvous(
     if info.world_size == 1 {
         return Ok((Arc::new(MemoryStore::new()), None));
     }
-    let token = job_token();
-    let (store, server) = if info.rank == 0 {
-        let server = bind_rank0(&info.master_addr, info.master_port, &token).await?;
-        // Connect to what was actually bound: the wildcard fallback, or an ephemeral port.
-        let bound = server.local_addr();
-        let ip = match bound.ip() {
-            IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
-            IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
-            ip => ip,
-        };
-        (TcpStore::connect(&ip.to_string(), bound.port(), &token, timeout).await?, Some(server))
-    } else {
-        if info.master_port == 0 {
-            return Err(CommError::Config(format!(
-                "rank {} cannot find rank 0's store: MASTER_PORT is 0 (set it to the port rank 0 listens on)",
-                info.rank
-            )));
+    let bind = bind_addr()?;
+    let shown = display_addr(&info.master_addr, info.master_port);
+    let needs_port = |what: &str| {
+        CommError::Config(format!(
+            "rank {} cannot find the {what}: MASTER_PORT is 0 (set it to the port the store listens on)",
+            info.rank
+        ))
+    };
+    let (store, server): (Arc<dyn Store>, Option<StoreServer>) = match info.store {
+        StoreKind::Torch => {
+            if info.master_port == 0 {
+                return Err(needs_port("torch store"));
+            }
+            let prefix = torch_prefix();
+            let store = TorchStore::connect(&info.master_addr, info.master_port, &prefix, timeout, bind).await?;
+            tracing::debug!(addr = %shown, prefix = %prefix, local = ?store.local_addr(), "comm: using the torch store");
+            (Arc::new(store), None)
         }
-        (TcpStore::connect(&info.master_addr, info.master_port, &token, timeout).await?, None)
+        StoreKind::Rank0 if info.rank == 0 => {
+            let token = job_token();
+            let server = bind_rank0(&info.master_addr, info.master_port, &token).await?;
+            // Connect to what was actually bound: the wildcard fallback, or an ephemeral port.
+            let bound = server.local_addr();
+            let ip = match bound.ip() {
+                IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+                IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+                ip => ip,
+            };
+            // A bind address of the other family than the store's cannot reach it: drop it.
+            let bind = bind.filter(|b| b.is_ipv4() == ip.is_ipv4());
+            let store = TcpStore::connect_from(&ip.to_string(), bound.port(), &token, timeout, bind).await?;
+            (Arc::new(store), Some(server))
+        }
+        _ => {
+            if info.master_port == 0 {
+                return Err(needs_port("store"));
+            }
+            let store =
+                TcpStore::connect_from(&info.master_addr, info.master_port, &job_token(), timeout, bind).await?;
+            tracing::debug!(addr = %shown, local = ?store.local_addr(), "comm: connected to the store");
+            (Arc::new(store), None)
+        }
     };
 
     let ws = info.world_size.to_string();
@@ -66,15 +99,20 @@ pub async fn rendezvous(
         return Err(CommError::Mismatch {
             op: "rendezvous",
             detail: format!(
-                "rank {} has world size {ws}, but the job at the store {} has world size {} (set by the first rank \
-                 to arrive); check WORLD_SIZE on every rank",
+                "rank {} has world size {ws}, but the job at the store {shown} has world size {} (set by the first \
+                 rank to arrive); check WORLD_SIZE on every rank",
                 info.rank,
-                display_addr(&info.master_addr, info.master_port),
                 String::from_utf8_lossy(&stored)
             ),
         });
     }
-    Ok((Arc::new(store), server))
+    Ok((store, server))
+}
+
+/// The key prefix in torch's store: ours, per restart of the job.
+fn torch_prefix() -> String {
+    let restart = std::env::var("TORCHELASTIC_RESTART_COUNT").ok().filter(|r| !r.trim().is_empty());
+    format!("comm/r{}/", restart.as_deref().map_or("0", str::trim))
 }
 
 /// Binds `addr:port`, or all interfaces on `port` when that exact address cannot be bound.

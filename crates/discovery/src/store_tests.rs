@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use comm_core::{CommError, Launcher, Store, WorldInfo, WorldSource};
+use comm_core::{CommError, Launcher, Store, StoreKind, WorldInfo, WorldSource};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -314,6 +314,7 @@ fn world(rank: u32, world_size: u32, port: u16) -> WorldInfo {
         local_world_size: world_size,
         master_addr: "127.0.0.1".into(),
         master_port: port,
+        store: StoreKind::Rank0,
         source: WorldSource { launcher: Launcher::Explicit, variables: Vec::new() },
     }
 }
