@@ -1,0 +1,553 @@
+//! MPI backend for comm: every collective on a real MPI (Open MPI or MPICH) through rsmpi.
+//!
+//! Launch the program with `mpirun -np N prog` (as root add `--allow-run-as-root`, and
+//! `--oversubscribe` for more ranks than cores); [`MpiBackend::init`] returns the world group.
+//!
+//! # Design
+//! - **One actor thread** initialises MPI (`MPI_THREAD_MULTIPLE`, so the panic hook may call
+//!   `MPI_Abort` from any thread) and is the only thread that touches MPI: Open MPI's
+//!   communicators and requests must stay on one thread. Handles are `Send + Sync` and talk to
+//!   it over a channel. See `actor.rs`.
+//! - **Nonblocking everything.** Every op is an `MPI_I*` call completed by polling
+//!   (`MPI_Test`), so point-to-point ops and collectives of different groups are in flight
+//!   together: an `isend` never blocks a collective. A group's collectives run one at a time in
+//!   submission order, which is the order MPI needs on every rank.
+//! - **Owned buffers** move into the request and come back when MPI completes it; all `unsafe`
+//!   is in `raw.rs`, which never frees memory MPI may still use.
+//! - **Exact reductions.** Floating-point reductions are computed by us in rank order (f16/bf16
+//!   accumulate in f32 and round once), so results are bit-identical on every rank, at every
+//!   world size, and to `comm_test::reference` and the shm backend. MPI's own reductions may
+//!   combine ranks in any order (and user-defined ops round f16/bf16 at every step), which
+//!   changes the last bits. Small messages: all-gather + local reduce; large ones: `alltoallv`
+//!   of slices + local reduce + `allgatherv` (bandwidth-optimal, like a ring). Integer
+//!   reductions are exact in any order and use MPI's built-in ops. [`Reduction::Native`] (opt
+//!   in) hands floats to MPI too: built-in ops for f32/f64, user-defined MPI ops (combining in
+//!   f32) for f16/bf16.
+//! - **Errors instead of aborts.** Communicators use `MPI_ERRORS_RETURN` and every return code
+//!   is checked. With checking on (default), every collective starts by gathering a 32-byte
+//!   header from each rank (op, dtype, count, root, reduce op), so ranks that call different ops
+//!   or sizes get [`CommError::Mismatch`] on every rank instead of undefined MPI behaviour;
+//!   all_to_all also checks every pair's split sizes. Point-to-point tags carry the dtype (low 3
+//!   bits), and a receive of the wrong size is a `Mismatch` (MPI's truncation error, or the
+//!   received count).
+//! - **Timeouts everywhere.** An op that does not complete within [`MpiOptions::timeout`]
+//!   fails with [`CommError::Timeout`] and poisons its group (later ops fail fast with
+//!   `Poisoned`); its buffers stay with MPI. A rank that dies usually makes `mpirun` end the
+//!   job; where it does not, the others end with an error within the timeout.
+//! - **A panic ends the job** (`MPI_Abort` from a panic hook, unless
+//!   [`MpiOptions::abort_on_panic`] is off): otherwise the other ranks would hang in their
+//!   next collective or in `MPI_Finalize`.
+//! - **Finalisation.** Shutting a world group down ([`Group::shutdown`]) finishes every
+//!   group's submitted ops, frees the communicators and calls `MPI_Finalize`; MPI cannot be
+//!   initialised again in the process. A process that never does it is finalised at exit
+//!   (an `atexit` hook), so `mpirun` sees a clean exit.
+//!
+//! # Backend mapping
+//! broadcast `MPI_Ibcast`; all_gather `MPI_Iallgather`; scatter `MPI_Iscatter`; gather
+//! `MPI_Igather`; all_to_all `MPI_Ialltoallv`; barrier: the header exchange (or `MPI_Ibarrier`
+//! with checking off); integer all_reduce / reduce / reduce_scatter `MPI_Iallreduce` /
+//! `MPI_Ireduce` / `MPI_Ireduce_scatter_block`; float reductions as above; send/recv
+//! `MPI_Isend` / `MPI_Irecv`; `new_group` `MPI_Comm_split` (after a header exchange, so it
+//! never waits on a missing rank); each world group is an `MPI_Comm_idup` of
+//! `MPI_COMM_WORLD`.
+
+mod actor;
+mod kernels;
+mod raw;
+
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use comm_core::ops::{self, Op};
+use comm_core::{Backend, Collective, CommError, Completer, Group, Launcher, Rank, Work, WorldInfo, WorldSource};
+
+use actor::{Cmd, GroupInfo, Msg, Params};
+
+/// How floating-point reductions are computed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Reduction {
+    /// By this backend, in rank order: bit-identical to the reference on every rank and at
+    /// every world size (f16/bf16 accumulate in f32 and round once). The default.
+    #[default]
+    Exact,
+    /// By MPI (`MPI_Iallreduce` and friends): built-in ops for f32/f64, user-defined MPI ops
+    /// combining in f32 for f16/bf16 (each step rounds to 16 bits). Results can differ in the
+    /// last bits from `Exact` (and between world sizes) from three ranks on.
+    Native,
+}
+
+impl std::str::FromStr for Reduction {
+    type Err = CommError;
+    fn from_str(s: &str) -> Result<Self, CommError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "exact" => Ok(Reduction::Exact),
+            "native" => Ok(Reduction::Native),
+            other => Err(CommError::Config(format!("unknown MPI reduction mode `{other}` (expected exact or native)"))),
+        }
+    }
+}
+
+/// Settings of the MPI backend.
+#[derive(Clone, Debug)]
+pub struct MpiOptions {
+    /// How long any op may take before [`CommError::Timeout`] (and group initialisation).
+    pub timeout: Duration,
+    /// How floating-point reductions are computed.
+    pub reduction: Reduction,
+    /// Exchange a header before every collective so mismatched calls fail with
+    /// [`CommError::Mismatch`] (costs one small all-gather per collective).
+    pub check: bool,
+    /// Exact float reductions of at most this many bytes × (ranks − 1) gather every input to
+    /// every rank (one round); larger ones use reduce-scatter + all-gather.
+    pub small_max: usize,
+    /// How long the actor busy-polls before yielding the core; `None` picks 50 µs, or 0 when
+    /// this node's ranks outnumber its cores.
+    pub spin: Option<Duration>,
+    /// Call `MPI_Abort` when any thread of the process panics (the other ranks would hang).
+    pub abort_on_panic: bool,
+}
+
+impl Default for MpiOptions {
+    fn default() -> Self {
+        MpiOptions {
+            timeout: Duration::from_secs(300),
+            reduction: Reduction::Exact,
+            check: true,
+            small_max: 256 << 10,
+            spin: None,
+            abort_on_panic: true,
+        }
+    }
+}
+
+fn env_bool(name: &str, v: &str) -> Result<bool, CommError> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(CommError::Config(format!("{name}={v:?} is not a boolean (use 1 or 0)"))),
+    }
+}
+
+impl MpiOptions {
+    /// Defaults, overridden by `COMM_TIMEOUT` (seconds), `COMM_MPI_REDUCTION` (`exact` or
+    /// `native`), `COMM_MPI_CHECK` (`1`/`0`), `COMM_MPI_SMALL_MAX` (bytes, optional `K`/`M`
+    /// suffix), `COMM_MPI_SPIN_US` and `COMM_MPI_ABORT_ON_PANIC` (`1`/`0`).
+    pub fn from_env() -> Result<Self, CommError> {
+        let mut o = MpiOptions::default();
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        if let Some(v) = var("COMM_TIMEOUT") {
+            let secs = v.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0);
+            o.timeout =
+                Duration::from_secs_f64(secs.ok_or_else(|| {
+                    CommError::Config(format!("COMM_TIMEOUT={v:?} is not a positive number of seconds"))
+                })?);
+        }
+        if let Some(v) = var("COMM_MPI_REDUCTION") {
+            o.reduction = v.parse()?;
+        }
+        if let Some(v) = var("COMM_MPI_CHECK") {
+            o.check = env_bool("COMM_MPI_CHECK", &v)?;
+        }
+        if let Some(v) = var("COMM_MPI_SMALL_MAX") {
+            o.small_max = parse_size(&v).ok_or_else(|| {
+                CommError::Config(format!("COMM_MPI_SMALL_MAX={v:?} is not a size (e.g. 256K, 65536)"))
+            })?;
+        }
+        if let Some(v) = var("COMM_MPI_SPIN_US") {
+            let us = v
+                .trim()
+                .parse()
+                .map_err(|_| CommError::Config(format!("COMM_MPI_SPIN_US={v:?} is not a number of microseconds")))?;
+            o.spin = Some(Duration::from_micros(us));
+        }
+        if let Some(v) = var("COMM_MPI_ABORT_ON_PANIC") {
+            o.abort_on_panic = env_bool("COMM_MPI_ABORT_ON_PANIC", &v)?;
+        }
+        Ok(o)
+    }
+
+    fn params(&self) -> Params {
+        Params {
+            timeout: self.timeout,
+            reduction: self.reduction,
+            check: self.check,
+            small_max: self.small_max,
+            spin: self.spin,
+        }
+    }
+}
+
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'k' | 'K') => (&s[..i], 1 << 10),
+        (i, 'm' | 'M') => (&s[..i], 1 << 20),
+        (i, 'g' | 'G') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mult)
+}
+
+/// Whether this process was started by an MPI launcher (Open MPI's `mpirun` sets
+/// `OMPI_COMM_WORLD_SIZE`, MPICH/Hydra and Intel MPI set `PMI_SIZE`).
+pub fn launched_by_mpi() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"].iter().any(|v| std::env::var_os(v).is_some())
+}
+
+/// Process-wide state: whether the actor runs, and what the panic and exit hooks need.
+mod global {
+    use std::sync::atomic::{AtomicBool, AtomicI32, Ordering::SeqCst};
+    use std::sync::mpsc::Sender;
+    use std::sync::{Mutex, MutexGuard, Once};
+    use std::time::{Duration, Instant};
+
+    use crate::actor::{self, Msg};
+    use crate::raw;
+
+    pub(crate) enum State {
+        Idle,
+        Running(Sender<Msg>),
+        Ended(String),
+    }
+
+    static STATE: Mutex<State> = Mutex::new(State::Idle);
+    /// MPI is initialised and not being finalised: the panic hook may call MPI_Abort.
+    static LIVE: AtomicBool = AtomicBool::new(false);
+    /// The actor finished (MPI finalised or abandoned).
+    static ENDED: AtomicBool = AtomicBool::new(false);
+    pub(crate) static ABORT_ON_PANIC: AtomicBool = AtomicBool::new(true);
+    static WORLD_RANK: AtomicI32 = AtomicI32::new(-1);
+    static HOOKS: Once = Once::new();
+
+    pub(crate) fn state() -> MutexGuard<'static, State> {
+        STATE.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Called by the actor right after MPI_Init: the hooks go live.
+    pub(crate) fn mpi_started(rank: i32) {
+        WORLD_RANK.store(rank, SeqCst);
+        LIVE.store(true, SeqCst);
+        HOOKS.call_once(|| {
+            let previous = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                previous(info);
+                if LIVE.load(SeqCst) && ABORT_ON_PANIC.load(SeqCst) {
+                    eprintln!(
+                        "comm mpi: rank {} panicked; calling MPI_Abort so the other ranks do not hang \
+                         (set COMM_MPI_ABORT_ON_PANIC=0 to keep running)",
+                        WORLD_RANK.load(SeqCst)
+                    );
+                    raw::abort(101);
+                }
+            }));
+            if !raw::at_exit(finalize_at_exit) {
+                tracing::warn!("comm mpi: cannot register the exit hook; shut the world group down before exiting");
+            }
+        });
+    }
+
+    /// Called by the actor before it finalises (no more MPI_Abort from the hook).
+    pub(crate) fn mpi_ending() {
+        LIVE.store(false, SeqCst);
+    }
+
+    /// Called by the actor when it is done; later `init` calls fail with `why`.
+    pub(crate) fn mpi_ended(why: &str) {
+        *state() = State::Ended(why.to_owned());
+        ENDED.store(true, SeqCst);
+    }
+
+    /// At process exit: ask the actor to finish and finalise, and wait for it (bounded).
+    extern "C" fn finalize_at_exit() {
+        let tx = match &*state() {
+            State::Running(tx) => tx.clone(),
+            _ => return,
+        };
+        if tx.send(Msg::Exit).is_err() {
+            return;
+        }
+        // Polling a flag (not a channel): thread-locals may already be gone at this point.
+        let deadline = Instant::now() + actor::EXIT_GRACE + Duration::from_secs(5);
+        while !ENDED.load(SeqCst) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Handle to an MPI process group (a communicator). Cheap to clone; the communicator is freed
+/// when the last clone is dropped (after its submitted ops) or on [`Group::shutdown`].
+#[derive(Clone)]
+pub struct MpiBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    info: GroupInfo,
+    tx: Sender<Msg>,
+    shut: AtomicBool,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Msg::Release(self.info.gid));
+    }
+}
+
+impl std::fmt::Debug for MpiBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiBackend")
+            .field("rank", &self.inner.info.rank)
+            .field("size", &self.inner.info.size)
+            .field("group", &self.inner.info.gid)
+            .finish()
+    }
+}
+
+impl MpiBackend {
+    /// Initialises MPI (on the first call; on its own actor thread) and returns a new world
+    /// group, a duplicate of `MPI_COMM_WORLD`. Collective: every rank calls it.
+    ///
+    /// Fails with [`CommError::Config`] when the launcher's environment disagrees with MPI
+    /// about the number of ranks (a program linked against another MPI than the launcher's),
+    /// and with [`CommError::Unavailable`] after MPI was finalised in this process.
+    pub async fn init(opts: MpiOptions) -> Result<MpiBackend, CommError> {
+        global::ABORT_ON_PANIC.store(opts.abort_on_panic, SeqCst);
+        let (done, work) = Work::pending();
+        let tx = {
+            let mut state = global::state();
+            let tx = match &*state {
+                global::State::Running(tx) => tx.clone(),
+                global::State::Ended(why) => return Err(CommError::Unavailable { backend: "mpi", why: why.clone() }),
+                global::State::Idle => {
+                    let (tx, rx) = channel();
+                    std::thread::Builder::new()
+                        .name("comm-mpi".into())
+                        .spawn(move || match actor::Actor::start(rx) {
+                            Ok(a) => a.run(),
+                            Err((rx, why)) => {
+                                global::mpi_ended(&why);
+                                while let Ok(m) = rx.try_recv() {
+                                    actor::reject_with(m, &why);
+                                }
+                            }
+                        })
+                        .map_err(|e| CommError::io("starting the MPI actor thread", e))?;
+                    *state = global::State::Running(tx.clone());
+                    tx
+                }
+            };
+            tx.send(Msg::World(opts.params(), done))
+                .map_err(|_| CommError::Shutdown("the MPI actor is gone".into()))?;
+            tx
+        };
+        let info = work.await?;
+        Ok(MpiBackend::from_info(info, tx))
+    }
+
+    fn from_info(info: GroupInfo, tx: Sender<Msg>) -> MpiBackend {
+        MpiBackend { inner: Arc::new(Inner { info, tx, shut: AtomicBool::new(false) }) }
+    }
+
+    /// This process's rank among the ranks on its node (`MPI_COMM_TYPE_SHARED`).
+    pub fn local_rank(&self) -> Rank {
+        self.inner.info.local_rank
+    }
+
+    /// Number of ranks on this process's node.
+    pub fn local_world_size(&self) -> u32 {
+        self.inner.info.local_size
+    }
+
+    /// The largest point-to-point tag this MPI allows (`MPI_TAG_UB >> 3`: the low 3 bits of
+    /// MPI's tag carry the dtype).
+    pub fn max_tag(&self) -> u32 {
+        self.inner.info.tag_max
+    }
+
+    /// Reconciles the world the environment described with MPI's: under MPI, rank and size
+    /// come from MPI itself.
+    ///
+    /// When `discovered` came from a launcher (or was given explicitly), its rank and world
+    /// size must equal MPI's, else [`CommError::Config`] names both. When nothing was found
+    /// ([`Launcher::Single`], e.g. a discovery that does not read MPI variables), the world is
+    /// taken from MPI. Call it on a world group.
+    pub fn reconcile(&self, discovered: &WorldInfo) -> Result<WorldInfo, CommError> {
+        let i = &self.inner.info;
+        if discovered.source.launcher == Launcher::Single {
+            let mut variables = vec![format!("MPI_COMM_WORLD: rank {} of {}", i.rank, i.size)];
+            let mut launcher = Launcher::Single;
+            for (var, l) in [("OMPI_COMM_WORLD_SIZE", Launcher::OpenMpi), ("PMI_SIZE", Launcher::Mpich)] {
+                if let Ok(v) = std::env::var(var) {
+                    variables.push(format!("{var}={v}"));
+                    if launcher == Launcher::Single {
+                        launcher = l;
+                    }
+                }
+            }
+            return Ok(WorldInfo {
+                rank: i.rank,
+                world_size: i.size,
+                local_rank: i.local_rank,
+                local_world_size: i.local_size,
+                source: WorldSource { launcher, variables },
+                ..discovered.clone()
+            });
+        }
+        if discovered.rank != i.rank || discovered.world_size != i.size {
+            return Err(CommError::Config(format!(
+                "MPI and the environment disagree: MPI_COMM_WORLD says rank {} of {}, but {discovered} says rank {} of {}; \
+                 start the program with the mpirun of the MPI it was built with (and without other launchers' RANK/WORLD_SIZE)",
+                i.rank, i.size, discovered.rank, discovered.world_size
+            )));
+        }
+        Ok(discovered.clone())
+    }
+
+    fn submit<R: Op>(&self, req: R, wrap: impl FnOnce(R, Completer<R::Output>) -> Cmd) -> Work<R::Output> {
+        let inner = &*self.inner;
+        if let Err(e) = req.validate(inner.info.rank, inner.info.size) {
+            return Work::ready(Err(e));
+        }
+        if let Some(cause) = inner.info.poison.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Work::ready(Err(CommError::Poisoned { cause }));
+        }
+        if inner.shut.load(SeqCst) {
+            return Work::ready(Err(CommError::Shutdown(String::new())));
+        }
+        let (done, work) = Work::pending();
+        // If the actor is gone the message (and its Completer) is dropped, which completes the
+        // Work with `Shutdown`.
+        let _ = inner.tx.send(Msg::Op(inner.info.gid, wrap(req, done)));
+        work
+    }
+
+    fn check_tag(&self, op: &'static str, tag: u32) -> Result<(), CommError> {
+        if tag > self.inner.info.tag_max {
+            return Err(CommError::invalid(
+                op,
+                format!(
+                    "tag {tag} is above this MPI's limit of {} (MPI_TAG_UB >> 3; 3 bits carry the dtype)",
+                    self.inner.info.tag_max
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+macro_rules! collectives {
+    ($($req:ident => $variant:ident),* $(,)?) => {$(
+        impl Collective<ops::$req> for MpiBackend {
+            fn submit(&self, req: ops::$req) -> Work<<ops::$req as Op>::Output> {
+                MpiBackend::submit(self, req, Cmd::$variant)
+            }
+        }
+    )*};
+}
+
+collectives! {
+    AllReduce => AllReduce,
+    Broadcast => Broadcast,
+    Reduce => Reduce,
+    AllGather => AllGather,
+    ReduceScatter => ReduceScatter,
+    AllToAll => AllToAll,
+    Scatter => Scatter,
+    Gather => Gather,
+}
+
+impl Collective<ops::Send> for MpiBackend {
+    fn submit(&self, req: ops::Send) -> Work<comm_core::HostBuffer> {
+        if let Err(e) = self.check_tag("send", req.tag) {
+            return Work::ready(Err(e));
+        }
+        MpiBackend::submit(self, req, Cmd::Send)
+    }
+}
+
+impl Collective<ops::Recv> for MpiBackend {
+    fn submit(&self, req: ops::Recv) -> Work<comm_core::HostBuffer> {
+        if let Err(e) = self.check_tag("recv", req.tag) {
+            return Work::ready(Err(e));
+        }
+        MpiBackend::submit(self, req, Cmd::Recv)
+    }
+}
+
+impl Collective<ops::Barrier> for MpiBackend {
+    fn submit(&self, req: ops::Barrier) -> Work<()> {
+        MpiBackend::submit(self, req, |_, done| Cmd::Barrier(done))
+    }
+}
+
+#[async_trait]
+impl Group for MpiBackend {
+    fn rank(&self) -> Rank {
+        self.inner.info.rank
+    }
+
+    fn world_size(&self) -> u32 {
+        self.inner.info.size
+    }
+
+    fn backend_name(&self) -> &'static str {
+        "mpi"
+    }
+
+    async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
+        let inner = &*self.inner;
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.is_empty() || sorted.len() != ranks.len() || sorted.last().is_some_and(|&r| r >= inner.info.size) {
+            return Err(CommError::invalid(
+                "new_group",
+                format!(
+                    "ranks {ranks:?} must be distinct ranks of this group of {} (and at least one)",
+                    inner.info.size
+                ),
+            ));
+        }
+        if let Some(cause) = inner.info.poison.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Err(CommError::Poisoned { cause });
+        }
+        if inner.shut.load(SeqCst) {
+            return Err(CommError::Shutdown(String::new()));
+        }
+        let (done, work) = Work::pending();
+        let _ = inner.tx.send(Msg::Op(inner.info.gid, Cmd::NewGroup(sorted, done)));
+        Ok(work.await?.map(|info| Arc::new(MpiBackend::from_info(info, inner.tx.clone())) as Arc<dyn Backend>))
+    }
+
+    async fn shutdown(&self) -> Result<(), CommError> {
+        if self.inner.shut.swap(true, SeqCst) {
+            return Ok(());
+        }
+        let (done, work) = Work::pending();
+        if self.inner.tx.send(Msg::Shutdown(self.inner.info.gid, done)).is_err() {
+            return Ok(());
+        }
+        match work.await {
+            Ok(()) | Err(CommError::Shutdown(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_parse() {
+        assert_eq!("NATIVE".parse::<Reduction>().unwrap(), Reduction::Native);
+        assert!("fast".parse::<Reduction>().unwrap_err().to_string().contains("fast"));
+        assert_eq!(parse_size("64K"), Some(64 << 10));
+        assert_eq!(parse_size("x"), None);
+        assert!(env_bool("X", "1").unwrap());
+        assert!(env_bool("X", "maybe").is_err());
+    }
+}
