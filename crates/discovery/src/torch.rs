@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::{CommError, Store};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
@@ -395,16 +395,16 @@ fn io_fail(e: std::io::Error) -> Fail {
     }
 }
 
-async fn read_u8(c: &mut TcpStream) -> Result<u8, Fail> {
+async fn read_u8<C: AsyncRead + Unpin>(c: &mut C) -> Result<u8, Fail> {
     c.read_u8().await.map_err(io_fail)
 }
 
-async fn read_i64(c: &mut TcpStream) -> Result<i64, Fail> {
+async fn read_i64<C: AsyncRead + Unpin>(c: &mut C) -> Result<i64, Fail> {
     c.read_i64_le().await.map_err(io_fail)
 }
 
 /// A `u64`-length-prefixed vector, refusing lengths over what the server could have stored.
-async fn read_vec(c: &mut TcpStream) -> Result<Vec<u8>, Fail> {
+async fn read_vec<C: AsyncRead + Unpin>(c: &mut C) -> Result<Vec<u8>, Fail> {
     let n = c.read_u64_le().await.map_err(io_fail)?;
     if n > MAX_VALUE as u64 {
         return Err(Fail::Malformed(format!("a value of {n} bytes, over torch's {MAX_VALUE}-byte limit")));
@@ -415,7 +415,7 @@ async fn read_vec(c: &mut TcpStream) -> Result<Vec<u8>, Fail> {
 }
 
 /// SET, then a PING on the same connection: its echo proves the SET was applied.
-async fn set_confirmed(c: &mut TcpStream, key: &[u8], value: &[u8]) -> Result<(), Fail> {
+async fn set_confirmed<C: AsyncRead + AsyncWrite + Unpin>(c: &mut C, key: &[u8], value: &[u8]) -> Result<(), Fail> {
     let nonce = nonce();
     let req = Req::new(cmd::SET).bytes(key).bytes(value).raw(&[cmd::PING]).raw(&nonce.to_le_bytes());
     c.write_all(&req.0).await.map_err(Fail::Io)?;
@@ -427,7 +427,11 @@ async fn set_confirmed(c: &mut TcpStream, key: &[u8], value: &[u8]) -> Result<()
 
 /// WAIT for `keys` up to `timeout`; on timeout, cancels the wait as torch's client does.
 /// `Ok(false)` is a timeout with the connection still in sync.
-async fn wait_keys(c: &mut TcpStream, keys: &[Vec<u8>], timeout: Duration) -> Result<bool, Fail> {
+async fn wait_keys<C: AsyncRead + AsyncWrite + Unpin>(
+    c: &mut C,
+    keys: &[Vec<u8>],
+    timeout: Duration,
+) -> Result<bool, Fail> {
     c.write_all(&keys_request(cmd::WAIT, keys)).await.map_err(Fail::Io)?;
     match tokio::time::timeout(timeout.min(MAX_WAIT), read_u8(c)).await {
         Ok(Ok(STOP_WAITING)) => return Ok(true),
@@ -458,7 +462,9 @@ fn nonce() -> u32 {
 }
 
 /// One connection: dial, VALIDATE, and a PING that must come back.
-async fn hello(addr: &str, port: u16, bind: Option<IpAddr>, shown: &str) -> Result<TcpStream, Hello> {
+/// `limit` bounds the wait for the PING's answer: a peer that accepts and stays silent is not
+/// a torch store (or is hung), which retrying would not change.
+async fn hello(addr: &str, port: u16, bind: Option<IpAddr>, shown: &str, limit: Duration) -> Result<TcpStream, Hello> {
     let mut c = crate::net::dial(addr, port, bind).await.map_err(|e| Hello::Retry(e.to_string()))?;
     let nonce = nonce();
     let req = Req::new(cmd::VALIDATE).raw(&MAGIC.to_le_bytes()).raw(&[cmd::PING]).raw(&nonce.to_le_bytes());
@@ -469,14 +475,14 @@ async fn hello(addr: &str, port: u16, bind: Option<IpAddr>, shown: &str) -> Resu
              library's own store, unset TORCHELASTIC_USE_AGENT_STORE / COMM_STORE=torch"
         )))
     };
-    match tokio::time::timeout(HELLO_TIMEOUT, c.read_u32_le()).await {
+    match tokio::time::timeout(limit, c.read_u32_le()).await {
         Ok(Ok(n)) if n == nonce => Ok(c),
         Ok(Ok(_)) => Err(not_torch("its answer to PING is not the nonce")),
         Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
             Err(not_torch("it closed the connection at the handshake; a torch older than 2.4 does not answer PING"))
         }
         Ok(Err(e)) => Err(Hello::Retry(format!("the handshake failed: {e}"))),
-        Err(_) => Err(not_torch(&format!("no answer to PING within {HELLO_TIMEOUT:?}"))),
+        Err(_) => Err(not_torch(&format!("it accepted the connection but did not answer PING within {limit:?}"))),
     }
 }
 
@@ -496,7 +502,9 @@ async fn connect_with_retry(
     let mut backoff = BACKOFF.0;
     let last = loop {
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
-        let why = match tokio::time::timeout(left, hello(addr, port, bind, shown)).await {
+        // A little past the PING limit, so a silent peer is reported as such.
+        let attempt = hello(addr, port, bind, shown, left.min(HELLO_TIMEOUT));
+        let why = match tokio::time::timeout(left + Duration::from_millis(200), attempt).await {
             Ok(Ok(c)) => return Ok(c),
             Ok(Err(Hello::Refused(e))) => return Err(e),
             Ok(Err(Hello::Retry(why))) => why,
@@ -645,16 +653,91 @@ impl TorchStore {
 mod tests {
     use super::*;
 
+    /// The exchange recorded between torch 2.15's own client and server (Python wrapper, which
+    /// prefixes keys with "/"), as `(direction, bytes)` groups between `-- op` markers.
+    /// `(direction, bytes)` pieces of one op.
+    type Pieces = Vec<(String, Vec<u8>)>;
+
+    fn recorded() -> Vec<(String, Pieces)> {
+        let mut ops: Vec<(String, Pieces)> = vec![("hello".into(), Vec::new())];
+        for line in include_str!("../tests/fixtures/torch-2.15-exchange.txt").lines() {
+            let (dir, rest) = line.split_once(' ').unwrap_or((line, ""));
+            if dir == "--" {
+                ops.push((rest.trim_matches(|c| c == 'b' || c == '\'').to_owned(), Vec::new()));
+            } else {
+                let bytes = rest.split_whitespace().map(|h| u8::from_str_radix(h, 16).unwrap()).collect();
+                ops.last_mut().unwrap().1.push((dir.to_owned(), bytes));
+            }
+        }
+        ops
+    }
+
+    fn sent(op: &[(String, Vec<u8>)], i: usize) -> &[u8] {
+        &op.iter().filter(|(d, _)| d == "C>S").nth(i).unwrap().1
+    }
+
+    fn answered(op: &[(String, Vec<u8>)]) -> Vec<u8> {
+        op.iter().filter(|(d, _)| d == "S>C").flat_map(|(_, b)| b.clone()).collect()
+    }
+
     #[test]
-    fn requests_are_encoded_as_torch_does() {
-        // Bytes from tests/fixtures/torch-2.15-exchange.txt (torch 2.15's own client, keys
-        // prefixed with "/" by its Python wrapper).
-        let set = Req::new(cmd::SET).bytes(b"/k").bytes(b"v").0;
-        assert_eq!(set, [1, 2, 0, 0, 0, 0, 0, 0, 0, b'/', b'k', 1, 0, 0, 0, 0, 0, 0, 0, b'v']);
-        let wait = keys_request(cmd::WAIT, &[b"/k".to_vec()]);
-        assert_eq!(wait, [6, 1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, b'/', b'k']);
-        let hello = Req::new(cmd::VALIDATE).raw(&MAGIC.to_le_bytes()).0;
-        assert_eq!(hello, [0x00, 0xce, 0xf7, 0x85, 0x3c]);
-        assert_eq!((cmd::CANCEL_WAIT, cmd::PING, cmd::DELETE_KEY, cmd::GETNUMKEYS), (0x0c, 0x0d, 0x08, 0x07));
+    fn requests_match_torchs_own_client_byte_for_byte() {
+        let ops = recorded();
+        let op = |name: &str| ops.iter().find(|(n, _)| n == name).map(|(_, x)| x.as_slice()).unwrap();
+        // Handshake: VALIDATE + magic, then PING + a random nonce that comes back.
+        let hello = sent(op("hello"), 0);
+        assert_eq!(hello[..6], Req::new(cmd::VALIDATE).raw(&MAGIC.to_le_bytes()).raw(&[cmd::PING]).0[..]);
+        assert_eq!(answered(op("hello")), hello[6..10]);
+        assert_eq!(sent(op("set"), 0), Req::new(cmd::SET).bytes(b"/k").bytes(b"v").0);
+        assert_eq!(sent(op("get"), 0), keys_request(cmd::WAIT, &[b"/k".to_vec()]));
+        assert_eq!(sent(op("get"), 1), Req::new(cmd::GET).bytes(b"/k").0);
+        assert_eq!(sent(op("add"), 0), Req::new(cmd::ADD).bytes(b"/c").raw(&5i64.to_le_bytes()).0);
+        assert_eq!(sent(op("compare_set"), 0), Req::new(cmd::COMPARE_SET).bytes(b"/k").bytes(b"v").bytes(b"w").0);
+        assert_eq!(sent(op("check"), 0), keys_request(cmd::CHECK, &[b"/k".to_vec(), b"/zz".to_vec()]));
+        assert_eq!(sent(op("delete"), 0), Req::new(cmd::DELETE_KEY).bytes(b"/c").0);
+        assert_eq!(sent(op("wait timeout"), 0), keys_request(cmd::WAIT, &[b"/never".to_vec()]));
+        assert_eq!(sent(op("wait timeout"), 1), [cmd::CANCEL_WAIT]);
+        assert_eq!(sent(op("num_keys"), 0), [cmd::GETNUMKEYS]);
+    }
+
+    #[tokio::test]
+    async fn replies_decode_as_torchs_own_client_read_them() {
+        let ops = recorded();
+        let reply = |name: &str| answered(&ops.iter().find(|(n, _)| n == name).unwrap().1);
+        // get: STOP_WAITING, then the value.
+        let r = reply("get");
+        let mut rd = &r[..];
+        assert_eq!(read_u8(&mut rd).await.ok(), Some(STOP_WAITING));
+        assert_eq!(read_vec(&mut rd).await.ok(), Some(b"v".to_vec()));
+        assert_eq!(read_i64(&mut &reply("add")[..]).await.ok(), Some(5));
+        assert_eq!(read_vec(&mut &reply("compare_set")[..]).await.ok(), Some(b"w".to_vec()));
+        assert_eq!(read_u8(&mut &reply("check")[..]).await.ok(), Some(1)); // NOT_READY: /zz is absent
+        assert_eq!(read_i64(&mut &reply("delete")[..]).await.ok(), Some(1));
+        assert_eq!(reply("wait timeout"), [WAIT_CANCELED]);
+        assert_eq!(read_i64(&mut &reply("num_keys")[..]).await.ok(), Some(1));
+        // A length past torch's limit is refused without allocating it.
+        let huge = u64::MAX.to_le_bytes();
+        assert!(matches!(read_vec(&mut &huge[..]).await, Err(Fail::Malformed(_))));
+        assert!(matches!(read_vec(&mut &[3u8, 0, 0, 0, 0, 0, 0, 0, 1][..]).await, Err(Fail::Closed)));
+    }
+
+    #[tokio::test]
+    async fn a_timed_out_wait_is_cancelled_as_torchs_client_does() {
+        // The server answers CANCEL_WAIT with WAIT_CANCELED, possibly after a late STOP_WAITING.
+        for server_says in [&[WAIT_CANCELED][..], &[STOP_WAITING, WAIT_CANCELED][..]] {
+            let (mut client, mut server) = tokio::io::duplex(1024);
+            let keys = [b"p/x".to_vec()];
+            let peer = async {
+                let mut req = vec![0u8; keys_request(cmd::WAIT, &keys).len()];
+                server.read_exact(&mut req).await.unwrap();
+                assert_eq!(req, keys_request(cmd::WAIT, &keys));
+                let mut cancel = [0u8; 1];
+                server.read_exact(&mut cancel).await.unwrap();
+                assert_eq!(cancel, [cmd::CANCEL_WAIT]);
+                server.write_all(server_says).await.unwrap();
+            };
+            let (done, ()) = tokio::join!(wait_keys(&mut client, &keys, Duration::from_millis(20)), peer);
+            assert!(matches!(done, Ok(false)));
+        }
     }
 }
