@@ -1,18 +1,93 @@
 //! Reduction kernels: combine the same range of several ranks' buffers, in rank order.
 //!
 //! The order is fixed (input 0 first), so every rank that reduces the same inputs gets
-//! bit-identical results. f16/bf16 accumulate in f32 across all inputs and round once.
-//! Work is blocked so the accumulator stays in L1 and the inner loops auto-vectorise.
+//! bit-identical results. f16/bf16 accumulate in f32 across all inputs and round once
+//! (round-to-nearest-even, exactly as `half`'s conversions, which the reference uses).
+//!
+//! Work is blocked (1024 elements) so accumulators stay in L1 and the inner loops are plain
+//! elementwise loops the compiler vectorises. On x86-64 the same code is compiled a second
+//! time with AVX2 enabled and chosen at run time; f16 conversions use F16C through `half`'s
+//! slice conversions, bf16 conversions are branch-free bit operations.
 
 use comm_core::{bf16, f16, DType, ReduceOp};
+use half::slice::HalfFloatSliceExt;
 
 const BLOCK: usize = 1024;
+/// Up to this many elements, reduce element by element (no block set-up).
 const SMALL: usize = 64;
 
+/// `out = inputs[0] ⊕ inputs[1] ⊕ ...` elementwise, in input order. `Avg` divides by the
+/// number of inputs. All slices have `out.len()` bytes, aligned for `dtype`, and the op was
+/// validated for the dtype (`ReduceOp::applies_to`).
+pub(crate) fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
+    debug_assert!(inputs.iter().all(|i| i.len() == out.len()));
+    if inputs.is_empty() || out.is_empty() {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU supports AVX2 (checked at run time just above).
+        return unsafe { avx2::reduce(dtype, op, inputs, out) };
+    }
+    reduce_generic(dtype, op, inputs, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx2() -> bool {
+    use std::sync::OnceLock;
+    static AVX2: OnceLock<bool> = OnceLock::new();
+    *AVX2.get_or_init(|| std::is_x86_feature_detected!("avx2"))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+
+    /// The generic kernels, compiled for AVX2.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
+        reduce_generic(dtype, op, inputs, out)
+    }
+}
+
+#[inline(always)]
+fn reduce_generic(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
+    match dtype {
+        DType::U8 => int_op::<u8>(op, inputs, out),
+        DType::I8 => int_op::<i8>(op, inputs, out),
+        DType::I32 => int_op::<i32>(op, inputs, out),
+        DType::I64 => int_op::<i64>(op, inputs, out),
+        DType::F16 => float_op::<f16>(op, inputs, out),
+        DType::BF16 => float_op::<bf16>(op, inputs, out),
+        DType::F32 => float_op::<f32>(op, inputs, out),
+        DType::F64 => float_op::<f64>(op, inputs, out),
+        _ => unreachable!("every dtype is handled"),
+    }
+}
+
+/// An element type and how it is accumulated.
 trait Lane: bytemuck::Pod {
-    type Acc: Copy + Default;
+    type Acc: Copy + Default + std::ops::Div<Output = Self::Acc> + PartialOrd;
     fn load(self) -> Self::Acc;
     fn store(acc: Self::Acc) -> Self;
+    /// Bulk `load` of a block into accumulators.
+    #[inline(always)]
+    fn load_block(src: &[Self], dst: &mut [Self::Acc]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = s.load();
+        }
+    }
+    /// Bulk `store` of a block.
+    #[inline(always)]
+    fn store_block(src: &[Self::Acc], dst: &mut [Self]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = Self::store(s);
+        }
+    }
+    fn count(n: usize) -> Self::Acc;
 }
 
 macro_rules! identity_lane {
@@ -23,6 +98,8 @@ macro_rules! identity_lane {
             fn load(self) -> $t { self }
             #[inline(always)]
             fn store(acc: $t) -> $t { acc }
+            #[inline(always)]
+            fn count(n: usize) -> $t { n as $t }
         }
     )*};
 }
@@ -38,104 +115,147 @@ impl Lane for f16 {
     fn store(acc: f32) -> f16 {
         f16::from_f32(acc)
     }
+    #[inline(always)]
+    fn load_block(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst); // F16C when the CPU has it
+    }
+    #[inline(always)]
+    fn store_block(src: &[f32], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src);
+    }
+    #[inline(always)]
+    fn count(n: usize) -> f32 {
+        n as f32
+    }
+}
+
+/// `half::bf16::to_f32` without branches (so it vectorises): NaNs get the quiet bit.
+#[inline(always)]
+fn bf16_bits_to_f32(i: u16) -> f32 {
+    let x = (i as u32) << 16;
+    let nan = (i & 0x7FFF) > 0x7F80;
+    f32::from_bits(if nan { x | 0x0040_0000 } else { x })
+}
+
+/// `half::bf16::from_f32` without branches: round to nearest even, NaNs stay quiet NaNs.
+#[inline(always)]
+fn f32_to_bf16_bits(v: f32) -> u16 {
+    let x = v.to_bits();
+    let nan = x & 0x7FFF_FFFF > 0x7F80_0000;
+    let round = ((x & 0x8000) != 0 && (x & 0x0001_7FFF) != 0) as u32;
+    let rounded = ((x >> 16) + round) as u16;
+    if nan {
+        ((x >> 16) | 0x0040) as u16
+    } else {
+        rounded
+    }
 }
 
 impl Lane for bf16 {
     type Acc = f32;
     #[inline(always)]
     fn load(self) -> f32 {
-        self.to_f32()
+        bf16_bits_to_f32(self.to_bits())
     }
     #[inline(always)]
     fn store(acc: f32) -> bf16 {
-        bf16::from_f32(acc)
+        bf16::from_bits(f32_to_bf16_bits(acc))
+    }
+    #[inline(always)]
+    fn count(n: usize) -> f32 {
+        n as f32
     }
 }
 
 #[inline(always)]
 fn run<T: Lane>(
-    out: &mut [u8],
     inputs: &[&[u8]],
+    out: &mut [u8],
     combine: impl Fn(T::Acc, T::Acc) -> T::Acc,
     finish: impl Fn(T::Acc) -> T::Acc,
 ) {
     let out: &mut [T] = bytemuck::cast_slice_mut(out);
-    let ins: Vec<&[T]> = inputs.iter().map(|b| bytemuck::cast_slice::<u8, T>(b)).collect();
+    let first: &[T] = bytemuck::cast_slice(inputs[0]);
     if out.len() <= SMALL {
         // Latency-bound sizes: no accumulator block to initialise.
         for (i, o) in out.iter_mut().enumerate() {
-            let acc = ins[1..].iter().fold(ins[0][i].load(), |a, x| combine(a, x[i].load()));
+            let acc =
+                inputs[1..].iter().fold(first[i].load(), |a, x| combine(a, bytemuck::cast_slice::<u8, T>(x)[i].load()));
             *o = T::store(finish(acc));
         }
         return;
     }
     let mut acc = [T::Acc::default(); BLOCK];
+    let mut tmp = [T::Acc::default(); BLOCK];
     let mut start = 0;
     while start < out.len() {
         let m = BLOCK.min(out.len() - start);
-        let acc = &mut acc[..m];
-        for (a, &x) in acc.iter_mut().zip(&ins[0][start..start + m]) {
-            *a = x.load();
-        }
-        for input in &ins[1..] {
-            for (a, &x) in acc.iter_mut().zip(&input[start..start + m]) {
-                *a = combine(*a, x.load());
+        let (acc, tmp) = (&mut acc[..m], &mut tmp[..m]);
+        T::load_block(&first[start..start + m], acc);
+        for input in &inputs[1..] {
+            let x: &[T] = &bytemuck::cast_slice(input)[start..start + m];
+            T::load_block(x, tmp);
+            for (a, &t) in acc.iter_mut().zip(tmp.iter()) {
+                *a = combine(*a, t);
             }
         }
-        for (o, &a) in out[start..start + m].iter_mut().zip(acc.iter()) {
-            *o = T::store(finish(a));
+        for a in acc.iter_mut() {
+            *a = finish(*a);
         }
+        T::store_block(acc, &mut out[start..start + m]);
         start += m;
     }
 }
 
-macro_rules! float_op {
-    ($t:ty, $acc:ty, $out:expr, $ins:expr, $op:expr) => {{
-        let n = $ins.len() as $acc;
-        match $op {
-            ReduceOp::Sum => run::<$t>($out, $ins, |a, b| a + b, |a| a),
-            ReduceOp::Avg => run::<$t>($out, $ins, |a, b| a + b, |a| a / n),
-            ReduceOp::Prod => run::<$t>($out, $ins, |a, b| a * b, |a| a),
-            ReduceOp::Min => run::<$t>($out, $ins, |a, b| if b < a { b } else { a }, |a| a),
-            ReduceOp::Max => run::<$t>($out, $ins, |a, b| if b > a { b } else { a }, |a| a),
-            _ => unreachable!("validated: bitwise ops are rejected for floats"),
-        }
-    }};
-}
-
-macro_rules! int_op {
-    ($t:ty, $out:expr, $ins:expr, $op:expr) => {{
-        match $op {
-            ReduceOp::Sum => run::<$t>($out, $ins, |a, b| a.wrapping_add(b), |a| a),
-            ReduceOp::Prod => run::<$t>($out, $ins, |a, b| a.wrapping_mul(b), |a| a),
-            ReduceOp::Min => run::<$t>($out, $ins, |a, b| a.min(b), |a| a),
-            ReduceOp::Max => run::<$t>($out, $ins, |a, b| a.max(b), |a| a),
-            ReduceOp::BAnd => run::<$t>($out, $ins, |a, b| a & b, |a| a),
-            ReduceOp::BOr => run::<$t>($out, $ins, |a, b| a | b, |a| a),
-            ReduceOp::BXor => run::<$t>($out, $ins, |a, b| a ^ b, |a| a),
-            _ => unreachable!("validated: avg is rejected for integers"),
-        }
-    }};
-}
-
-/// `out = inputs[0] ⊕ inputs[1] ⊕ ...` elementwise, in input order. `Avg` divides by the
-/// number of inputs. All slices have `out.len()` bytes, aligned for `dtype`, and the op was
-/// validated for the dtype (`ReduceOp::applies_to`).
-pub(crate) fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
-    debug_assert!(inputs.iter().all(|i| i.len() == out.len()));
-    if inputs.is_empty() || out.is_empty() {
-        return;
+#[inline(always)]
+fn float_op<T: Lane>(op: ReduceOp, inputs: &[&[u8]], out: &mut [u8])
+where
+    T::Acc: std::ops::Add<Output = T::Acc> + std::ops::Mul<Output = T::Acc>,
+{
+    let n = T::count(inputs.len());
+    match op {
+        ReduceOp::Sum => run::<T>(inputs, out, |a, b| a + b, |a| a),
+        ReduceOp::Avg => run::<T>(inputs, out, |a, b| a + b, |a| a / n),
+        ReduceOp::Prod => run::<T>(inputs, out, |a, b| a * b, |a| a),
+        ReduceOp::Min => run::<T>(inputs, out, |a, b| if b < a { b } else { a }, |a| a),
+        ReduceOp::Max => run::<T>(inputs, out, |a, b| if b > a { b } else { a }, |a| a),
+        _ => unreachable!("validated: bitwise ops are rejected for floats"),
     }
-    match dtype {
-        DType::U8 => int_op!(u8, out, inputs, op),
-        DType::I8 => int_op!(i8, out, inputs, op),
-        DType::I32 => int_op!(i32, out, inputs, op),
-        DType::I64 => int_op!(i64, out, inputs, op),
-        DType::F16 => float_op!(f16, f32, out, inputs, op),
-        DType::BF16 => float_op!(bf16, f32, out, inputs, op),
-        DType::F32 => float_op!(f32, f32, out, inputs, op),
-        DType::F64 => float_op!(f64, f64, out, inputs, op),
-        _ => unreachable!("every dtype is handled"),
+}
+
+/// Integer ops: wrapping arithmetic and bitwise ops.
+trait Int: Lane<Acc = Self> + Ord {
+    fn wadd(self, o: Self) -> Self;
+    fn wmul(self, o: Self) -> Self;
+    fn and(self, o: Self) -> Self;
+    fn or(self, o: Self) -> Self;
+    fn xor(self, o: Self) -> Self;
+}
+
+macro_rules! int {
+    ($($t:ty),*) => {$(
+        impl Int for $t {
+            #[inline(always)] fn wadd(self, o: Self) -> Self { self.wrapping_add(o) }
+            #[inline(always)] fn wmul(self, o: Self) -> Self { self.wrapping_mul(o) }
+            #[inline(always)] fn and(self, o: Self) -> Self { self & o }
+            #[inline(always)] fn or(self, o: Self) -> Self { self | o }
+            #[inline(always)] fn xor(self, o: Self) -> Self { self ^ o }
+        }
+    )*};
+}
+int!(u8, i8, i32, i64);
+
+#[inline(always)]
+fn int_op<T: Int>(op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
+    match op {
+        ReduceOp::Sum => run::<T>(inputs, out, T::wadd, |a| a),
+        ReduceOp::Prod => run::<T>(inputs, out, T::wmul, |a| a),
+        ReduceOp::Min => run::<T>(inputs, out, |a, b| if b < a { b } else { a }, |a| a),
+        ReduceOp::Max => run::<T>(inputs, out, |a, b| if b > a { b } else { a }, |a| a),
+        ReduceOp::BAnd => run::<T>(inputs, out, T::and, |a| a),
+        ReduceOp::BOr => run::<T>(inputs, out, T::or, |a| a),
+        ReduceOp::BXor => run::<T>(inputs, out, T::xor, |a| a),
+        _ => unreachable!("validated: avg is rejected for integers"),
     }
 }
 
@@ -149,6 +269,149 @@ mod tests {
         let views: Vec<&[u8]> = ins.iter().map(|b| b.as_bytes()).collect();
         reduce(ins[0].dtype(), op, &views, out.as_bytes_mut());
         out
+    }
+
+    /// The portable kernels, whatever the CPU has.
+    fn red_generic(op: ReduceOp, ins: &[HostBuffer]) -> HostBuffer {
+        let mut out = HostBuffer::zeroed(ins[0].dtype(), ins[0].len());
+        let views: Vec<&[u8]> = ins.iter().map(|b| b.as_bytes()).collect();
+        reduce_generic(ins[0].dtype(), op, &views, out.as_bytes_mut());
+        out
+    }
+
+    /// Scalar reference: element by element with `half`'s own conversions.
+    fn scalar(op: ReduceOp, ins: &[HostBuffer]) -> HostBuffer {
+        fn go<T: Copy + bytemuck::Pod + comm_core::Element, A: Copy>(
+            ins: &[HostBuffer],
+            load: impl Fn(T) -> A,
+            store: impl Fn(A) -> T,
+            comb: impl Fn(A, A) -> A,
+            fin: impl Fn(A) -> A,
+        ) -> HostBuffer {
+            let vs: Vec<&[T]> = ins.iter().map(|b| b.as_slice::<T>().unwrap()).collect();
+            let out: Vec<T> = (0..vs[0].len())
+                .map(|i| store(fin(vs[1..].iter().fold(load(vs[0][i]), |a, v| comb(a, load(v[i]))))))
+                .collect();
+            HostBuffer::from_slice(&out)
+        }
+        let n = ins.len() as f32;
+        let minf = |a: f32, b: f32| if b < a { b } else { a };
+        let maxf = |a: f32, b: f32| if b > a { b } else { a };
+        macro_rules! f {
+            ($t:ty, $load:expr, $store:expr) => {
+                match op {
+                    ReduceOp::Sum => go::<$t, f32>(ins, $load, $store, |a, b| a + b, |a| a),
+                    ReduceOp::Avg => go::<$t, f32>(ins, $load, $store, |a, b| a + b, |a| a / n),
+                    ReduceOp::Prod => go::<$t, f32>(ins, $load, $store, |a, b| a * b, |a| a),
+                    ReduceOp::Min => go::<$t, f32>(ins, $load, $store, minf, |a| a),
+                    ReduceOp::Max => go::<$t, f32>(ins, $load, $store, maxf, |a| a),
+                    _ => unreachable!(),
+                }
+            };
+        }
+        match ins[0].dtype() {
+            DType::F16 => f!(f16, |x: f16| x.to_f32(), f16::from_f32),
+            DType::BF16 => f!(bf16, |x: bf16| x.to_f32(), bf16::from_f32),
+            DType::F32 => f!(f32, |x: f32| x, |x| x),
+            DType::I32 => match op {
+                ReduceOp::Sum => go::<i32, i32>(ins, |x| x, |x| x, i32::wrapping_add, |a| a),
+                ReduceOp::BXor => go::<i32, i32>(ins, |x| x, |x| x, |a, b| a ^ b, |a| a),
+                ReduceOp::Max => go::<i32, i32>(ins, |x| x, |x| x, i32::max, |a| a),
+                _ => unreachable!(),
+            },
+            _ => unreachable!(),
+        }
+    }
+
+    fn data(dtype: DType, len: usize, seed: u64) -> HostBuffer {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let f = |x: u64| ((x >> 11) as f64 / (1u64 << 53) as f64 * 8.0 - 4.0) as f32;
+        match dtype {
+            DType::F16 => HostBuffer::from_slice(&(0..len).map(|_| f16::from_f32(f(next()))).collect::<Vec<_>>()),
+            DType::BF16 => HostBuffer::from_slice(&(0..len).map(|_| bf16::from_f32(f(next()))).collect::<Vec<_>>()),
+            DType::F32 => HostBuffer::from_slice(&(0..len).map(|_| f(next())).collect::<Vec<_>>()),
+            DType::I32 => HostBuffer::from_slice(&(0..len).map(|_| next() as i32).collect::<Vec<_>>()),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn simd_and_portable_kernels_match_the_scalar_reference() {
+        let cases: &[(DType, &[ReduceOp])] = &[
+            (DType::F16, &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max]),
+            (DType::BF16, &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max]),
+            (DType::F32, &[ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max]),
+            (DType::I32, &[ReduceOp::Sum, ReduceOp::BXor, ReduceOp::Max]),
+        ];
+        for &(dtype, ops) in cases {
+            for &op in ops {
+                // Odd lengths and tails that are not a multiple of any vector width or block.
+                for len in [1, 3, SMALL, SMALL + 1, 127, BLOCK - 1, BLOCK + 13, 3 * BLOCK + 7] {
+                    for ranks in [1, 2, 3, 5] {
+                        let ins: Vec<HostBuffer> =
+                            (0..ranks).map(|r| data(dtype, len, (r * 1000 + len) as u64)).collect();
+                        let want = scalar(op, &ins);
+                        assert_eq!(red(op, &ins).as_bytes(), want.as_bytes(), "{dtype} {op} len {len} ranks {ranks}");
+                        assert_eq!(red_generic(op, &ins).as_bytes(), want.as_bytes(), "generic {dtype} {op} len {len}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn unaligned_sub_slices() {
+        // Slices that start in the middle of a buffer (as the reduce-scatter slices do).
+        let a = data(DType::F32, 4099, 1);
+        let b = data(DType::F32, 4099, 2);
+        for off in [1usize, 3, 17] {
+            let len = 4099 - off;
+            let ins = [&a.as_bytes()[off * 4..], &b.as_bytes()[off * 4..]];
+            let mut out = vec![0u8; len * 4];
+            reduce(DType::F32, ReduceOp::Sum, &ins, &mut out);
+            let want: Vec<f32> = a.as_slice::<f32>().unwrap()[off..]
+                .iter()
+                .zip(&b.as_slice::<f32>().unwrap()[off..])
+                .map(|(x, y)| x + y)
+                .collect();
+            assert_eq!(out, bytemuck::cast_slice::<f32, u8>(&want));
+        }
+    }
+
+    #[test]
+    fn bf16_conversions_equal_half_everywhere() {
+        for bits in 0..=u16::MAX {
+            let h = bf16::from_bits(bits);
+            assert_eq!(bf16_bits_to_f32(bits).to_bits(), h.to_f32().to_bits(), "bf16 {bits:#06x}");
+        }
+        let mut s = 0x1234_5678u32;
+        let specials = [
+            0u32,
+            0x8000_0000,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7FC0_0000,
+            0x7F80_0001,
+            0x7F7F_FFFF,
+            0x0000_8000,
+            0x0001_8000,
+            0x3F80_8000,
+            0x3F81_8000,
+        ];
+        for i in 0..2_000_000u32 {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            let x = if (i as usize) < specials.len() { specials[i as usize] } else { s };
+            let v = f32::from_bits(x);
+            assert_eq!(f32_to_bf16_bits(v), bf16::from_f32(v).to_bits(), "f32 {x:#010x}");
+        }
     }
 
     #[test]
@@ -166,17 +429,6 @@ mod tests {
         assert_eq!(red(ReduceOp::Sum, &[a.clone(), b.clone()]).to_vec::<i8>().unwrap(), [-126, 9, 127]);
         assert_eq!(red(ReduceOp::BXor, &[a.clone(), b.clone()]).to_vec::<i8>().unwrap(), [120 ^ 10, 0b0101, 127]);
         assert_eq!(red(ReduceOp::Min, &[a, b]).to_vec::<i8>().unwrap(), [10, 3, -128]);
-    }
-
-    #[test]
-    fn small_and_blocked_paths_agree() {
-        for len in [1, SMALL, SMALL + 1, BLOCK + 3] {
-            let a: Vec<f32> = (0..len).map(|i| i as f32 * 0.1).collect();
-            let b: Vec<f32> = (0..len).map(|i| 1.0 / (i + 1) as f32).collect();
-            let out = red(ReduceOp::Sum, &[HostBuffer::from_slice(&a), HostBuffer::from_slice(&b)]);
-            let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
-            assert_eq!(out.to_vec::<f32>().unwrap(), want, "len {len}");
-        }
     }
 
     #[test]
