@@ -220,6 +220,9 @@ struct Env<'a> {
 
 type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError>>;
 
+/// How a planned collective starts, once every rank agreed on its header.
+type Start = Box<dyn FnOnce(&Env<'_>) -> Result<Step, CommError>>;
+
 enum Step {
     /// Wait for the request, then continue.
     Wait(Request, Cont),
@@ -282,7 +285,7 @@ struct Active {
 struct Plan {
     name: &'static str,
     header: Header,
-    start: Box<dyn FnOnce(&Env<'_>) -> Result<Step, CommError>>,
+    start: Start,
     reply: Reply,
 }
 
@@ -293,10 +296,11 @@ fn slice_of(len: usize, parts: usize, i: usize) -> (usize, usize) {
     (lo, hi - lo)
 }
 
-/// Whether a reduction of `dtype` is done by us (rank order, bit-identical to the reference)
-/// rather than by an MPI op.
-fn local_reduction(params: &Params, dtype: DType) -> bool {
-    dtype.is_float() && params.reduction == Reduction::Exact
+/// Whether a reduction is done by us (rank order, bit-identical to the reference) rather than
+/// by an MPI op: always in exact mode; in native mode for 8-bit sums, which Open MPI 4.1's
+/// AVX kernels saturate instead of wrapping.
+fn local_reduction(params: &Params, dtype: DType, op: ReduceOp) -> bool {
+    params.reduction == Reduction::Exact || (matches!(dtype, DType::U8 | DType::I8) && op == ReduceOp::Sum)
 }
 
 /// The MPI op for a reduction MPI performs: built-in for integers and (native mode) f32/f64,
@@ -324,7 +328,7 @@ fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) 
         let (me, n) = (env.rank, env.size);
         let root = root.map(|r| r as usize);
         let keep = root.is_none_or(|r| r == me);
-        if !local_reduction(env.params, dtype) {
+        if !local_reduction(env.params, dtype, op) {
             let mpi = mpi_op(env, dtype, op)?;
             let recv = keep.then(|| HostBuffer::zeroed(dtype, len));
             let req = match root {
@@ -391,7 +395,7 @@ fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
         let n = env.size;
         let block = len / n;
         let out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, block));
-        if !local_reduction(env.params, dtype) {
+        if !local_reduction(env.params, dtype, op) {
             let req = raw::ireduce_scatter_block(env.comm, r.input, out, mpi_op(env, dtype, op)?)?;
             return Ok(wait(req, move |_, b| {
                 let mut out = take(b.recv)?;
@@ -892,6 +896,9 @@ impl Actor {
                                     g.info.size
                                 ),
                             };
+                            let a = g.active.take().expect("active checked above");
+                            a.reply.fail(e.duplicate());
+                            bury(a.req, &mut self.graveyard);
                             g.poison(&e, &mut self.graveyard);
                         }
                         break;

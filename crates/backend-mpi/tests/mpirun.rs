@@ -1,0 +1,314 @@
+//! The MPI backend under `mpirun`: the conformance suite at 1–4 ranks, the native reduction
+//! mode, and faults (mismatched calls, a rank that never joins, a killed rank, a panic).
+//!
+//! Each test re-executes this test binary under `mpirun` with `COMM_MPI_CHILD=<scenario>`;
+//! the `child` test runs the scenario on every rank (and does nothing otherwise). Tests skip,
+//! with a message, when `mpirun` is not installed. Jobs run one at a time.
+
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use backend_mpi::{MpiBackend, MpiOptions};
+use comm_core::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, Recv, Send};
+use comm_core::{Backend, Collective, CommError, Group, HostBuffer, ReduceOp};
+
+const CHILD: &str = "COMM_MPI_CHILD";
+
+// ---------------------------------------------------------------------------------------------
+// Parent side
+
+static ONE_JOB: Mutex<()> = Mutex::new(());
+
+struct Job {
+    code: Option<i32>,
+    output: String,
+    elapsed: Duration,
+}
+
+fn mpirun() -> Option<String> {
+    let name = std::env::var("MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    let ok = Command::new(&name)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then_some(name)
+}
+
+/// Runs `scenario` on `np` ranks; `None` when mpirun is not installed.
+fn job(np: u32, scenario: &str, envs: &[(&str, &str)], limit: Duration) -> Option<Job> {
+    let Some(mpirun) = mpirun() else {
+        eprintln!("skipped: `mpirun` not found (install openmpi-bin, or set MPIRUN)");
+        return None;
+    };
+    let _one = ONE_JOB.lock().unwrap_or_else(|p| p.into_inner());
+    let exe = std::env::current_exe().expect("test binary path");
+    let mut cmd = Command::new("timeout");
+    cmd.args(["-k", "5", &limit.as_secs().to_string(), &mpirun]);
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()]);
+    cmd.arg(&exe).args(["child", "--exact", "--nocapture", "--test-threads=1"]);
+    cmd.env(CHILD, scenario).env("OMPI_MCA_rmaps_base_oversubscribe", "1");
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let start = Instant::now();
+    let out = cmd.output().expect("running timeout/mpirun");
+    let elapsed = start.elapsed();
+    let output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("--- mpirun -np {np} {scenario} ({elapsed:.1?}, exit {:?}) ---\n{output}", out.status.code());
+    Some(Job { code: out.status.code(), output, elapsed })
+}
+
+fn lines<'a>(job: &'a Job, tag: &str) -> Vec<&'a str> {
+    job.output.lines().filter(|l| l.contains(tag)).collect()
+}
+
+fn conformance(np: u32, envs: &[(&str, &str)]) {
+    let Some(job) = job(np, "suite", envs, Duration::from_secs(600)) else { return };
+    assert_eq!(job.code, Some(0), "the job failed");
+    let ok = lines(&job, "SUITE-OK");
+    assert_eq!(ok.len(), np as usize, "every rank reports the suite passed: {ok:?}");
+}
+
+#[test]
+fn conformance_1_rank() {
+    conformance(1, &[]);
+}
+
+#[test]
+fn conformance_2_ranks() {
+    conformance(2, &[]);
+}
+
+#[test]
+fn conformance_3_ranks() {
+    conformance(3, &[]);
+}
+
+#[test]
+fn conformance_4_ranks() {
+    conformance(4, &[]);
+}
+
+/// MPI's own reductions (built-in ops for f32/f64, our user-defined ops for f16/bf16) are
+/// exact at two ranks (one combination per element), so the suite passes there too.
+#[test]
+fn conformance_native_reductions_2_ranks() {
+    conformance(2, &[("COMM_MPI_REDUCTION", "native")]);
+}
+
+#[test]
+fn mismatched_calls_are_errors_not_aborts() {
+    let Some(job) = job(2, "mismatch", &[], Duration::from_secs(120)) else { return };
+    assert_eq!(job.code, Some(0), "mismatches must not abort the job");
+    for want in ["size", "op", "splits", "truncated", "short", "dtype", "poisoned"] {
+        let seen = lines(&job, &format!("MISMATCH-OK {want}"));
+        let expect = if matches!(want, "truncated" | "short" | "dtype") { 1 } else { 2 };
+        assert_eq!(seen.len(), expect, "`{want}` reported by {expect} rank(s): {seen:?}");
+    }
+}
+
+#[test]
+fn a_rank_that_never_joins_times_out() {
+    let Some(job) = job(2, "timeout", &[], Duration::from_secs(120)) else { return };
+    let ok = lines(&job, "TIMEOUT-OK");
+    assert_eq!(ok.len(), 1, "rank 0 reports the timeout");
+    assert!(job.elapsed < Duration::from_secs(60), "the job ended ({:?})", job.elapsed);
+}
+
+#[test]
+fn a_killed_rank_ends_the_job() {
+    let Some(job) = job(3, "kill", &[], Duration::from_secs(120)) else { return };
+    assert_ne!(job.code, Some(0), "a killed rank fails the job");
+    assert!(!lines(&job, "KILL-BEFORE").is_empty(), "rank 2 got as far as killing itself");
+    // The timeout of the survivors is 10 s; mpirun usually ends the job sooner.
+    assert!(job.elapsed < Duration::from_secs(45), "the job ended within the timeout ({:?})", job.elapsed);
+}
+
+#[test]
+fn a_panic_aborts_the_job_at_once() {
+    let Some(job) = job(2, "panic", &[], Duration::from_secs(120)) else { return };
+    assert_ne!(job.code, Some(0), "a panic fails the job");
+    assert!(!lines(&job, "calling MPI_Abort").is_empty(), "the panic hook aborted");
+    // Rank 0 waits in a collective with a 60 s timeout: the abort must end it long before.
+    assert!(job.elapsed < Duration::from_secs(30), "ended quickly ({:?})", job.elapsed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child side (one process per rank)
+
+#[test]
+fn child() {
+    let Ok(scenario) = std::env::var(CHILD) else { return };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let code = rt.block_on(async {
+        match scenario.as_str() {
+            "suite" => suite().await,
+            "mismatch" => mismatch().await,
+            "timeout" => timeout().await,
+            "kill" => kill().await,
+            "panic" => panic().await,
+            other => {
+                eprintln!("unknown scenario {other}");
+                2
+            }
+        }
+    });
+    if code != 0 {
+        std::process::exit(code);
+    }
+}
+
+fn opts(timeout: Duration) -> MpiOptions {
+    MpiOptions { timeout, ..MpiOptions::from_env().unwrap() }
+}
+
+async fn suite() -> i32 {
+    let world = MpiBackend::init(MpiOptions::from_env().unwrap()).await.expect("init");
+    let (me, n) = (world.rank(), world.world_size());
+    let b: Arc<dyn Backend> = Arc::new(world.clone());
+    let code = match comm_test::suite::run(b, &comm_test::SuiteConfig::default()).await {
+        Ok(r) => {
+            println!("SUITE-OK rank {me}/{n}: {} checks passed in {:.2?}", r.checks, r.elapsed);
+            0
+        }
+        Err(e) => {
+            eprintln!("SUITE-FAILED rank {me}/{n}: {e}");
+            1
+        }
+    };
+    world.shutdown().await.expect("shutdown");
+    code
+}
+
+fn f32s(v: &[f32]) -> HostBuffer {
+    HostBuffer::from_slice(v)
+}
+
+fn expect_mismatch<T: std::fmt::Debug>(what: &str, me: u32, got: Result<T, CommError>, needles: &[&str]) {
+    match got {
+        Err(CommError::Mismatch { detail, .. }) if needles.iter().all(|n| detail.contains(n)) => {
+            println!("MISMATCH-OK {what} rank {me}: {detail}");
+        }
+        other => panic!("{what} on rank {me}: expected a Mismatch naming {needles:?}, got {other:?}"),
+    }
+}
+
+/// Every sub-case on a fresh world group (a mismatch poisons its group).
+async fn mismatch() -> i32 {
+    let short = opts(Duration::from_secs(3));
+    let w = MpiBackend::init(short.clone()).await.unwrap();
+    let me = w.rank();
+
+    // Sizes differ.
+    let len = if me == 0 { 8 } else { 9 };
+    let got = w.submit(AllReduce { buf: f32s(&vec![1.0; len]), op: ReduceOp::Sum }).await;
+    expect_mismatch("size", me, got, &["f32 × 9", "f32 × 8"]);
+    match Collective::<Barrier>::submit(&w, Barrier).await {
+        Err(CommError::Poisoned { .. }) => println!("MISMATCH-OK poisoned rank {me}"),
+        other => panic!("expected Poisoned after a mismatch, got {other:?}"),
+    }
+
+    // Different ops.
+    let w = MpiBackend::init(short.clone()).await.unwrap();
+    let got = if me == 0 {
+        w.submit(Broadcast { buf: f32s(&[1.0; 4]), root: 0 }).await
+    } else {
+        w.submit(AllGather { input: f32s(&[1.0; 4]), output: None }).await
+    };
+    expect_mismatch("op", me, got, &["broadcast", "all_gather"]);
+
+    // all_to_all splits that do not pair up.
+    let w = MpiBackend::init(short.clone()).await.unwrap();
+    let (input, ins) = if me == 0 { (vec![1.0; 2], vec![1, 1]) } else { (vec![1.0; 3], vec![2, 1]) };
+    let req = AllToAll { input: f32s(&input), output: None, input_splits: Some(ins), output_splits: Some(vec![1, 1]) };
+    expect_mismatch("splits", me, w.submit(req).await, &["rank 1 sends 2 elements to rank 0"]);
+
+    // A receive shorter than the message (MPI's truncation error).
+    let w = MpiBackend::init(short.clone()).await.unwrap();
+    if me == 0 {
+        w.submit(Send { buf: f32s(&[2.0; 10]), dst: 1, tag: 3 }).await.unwrap();
+    } else {
+        let got = w.submit(Recv { buf: f32s(&[0.0; 5]), src: 0, tag: 3 }).await;
+        expect_mismatch("truncated", me, got, &["more than the 5 elements"]);
+    }
+
+    // A receive longer than the message.
+    let w = MpiBackend::init(short.clone()).await.unwrap();
+    if me == 0 {
+        w.submit(Send { buf: f32s(&[2.0; 3]), dst: 1, tag: 4 }).await.unwrap();
+    } else {
+        let got = w.submit(Recv { buf: f32s(&[0.0; 5]), src: 0, tag: 4 }).await;
+        expect_mismatch("short", me, got, &["sent 3 elements", "recv of 5"]);
+    }
+
+    // Another dtype: the tags do not match; after the timeout the waiting message is named.
+    let w = MpiBackend::init(short.clone()).await.unwrap();
+    if me == 0 {
+        w.submit(Send { buf: f32s(&[2.0; 4]), dst: 1, tag: 5 }).await.unwrap();
+    } else {
+        let got = w.submit(Recv { buf: HostBuffer::from_slice(&[0i32; 4]), src: 0, tag: 5 }).await;
+        expect_mismatch("dtype", me, got, &["4 elements of f32 with tag 5", "of i32 with tag 5"]);
+    }
+
+    // The job is still healthy: a fresh group works, then MPI is finalised cleanly. (Rank 0
+    // is a timeout ahead of rank 1 here.)
+    let w = MpiBackend::init(opts(Duration::from_secs(30))).await.unwrap();
+    let sum = w.submit(AllReduce { buf: f32s(&[1.0]), op: ReduceOp::Sum }).await.unwrap();
+    assert_eq!(sum.to_vec::<f32>().unwrap(), [2.0]);
+    w.shutdown().await.unwrap();
+    0
+}
+
+async fn timeout() -> i32 {
+    let w = MpiBackend::init(opts(Duration::from_secs(2))).await.unwrap();
+    let me = w.rank();
+    if me == 0 {
+        let t = Instant::now();
+        let got = w.submit(AllReduce { buf: f32s(&[1.0; 16]), op: ReduceOp::Sum }).await;
+        let took = t.elapsed();
+        match got {
+            Err(CommError::Timeout { .. }) if took < Duration::from_secs(5) => {
+                println!("TIMEOUT-OK after {took:.1?}: {}", got.unwrap_err())
+            }
+            other => panic!("expected a Timeout within 5 s, got {other:?} after {took:?}"),
+        }
+        assert!(matches!(Collective::<Barrier>::submit(&w, Barrier).await, Err(CommError::Poisoned { .. })));
+    } else {
+        // Never joins; exits after rank 0 gave up.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+    }
+    let _ = w.shutdown().await;
+    0
+}
+
+async fn kill() -> i32 {
+    let w = MpiBackend::init(opts(Duration::from_secs(10))).await.unwrap();
+    let me = w.rank();
+    for i in 0..100_000 {
+        if me == 2 && i == 20 {
+            println!("KILL-BEFORE rank 2 kills itself (SIGKILL)");
+            let _ = Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
+        }
+        if let Err(e) = w.submit(AllReduce { buf: f32s(&[1.0; 1000]), op: ReduceOp::Sum }).await {
+            println!("KILL-SEEN rank {me} after {i} ops: {e}");
+            return 3;
+        }
+    }
+    0
+}
+
+async fn panic() -> i32 {
+    let w = MpiBackend::init(opts(Duration::from_secs(60))).await.unwrap();
+    for _ in 0..5 {
+        w.submit(AllReduce { buf: f32s(&[1.0; 10]), op: ReduceOp::Sum }).await.unwrap();
+    }
+    if w.rank() == 1 {
+        panic!("rank 1 panics on purpose");
+    }
+    let got = w.submit(AllReduce { buf: f32s(&[1.0; 10]), op: ReduceOp::Sum }).await;
+    println!("PANIC-UNEXPECTED rank 0 finished its op: {got:?}");
+    0
+}
