@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use comm_core::ops::{AllGather, AllReduce, AllToAll, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send};
 use comm_core::{CommError, Completer, DType, HostBuffer, Rank, ReduceOp};
 
-use crate::kernels;
+use crate::kernels::{self, Src};
 use crate::layout::*;
 use crate::segment::Segment;
 use crate::sys::{futex_wait, futex_wake, ProcId};
@@ -885,19 +885,34 @@ impl Engine {
                     Io::Read(..) => {}
                 })?;
             } else {
-                // Reduce-scatter into our next buffer, then all-gather the reduced slices.
+                // Reduce-scatter, then all-gather the reduced slices. Our own slice of our input
+                // is read straight from the user's buffer (peers never read it, so it is not
+                // copied in), and its result is written in place and into our next buffer for
+                // the peers in the same pass.
                 let (lo, hi) = slice_of(len, n, me);
+                let own = lo * es..hi * es;
                 self.step(&hdr, |io| match io {
-                    Io::Write(w) => w[..bytes].copy_from_slice(chunk),
+                    Io::Write(w) => {
+                        w[..own.start].copy_from_slice(&chunk[..own.start]);
+                        w[own.end..bytes].copy_from_slice(&chunk[own.end..]);
+                    }
+                    Io::Read(views, next) if keep => {
+                        let srcs: Vec<Src<'_>> =
+                            (0..n).map(|p| if p == me { Src::Out } else { Src::Buf(&views[p][own.clone()]) }).collect();
+                        kernels::reduce_to(dtype, op, &srcs, &mut chunk[own.clone()], Some(&mut next[own.clone()]));
+                    }
                     Io::Read(views, next) => {
-                        let ins: Vec<&[u8]> = views.iter().map(|v| &v[lo * es..hi * es]).collect();
-                        kernels::reduce(dtype, op, &ins, &mut next[lo * es..hi * es]);
+                        // A non-root of `reduce` keeps its input intact.
+                        let mine = &chunk[own.clone()];
+                        let srcs: Vec<Src<'_>> =
+                            (0..n).map(|p| Src::Buf(if p == me { mine } else { &views[p][own.clone()] })).collect();
+                        kernels::reduce_to(dtype, op, &srcs, &mut next[own.clone()], None);
                     }
                 })?;
                 self.step(&hdr, |io| {
                     if let (Io::Read(views, _), true) = (io, keep) {
-                        // Start with our own slice and rotate, spreading readers over owners.
-                        for i in 0..n {
+                        // Start after our own slice and rotate, spreading readers over owners.
+                        for i in 1..n {
                             let p = (me + i) % n;
                             let (lo, hi) = slice_of(len, n, p);
                             chunk[lo * es..hi * es].copy_from_slice(&views[p][lo * es..hi * es]);

@@ -16,20 +16,38 @@ const BLOCK: usize = 1024;
 /// Up to this many elements, reduce element by element (no block set-up).
 const SMALL: usize = 64;
 
+/// One input of a reduction.
+#[derive(Clone, Copy)]
+pub(crate) enum Src<'a> {
+    /// A separate buffer.
+    Buf(&'a [u8]),
+    /// The current contents of the output buffer (an in-place input).
+    Out,
+}
+
 /// `out = inputs[0] ⊕ inputs[1] ⊕ ...` elementwise, in input order. `Avg` divides by the
 /// number of inputs. All slices have `out.len()` bytes, aligned for `dtype`, and the op was
 /// validated for the dtype (`ReduceOp::applies_to`).
 pub(crate) fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
-    debug_assert!(inputs.iter().all(|i| i.len() == out.len()));
+    let srcs: Vec<Src<'_>> = inputs.iter().map(|b| Src::Buf(b)).collect();
+    reduce_to(dtype, op, &srcs, out, None);
+}
+
+/// Like [`reduce`], but an input may be `out` itself ([`Src::Out`], read before it is
+/// overwritten), and the result is also written to `copy` when given — one pass over the data
+/// where a separate copy-in or copy-out would be another.
+pub(crate) fn reduce_to(dtype: DType, op: ReduceOp, inputs: &[Src<'_>], out: &mut [u8], copy: Option<&mut [u8]>) {
+    debug_assert!(inputs.iter().all(|i| !matches!(i, Src::Buf(b) if b.len() != out.len())));
+    debug_assert!(copy.as_ref().is_none_or(|c| c.len() == out.len()));
     if inputs.is_empty() || out.is_empty() {
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU supports AVX2 (checked at run time just above).
-        return unsafe { avx2::reduce(dtype, op, inputs, out) };
+        return unsafe { avx2::reduce(dtype, op, inputs, out, copy) };
     }
-    reduce_generic(dtype, op, inputs, out)
+    reduce_generic(dtype, op, inputs, out, copy)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -48,22 +66,35 @@ mod avx2 {
     /// # Safety
     /// The CPU must support AVX2.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
-        reduce_generic(dtype, op, inputs, out)
+    pub(super) unsafe fn reduce(
+        dtype: DType,
+        op: ReduceOp,
+        inputs: &[Src<'_>],
+        out: &mut [u8],
+        copy: Option<&mut [u8]>,
+    ) {
+        reduce_generic(dtype, op, inputs, out, copy)
     }
 }
 
+/// The destination of a reduction: `out`, and optionally a second copy.
+struct Dst<'a> {
+    out: &'a mut [u8],
+    copy: Option<&'a mut [u8]>,
+}
+
 #[inline(always)]
-fn reduce_generic(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
+fn reduce_generic(dtype: DType, op: ReduceOp, inputs: &[Src<'_>], out: &mut [u8], copy: Option<&mut [u8]>) {
+    let d = Dst { out, copy };
     match dtype {
-        DType::U8 => int_op::<u8>(op, inputs, out),
-        DType::I8 => int_op::<i8>(op, inputs, out),
-        DType::I32 => int_op::<i32>(op, inputs, out),
-        DType::I64 => int_op::<i64>(op, inputs, out),
-        DType::F16 => float_op::<f16>(op, inputs, out),
-        DType::BF16 => float_op::<bf16>(op, inputs, out),
-        DType::F32 => float_op::<f32>(op, inputs, out),
-        DType::F64 => float_op::<f64>(op, inputs, out),
+        DType::U8 => int_op::<u8>(op, inputs, d),
+        DType::I8 => int_op::<i8>(op, inputs, d),
+        DType::I32 => int_op::<i32>(op, inputs, d),
+        DType::I64 => int_op::<i64>(op, inputs, d),
+        DType::F16 => float_op::<f16>(op, inputs, d),
+        DType::BF16 => float_op::<bf16>(op, inputs, d),
+        DType::F32 => float_op::<f32>(op, inputs, d),
+        DType::F64 => float_op::<f64>(op, inputs, d),
         _ => unreachable!("every dtype is handled"),
     }
 }
@@ -169,19 +200,29 @@ impl Lane for bf16 {
 
 #[inline(always)]
 fn run<T: Lane>(
-    inputs: &[&[u8]],
-    out: &mut [u8],
+    inputs: &[Src<'_>],
+    dst: Dst<'_>,
     combine: impl Fn(T::Acc, T::Acc) -> T::Acc,
     finish: impl Fn(T::Acc) -> T::Acc,
 ) {
-    let out: &mut [T] = bytemuck::cast_slice_mut(out);
-    let first: &[T] = bytemuck::cast_slice(inputs[0]);
+    let out: &mut [T] = bytemuck::cast_slice_mut(dst.out);
+    let mut copy: Option<&mut [T]> = dst.copy.map(bytemuck::cast_slice_mut);
+    let bufs: Vec<Option<&[T]>> = inputs
+        .iter()
+        .map(|s| match s {
+            Src::Buf(b) => Some(bytemuck::cast_slice::<u8, T>(b)),
+            Src::Out => None,
+        })
+        .collect();
     if out.len() <= SMALL {
-        // Latency-bound sizes: no accumulator block to initialise.
-        for (i, o) in out.iter_mut().enumerate() {
-            let acc =
-                inputs[1..].iter().fold(first[i].load(), |a, x| combine(a, bytemuck::cast_slice::<u8, T>(x)[i].load()));
-            *o = T::store(finish(acc));
+        // Latency-bound sizes: element by element, no block set-up.
+        for i in 0..out.len() {
+            let load = |b: &Option<&[T]>| b.map_or(out[i], |b| b[i]).load();
+            let acc = bufs[1..].iter().fold(load(&bufs[0]), |a, b| combine(a, load(b)));
+            out[i] = T::store(finish(acc));
+            if let Some(c) = copy.as_deref_mut() {
+                c[i] = out[i];
+            }
         }
         return;
     }
@@ -190,11 +231,11 @@ fn run<T: Lane>(
     let mut start = 0;
     while start < out.len() {
         let m = BLOCK.min(out.len() - start);
+        let range = start..start + m;
         let (acc, tmp) = (&mut acc[..m], &mut tmp[..m]);
-        T::load_block(&first[start..start + m], acc);
-        for input in &inputs[1..] {
-            let x: &[T] = &bytemuck::cast_slice(input)[start..start + m];
-            T::load_block(x, tmp);
+        T::load_block(bufs[0].map_or(&out[range.clone()], |b| &b[range.clone()]), acc);
+        for b in &bufs[1..] {
+            T::load_block(b.map_or(&out[range.clone()], |b| &b[range.clone()]), tmp);
             for (a, &t) in acc.iter_mut().zip(tmp.iter()) {
                 *a = combine(*a, t);
             }
@@ -202,13 +243,17 @@ fn run<T: Lane>(
         for a in acc.iter_mut() {
             *a = finish(*a);
         }
-        T::store_block(acc, &mut out[start..start + m]);
+        // Every input of this block is read: now `out` may be overwritten.
+        T::store_block(acc, &mut out[range.clone()]);
+        if let Some(c) = copy.as_deref_mut() {
+            c[range.clone()].copy_from_slice(&out[range]);
+        }
         start += m;
     }
 }
 
 #[inline(always)]
-fn float_op<T: Lane>(op: ReduceOp, inputs: &[&[u8]], out: &mut [u8])
+fn float_op<T: Lane>(op: ReduceOp, inputs: &[Src<'_>], out: Dst<'_>)
 where
     T::Acc: std::ops::Add<Output = T::Acc> + std::ops::Mul<Output = T::Acc>,
 {
@@ -246,7 +291,7 @@ macro_rules! int {
 int!(u8, i8, i32, i64);
 
 #[inline(always)]
-fn int_op<T: Int>(op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
+fn int_op<T: Int>(op: ReduceOp, inputs: &[Src<'_>], out: Dst<'_>) {
     match op {
         ReduceOp::Sum => run::<T>(inputs, out, T::wadd, |a| a),
         ReduceOp::Prod => run::<T>(inputs, out, T::wmul, |a| a),
@@ -274,9 +319,19 @@ mod tests {
     /// The portable kernels, whatever the CPU has.
     fn red_generic(op: ReduceOp, ins: &[HostBuffer]) -> HostBuffer {
         let mut out = HostBuffer::zeroed(ins[0].dtype(), ins[0].len());
-        let views: Vec<&[u8]> = ins.iter().map(|b| b.as_bytes()).collect();
-        reduce_generic(ins[0].dtype(), op, &views, out.as_bytes_mut());
+        let views: Vec<Src<'_>> = ins.iter().map(|b| Src::Buf(b.as_bytes())).collect();
+        reduce_generic(ins[0].dtype(), op, &views, out.as_bytes_mut(), None);
         out
+    }
+
+    /// Input `own` taken in place from the output buffer, result also copied out.
+    fn red_in_place(op: ReduceOp, ins: &[HostBuffer], own: usize) -> (HostBuffer, Vec<u8>) {
+        let mut out = ins[own].clone();
+        let mut copy = vec![0u8; out.byte_len()];
+        let views: Vec<Src<'_>> =
+            ins.iter().enumerate().map(|(i, b)| if i == own { Src::Out } else { Src::Buf(b.as_bytes()) }).collect();
+        reduce_to(ins[0].dtype(), op, &views, out.as_bytes_mut(), Some(&mut copy));
+        (out, copy)
     }
 
     /// Scalar reference: element by element with `half`'s own conversions.
@@ -359,6 +414,9 @@ mod tests {
                         let want = scalar(op, &ins);
                         assert_eq!(red(op, &ins).as_bytes(), want.as_bytes(), "{dtype} {op} len {len} ranks {ranks}");
                         assert_eq!(red_generic(op, &ins).as_bytes(), want.as_bytes(), "generic {dtype} {op} len {len}");
+                        let (inplace, copy) = red_in_place(op, &ins, ranks / 2);
+                        assert_eq!(inplace.as_bytes(), want.as_bytes(), "in place {dtype} {op} len {len}");
+                        assert_eq!(copy, want.as_bytes(), "copy {dtype} {op} len {len}");
                     }
                 }
             }
