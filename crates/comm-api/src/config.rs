@@ -181,18 +181,40 @@ impl Builder {
     pub async fn connect(self) -> Result<ProcessGroup, CommError> {
         let Config { world, backend, timeout } = self.cfg;
         tracing::debug!(world = %world, "comm: discovered world");
-        let kind = resolve(backend, &world)?;
+        let (kind, why) = resolve(backend, &world, Available::compiled())?;
+        tracing::debug!(backend = %kind, why = %why, "comm: backend chosen");
         let (store, server) = discovery::rendezvous(&world, timeout).await?;
-        let backend: Arc<dyn Backend> = match kind {
+        let started: Result<Arc<dyn Backend>, CommError> = match kind {
             #[cfg(feature = "shm")]
             BackendKind::Shm => {
-                let opts = backend_shm::ShmOptions { timeout, ..backend_shm::ShmOptions::from_env()? };
-                Arc::new(backend_shm::ShmBackend::new(store.clone(), world.rank, world.world_size, opts).await?)
+                async {
+                    let opts = backend_shm::ShmOptions { timeout, ..backend_shm::ShmOptions::from_env()? };
+                    let b = backend_shm::ShmBackend::new(store.clone(), world.rank, world.world_size, opts).await?;
+                    Ok(Arc::new(b) as Arc<dyn Backend>)
+                }
+                .await
             }
-            other => return Err(not_compiled(other)),
+            other => Err(not_compiled(other)),
         };
+        let backend = started.map_err(|e| startup_context(e, &world))?;
         tracing::debug!(backend = backend.backend_name(), "comm: backend ready");
-        Ok(ProcessGroup::new(backend, world, server.map(Arc::new)))
+        Ok(ProcessGroup::new(backend, world, server.map(Arc::new), why))
+    }
+}
+
+/// A backend that timed out while starting usually waited for ranks that were never started:
+/// say which launcher described the job, so the user can check it.
+fn startup_context(e: CommError, world: &WorldInfo) -> CommError {
+    match e {
+        CommError::Timeout { op, after, detail } => CommError::Timeout {
+            op,
+            after,
+            detail: format!(
+                "{detail}; this process is {world}: were all {} ranks started, with the same variables?",
+                world.world_size
+            ),
+        },
+        other => other,
     }
 }
 
@@ -209,23 +231,99 @@ fn not_compiled(kind: BackendKind) -> CommError {
     }
 }
 
-/// Turns `Auto` into a concrete backend, and rejects backends that were not compiled in.
-fn resolve(kind: BackendKind, world: &WorldInfo) -> Result<BackendKind, CommError> {
+/// Which backends this build has, and what the machine offers them.
+#[derive(Clone, Copy, Debug, Default)]
+struct Available {
+    shm: bool,
+    mpi: bool,
+    nccl: bool,
+    /// A usable GPU (only asked when `nccl` is compiled in).
+    gpu: bool,
+}
+
+impl Available {
+    fn compiled() -> Available {
+        // `mpi` and `nccl` are set here by their cargo features once those backends are wired in.
+        Available { shm: cfg!(feature = "shm"), mpi: false, nccl: false, gpu: false }
+    }
+}
+
+/// Whether an MPI launcher started this process (Auto then prefers the MPI backend).
+fn mpi_launched(world: &WorldInfo) -> bool {
+    matches!(
+        world.source.launcher,
+        Launcher::OpenMpi | Launcher::Mpich | Launcher::Pmix | Launcher::AzureMl | Launcher::SageMaker
+    )
+}
+
+/// Turns `Auto` into a concrete backend (DESIGN §4: NCCL if compiled in and a GPU is usable,
+/// else MPI if an MPI launcher started us, else shm if every rank is on this host), and
+/// rejects backends that were not compiled in. Returns the backend and why it was chosen.
+fn resolve(kind: BackendKind, world: &WorldInfo, have: Available) -> Result<(BackendKind, String), CommError> {
+    let hosts = if world.all_local() {
+        "every rank is on this host".to_owned()
+    } else {
+        format!(
+            "ranks are on several hosts (local world size {} < world size {})",
+            world.local_world_size, world.world_size
+        )
+    };
     match kind {
         BackendKind::Auto => {
-            if cfg!(feature = "shm") && world.all_local() {
-                Ok(BackendKind::Shm)
-            } else {
-                Err(CommError::Unavailable {
-                    backend: "auto",
-                    why: format!(
-                        "no compiled-in backend fits {world}: shm needs every rank on this host (LOCAL_WORLD_SIZE = WORLD_SIZE){}",
-                        if cfg!(feature = "shm") { "" } else { " and the `shm` feature" }
-                    ),
-                })
+            if have.nccl && have.gpu {
+                return Ok((BackendKind::Nccl, "auto: NCCL is compiled in and a GPU is usable".into()));
             }
+            let launcher = world.source.launcher;
+            if mpi_launched(world) && have.mpi {
+                return Ok((BackendKind::Mpi, format!("auto: launched by {launcher:?}")));
+            }
+            if have.shm && world.all_local() {
+                let why = if mpi_launched(world) {
+                    // Said once at startup: the user may have expected MPI.
+                    tracing::info!(
+                        "comm: launched by {launcher:?} but built without the `mpi` feature; using shm since every \
+                         rank is on this host"
+                    );
+                    format!("auto: {hosts} (launched by {launcher:?}, but the `mpi` feature is not compiled in)")
+                } else {
+                    format!("auto: {hosts}")
+                };
+                return Ok((BackendKind::Shm, why));
+            }
+            let mut no = Vec::new();
+            no.push(if have.nccl {
+                "nccl: no usable GPU".to_owned()
+            } else {
+                "nccl: not compiled in (feature `nccl`)".into()
+            });
+            // Had MPI fit (compiled in, MPI launch), it would have been chosen above.
+            no.push(if have.mpi {
+                format!("mpi: not launched by an MPI launcher ({launcher:?})")
+            } else {
+                "mpi: not compiled in (feature `mpi`)".to_owned()
+            });
+            // Likewise shm, had every rank been on this host.
+            no.push(if have.shm {
+                format!(
+                    "shm: {hosts}; if they really are all on this host, set LOCAL_WORLD_SIZE=WORLD_SIZE or \
+                     COMM_BACKEND=shm"
+                )
+            } else {
+                "shm: not compiled in (feature `shm`)".to_owned()
+            });
+            Err(CommError::Unavailable {
+                backend: "auto",
+                why: format!("no compiled-in backend fits rank {}/{}: {}", world.rank, world.world_size, no.join("; ")),
+            })
         }
-        BackendKind::Shm if cfg!(feature = "shm") => Ok(BackendKind::Shm),
+        BackendKind::Shm if have.shm => {
+            if !world.all_local() {
+                tracing::debug!("comm: shm asked for although {hosts}; shm checks the hosts itself");
+            }
+            Ok((BackendKind::Shm, format!("asked for ({hosts})")))
+        }
+        BackendKind::Mpi if have.mpi => Ok((BackendKind::Mpi, "asked for".into())),
+        BackendKind::Nccl if have.nccl => Ok((BackendKind::Nccl, "asked for".into())),
         other => Err(not_compiled(other)),
     }
 }
@@ -242,18 +340,54 @@ mod tests {
         assert!(e.contains("gloo"), "{e}");
     }
 
+    const SHM_ONLY: Available = Available { shm: true, mpi: false, nccl: false, gpu: false };
+
+    fn world(launcher: Launcher, world_size: u32, local_world_size: u32) -> WorldInfo {
+        let mut w = WorldInfo::single();
+        w.world_size = world_size;
+        w.local_world_size = local_world_size;
+        w.source.launcher = launcher;
+        w
+    }
+
     #[test]
     fn missing_features_are_named() {
-        let e = resolve(BackendKind::Mpi, &WorldInfo::single()).unwrap_err().to_string();
+        let e = resolve(BackendKind::Mpi, &WorldInfo::single(), SHM_ONLY).unwrap_err().to_string();
         assert!(e.contains("--features mpi"), "{e}");
-        let e = resolve(BackendKind::Nccl, &WorldInfo::single()).unwrap_err().to_string();
+        let e = resolve(BackendKind::Nccl, &WorldInfo::single(), SHM_ONLY).unwrap_err().to_string();
         assert!(e.contains("`nccl` cargo feature"), "{e}");
-        let mut multi = WorldInfo::single();
-        multi.world_size = 4;
-        multi.local_world_size = 2;
-        let e = resolve(BackendKind::Auto, &multi).unwrap_err().to_string();
-        assert!(e.contains("every rank on this host"), "{e}");
-        assert_eq!(resolve(BackendKind::Auto, &WorldInfo::single()).unwrap(), BackendKind::Shm);
+        let e = resolve(BackendKind::Shm, &WorldInfo::single(), Available::default()).unwrap_err().to_string();
+        assert!(e.contains("--features shm"), "{e}");
+        assert_eq!(resolve(BackendKind::Auto, &WorldInfo::single(), SHM_ONLY).unwrap().0, BackendKind::Shm);
+    }
+
+    #[test]
+    fn auto_follows_the_design_order() {
+        let all = Available { shm: true, mpi: true, nccl: true, gpu: true };
+        let local = world(Launcher::Torchrun, 4, 4);
+        let ompi = world(Launcher::OpenMpi, 4, 2);
+        // NCCL first when it has a GPU.
+        assert_eq!(resolve(BackendKind::Auto, &local, all).unwrap().0, BackendKind::Nccl);
+        let no_gpu = Available { gpu: false, ..all };
+        // Then MPI, when an MPI launcher started us (AzureML and SageMaker are Open MPI jobs).
+        assert_eq!(resolve(BackendKind::Auto, &ompi, no_gpu).unwrap().0, BackendKind::Mpi);
+        assert_eq!(resolve(BackendKind::Auto, &world(Launcher::AzureMl, 4, 2), no_gpu).unwrap().0, BackendKind::Mpi);
+        // Not for torchrun or Slurm: shm when every rank is here.
+        assert_eq!(resolve(BackendKind::Auto, &local, no_gpu).unwrap().0, BackendKind::Shm);
+        assert_eq!(resolve(BackendKind::Auto, &world(Launcher::Slurm, 4, 4), no_gpu).unwrap().0, BackendKind::Shm);
+        // An MPI launch without the mpi feature falls back to shm on one host, and says why.
+        let (kind, why) = resolve(BackendKind::Auto, &world(Launcher::Mpich, 2, 2), SHM_ONLY).unwrap();
+        assert_eq!(kind, BackendKind::Shm);
+        assert!(why.contains("Mpich") && why.contains("`mpi` feature"), "{why}");
+        // Across hosts with shm only: every candidate and why not.
+        let e = resolve(BackendKind::Auto, &ompi, SHM_ONLY).unwrap_err().to_string();
+        assert!(e.contains("nccl: not compiled in") && e.contains("mpi: not compiled in"), "{e}");
+        assert!(e.contains("local world size 2 < world size 4") && e.contains("COMM_BACKEND=shm"), "{e}");
+        let e = resolve(BackendKind::Auto, &world(Launcher::Torchrun, 4, 2), no_gpu).unwrap_err().to_string();
+        assert!(e.contains("nccl: no usable GPU") && e.contains("not launched by an MPI launcher"), "{e}");
+        // Asking for shm across hosts is allowed: shm checks the hosts itself.
+        let (kind, why) = resolve(BackendKind::Shm, &ompi, SHM_ONLY).unwrap();
+        assert!(kind == BackendKind::Shm && why.contains("several hosts"), "{why}");
     }
 
     #[tokio::test]
@@ -263,5 +397,8 @@ mod tests {
         assert_eq!(a.world_size(), b.world_size());
         let e = builder(Config::single()).timeout(Duration::from_secs(1)).init().await.unwrap_err().to_string();
         assert!(e.contains("already called"), "{e}");
+        let d = a.describe();
+        assert!(d.contains("rank 0 of 1") && d.contains("found from Single") && d.contains("in-process"), "{d}");
+        assert!(d.contains("backend: shm (auto: every rank is on this host)"), "{d}");
     }
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send,
 };
-use comm_core::{Backend, Collective, CommError, DType, HostBuffer, Op, Rank, ReduceOp, Work, WorldInfo};
+use comm_core::{Backend, Collective, CommError, DType, HostBuffer, Op, Rank, ReduceOp, StoreKind, Work, WorldInfo};
 
 /// A group of ranks and every collective op on it. Cheap to clone.
 ///
@@ -19,6 +19,8 @@ pub struct ProcessGroup {
     members: Arc<Vec<Rank>>,
     /// Rank 0 serves the rendezvous store; it must outlive every group created from it.
     _server: Option<Arc<discovery::StoreServer>>,
+    /// Why this backend was chosen (for [`ProcessGroup::describe`]).
+    chosen: Arc<str>,
 }
 
 /// One point-to-point op of a [`ProcessGroup::batch_isend_irecv`] batch.
@@ -60,15 +62,22 @@ impl ProcessGroup {
         backend: Arc<dyn Backend>,
         world: WorldInfo,
         server: Option<Arc<discovery::StoreServer>>,
+        chosen: String,
     ) -> ProcessGroup {
         let members = (0..backend.world_size()).collect();
-        ProcessGroup { backend, world: Arc::new(world), members: Arc::new(members), _server: server }
+        ProcessGroup {
+            backend,
+            world: Arc::new(world),
+            members: Arc::new(members),
+            _server: server,
+            chosen: chosen.into(),
+        }
     }
 
     /// Wraps a backend you built yourself (for example `comm_test::LocalWorld` ranks);
     /// `world` describes the process.
     pub fn from_backend(backend: Arc<dyn Backend>, world: WorldInfo) -> ProcessGroup {
-        ProcessGroup::new(backend, world, None)
+        ProcessGroup::new(backend, world, None, "given to from_backend".into())
     }
 
     /// The backend under this group.
@@ -108,9 +117,42 @@ impl ProcessGroup {
         self.backend.backend_name()
     }
 
-    /// How this process found its place in the job (launcher, variables), for logs.
+    /// How this process found its place in the job, where the store is and why this backend,
+    /// in a few lines for logs and bug reports:
+    ///
+    /// ```text
+    /// rank 1 of 4 (local 1 of 4), found from Torchrun: RANK=1 WORLD_SIZE=4 LOCAL_RANK=1 ...
+    /// store: torch TCPStore at 127.0.0.1:29500 (torchrun's agent store)
+    /// backend: shm (auto: every rank is on this host)
+    /// ```
     pub fn describe(&self) -> String {
-        format!("{} on backend {}", self.world, self.backend_name())
+        let w = &*self.world;
+        let vars =
+            if w.source.variables.is_empty() { "(no variables)".to_owned() } else { w.source.variables.join(" ") };
+        let store = match w.store {
+            StoreKind::Rank0 if w.world_size == 1 => "in-process (single rank)".to_owned(),
+            StoreKind::Rank0 => format!("served by rank 0 at {}:{}", w.master_addr, w.master_port),
+            StoreKind::External => format!("external, at {}:{}", w.master_addr, w.master_port),
+            StoreKind::Torch => {
+                format!("torch TCPStore at {}:{} (torchrun's agent store)", w.master_addr, w.master_port)
+            }
+            _ => format!("at {}:{}", w.master_addr, w.master_port),
+        };
+        let group = if self.members.len() as u32 == w.world_size {
+            String::new()
+        } else {
+            format!("\ngroup: ranks {:?} of the world, this is group rank {}", self.members, self.rank())
+        };
+        format!(
+            "rank {} of {} (local {} of {}), found from {:?}: {vars}\nstore: {store}\nbackend: {} ({}){group}",
+            w.rank,
+            w.world_size,
+            w.local_rank,
+            w.local_world_size,
+            w.source.launcher,
+            self.backend_name(),
+            self.chosen
+        )
     }
 
     /// The world as discovered at `init`.
@@ -319,6 +361,7 @@ impl ProcessGroup {
             world: self.world.clone(),
             members: Arc::new(members),
             _server: self._server.clone(),
+            chosen: self.chosen.clone(),
         }))
     }
 
