@@ -29,7 +29,7 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use error::CommError;
 pub use ops::Op;
 pub use store::{MemoryStore, Store};
-pub use work::{Completer, Work};
+pub use work::{Completer, Completion, Work};
 pub use world::{Launcher, StoreKind, WorldInfo, WorldSource};
 
 /// A rank: a process's index inside a group, `0..world_size`.

@@ -12,8 +12,11 @@ pub trait Op: std::marker::Send + 'static {
     type Output: std::marker::Send + 'static;
     /// The op's name as torch spells it (`"all_reduce"`); also its span name suffix.
     const NAME: &'static str;
-    /// Message size in bytes, as nccl-tests counts it (per-rank input size; for all_gather the
-    /// gathered output size; for reduce_scatter the full input size).
+    /// Message size in bytes: what this rank hands in (the input buffer; for reduce_scatter
+    /// and all_to_all that is the full input, for all_gather and gather the per-rank shard,
+    /// for scatter the block this rank receives, 0 for barrier). nccl-tests' operation size,
+    /// from which bandwidth is computed, derives from it and the group size (the `profiling`
+    /// crate does that per op).
     fn bytes(&self) -> usize;
     /// Element type, when the op carries data.
     fn dtype(&self) -> Option<DType>;

@@ -37,6 +37,20 @@ trait Source<T>: Send {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<T, CommError>>;
     fn is_completed(&self) -> bool;
     fn wait(&mut self) -> Result<T, CommError>;
+    fn add_hook(&mut self, hook: Hook);
+}
+
+/// A completion hook: runs once, on the thread that completes the op.
+type Hook = Box<dyn FnOnce(Completion<'_>) + Send>;
+
+/// How an op ended, as seen by a hook registered with [`Work::on_complete`].
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct Completion<'a> {
+    /// The op's error, `None` when it succeeded.
+    pub error: Option<&'a CommError>,
+    /// Whether the [`Work`] had been dropped before the op completed (a detached op).
+    pub detached: bool,
 }
 
 struct Shared<T> {
@@ -49,6 +63,7 @@ struct Slot<T> {
     result: Option<Result<T, CommError>>,
     waker: Option<Waker>,
     taken: bool,
+    hook: Option<Hook>,
 }
 
 impl<T> Shared<T> {
@@ -75,7 +90,7 @@ impl<T: Send + 'static> Work<T> {
     pub fn pending() -> (Completer<T>, Work<T>) {
         let shared = Arc::new(Shared {
             done: AtomicBool::new(false),
-            slot: Mutex::new(Slot { result: None, waker: None, taken: false }),
+            slot: Mutex::new(Slot { result: None, waker: None, taken: false, hook: None }),
             cond: Condvar::new(),
         });
         (Completer { shared: Some(shared.clone()) }, Work { inner: Inner::Shared(shared) })
@@ -106,6 +121,53 @@ impl<T: Send + 'static> Work<T> {
                 s.take(slot)
             }
             Inner::Boxed(mut b) => b.wait(),
+        }
+    }
+
+    /// Calls `hook` once when the op completes: at once if it already has, otherwise on the
+    /// thread that completes it (often the backend's worker), *before* the result is handed
+    /// to whoever waits on this `Work`. The hook still runs when this `Work` is dropped first
+    /// (the op completes anyway; [`Completion::detached`] says so), so observers such as the
+    /// profiling layer see the op's true end without polling or blocking on it.
+    ///
+    /// The hook must be quick and must not block: it delays the completion of later ops of
+    /// the same worker. Several hooks run in the order they were added.
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use comm_core::Work;
+    /// let seen = Arc::new(Mutex::new(None));
+    /// let (done, work) = Work::<u8>::pending();
+    /// let s = seen.clone();
+    /// let work = work.on_complete(move |c| *s.lock().unwrap() = Some(c.detached));
+    /// drop(work); // detach: the op still completes, and the hook still runs
+    /// done.complete(Ok(1));
+    /// assert_eq!(*seen.lock().unwrap(), Some(true));
+    /// ```
+    pub fn on_complete(mut self, hook: impl FnOnce(Completion<'_>) + Send + 'static) -> Self {
+        self.add_hook(Box::new(hook));
+        self
+    }
+
+    fn add_hook(&mut self, hook: Hook) {
+        match &mut self.inner {
+            Inner::Ready(r) => hook(Completion { error: r.as_ref().and_then(|r| r.as_ref().err()), detached: false }),
+            Inner::Shared(s) => {
+                let mut slot = s.lock();
+                if slot.result.is_some() || slot.taken {
+                    let error = slot.result.as_ref().and_then(|r| r.as_ref().err());
+                    hook(Completion { error, detached: false });
+                } else {
+                    slot.hook = Some(match slot.hook.take() {
+                        None => hook,
+                        Some(first) => Box::new(move |c| {
+                            first(c);
+                            hook(c);
+                        }),
+                    });
+                }
+            }
+            Inner::Boxed(b) => b.add_hook(hook),
         }
     }
 
@@ -182,6 +244,11 @@ where
         let r = work.wait();
         self.apply(r)
     }
+    fn add_hook(&mut self, hook: Hook) {
+        // The hook reports the op itself, so it goes to the inner work; `f` is the caller's
+        // post-processing and runs later, when the result is taken.
+        self.work.add_hook(hook);
+    }
 }
 
 impl<T, U, F: FnOnce(T) -> Result<U, CommError>> Map<T, F> {
@@ -216,6 +283,11 @@ impl<T> Completer<T> {
         let Some(shared) = self.shared.take() else { return };
         let waker = {
             let mut slot = shared.lock();
+            if let Some(hook) = slot.hook.take() {
+                // Under the lock, so a hook added concurrently is either taken here or sees the
+                // result; only our `shared` is left when the `Work` is gone.
+                hook(Completion { error: result.as_ref().err(), detached: Arc::strong_count(&shared) == 1 });
+            }
             slot.result = Some(result);
             shared.done.store(true, Ordering::Release);
             slot.waker.take()
@@ -283,6 +355,55 @@ mod tests {
         assert_eq!(w.await.unwrap(), 42);
         let w = Work::ready(Ok(1u8)).and_then(|_| Err::<u8, _>(CommError::Shutdown(String::new())));
         assert!(w.await.is_err());
+    }
+
+    fn recorder() -> (Arc<Mutex<Vec<String>>>, impl Fn(&'static str) -> Hook) {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let l = log.clone();
+        let make = move |name: &'static str| -> Hook {
+            let l = l.clone();
+            Box::new(move |c: Completion<'_>| {
+                let err = c.error.map(|e| e.to_string()).unwrap_or_default();
+                l.lock().unwrap().push(format!("{name} detached={} err={err}", c.detached));
+            })
+        };
+        (log, make)
+    }
+
+    #[test]
+    fn hooks_run_at_completion_in_order() {
+        let (log, hook) = recorder();
+        // Already complete: at once.
+        let w = Work::ready(Err::<u8, _>(CommError::Shutdown("gone".into()))).on_complete(hook("ready"));
+        assert_eq!(log.lock().unwrap().as_slice(), ["ready detached=false err=process group has been shut down: gone"]);
+        drop(w);
+        // Pending: on the completing side, before the waiter gets the result; two hooks in order.
+        let (c, w) = Work::<u8>::pending();
+        let w = w.on_complete(hook("a")).on_complete(hook("b"));
+        assert_eq!(log.lock().unwrap().len(), 1);
+        c.complete(Ok(5));
+        assert_eq!(log.lock().unwrap()[1..], ["a detached=false err=", "b detached=false err="]);
+        assert_eq!(w.wait().unwrap(), 5);
+        // Completed but not yet taken: at once.
+        let (c, w) = Work::<u8>::pending();
+        c.complete(Ok(1));
+        let _w = w.on_complete(hook("late"));
+        assert_eq!(log.lock().unwrap()[3], "late detached=false err=");
+    }
+
+    #[test]
+    fn hooks_see_detached_ops_and_dropped_completers() {
+        let (log, hook) = recorder();
+        let (c, w) = Work::<u8>::pending();
+        drop(w.map(|x| x + 1).on_complete(hook("mapped")));
+        assert!(log.lock().unwrap().is_empty(), "dropping the work does not complete the op");
+        c.complete(Ok(1));
+        assert_eq!(log.lock().unwrap()[0], "mapped detached=true err=");
+        let (c, w) = Work::<u8>::pending();
+        let w = w.on_complete(hook("orphan"));
+        drop(c);
+        assert!(log.lock().unwrap()[1].starts_with("orphan detached=false err=process group has been shut down"));
+        assert!(w.wait().is_err());
     }
 
     #[test]
