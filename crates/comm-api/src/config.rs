@@ -320,7 +320,7 @@ fn resolve(kind: BackendKind, world: &WorldInfo, have: Available) -> Result<(Bac
             if !world.all_local() {
                 tracing::debug!("comm: shm asked for although {hosts}; shm checks the hosts itself");
             }
-            Ok((BackendKind::Shm, format!("asked for ({hosts})")))
+            Ok((BackendKind::Shm, format!("asked for; {hosts}")))
         }
         BackendKind::Mpi if have.mpi => Ok((BackendKind::Mpi, "asked for".into())),
         BackendKind::Nccl if have.nccl => Ok((BackendKind::Nccl, "asked for".into())),

@@ -101,7 +101,11 @@ fn set_closed(closed: &Closed, why: String) {
 
 impl fmt::Debug for TcpStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TcpStore").field("addr", &self.inner.shown).finish_non_exhaustive()
+        // The local address tells which interface this rank reached the store from.
+        f.debug_struct("TcpStore")
+            .field("addr", &self.inner.shown)
+            .field("local", &self.inner.local_addr)
+            .finish_non_exhaustive()
     }
 }
 

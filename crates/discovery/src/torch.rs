@@ -123,6 +123,7 @@ impl fmt::Debug for TorchStore {
         f.debug_struct("TorchStore")
             .field("addr", &self.shared.shown)
             .field("prefix", &self.shared.prefix)
+            .field("local", &self.shared.local_addr)
             .finish_non_exhaustive()
     }
 }
