@@ -6,11 +6,12 @@ use std::time::Duration;
 
 use comm_core::{CommError, MemoryStore, Store, StoreKind, WorldInfo};
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use crate::client::{display_addr, job_token, TcpStore};
 use crate::net::bind_addr;
 use crate::server::{self, StoreServer};
-use crate::torch::TorchStore;
+use crate::torch::{probe, Probe, TorchStore};
 
 /// The key every rank checks its world size against (the first rank to arrive sets it).
 const WORLD_SIZE_KEY: &str = "discovery/world_size";
@@ -62,14 +63,26 @@ pub async fn rendezvous(
             if info.master_port == 0 {
                 return Err(needs_port("torch store"));
             }
-            let prefix = torch_prefix();
-            let store = TorchStore::connect(&info.master_addr, info.master_port, &prefix, timeout, bind).await?;
-            tracing::debug!(addr = %shown, prefix = %prefix, local = ?store.local_addr(), "comm: using the torch store");
-            (Arc::new(store), None)
+            (Arc::new(torch_store(info, &shown, timeout, bind).await?), None)
         }
         StoreKind::Rank0 if info.rank == 0 => {
             let token = job_token();
-            let server = bind_rank0(&info.master_addr, info.master_port, &token).await?;
+            let server = match bind_rank0(&info.master_addr, info.master_port, &token).await {
+                Ok(server) => server,
+                // torch may already serve its store there (torch.distributed initialised by this
+                // job, a launcher's agent): then that is the job's store, for every rank.
+                Err(e) if is_addr_in_use(&e) => {
+                    let addr = &info.master_addr;
+                    match probe(addr, info.master_port, bind, PROBE_LIMIT).await {
+                        Probe::Torch => {
+                            let store = torch_store(info, &shown, timeout, bind).await?;
+                            return check_world_size(info, &shown, Arc::new(store), None).await;
+                        }
+                        _ => return Err(e),
+                    }
+                }
+                Err(e) => return Err(e),
+            };
             // Connect to what was actually bound: the wildcard fallback, or an ephemeral port.
             let bound = server.local_addr();
             let ip = match bound.ip() {
@@ -86,13 +99,65 @@ pub async fn rendezvous(
             if info.master_port == 0 {
                 return Err(needs_port("store"));
             }
-            let store =
-                TcpStore::connect_from(&info.master_addr, info.master_port, &job_token(), timeout, bind).await?;
-            tracing::debug!(addr = %shown, local = ?store.local_addr(), "comm: connected to the store");
-            (Arc::new(store), None)
+            (connect_ours_or_torch(info, &shown, timeout, bind).await?, None)
         }
     };
+    check_world_size(info, &shown, store, server).await
+}
 
+/// How long a probe waits for a torch store's PING echo (it answers in microseconds).
+const PROBE_LIMIT: Duration = Duration::from_secs(2);
+
+/// Rank 0's store, or torch's store when that is what serves the port (rank 0 found the port
+/// taken by one): a torch handshake tells them apart at once, since our server closes the
+/// connection on it. Retries while nothing listens, until `timeout`.
+async fn connect_ours_or_torch(
+    info: &WorldInfo,
+    shown: &str,
+    timeout: Duration,
+    bind: Option<IpAddr>,
+) -> Result<Arc<dyn Store>, CommError> {
+    let deadline = Instant::now() + timeout;
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match probe(&info.master_addr, info.master_port, bind, PROBE_LIMIT.min(left)).await {
+            Probe::Torch => return Ok(Arc::new(torch_store(info, shown, left, bind).await?)),
+            Probe::Unreachable(why) if !left.is_zero() => {
+                tracing::trace!("comm: store at {shown} not reachable yet: {why}");
+                tokio::time::sleep(backoff.min(left)).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+            // Ours, something else, or out of time: our client retries and reports as usual.
+            _ => {
+                let store =
+                    TcpStore::connect_from(&info.master_addr, info.master_port, &job_token(), left, bind).await?;
+                tracing::debug!(addr = %shown, local = ?store.local_addr(), "comm: connected to the store");
+                return Ok(Arc::new(store));
+            }
+        }
+    }
+}
+
+async fn torch_store(
+    info: &WorldInfo,
+    shown: &str,
+    timeout: Duration,
+    bind: Option<IpAddr>,
+) -> Result<TorchStore, CommError> {
+    let prefix = torch_prefix();
+    let store = TorchStore::connect(&info.master_addr, info.master_port, &prefix, timeout, bind).await?;
+    tracing::debug!(addr = %shown, prefix = %prefix, local = ?store.local_addr(), "comm: using the torch store");
+    Ok(store)
+}
+
+/// Every rank checks its world size against the first rank's.
+async fn check_world_size(
+    info: &WorldInfo,
+    shown: &str,
+    store: Arc<dyn Store>,
+    server: Option<StoreServer>,
+) -> Result<(Arc<dyn Store>, Option<StoreServer>), CommError> {
     let ws = info.world_size.to_string();
     let stored = store.compare_set(WORLD_SIZE_KEY, None, ws.as_bytes()).await?;
     if stored != ws.as_bytes() {

@@ -14,6 +14,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::wire::{self, FrameError, Request};
 
+/// torch's VALIDATE command byte and the first bytes of its magic, read as our length prefix.
+const TORCH_PROBE: u32 = u32::from_le_bytes([crate::torch::cmd::VALIDATE, 0xce, 0xf7, 0x85]);
+
 /// How long a new connection may take to send its handshake before it is dropped.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -270,6 +273,12 @@ async fn handshake(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: Socket
         }
         Ok(Ok(Some(f))) => f,
         Ok(Ok(None)) => return false,
+        // The first bytes of torch's VALIDATE read as a length: a rank probing whether this
+        // port is a torch store (see `rendezvous`). Closing answers "no" at once.
+        Ok(Err(FrameError::TooLarge(n))) if n == TORCH_PROBE => {
+            tracing::debug!("comm store: {peer} probed for a torch store; closing");
+            return false;
+        }
         Ok(Err(e)) => {
             tracing::warn!("comm store: {peer} is not a store client ({e}); closing");
             return false;

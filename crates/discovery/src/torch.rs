@@ -492,6 +492,40 @@ enum Hello {
     Retry(String),
 }
 
+/// What answers at an address, as far as a torch handshake can tell.
+#[derive(Debug)]
+pub(crate) enum Probe {
+    /// A torch store: it echoed the PING.
+    Torch,
+    /// Something that closed the connection or answered otherwise (this library's own store
+    /// closes at once).
+    Other,
+    /// Accepted, but said nothing within the limit.
+    Silent,
+    /// Could not connect (nothing listening yet, unreachable...).
+    Unreachable(String),
+}
+
+/// Sends torch's handshake to `addr:port` and classifies the answer, within `limit`.
+pub(crate) async fn probe(addr: &str, port: u16, bind: Option<IpAddr>, limit: Duration) -> Probe {
+    let attempt = async {
+        let mut c = match crate::net::dial(addr, port, bind).await {
+            Ok(c) => c,
+            Err(e) => return Probe::Unreachable(e.to_string()),
+        };
+        let nonce = nonce();
+        let req = Req::new(cmd::VALIDATE).raw(&MAGIC.to_le_bytes()).raw(&[cmd::PING]).raw(&nonce.to_le_bytes());
+        if let Err(e) = c.write_all(&req.0).await {
+            return Probe::Unreachable(e.to_string());
+        }
+        match c.read_u32_le().await {
+            Ok(n) if n == nonce => Probe::Torch,
+            _ => Probe::Other,
+        }
+    };
+    tokio::time::timeout(limit, attempt).await.unwrap_or(Probe::Silent)
+}
+
 async fn connect_with_retry(
     addr: &str,
     port: u16,

@@ -218,3 +218,20 @@ async fn rendezvous_through_the_agent_store_binds_nothing() {
     let e = rendezvous(&torch_world(1, 3, srv.port()), T).await.unwrap_err();
     assert!(matches!(e, CommError::Mismatch { .. }) && e.to_string().contains("world size 4"), "{e}");
 }
+
+#[tokio::test]
+async fn a_torch_store_already_on_the_port_is_found_and_used() {
+    // torch.distributed initialised by the job (or a launcher's agent) holds MASTER_PORT, and
+    // nothing told us: rank 0 finds the port taken by a torch store, the others probe it.
+    let srv = FakeTorchStore::start();
+    let mut ranks = Vec::new();
+    for r in 0..3 {
+        let w = WorldInfo { store: StoreKind::Rank0, ..torch_world(r, 3, srv.port()) };
+        ranks.push(tokio::spawn(async move { rendezvous(&w, T).await }));
+    }
+    for t in ranks {
+        let (store, server) = t.await.unwrap().unwrap();
+        assert!(server.is_none() && format!("{store:?}").contains("TorchStore"), "{store:?}");
+    }
+    assert_eq!(srv.value(b"comm/r0/discovery/world_size").as_deref(), Some(&b"3"[..]));
+}
