@@ -10,16 +10,24 @@ use std::process::{Child, Command, ExitCode, ExitStatus};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
+mod compare;
+mod mpi;
+
 const USAGE: &str = "\
 usage: cargo xtask <command> [options]
 
 commands:
-  test [--quick]   fmt check, clippy -D warnings, cargo test --workspace, every comm-api example
-                   under commrun -n 2 and -n 3, and a comm-bench smoke run (debug build).
+  test [--quick]   installs the mpi backend's system packages when missing (apt, as root),
+                   fmt check, clippy -D warnings (with the mpi feature), cargo test --workspace,
+                   the mpi backend's tests (conformance suite under mpirun at 1-4 ranks, faults),
+                   every comm-api example under commrun -n 2 and -n 3 and under mpirun -np 2,
+                   and comm-bench smoke runs on shm and mpi (debug build).
                    --quick skips fmt and clippy.
   ci               the same as `test` (what .ci/run calls).
   bench [options]  builds commrun and comm-bench in release and runs
-                   `commrun -n NP -- comm-bench ...` once per backend.
+                   `commrun -n NP -- comm-bench ...` once per backend (`mpirun -np NP
+                   comm-bench ...` for mpi); with several backends, a side-by-side table with
+                   the time ratio of each to the first follows.
       --backend LIST   comma list of backends (default shm; compiled-in ones only)
       --np N           ranks (default 2)
       --op LIST        all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,reduce or all
@@ -35,6 +43,11 @@ commands:
 const BACKENDS: [&str; 3] = ["shm", "mpi", "nccl"];
 /// Wall-clock bound of one launched job (examples, smoke bench).
 const JOB_TIMEOUT: Duration = Duration::from_secs(300);
+/// The features that build the mpi backend into comm-api and comm-bench.
+const MPI_FEATURES: &str = "comm-api/mpi,comm-bench/mpi";
+/// comm-bench arguments of the smoke runs in `cargo xtask test`.
+const SMOKE_BENCH: [&str; 10] =
+    ["--op", "all", "--dtype", "f32,bf16", "--sizes", "8B..1MiB:x16", "--iters", "5", "--warmup", "1"];
 
 /// Why xtask stops: a message and the exit code to stop with.
 #[derive(Debug)]
@@ -257,7 +270,11 @@ fn test(args: &[String]) -> Result {
         }
     }
     let total = Instant::now();
-    // A later backend (MPI) will install its system packages here (apt) before building.
+    let mut with_mpi = false;
+    step("system packages of the mpi backend", || {
+        with_mpi = mpi::ensure_packages()?;
+        Ok(())
+    })?;
     if quick {
         println!("== fmt, clippy: skipped (--quick) ==");
     } else {
@@ -268,28 +285,45 @@ fn test(args: &[String]) -> Result {
         })?;
         step("clippy", || {
             let mut c = cargo();
-            c.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
+            c.args(["clippy", "--workspace", "--all-targets"]);
+            if with_mpi {
+                c.args(["--features", MPI_FEATURES]);
+            } else {
+                c.args(["--exclude", "backend-mpi"]);
+            }
+            c.args(["--", "-D", "warnings"]);
             run(c)
         })?;
     }
     step("test", || {
         let mut c = cargo();
-        c.args(["test", "--workspace"]);
+        c.args(["test", "--workspace", "--exclude", "backend-mpi"]);
         run(c)
     })?;
+    if with_mpi {
+        step("mpi backend: unit tests, singleton suite, suite under mpirun at 1-4 ranks, faults", || {
+            let mut c = cargo();
+            c.args(["test", "-p", "backend-mpi", "--", "--test-threads=1", "--nocapture"]);
+            run(c)
+        })?;
+    }
     step("build commrun, comm-bench, examples", || {
         let mut c = cargo();
         c.args(["build", "-p", "commrun", "-p", "comm-bench", "-p", "comm-api", "--bins", "--examples"]);
+        if with_mpi {
+            c.args(["--features", MPI_FEATURES]);
+        }
         run(c)
     })?;
     let target = target_dir()?.join("debug");
     let commrun = target.join("commrun");
-    for example in examples(&root().join("crates/comm-api/examples"))? {
+    let examples = examples(&root().join("crates/comm-api/examples"))?;
+    for example in &examples {
         for np in [2, 3] {
             step(&format!("example {example}, {np} ranks"), || {
                 let mut c = Command::new(&commrun);
                 c.current_dir(root()).env("COMM_TIMEOUT", "120");
-                c.arg("-n").arg(np.to_string()).arg("--").arg(target.join("examples").join(&example));
+                c.arg("-n").arg(np.to_string()).arg("--").arg(target.join("examples").join(example));
                 run_bounded(c, JOB_TIMEOUT)
             })?;
         }
@@ -297,10 +331,25 @@ fn test(args: &[String]) -> Result {
     step("bench smoke (comm-bench, 2 ranks)", || {
         let mut c = Command::new(&commrun);
         c.current_dir(root()).env("COMM_TIMEOUT", "120");
-        c.args(["-n", "2", "--"]).arg(target.join("comm-bench"));
-        c.args(["--op", "all", "--dtype", "f32,bf16", "--sizes", "8B..1MiB:x16", "--iters", "5", "--warmup", "1"]);
+        c.args(["-n", "2", "--"]).arg(target.join("comm-bench")).args(SMOKE_BENCH);
         run_bounded(c, JOB_TIMEOUT)
     })?;
+    if with_mpi {
+        for example in &examples {
+            step(&format!("example {example} under mpirun -np 2 (backend auto: mpi)"), || {
+                let mut c = mpi::mpirun(2);
+                c.current_dir(root()).env("COMM_TIMEOUT", "120").env_remove("COMM_BACKEND");
+                c.arg(target.join("examples").join(example));
+                run_bounded(c, JOB_TIMEOUT)
+            })?;
+        }
+        step("bench smoke (comm-bench, mpi, mpirun -np 2)", || {
+            let mut c = mpi::mpirun(2);
+            c.current_dir(root()).env("COMM_TIMEOUT", "120").env("COMM_BACKEND", "mpi");
+            c.arg(target.join("comm-bench")).args(SMOKE_BENCH);
+            run_bounded(c, JOB_TIMEOUT)
+        })?;
+    }
     println!("\n== all steps passed in {:.1}s ==", total.elapsed().as_secs_f64());
     Ok(())
 }
@@ -438,30 +487,56 @@ fn bench(args: &[String]) -> Result {
     let manifest = std::fs::read_to_string(&manifest)
         .map_err(|e| Failure { code: 1, msg: format!("reading {}: {e}", manifest.display()) })?;
     let features = backend_features(&b.backends, &manifest)?;
+    if b.backends.iter().any(|x| x == "mpi") && !mpi::ensure_packages()? {
+        return Err(Failure { code: 2, msg: "the mpi backend needs MPI installed (see the note above)".into() });
+    }
     step("build (release)", || {
         let mut c = cargo();
         c.args(["build", "--release", "-p", "commrun", "-p", "comm-bench", "--features", &features.join(",")]);
         run(c)
     })?;
-    let target = target_dir()?.join("release");
+    let target_root = target_dir()?;
+    let target = target_root.join("release");
     let rev = git_rev();
     let several = b.backends.len() > 1;
     let mut first_failure = None;
+    let mut reports = Vec::new();
     for backend in &b.backends {
+        let json = match &b.json {
+            Some(p) => Some(json_path(p, backend, several)),
+            None if several => Some(compare::scratch(&target_root, backend)),
+            None => None,
+        };
         let r = step(&format!("bench {backend}, {} ranks", b.np), || {
-            let mut c = Command::new(target.join("commrun"));
+            let mut c = if backend == "mpi" {
+                mpi::mpirun(b.np)
+            } else {
+                let mut c = Command::new(target.join("commrun"));
+                c.arg("-n").arg(b.np.to_string()).arg("--");
+                c
+            };
             c.current_dir(root()).env("COMM_BACKEND", backend).env("COMM_BENCH_GIT_REV", &rev);
-            c.arg("-n").arg(b.np.to_string()).arg("--").arg(target.join("comm-bench"));
+            c.arg(target.join("comm-bench"));
             c.args(&b.forward);
-            if let Some(p) = &b.json {
-                c.arg("--json").arg(json_path(p, backend, several));
+            if let Some(p) = &json {
+                if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    let _ = std::fs::create_dir_all(dir);
+                }
+                c.arg("--json").arg(p);
             }
             run(c)
         });
-        if let Err(e) = r {
-            eprintln!("xtask: {}", e.msg);
-            first_failure.get_or_insert(e);
+        match r {
+            Ok(()) => reports.extend(json.map(|p| (backend.clone(), p))),
+            Err(e) => {
+                eprintln!("xtask: {}", e.msg);
+                first_failure.get_or_insert(e);
+            }
         }
+    }
+    if several && reports.len() > 1 {
+        println!("\n== {} side by side ==", b.backends.join(" vs "));
+        print!("{}", compare::table(&compare::load(&reports)?, b.np));
     }
     match first_failure {
         None => Ok(()),

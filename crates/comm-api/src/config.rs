@@ -183,6 +183,16 @@ impl Builder {
         tracing::debug!(world = %world, "comm: discovered world");
         let (kind, why) = resolve(backend, &world, Available::compiled())?;
         tracing::debug!(backend = %kind, why = %why, "comm: backend chosen");
+        #[cfg(feature = "mpi")]
+        if kind == BackendKind::Mpi {
+            // MPI brings its own rendezvous (the launcher); rank and size come from MPI itself
+            // and must agree with what the environment said.
+            let opts = backend_mpi::MpiOptions { timeout, ..backend_mpi::MpiOptions::from_env()? };
+            let b = backend_mpi::MpiBackend::init(opts).await.map_err(|e| startup_context(e, &world))?;
+            let world = b.reconcile(&world)?;
+            tracing::debug!(backend = "mpi", "comm: backend ready");
+            return Ok(ProcessGroup::new(Arc::new(b), world, None, why));
+        }
         let (store, server) = discovery::rendezvous(&world, timeout).await?;
         let started: Result<Arc<dyn Backend>, CommError> = match kind {
             #[cfg(feature = "shm")]
@@ -243,8 +253,8 @@ struct Available {
 
 impl Available {
     fn compiled() -> Available {
-        // `mpi` and `nccl` are set here by their cargo features once those backends are wired in.
-        Available { shm: cfg!(feature = "shm"), mpi: false, nccl: false, gpu: false }
+        // `nccl` is set here by its cargo feature once that backend is wired in.
+        Available { shm: cfg!(feature = "shm"), mpi: cfg!(feature = "mpi"), nccl: false, gpu: false }
     }
 }
 

@@ -25,14 +25,17 @@
 //! | feature | default | backend | needs to build | needs to run |
 //! |---|---|---|---|---|
 //! | `shm` | yes | same-host shared memory | nothing | every rank on one host, `/dev/shm` with room for `2 × window + mailboxes` per rank (≈ 8.5 MiB at 2 ranks) |
+//! | `mpi` | no | MPI (Open MPI, MPICH) through rsmpi | an MPI dev package, libclang, pkg-config, a C compiler (Debian: `libopenmpi-dev openmpi-bin libclang-dev pkg-config`) | ranks started by that MPI's `mpirun` |
 //!
-//! The `mpi` and `nccl` backends come with their own features; asking for a backend that
-//! was not compiled in fails with [`CommError::Unavailable`] naming the feature to enable.
+//! `Auto` picks `mpi` when an MPI launcher started the process and the feature is on. The
+//! `nccl` backend comes with its own feature; asking for a backend that was not compiled in
+//! fails with [`CommError::Unavailable`] naming the feature to enable.
 //!
 //! # Environment
 //! `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (as
 //! torchrun sets them); `COMM_TIMEOUT` (seconds, default 300) bounds every wait;
-//! `COMM_BACKEND` (`auto`, `shm`, `mpi`, `nccl`); `COMM_SHM_WINDOW` and friends tune shm.
+//! `COMM_BACKEND` (`auto`, `shm`, `mpi`, `nccl`); `COMM_SHM_WINDOW` and friends tune shm;
+//! `COMM_MPI_REDUCTION` (`exact`, `native`) and friends tune mpi (see `backend_mpi::MpiOptions`).
 
 mod config;
 mod group;
