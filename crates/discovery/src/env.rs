@@ -1155,7 +1155,12 @@ mod tests {
         }
 
         proptest! {
-            #![proptest_config(ProptestConfig { cases: 3000, failure_persistence: None, ..ProptestConfig::default() })]
+            #![proptest_config(ProptestConfig {
+                // Bounded for every `cargo test`; PROPTEST_CASES=1000000 fuzzes longer.
+                cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(3000),
+                failure_persistence: None,
+                ..ProptestConfig::default()
+            })]
 
             /// Any mix of launcher variables gives a consistent world or an error, never a panic.
             #[test]

@@ -1,16 +1,21 @@
 //! Where this process stands in the job, and how ranks find each other.
 //!
 //! - [`from_env`] / [`from_vars`]: a [`WorldInfo`](comm_core::WorldInfo) read from the variables a
-//!   launcher sets (torchrun and the DeepSpeed launcher today; the readers form a precedence list
-//!   so Open MPI, MPICH, Slurm... slot in later).
+//!   launcher sets, trying in order torchrun / `commrun` / the DeepSpeed launcher, AzureML and
+//!   SageMaker (as DeepSpeed reads them), Open MPI, MPICH / Hydra / Intel MPI, PMIx and Slurm.
+//!   [`WorldSource`](comm_core::WorldSource) records which launcher won and the `NAME=value`
+//!   pairs read; contradictions are errors naming them. [`slurm`] parses Slurm's host lists
+//!   (`node[01-04,07]`) and task counts (`2(x3),1`).
 //! - [`StoreServer`] / [`TcpStore`]: the TCP rendezvous [`Store`](comm_core::Store) rank 0 serves
 //!   and every rank uses to exchange bootstrap data (shm names, NCCL ids...), across hosts too.
 //!   Frames are bounded, waits are served with the caller's timeout, and a job token keeps
 //!   strangers (another job on the same port) out.
-//! - [`rendezvous`]: the two put together: rank 0 serves, every rank connects.
+//! - [`TorchStore`]: a client of torch's `TCPStore` protocol, for jobs where torch already
+//!   serves the port (torchrun's agent store, `TORCHELASTIC_USE_AGENT_STORE=True`).
+//! - [`rendezvous`]: the job's store, whoever serves it ([`StoreKind`](comm_core::StoreKind)).
 //!
-//! Both the server and each client run their socket I/O on a dedicated OS thread with its own
-//! small tokio runtime, so they keep working whatever the caller's executor is (a blocked
+//! The servers and clients run their socket I/O on dedicated OS threads with their own small
+//! tokio runtimes, so they keep working whatever the caller's executor is (a blocked
 //! current-thread runtime, `futures::executor`, another tokio runtime...).
 #![forbid(unsafe_code)]
 

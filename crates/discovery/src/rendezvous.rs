@@ -41,10 +41,19 @@ pub async fn rendezvous(
     info: &WorldInfo,
     timeout: Duration,
 ) -> Result<(Arc<dyn Store>, Option<StoreServer>), CommError> {
+    // Explicit configurations are checked here; discovered ones already were.
     if info.world_size == 0 || info.rank >= info.world_size {
         return Err(CommError::Config(format!(
             "rank {} is not in a world of size {} (ranks are 0..world_size)",
             info.rank, info.world_size
+        )));
+    }
+    if info.local_world_size == 0 || info.local_world_size > info.world_size || info.local_rank >= info.local_world_size
+    {
+        return Err(CommError::Config(format!(
+            "local rank {} of {} on this host does not fit a world of {} (local ranks are 0..local_world_size, \
+             and local_world_size <= world_size)",
+            info.local_rank, info.local_world_size, info.world_size
         )));
     }
     if info.world_size == 1 {

@@ -372,8 +372,10 @@ mod tests {
         use proptest::prelude::*;
 
         fn config() -> ProptestConfig {
-            // Bounded so it runs in every `cargo test` (and so in `cargo xtask test`).
-            ProptestConfig { cases: 2000, failure_persistence: None, ..ProptestConfig::default() }
+            // Bounded so it runs in every `cargo test` (and so in `cargo xtask test`);
+            // PROPTEST_CASES=1000000 fuzzes longer.
+            let cases = std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(2000);
+            ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() }
         }
 
         proptest! {

@@ -326,6 +326,12 @@ async fn rendezvous_single_process_uses_memory() {
     assert!(format!("{store:?}").contains("MemoryStore"), "{store:?}");
     store.set("k", b"v").await.unwrap();
     assert!(rendezvous(&world(3, 3, 0), T).await.is_err());
+    // Explicit configurations with impossible local values are refused before any socket.
+    let bad = WorldInfo { local_rank: 2, local_world_size: 2, ..world(1, 2, 0) };
+    let e = rendezvous(&bad, T).await.unwrap_err().to_string();
+    assert!(e.contains("local rank 2 of 2"), "{e}");
+    let bad = WorldInfo { local_rank: 0, local_world_size: 3, ..world(1, 2, 0) };
+    assert!(matches!(rendezvous(&bad, T).await, Err(CommError::Config(_))));
 }
 
 #[tokio::test]
