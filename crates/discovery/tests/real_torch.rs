@@ -96,3 +96,37 @@ async fn against_a_real_torch_tcpstore(backend: &str) {
     let status = child.wait().unwrap();
     assert!(status.success() && rest.contains("python ok"), "python: {status} {rest}");
 }
+
+/// torch.distributed already serves its store on MASTER_PORT (nothing told us): rank 0 finds
+/// the port taken by a torch store and every rank uses it.
+#[tokio::test]
+async fn a_real_torch_store_on_master_port_is_found() {
+    let Some(python) = std::env::var_os("COMM_TEST_TORCH_PYTHON") else {
+        println!("skipped: set COMM_TEST_TORCH_PYTHON to a Python that has torch to run this test");
+        return;
+    };
+    let script = "import sys\nfrom torch.distributed import TCPStore\n\
+                  s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n\
+                  print(s.port, flush=True)\nsys.stdin.read()\n";
+    let mut child = Command::new(python)
+        .args(["-c", script])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start python");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let port: u16 = line.trim().parse().unwrap_or_else(|_| panic!("no port from python: {line:?}"));
+    let mut ranks = Vec::new();
+    for rank in 0..3 {
+        let mut w = comm_core::WorldInfo::single();
+        (w.rank, w.world_size, w.local_rank, w.local_world_size, w.master_port) = (rank, 3, rank, 3, port);
+        ranks.push(tokio::spawn(async move { discovery::rendezvous(&w, Duration::from_secs(30)).await }));
+    }
+    for t in ranks {
+        let (store, server) = t.await.unwrap().unwrap();
+        assert!(server.is_none() && format!("{store:?}").contains("TorchStore"), "{store:?}");
+    }
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+}
