@@ -33,7 +33,11 @@
 //!
 //! # Environment
 //! `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (as
-//! torchrun sets them); `COMM_TIMEOUT` (seconds, default 300) bounds every wait;
+//! torchrun sets them), or else the variables of Open MPI, MPICH / Intel MPI, PMIx, Slurm,
+//! AzureML or SageMaker (see `discovery::from_vars`; [`ProcessGroup::describe`] tells which
+//! were used); under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) the ranks meet in the
+//! agent's torch TCPStore; `COMM_STORE` (`rank0`, `external`, `torch`) and `COMM_BIND_ADDR`
+//! (the local IP to reach the store from); `COMM_TIMEOUT` (seconds, default 300) bounds every wait;
 //! `COMM_BACKEND` (`auto`, `shm`, `mpi`, `nccl`); `COMM_SHM_WINDOW` and friends tune shm;
 //! `COMM_MPI_REDUCTION` (`exact`, `native`) and friends tune mpi (see `backend_mpi::MpiOptions`).
 
