@@ -44,8 +44,10 @@ fn under_real_torchrun() {
     };
     let exe = std::env::current_exe().expect("the test binary");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let layouts: [&[&str]; 2] =
-        [&["--standalone", "--nproc-per-node", "2"], &["--nnodes", "1", "--nproc-per-node", "2", "--master-port", &port]];
+    let layouts: [&[&str]; 2] = [
+        &["--standalone", "--nproc-per-node", "2"],
+        &["--nnodes", "1", "--nproc-per-node", "2", "--master-port", &port],
+    ];
     for layout in layouts {
         let out = Command::new(&torchrun)
             .args(layout)
@@ -57,7 +59,11 @@ fn under_real_torchrun() {
             .expect("run torchrun");
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         let done = text.matches("COMM_TEST_CHILD_DONE").count();
-        assert!(out.status.success() && done == 2, "torchrun {layout:?}: {} with {done} ranks done:\n{text}", out.status);
+        assert!(
+            out.status.success() && done == 2,
+            "torchrun {layout:?}: {} with {done} ranks done:\n{text}",
+            out.status
+        );
         assert!(text.contains("store: torch TCPStore"), "{text}");
         println!("torchrun {layout:?}: ok");
     }
