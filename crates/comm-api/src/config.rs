@@ -408,7 +408,7 @@ mod tests {
         let e = builder(Config::single()).timeout(Duration::from_secs(1)).init().await.unwrap_err().to_string();
         assert!(e.contains("already called"), "{e}");
         let d = a.describe();
-        assert!(d.contains("rank 0 of 1") && d.contains("found from Single") && d.contains("in-process"), "{d}");
+        assert!(d.contains("rank 0/1") && d.contains("found from Single") && d.contains("in-process"), "{d}");
         assert!(d.contains("backend: shm (auto: every rank is on this host)"), "{d}");
     }
 }

@@ -121,7 +121,7 @@ impl ProcessGroup {
     /// in a few lines for logs and bug reports:
     ///
     /// ```text
-    /// rank 1 of 4 (local 1 of 4), found from Torchrun: RANK=1 WORLD_SIZE=4 LOCAL_RANK=1 ...
+    /// rank 1/4 (local 1/4), found from Torchrun: RANK=1 WORLD_SIZE=4 LOCAL_RANK=1 ...
     /// store: torch TCPStore at 127.0.0.1:29500 (torchrun's agent store)
     /// backend: shm (auto: every rank is on this host)
     /// ```
@@ -144,7 +144,7 @@ impl ProcessGroup {
             format!("\ngroup: ranks {:?} of the world, this is group rank {}", self.members, self.rank())
         };
         format!(
-            "rank {} of {} (local {} of {}), found from {:?}: {vars}\nstore: {store}\nbackend: {} ({}){group}",
+            "rank {}/{} (local {}/{}), found from {:?}: {vars}\nstore: {store}\nbackend: {} ({}){group}",
             w.rank,
             w.world_size,
             w.local_rank,
