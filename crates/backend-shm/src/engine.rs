@@ -23,6 +23,7 @@ use crate::kernels::{self, Src};
 use crate::layout::*;
 use crate::segment::Segment;
 use crate::sys::{futex_wait, futex_wake, ProcId};
+use crate::zerocopy::ShmBuf;
 
 /// What the handle sends to the worker.
 pub(crate) enum Command {
@@ -185,6 +186,9 @@ const OP_SCATTER: u8 = 7;
 const OP_GATHER: u8 = 8;
 const OP_BARRIER: u8 = 9;
 
+/// `StepHeader::aux` of an all_reduce on zero-copy buffers.
+const AUX_ZERO_COPY: u64 = 1;
+
 fn op_name(code: u8) -> &'static str {
     match code {
         OP_ALL_REDUCE => "all_reduce",
@@ -210,6 +214,9 @@ fn describe(h: &StepHeader) -> String {
         if let Some(op) = ReduceOp::ALL.get(h.redop as usize) {
             s += &format!(", {op}");
         }
+    }
+    if h.op == OP_ALL_REDUCE && h.aux == AUX_ZERO_COPY {
+        s += ", zero-copy buffer from alloc_buffer (every rank must pass one, or none)";
     }
     s + ")"
 }
@@ -296,7 +303,12 @@ pub(crate) struct Engine {
     sent: Vec<u64>,
     acked: Vec<u64>,
     last_liveness: Instant,
+    /// Peers' zero-copy buffers mapped so far (most recent last; a few are kept).
+    zc_maps: Vec<(String, Arc<Segment>)>,
 }
+
+/// How many peer zero-copy buffers stay mapped between ops.
+const ZC_CACHE: usize = 16;
 
 type Result<T, E = CommError> = std::result::Result<T, E>;
 
@@ -337,6 +349,7 @@ impl Engine {
             sent: vec![0; world],
             acked: vec![0; world],
             last_liveness: Instant::now(),
+            zc_maps: Vec::new(),
         }
     }
 
@@ -870,6 +883,16 @@ impl Engine {
         if n == 1 {
             return Ok(());
         }
+        if root.is_none() {
+            let zc = buf.external().and_then(|e| e.as_any().downcast_ref::<ShmBuf>()).map(|z| z.name().to_owned());
+            if let Some(name) = zc {
+                let r = self.zc_all_reduce(buf, op, &name);
+                if let Some(z) = buf.external().and_then(|e| e.as_any().downcast_ref::<ShmBuf>()) {
+                    z.unlink_once(); // every peer mapped it during the first step
+                }
+                return r;
+            }
+        }
         let me = self.rank;
         let keep = root.is_none_or(|r| r as usize == me);
         let direct = count * es <= self.params.small_max;
@@ -922,6 +945,74 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// all_reduce on buffers from `alloc_buffer`: every rank reduces its slice in place
+    /// reading the peers' buffers directly, then copies the peers' reduced slices. No window,
+    /// no chunking, no copy-in. A third step keeps the buffer until every peer has read it.
+    fn zc_all_reduce(&mut self, buf: &mut HostBuffer, op: ReduceOp, name: &str) -> Result<()> {
+        let (dtype, count, es, n, me) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world, self.rank);
+        let hdr = StepHeader { aux: AUX_ZERO_COPY, ..self.header(OP_ALL_REDUCE, dtype, count, 0, Some(op)) };
+        // Step 1: tell the peers where our data is.
+        let k = self.begin(&hdr)?;
+        let mut tag = [0u8; NAME_LEN];
+        tag[..name.len()].copy_from_slice(name.as_bytes());
+        // SAFETY: write phase of step `k` (see `begin`).
+        unsafe { self.me().write(self.lay.step_name(k), tag) };
+        self.publish(k, &hdr)?;
+        let mut peers: Vec<Option<Arc<Segment>>> = vec![None; n];
+        for (p, slot) in peers.iter_mut().enumerate().filter(|(p, _)| *p != me) {
+            let raw: [u8; NAME_LEN] = self.segs[p].read(self.lay.step_name(k));
+            let end = raw.iter().position(|&b| b == 0).unwrap_or(NAME_LEN);
+            let theirs = String::from_utf8_lossy(&raw[..end]).into_owned();
+            *slot = Some(self.map_zero_copy(p, &theirs, count * es)?);
+        }
+        let (lo, hi) = slice_of(count, n, me);
+        {
+            // SAFETY: every peer published step `k`, so its buffer holds its input; a peer
+            // writes our slice of its buffer only after we publish `k + 1`.
+            let theirs: Vec<&[u8]> = peers
+                .iter()
+                .map(|s| s.as_ref().map_or(&[][..], |s| unsafe { s.bytes(lo * es, (hi - lo) * es) }))
+                .collect();
+            let srcs: Vec<Src<'_>> = (0..n).map(|p| if p == me { Src::Out } else { Src::Buf(theirs[p]) }).collect();
+            kernels::reduce_to(dtype, op, &srcs, &mut buf.as_bytes_mut()[lo * es..hi * es], None);
+        }
+        self.phase = Phase::Idle;
+        // Step 2: every slice is reduced; copy the peers' slices.
+        let k = self.begin(&hdr)?;
+        self.publish(k, &hdr)?;
+        for (p, seg) in peers.iter().enumerate().filter_map(|(p, s)| s.as_ref().map(|s| (p, s))) {
+            let (lo, hi) = slice_of(count, n, p);
+            // SAFETY: peer `p` reduced its slice before publishing step `k` and does not touch
+            // it again until every rank publishes the next step.
+            let src = unsafe { seg.bytes(lo * es, (hi - lo) * es) };
+            buf.as_bytes_mut()[lo * es..hi * es].copy_from_slice(src);
+        }
+        self.phase = Phase::Idle;
+        // Step 3: every peer has copied our slice; the buffer can go back to its owner.
+        let k = self.begin(&hdr)?;
+        self.publish(k, &hdr)?;
+        self.phase = Phase::Idle;
+        Ok(())
+    }
+
+    fn map_zero_copy(&mut self, peer: usize, name: &str, len: usize) -> Result<Arc<Segment>> {
+        if let Some(i) = self.zc_maps.iter().position(|(n, _)| n == name) {
+            let hit = self.zc_maps.remove(i);
+            self.zc_maps.push(hit.clone());
+            return Ok(hit.1);
+        }
+        let seg = Segment::open(name, len).map_err(|e| CommError::Io {
+            context: format!("mapping rank {peer}'s zero-copy buffer `{name}`"),
+            source: e,
+        })?;
+        let seg = Arc::new(seg);
+        if self.zc_maps.len() >= ZC_CACHE {
+            self.zc_maps.remove(0);
+        }
+        self.zc_maps.push((name.to_owned(), seg.clone()));
+        Ok(seg)
     }
 
     fn broadcast(&mut self, buf: &mut HostBuffer, root: Rank) -> Result<()> {

@@ -6,7 +6,7 @@
 //! 128   doorbell + sleeping flag: futex word peers ring               (line 2)
 //! 192   abort reason (256 bytes of UTF-8)
 //! 512   p2p counters, one cache line each: sent[peer]..., acked[peer]...
-//! coll  2 × (64-byte step header + window)      double-buffered collective window
+//! coll  2 × (64-byte step header + 64-byte zero-copy name + window)   double-buffered window
 //! p2p   world × SLOTS × (64-byte msg header + slot)   one mailbox per destination
 //! ```
 //! Every rank writes only its own segment; peers read it.
@@ -14,7 +14,7 @@
 use bytemuck::{Pod, Zeroable};
 
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"commshm1");
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 
 pub(crate) const OFF_MAGIC: usize = 0;
 pub(crate) const OFF_VERSION: usize = 8;
@@ -30,6 +30,10 @@ pub(crate) const REASON_LEN: usize = 256;
 const OFF_P2P_COUNTERS: usize = 512;
 const LINE: usize = 64;
 const HDR: usize = 64;
+/// A collective buffer's header: the step header, then the name of the rank's zero-copy
+/// buffer for that step (NUL-padded) when it uses one.
+const COLL_HDR: usize = 2 * HDR;
+pub(crate) const NAME_LEN: usize = HDR;
 
 /// Mailbox slots per destination: two, so a sender fills one while the receiver drains the other.
 pub(crate) const SLOTS: u64 = 2;
@@ -59,7 +63,7 @@ impl Layout {
         let window = align(window.max(4096), LINE);
         let slot = align(slot.max(4096), LINE);
         let coll = align(OFF_P2P_COUNTERS + 2 * world * LINE, 4096);
-        let p2p = coll + 2 * (HDR + window);
+        let p2p = coll + 2 * (COLL_HDR + window);
         let total = align(p2p + world * SLOTS as usize * (HDR + slot), 4096);
         Layout { world, window, slot, coll, p2p, total }
     }
@@ -76,12 +80,17 @@ impl Layout {
 
     /// Header of the collective buffer used by step `k`.
     pub(crate) fn step_header(&self, k: u64) -> usize {
-        self.coll + (k % 2) as usize * (HDR + self.window)
+        self.coll + (k % 2) as usize * (COLL_HDR + self.window)
+    }
+
+    /// Zero-copy buffer name of step `k` (`NAME_LEN` bytes).
+    pub(crate) fn step_name(&self, k: u64) -> usize {
+        self.step_header(k) + HDR
     }
 
     /// Data of the collective buffer used by step `k` (`window` bytes).
     pub(crate) fn step_data(&self, k: u64) -> usize {
-        self.step_header(k) + HDR
+        self.step_header(k) + COLL_HDR
     }
 
     /// Header of the mailbox slot for chunk number `chunk` to `peer`.

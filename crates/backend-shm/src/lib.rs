@@ -24,6 +24,7 @@ mod kernels;
 mod layout;
 mod segment;
 mod sys;
+mod zerocopy;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::mpsc::{channel, Sender};
@@ -32,7 +33,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::ops::{self, Op};
-use comm_core::{Backend, Collective, CommError, Completer, Group, HostBuffer, Rank, Store, Work};
+use comm_core::{Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Rank, Store, Work};
 
 use engine::{Command, Done, Engine, Inline, OneShot, Params};
 use layout::{
@@ -567,6 +568,22 @@ impl Group for ShmBackend {
         let prefix = format!("{}/g{id}", inner.prefix);
         let g = Self::create(inner.store.clone(), pos as Rank, sorted.len() as u32, inner.opts.clone(), prefix).await?;
         Ok(Some(Arc::new(g)))
+    }
+
+    /// Memory in a shared-memory segment of its own: an all_reduce larger than the one-step
+    /// threshold on such buffers (on every rank) reads the peers' buffers in place instead of
+    /// copying through the window.
+    fn alloc_buffer(&self, dtype: DType, len: usize) -> Result<HostBuffer, CommError> {
+        let bytes = len * dtype.size();
+        let mut rnd = [0u8; 8];
+        getrandom::fill(&mut rnd).map_err(|e| CommError::Io {
+            context: "random segment name".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let name = format!("/commshm-{}-z{:016x}", std::process::id(), u64::from_le_bytes(rnd));
+        let seg = Segment::create(&name, bytes.max(1).next_multiple_of(4096))
+            .map_err(io_err(format!("creating a zero-copy buffer of {bytes} bytes")))?;
+        HostBuffer::from_external(dtype, len, Box::new(zerocopy::ShmBuf::new(seg, bytes)))
     }
 
     async fn shutdown(&self) -> Result<(), CommError> {

@@ -160,6 +160,24 @@ impl ProcessGroup {
         &self.world
     }
 
+    /// A zeroed buffer the backend can use without copying (shm: its own shared-memory
+    /// segment, which peers map). An all_reduce above the one-step size on such buffers, on
+    /// every rank, skips the copy through the shared window. Plain memory on other backends.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// use comm_api::{DType, ReduceOp};
+    /// let pg = comm_api::init(comm_api::Config::single()).await.unwrap();
+    /// let mut buf = pg.alloc_buffer(DType::F32, 1 << 20).unwrap();
+    /// buf.as_mut_slice::<f32>().unwrap().fill(1.0);
+    /// let buf = pg.all_reduce(buf, ReduceOp::Sum).await.unwrap();
+    /// assert_eq!(buf.as_slice::<f32>().unwrap()[0], 1.0);
+    /// # });
+    /// ```
+    pub fn alloc_buffer(&self, dtype: DType, len: usize) -> Result<HostBuffer, CommError> {
+        self.backend.alloc_buffer(dtype, len)
+    }
+
     /// Every rank ends with `root`'s `buf`.
     ///
     /// ```

@@ -233,3 +233,45 @@ fn timeout_when_peer_never_joins() {
         },
     );
 }
+
+/// Zero-copy buffers: a large all_reduce reads peers' buffers in place; results equal the
+/// copying path's; a rank mixing buffer kinds gets Mismatch; nothing is left in /dev/shm.
+#[test]
+fn zero_copy_all_reduce() {
+    multiprocess::run(3, "zero_copy_all_reduce", T, || async {
+        let pg = connect().await?;
+        let rank = pg.rank() as usize;
+        let e = |e: CommError| e.to_string();
+        for (dtype, len) in [(DType::F32, 1usize << 20), (DType::BF16, 300_001), (DType::I64, 70_001)] {
+            let input = comm_test::reference::input(dtype, len, rank as u32, 7);
+            let mut zc = pg.alloc_buffer(dtype, len).map_err(e)?;
+            zc.as_bytes_mut().copy_from_slice(input.as_bytes());
+            let got = pg.all_reduce(zc, ReduceOp::Sum).await.map_err(e)?;
+            if got.external().is_none() {
+                return Err("the zero-copy buffer did not come back".into());
+            }
+            let want = pg.all_reduce(input, ReduceOp::Sum).await.map_err(e)?;
+            if got != want {
+                return Err(format!("{dtype} × {len}: zero-copy result differs from the copying path"));
+            }
+            // Reuse the same buffer: it stays mapped by the peers.
+            let again = pg.all_reduce(got, ReduceOp::Max).await.map_err(e)?;
+            drop(again);
+        }
+        if !leftovers(std::process::id()).is_empty() {
+            return Err(format!("segments left in /dev/shm: {:?}", leftovers(std::process::id())));
+        }
+        // Mixed kinds across ranks: a clear Mismatch, not garbage.
+        let sub = pg.new_group(&[0, 1, 2]).await.map_err(e)?.ok_or("member")?;
+        let buf = if rank == 0 {
+            sub.alloc_buffer(DType::F32, 1 << 20).map_err(e)?
+        } else {
+            HostBuffer::zeroed(DType::F32, 1 << 20)
+        };
+        match sub.all_reduce(buf, ReduceOp::Sum).await {
+            Err(err @ (CommError::Mismatch { .. } | CommError::PeerLost { .. })) => println!("mixed: {err}"),
+            other => return Err(format!("mixed zero-copy/plain buffers: expected Mismatch, got {other:?}")),
+        }
+        Ok(())
+    });
+}

@@ -99,6 +99,10 @@ struct Cli {
     /// Do not check results (#wrong shows N/A).
     #[arg(long, overrides_with = "check")]
     no_check: bool,
+    /// In-place ops (all_reduce, broadcast, reduce) use a buffer from `alloc_buffer`: the
+    /// backend's zero-copy memory where it has one.
+    #[arg(long)]
+    zero_copy: bool,
 }
 
 /// The parsed, validated request.
@@ -114,6 +118,7 @@ struct Plan {
     warmup: Option<usize>,
     json: Option<PathBuf>,
     check: bool,
+    zero_copy: bool,
 }
 
 impl Plan {
@@ -156,6 +161,7 @@ impl Plan {
             warmup: cli.warmup.map(|n| n as usize),
             json: cli.json,
             check: !cli.no_check,
+            zero_copy: cli.zero_copy,
         })
     }
 
@@ -286,7 +292,11 @@ fn print_preamble(plan: &Plan, pg: &ProcessGroup, git_rev: Option<&str>) {
     );
     let iters = plan.iters.map_or_else(|| format!("clamp(4GiB/size, {ITERS_MIN}, {ITERS_MAX})"), |n| n.to_string());
     let warmup = plan.warmup.map_or_else(|| "clamp(iters/10, 2, 50)".to_owned(), |n| n.to_string());
-    println!("# iters: {iters}  warmup: {warmup}  validation: {}", if plan.check { "on" } else { "off" });
+    println!(
+        "# iters: {iters}  warmup: {warmup}  validation: {}{}",
+        if plan.check { "on" } else { "off" },
+        if plan.zero_copy { "  buffers: zero-copy (alloc_buffer)" } else { "" }
+    );
     println!("# time: mean wall time per op, max over ranks; GB/s = 1e9 B/s; size(B) as nccl-tests (see --help)");
 }
 
@@ -296,7 +306,18 @@ async fn bench_row(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<Row, Co
     let iters = plan.iters_for(case.shape.bytes);
     let warmup = plan.warmup_for(iters);
     // The buffer that comes back from each op: in place, the data itself; else the output.
-    let mut slot = Some(if case.coll.in_place() { template.clone() } else { case.sentinel_output()? });
+    let mut slot = Some(if case.coll.in_place() {
+        if plan.zero_copy {
+            // The backend's own memory (shm: a segment the peers map), so nothing is copied in.
+            let mut b = pg.alloc_buffer(template.dtype(), template.len())?;
+            b.as_bytes_mut().copy_from_slice(template.as_bytes());
+            b
+        } else {
+            template.clone()
+        }
+    } else {
+        case.sentinel_output()?
+    });
     run_iters(pg, &case, warmup, &template, &mut slot).await?;
     let elapsed = run_iters(pg, &case, iters, &template, &mut slot).await?;
     drop(slot);

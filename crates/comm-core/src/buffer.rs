@@ -1,6 +1,25 @@
+use std::any::Any;
 use std::fmt;
 
 use crate::{CommError, DType, Element};
+
+/// Memory a backend lends to a [`HostBuffer`] so ops on it can skip a copy (for example a
+/// shared-memory window every rank has mapped). Made by the backend's `alloc_buffer`.
+///
+/// The byte slices must be 8-byte aligned and keep their address for the storage's life.
+pub trait ExternalStorage: Send + Sync + 'static {
+    /// The whole storage.
+    fn bytes(&self) -> &[u8];
+    /// The whole storage, mutable.
+    fn bytes_mut(&mut self) -> &mut [u8];
+    /// For the backend that made it to recognise it.
+    fn as_any(&self) -> &dyn Any;
+}
+
+enum Storage {
+    Owned(Vec<u64>),
+    External(Box<dyn ExternalStorage>),
+}
 
 /// Owned, typed, contiguous host memory.
 ///
@@ -16,18 +35,59 @@ use crate::{CommError, DType, Element};
 /// assert_eq!(b.to_vec::<f32>().unwrap(), vec![5.0, 2.0, 3.0]);
 /// assert!(b.as_slice::<i32>().is_err()); // wrong dtype: an error, not a reinterpretation
 /// ```
-#[derive(Clone, PartialEq)]
 pub struct HostBuffer {
-    words: Vec<u64>,
+    storage: Storage,
     bytes: usize,
     dtype: DType,
+}
+
+/// A clone is always plain host memory (a deep copy), whatever the original's storage.
+impl Clone for HostBuffer {
+    fn clone(&self) -> Self {
+        let mut b = HostBuffer::zeroed(self.dtype, self.len());
+        b.as_bytes_mut().copy_from_slice(self.as_bytes());
+        b
+    }
+}
+
+/// Equal dtype, length and contents (storage does not matter).
+impl PartialEq for HostBuffer {
+    fn eq(&self, other: &Self) -> bool {
+        self.dtype == other.dtype && self.as_bytes() == other.as_bytes()
+    }
 }
 
 impl HostBuffer {
     /// A buffer of `len` zeroed elements of `dtype`.
     pub fn zeroed(dtype: DType, len: usize) -> Self {
         let bytes = len * dtype.size();
-        HostBuffer { words: vec![0u64; bytes.div_ceil(8)], bytes, dtype }
+        HostBuffer { storage: Storage::Owned(vec![0u64; bytes.div_ceil(8)]), bytes, dtype }
+    }
+
+    /// A buffer of `len` elements of `dtype` in memory lent by a backend. Fails when the
+    /// storage is too small or not 8-byte aligned.
+    pub fn from_external(dtype: DType, len: usize, storage: Box<dyn ExternalStorage>) -> Result<Self, CommError> {
+        let bytes = len * dtype.size();
+        let have = storage.bytes();
+        if have.len() < bytes || have.as_ptr().align_offset(8) != 0 {
+            return Err(CommError::invalid(
+                "HostBuffer::from_external",
+                format!(
+                    "storage of {} bytes (aligned: {}) cannot hold {len} × {dtype}",
+                    have.len(),
+                    have.as_ptr().align_offset(8) == 0
+                ),
+            ));
+        }
+        Ok(HostBuffer { storage: Storage::External(storage), bytes, dtype })
+    }
+
+    /// The backend storage behind this buffer, if it is not plain host memory.
+    pub fn external(&self) -> Option<&dyn ExternalStorage> {
+        match &self.storage {
+            Storage::Owned(_) => None,
+            Storage::External(e) => Some(&**e),
+        }
     }
 
     /// A buffer holding a copy of `data`.
@@ -73,12 +133,18 @@ impl HostBuffer {
 
     /// The raw bytes.
     pub fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.bytes]
+        match &self.storage {
+            Storage::Owned(w) => &bytemuck::cast_slice(w)[..self.bytes],
+            Storage::External(e) => &e.bytes()[..self.bytes],
+        }
     }
 
     /// The raw bytes, mutable.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.bytes]
+        match &mut self.storage {
+            Storage::Owned(w) => &mut bytemuck::cast_slice_mut(w)[..self.bytes],
+            Storage::External(e) => &mut e.bytes_mut()[..self.bytes],
+        }
     }
 
     /// A typed view; fails when `T` is not this buffer's dtype.
@@ -99,10 +165,30 @@ impl HostBuffer {
     }
 
     /// Resize to `len` elements of `dtype`, reusing the allocation when it is big enough.
-    /// New bytes are zero; kept bytes keep their value.
+    /// New bytes are zero; kept bytes keep their value. Lent storage that is too small is
+    /// replaced by plain host memory.
     pub fn reshape(&mut self, dtype: DType, len: usize) {
         let bytes = len * dtype.size();
-        self.words.resize(bytes.div_ceil(8), 0);
+        let words = match &mut self.storage {
+            Storage::Owned(w) => w,
+            Storage::External(e) if e.bytes().len() >= bytes => {
+                let old = self.bytes;
+                self.bytes = bytes;
+                self.dtype = dtype;
+                if bytes > old {
+                    self.as_bytes_mut()[old..].fill(0);
+                }
+                return;
+            }
+            Storage::External(_) => {
+                let mut owned = HostBuffer::zeroed(DType::U8, bytes);
+                let keep = self.bytes.min(bytes);
+                owned.as_bytes_mut()[..keep].copy_from_slice(&self.as_bytes()[..keep]);
+                *self = HostBuffer { dtype, ..owned };
+                return;
+            }
+        };
+        words.resize(bytes.div_ceil(8), 0);
         if bytes > self.bytes {
             // Zero the tail of the last previously used word, if any.
             let old = self.bytes;
@@ -156,6 +242,36 @@ mod tests {
         assert_eq!(b.as_slice::<bf16>().unwrap()[0].to_f32(), 1.5);
         let err = b.as_slice::<f32>().unwrap_err().to_string();
         assert!(err.contains("holds bf16") && err.contains("f32"), "{err}");
+    }
+
+    struct Lent(Vec<u64>, bool);
+    impl ExternalStorage for Lent {
+        fn bytes(&self) -> &[u8] {
+            bytemuck::cast_slice(&self.0)
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            bytemuck::cast_slice_mut(&mut self.0)
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    #[test]
+    fn external_storage() {
+        let mut b = HostBuffer::from_external(DType::F32, 3, Box::new(Lent(vec![0; 2], true))).unwrap();
+        b.as_mut_slice::<f32>().unwrap().copy_from_slice(&[1.0, 2.0, 3.0]);
+        assert!(b.external().unwrap().as_any().downcast_ref::<Lent>().is_some_and(|l| l.1));
+        let c = b.clone();
+        assert!(c.external().is_none(), "clones are plain memory");
+        assert_eq!(c, b);
+        b.reshape(DType::F32, 4); // still fits the 16 lent bytes
+        assert!(b.external().is_some());
+        assert_eq!(b.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 0.0]);
+        b.reshape(DType::F32, 5); // does not: moves to host memory, keeping the contents
+        assert!(b.external().is_none());
+        assert_eq!(b.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 0.0, 0.0]);
+        assert!(HostBuffer::from_external(DType::F64, 3, Box::new(Lent(vec![0; 2], true))).is_err());
     }
 
     #[test]

@@ -5,7 +5,7 @@ use async_trait::async_trait;
 use crate::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send,
 };
-use crate::{CommError, Op, Rank, Work};
+use crate::{CommError, DType, HostBuffer, Op, Rank, Work};
 
 /// Membership of a group of ranks, and the group-level operations.
 #[async_trait]
@@ -25,6 +25,11 @@ pub trait Group: std::marker::Send + Sync {
     /// Stops the group's worker after the ops already submitted; later ops fail with
     /// [`CommError::Shutdown`]. Idempotent.
     async fn shutdown(&self) -> Result<(), CommError>;
+    /// A zeroed buffer that ops of this backend can use without copying it (shm: memory the
+    /// peers map). Plain host memory where the backend has nothing better.
+    fn alloc_buffer(&self, dtype: DType, len: usize) -> Result<HostBuffer, CommError> {
+        Ok(HostBuffer::zeroed(dtype, len))
+    }
 }
 
 /// A backend's (or layer's) implementation of op `R`.
@@ -67,6 +72,9 @@ impl<T: Group + ?Sized> Group for Arc<T> {
     }
     async fn shutdown(&self) -> Result<(), CommError> {
         (**self).shutdown().await
+    }
+    fn alloc_buffer(&self, dtype: DType, len: usize) -> Result<HostBuffer, CommError> {
+        (**self).alloc_buffer(dtype, len)
     }
 }
 

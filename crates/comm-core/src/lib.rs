@@ -23,7 +23,7 @@ mod store;
 mod work;
 mod world;
 
-pub use buffer::HostBuffer;
+pub use buffer::{ExternalStorage, HostBuffer};
 pub use collective::{Backend, Collective, Group};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::CommError;
