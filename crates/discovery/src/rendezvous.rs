@@ -31,6 +31,7 @@ const WORLD_SIZE_KEY: &str = "discovery/world_size";
 ///   connects a [`TorchStore`] with keys under `comm/r<TORCHELASTIC_RESTART_COUNT>/` (a
 ///   restarted job does not see the previous attempt's keys).
 ///
+/// Every request on the store is bounded by `timeout` too (waits by their own timeouts).
 /// Our own store's clients present [`job_token`] (torch's store has no such check).
 /// Connections are made from `COMM_BIND_ADDR` when it is set (see [`bind_addr`]). Keep the
 /// server alive as long as any rank may use the store: dropping it stops the store for
@@ -101,7 +102,9 @@ pub async fn rendezvous(
             };
             // A bind address of the other family than the store's cannot reach it: drop it.
             let bind = bind.filter(|b| b.is_ipv4() == ip.is_ipv4());
-            let store = TcpStore::connect_from(&ip.to_string(), bound.port(), &token, timeout, bind).await?;
+            let store = TcpStore::connect_from(&ip.to_string(), bound.port(), &token, timeout, bind)
+                .await?
+                .with_request_timeout(timeout);
             (Arc::new(store), Some(server))
         }
         _ => {
@@ -139,8 +142,9 @@ async fn connect_ours_or_torch(
             }
             // Ours, something else, or out of time: our client retries and reports as usual.
             _ => {
-                let store =
-                    TcpStore::connect_from(&info.master_addr, info.master_port, &job_token(), left, bind).await?;
+                let store = TcpStore::connect_from(&info.master_addr, info.master_port, &job_token(), left, bind)
+                    .await?
+                    .with_request_timeout(timeout);
                 tracing::debug!(addr = %shown, local = ?store.local_addr(), "comm: connected to the store");
                 return Ok(Arc::new(store));
             }
@@ -155,7 +159,9 @@ async fn torch_store(
     bind: Option<IpAddr>,
 ) -> Result<TorchStore, CommError> {
     let prefix = torch_prefix();
-    let store = TorchStore::connect(&info.master_addr, info.master_port, &prefix, timeout, bind).await?;
+    let store = TorchStore::connect(&info.master_addr, info.master_port, &prefix, timeout, bind)
+        .await?
+        .with_request_timeout(timeout);
     tracing::debug!(addr = %shown, prefix = %prefix, local = ?store.local_addr(), "comm: using the torch store");
     Ok(store)
 }
