@@ -135,7 +135,14 @@ async fn connect_ours_or_torch(
         let left = deadline.saturating_duration_since(Instant::now());
         match probe(&info.master_addr, info.master_port, bind, PROBE_LIMIT.min(left)).await {
             Probe::Torch => return Ok(Arc::new(torch_store(info, shown, left, bind).await?)),
-            Probe::Unreachable(why) if !left.is_zero() => {
+            Probe::Unreachable(why) if left.is_zero() => {
+                return Err(CommError::Store(format!(
+                    "rank 0's store never came up at {shown} after {} s (is MASTER_ADDR/MASTER_PORT right? did rank 0 \
+                     start?); last error: {why}",
+                    timeout.as_secs_f64()
+                )));
+            }
+            Probe::Unreachable(why) => {
                 tracing::trace!("comm: store at {shown} not reachable yet: {why}");
                 tokio::time::sleep(backoff.min(left)).await;
                 backoff = (backoff * 2).min(Duration::from_millis(500));

@@ -221,6 +221,15 @@ async fn nothing_listening_never_came_up() {
 }
 
 #[tokio::test]
+async fn rendezvous_names_a_rank_0_that_never_came_up() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let start = Instant::now();
+    let e = rendezvous(&world(1, 2, port), Duration::from_millis(300)).await.unwrap_err().to_string();
+    assert!(start.elapsed() < Duration::from_millis(1500), "{:?}", start.elapsed());
+    assert!(e.contains(&format!("rank 0's store never came up at 127.0.0.1:{port} after 0.3 s")), "{e}");
+}
+
+#[tokio::test]
 async fn connect_waits_for_a_late_server() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let late = std::thread::spawn(move || {
