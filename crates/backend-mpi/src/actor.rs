@@ -216,6 +216,48 @@ struct Env<'a> {
     size: usize,
     params: &'a Params,
     half: Option<&'a raw::HalfOps>,
+    pool: &'a Pool,
+}
+
+/// Spare large buffers, reused for scratch space and outputs: repeated ops of one size then
+/// neither allocate nor page-fault. Every buffer taken from it is completely overwritten by
+/// MPI or by a reduction before anyone reads it.
+#[derive(Default)]
+struct Pool {
+    spare: std::cell::RefCell<Vec<HostBuffer>>,
+}
+
+impl Pool {
+    /// Smaller buffers are cheap to allocate.
+    const MIN: usize = 64 << 10;
+    /// At most this many bytes are kept.
+    const MAX_BYTES: usize = 256 << 20;
+}
+
+impl Env<'_> {
+    /// A buffer of `len` elements whose contents will all be overwritten.
+    fn buffer(&self, dtype: DType, len: usize) -> HostBuffer {
+        let bytes = len * dtype.size();
+        if bytes >= Pool::MIN {
+            let mut spare = self.pool.spare.borrow_mut();
+            if let Some(i) = spare.iter().position(|b| b.byte_len() == bytes) {
+                let mut b = spare.swap_remove(i);
+                b.reshape(dtype, len);
+                return b;
+            }
+        }
+        HostBuffer::zeroed(dtype, len)
+    }
+
+    /// Keeps a buffer nobody uses any more for [`Env::buffer`].
+    fn recycle(&self, b: Option<HostBuffer>) {
+        let Some(b) = b.filter(|b| b.byte_len() >= Pool::MIN) else { return };
+        let mut spare = self.pool.spare.borrow_mut();
+        spare.push(b);
+        while spare.len() > 4 || spare.iter().map(HostBuffer::byte_len).sum::<usize>() > Pool::MAX_BYTES {
+            spare.remove(0);
+        }
+    }
 }
 
 type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError>>;
@@ -330,15 +372,16 @@ fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) 
         let keep = root.is_none_or(|r| r == me);
         if !local_reduction(env.params, dtype, op) {
             let mpi = mpi_op(env, dtype, op)?;
-            let recv = keep.then(|| HostBuffer::zeroed(dtype, len));
+            let recv = keep.then(|| env.buffer(dtype, len));
             let req = match root {
                 None => raw::iallreduce(env.comm, buf, take(recv)?, mpi)?,
                 Some(r) => raw::ireduce(env.comm, buf, recv, mpi, r as i32)?,
             };
-            return Ok(wait(req, move |_, b| {
+            return Ok(wait(req, move |env, b| {
                 if !keep {
                     return done(take(b.send)?);
                 }
+                env.recycle(b.send);
                 let mut out = take(b.recv)?;
                 if op == ReduceOp::Avg {
                     kernels::divide(&mut out, n);
@@ -349,16 +392,17 @@ fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) 
         let es = dtype.size();
         if len * es * (n - 1) <= env.params.small_max {
             // Small: gather every input, reduce all of them in rank order.
-            let all = keep.then(|| HostBuffer::zeroed(dtype, n * len));
+            let all = keep.then(|| env.buffer(dtype, n * len));
             let req = match root {
                 None => raw::iallgather(env.comm, buf, take(all)?)?,
                 Some(r) => raw::igather(env.comm, buf, all, r as i32)?,
             };
-            return Ok(wait(req, move |_, b| {
+            return Ok(wait(req, move |env, b| {
                 let mut buf = take(b.send)?;
                 if keep {
                     let all = take(b.recv)?;
                     kernels::reduce(dtype, op, &blocks(&all, n, len), buf.as_bytes_mut());
+                    env.recycle(Some(all));
                 }
                 done(buf)
             }));
@@ -368,21 +412,28 @@ fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) 
         let parts: Vec<(usize, usize)> = (0..n).map(|j| slice_of(len, n, j)).collect();
         let mine = parts[me].1;
         let recv_parts: Vec<(usize, usize)> = (0..n).map(|i| (i * mine, mine)).collect();
-        let req = raw::ialltoallv(env.comm, buf, &parts, HostBuffer::zeroed(dtype, n * mine), &recv_parts)?;
+        let req = raw::ialltoallv(env.comm, buf, &parts, env.buffer(dtype, n * mine), &recv_parts)?;
         Ok(wait(req, move |env, b| {
             let (buf, slices) = (take(b.send)?, take(b.recv)?);
-            let mut reduced = HostBuffer::zeroed(dtype, mine);
+            let mut reduced = env.buffer(dtype, mine);
             kernels::reduce(dtype, op, &blocks(&slices, n, mine), reduced.as_bytes_mut());
+            env.recycle(Some(slices));
             let req = match root {
                 None => raw::iallgatherv(env.comm, reduced, buf, &parts)?,
                 Some(r) if r == me => raw::igatherv(env.comm, reduced, Some(buf), &parts, r as i32)?,
                 Some(r) => {
                     // Non-roots keep their input: send the slice, then hand `buf` back.
                     let req = raw::igatherv(env.comm, reduced, None, &parts, r as i32)?;
-                    return Ok(wait(req, move |_, _| done(buf)));
+                    return Ok(wait(req, move |env, b| {
+                        env.recycle(b.send);
+                        done(buf)
+                    }));
                 }
             };
-            Ok(wait(req, |_, b| done(take(b.recv)?)))
+            Ok(wait(req, |env, b| {
+                env.recycle(b.send);
+                done(take(b.recv)?)
+            }))
         }))
     };
     Plan { name, header, start: Box::new(start), reply }
@@ -394,10 +445,11 @@ fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
     let start = move |env: &Env<'_>| -> Result<Step, CommError> {
         let n = env.size;
         let block = len / n;
-        let out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, block));
+        let out = r.output.unwrap_or_else(|| env.buffer(dtype, block));
         if !local_reduction(env.params, dtype, op) {
             let req = raw::ireduce_scatter_block(env.comm, r.input, out, mpi_op(env, dtype, op)?)?;
-            return Ok(wait(req, move |_, b| {
+            return Ok(wait(req, move |env, b| {
+                env.recycle(b.send);
                 let mut out = take(b.recv)?;
                 if op == ReduceOp::Avg {
                     kernels::divide(&mut out, n);
@@ -406,11 +458,13 @@ fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
             }));
         }
         // Block j of every input to rank j, which reduces them in rank order.
-        let req = raw::ialltoall(env.comm, r.input, HostBuffer::zeroed(dtype, len))?;
-        Ok(wait(req, move |_, b| {
+        let req = raw::ialltoall(env.comm, r.input, env.buffer(dtype, len))?;
+        Ok(wait(req, move |env, b| {
             let mine = take(b.recv)?;
             let mut out = out;
             kernels::reduce(dtype, op, &blocks(&mine, n, block), out.as_bytes_mut());
+            env.recycle(Some(mine));
+            env.recycle(b.send);
             done(out)
         }))
     };
@@ -427,11 +481,14 @@ fn plan_all_to_all(r: AllToAll, reply: Reply) -> Plan {
             v.iter().scan(0, |at, &c| Some((std::mem::replace(at, *at + c), c))).collect()
         };
         let (send_parts, recv_parts) = (offsets(&ins), offsets(&outs));
-        let out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, outs.iter().sum()));
+        let out = r.output.unwrap_or_else(|| env.buffer(dtype, outs.iter().sum()));
         let input = r.input;
         let exchange = move |env: &Env<'_>| -> Result<Step, CommError> {
             let req = raw::ialltoallv(env.comm, input, &send_parts, out, &recv_parts)?;
-            Ok(wait(req, |_, b| done(take(b.recv)?)))
+            Ok(wait(req, |env, b| {
+                env.recycle(b.send);
+                done(take(b.recv)?)
+            }))
         };
         if !env.params.check || n == 1 {
             return exchange(env);
@@ -481,9 +538,12 @@ fn plan(cmd: Cmd) -> Plan {
             let (dtype, len) = (r.input.dtype(), r.input.len());
             let header = Header::new(OP_ALL_GATHER, Some(dtype), len, None, None);
             let start = move |env: &Env<'_>| -> Result<Step, CommError> {
-                let out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, len * env.size));
+                let out = r.output.unwrap_or_else(|| env.buffer(dtype, len * env.size));
                 let req = raw::iallgather(env.comm, r.input, out)?;
-                Ok(wait(req, |_, b| done(take(b.recv)?)))
+                Ok(wait(req, |env, b| {
+                    env.recycle(b.send);
+                    done(take(b.recv)?)
+                }))
             };
             Plan { name: "all_gather", header, start: Box::new(start), reply: Reply::Buf(d) }
         }
@@ -492,7 +552,10 @@ fn plan(cmd: Cmd) -> Plan {
             let start = move |env: &Env<'_>| -> Result<Step, CommError> {
                 let input = r.input.filter(|_| env.rank == r.root as usize);
                 let req = raw::iscatter(env.comm, input, r.output, r.root as i32)?;
-                Ok(wait(req, |_, b| done(take(b.recv)?)))
+                Ok(wait(req, |env, b| {
+                    env.recycle(b.send);
+                    done(take(b.recv)?)
+                }))
             };
             Plan { name: "scatter", header, start: Box::new(start), reply: Reply::Buf(d) }
         }
@@ -501,9 +564,15 @@ fn plan(cmd: Cmd) -> Plan {
             let header = Header::new(OP_GATHER, Some(dtype), len, Some(r.root), None);
             let start = move |env: &Env<'_>| -> Result<Step, CommError> {
                 let is_root = env.rank == r.root as usize;
-                let out = is_root.then(|| r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, len * env.size)));
+                let out = is_root.then(|| r.output.unwrap_or_else(|| env.buffer(dtype, len * env.size)));
                 let req = raw::igather(env.comm, r.input, out, r.root as i32)?;
-                Ok(wait(req, move |_, b| done(if is_root { take(b.recv)? } else { take(b.send)? })))
+                Ok(wait(req, move |env, b| {
+                    if !is_root {
+                        return done(take(b.send)?);
+                    }
+                    env.recycle(b.send);
+                    done(take(b.recv)?)
+                }))
             };
             Plan { name: "gather", header, start: Box::new(start), reply: Reply::Buf(d) }
         }
@@ -586,13 +655,14 @@ impl Group {
         self.active.is_none() && self.queue.is_empty() && self.p2p.is_empty()
     }
 
-    fn env<'a>(&'a self, half: Option<&'a raw::HalfOps>) -> Env<'a> {
+    fn env<'a>(&'a self, half: Option<&'a raw::HalfOps>, pool: &'a Pool) -> Env<'a> {
         Env {
             comm: &self.comm,
             rank: self.info.rank as usize,
             size: self.info.size as usize,
             params: &self.params,
             half,
+            pool,
         }
     }
 
@@ -662,6 +732,7 @@ pub(crate) struct Actor {
     dups: Vec<(PendingDup, Params, Completer<GroupInfo>, Instant)>,
     graveyard: Vec<Request>,
     half: Option<raw::HalfOps>,
+    pool: Pool,
     ending: Option<Ending>,
     last_progress: Instant,
     spin: Duration,
@@ -707,6 +778,7 @@ impl Actor {
             dups: Vec::new(),
             graveyard: Vec::new(),
             half: None,
+            pool: Pool::default(),
             ending: None,
             last_progress: Instant::now(),
             spin,
@@ -745,26 +817,26 @@ impl Actor {
         }
     }
 
-    fn busy(&self) -> bool {
-        !self.dups.is_empty() || self.groups.values().any(|g| g.active.is_some() || !g.p2p.is_empty())
-    }
-
-    /// Nothing progressed: poll again at once (spin), yield the core, or (after a quiet
-    /// spell) sleep briefly — waking at once when a message arrives.
+    /// Nothing progressed. Right after progress: poll again at once (spin). While a collective
+    /// is in flight every rank is (or should be) in it and MPI only progresses inside our
+    /// polls: keep polling, yielding the core between polls. With only point-to-point ops in
+    /// flight (a peer may be busy computing for long) the same for a second, then poll every
+    /// 200 µs. With nothing in flight: sleep until a message arrives.
     fn idle(&mut self) {
-        let wait = if !self.busy() {
-            Duration::from_millis(100)
+        let quiet = self.last_progress.elapsed();
+        if quiet < self.spin {
+            std::hint::spin_loop();
+            return;
+        }
+        let collective = !self.dups.is_empty() || self.groups.values().any(|g| g.active.is_some());
+        let p2p = self.groups.values().any(|g| !g.p2p.is_empty());
+        let wait = if collective || (p2p && quiet < Duration::from_secs(1)) {
+            std::thread::yield_now();
+            return;
+        } else if p2p {
+            Duration::from_micros(200)
         } else {
-            let quiet = self.last_progress.elapsed();
-            if quiet < self.spin {
-                std::hint::spin_loop();
-                return;
-            }
-            if quiet < Duration::from_millis(50) {
-                std::thread::yield_now();
-                return;
-            }
-            Duration::from_micros(500)
+            Duration::from_millis(100)
         };
         match self.rx.recv_timeout(wait) {
             Ok(m) => {
@@ -874,6 +946,7 @@ impl Actor {
         any |= self.progress_dups();
         let mut born: Born = Vec::new();
         let half = self.half.as_ref();
+        let pool = &self.pool;
         let now = Instant::now();
         for (&gid, g) in self.groups.iter_mut() {
             any |= progress_p2p(g, &mut self.graveyard, now);
@@ -882,7 +955,7 @@ impl Actor {
                     let Some(cmd) = g.queue.pop_front() else { break };
                     any = true;
                     g.seq += 1;
-                    start_collective(g, cmd, half, &mut self.graveyard, &mut born);
+                    start_collective(g, cmd, half, pool, &mut self.graveyard, &mut born);
                 }
                 let Some(a) = g.active.as_mut() else { continue };
                 match a.req.test() {
@@ -929,7 +1002,7 @@ impl Actor {
                             break;
                         };
                         let next = {
-                            let env = g.env(half);
+                            let env = g.env(half, pool);
                             cont(&env, bufs)
                         };
                         match next {
@@ -1143,13 +1216,14 @@ fn start_collective(
     g: &mut Group,
     cmd: Cmd,
     half: Option<&raw::HalfOps>,
+    pool: &Pool,
     graveyard: &mut Vec<Request>,
     born: &mut Born,
 ) {
     let Plan { name, header, start, reply } = plan(cmd);
     let what = format!("{name} #{}", g.seq);
     let exchange = g.info.size > 1 && (g.params.check || header.op == OP_NEW_GROUP);
-    let env = g.env(half);
+    let env = g.env(half, pool);
     let first = if exchange {
         // u64 words travel as i64: same bits.
         let mine = HostBuffer::from_bytes(DType::I64, bytemuck::cast_slice(&header.encode())).expect("whole words");
