@@ -1,0 +1,735 @@
+//! The worker thread of one communicator: it owns the `!Send` NCCL communicator, the CUDA
+//! stream, the staging memory and the completion events, takes ops from a channel in
+//! submission order, and completes each op's `Work` when the CUDA event recorded after it has
+//! fired (so `Work::is_completed` is an atomic load, and nobody but this thread touches CUDA).
+//!
+//! Timeouts: an op whose event has not fired `timeout` after it was issued aborts the
+//! communicator (`ncclCommAbort`, which also stops NCCL kernels waiting for peers) and poisons
+//! the group. A call into NCCL that blocks the host (connection setup waiting for a dead peer)
+//! is aborted from the watchdog thread instead (see `ffi::CommState`).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use comm_core::{CommError, Completer, Op, ReduceOp, Work};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
+
+use crate::error::{call_error, cuda_error};
+use crate::ffi::{self, Call, CallError, Comm, CommState, DevPtr, Pinned, ID_BYTES};
+
+/// What the handle sends to the actor.
+pub(crate) enum Command {
+    Op(Box<dyn Request>),
+    Shutdown(Completer<()>),
+}
+
+/// An op with its completer, as the actor sees it.
+pub(crate) trait Request: Send {
+    fn name(&self) -> &'static str;
+    fn p2p(&self) -> bool;
+    fn prepare(self: Box<Self>, cx: &mut Cx) -> Prepared;
+    fn fail(self: Box<Self>, err: CommError);
+}
+
+/// How one op is run: `plan` stages its inputs (uploads are enqueued right away) and returns the
+/// calls to make and how to finish.
+pub(crate) trait Plan: Op + Sized {
+    /// Point-to-point ops are batched into one NCCL group with the p2p ops submitted right
+    /// after them.
+    const P2P: bool = false;
+    /// The reduction, for ops that have one (checked against what NCCL supports).
+    fn reduce_op(&self) -> Option<ReduceOp> {
+        None
+    }
+    /// Checks beyond `Op::validate` that need the communicator's CUDA context.
+    fn check_device(&self, _ctx: &CudaContext) -> Result<(), CommError> {
+        Ok(())
+    }
+    fn plan(self, cx: &mut Cx, done: Completer<Self::Output>) -> Prepared;
+}
+
+pub(crate) struct Pending<R: Plan> {
+    pub(crate) req: R,
+    pub(crate) done: Completer<R::Output>,
+}
+
+impl<R: Plan> Request for Pending<R> {
+    fn name(&self) -> &'static str {
+        R::NAME
+    }
+    fn p2p(&self) -> bool {
+        R::P2P
+    }
+    fn prepare(self: Box<Self>, cx: &mut Cx) -> Prepared {
+        let Pending { req, done } = *self;
+        req.plan(cx, done)
+    }
+    fn fail(self: Box<Self>, err: CommError) {
+        self.done.complete(Err(err));
+    }
+}
+
+/// Completes the op: with the staging buffers once its event fired, or with the error.
+pub(crate) type Finish = Box<dyn FnOnce(Result<&[Staged], CommError>)>;
+
+/// A planned op.
+pub(crate) struct Prepared {
+    pub(crate) finish: Finish,
+    pub(crate) body: Result<Body, CommError>,
+}
+
+/// The calls of a planned op and the staging memory it uses.
+pub(crate) struct Body {
+    pub(crate) calls: Vec<Call>,
+    /// Wrap this op's calls in `ncclGroupStart/End` (all_to_all, scatter, gather).
+    pub(crate) group: bool,
+    pub(crate) staged: Vec<Staged>,
+}
+
+/// One host buffer's staging: device memory and the pinned host memory it is copied through.
+pub(crate) struct Staged {
+    dev: Option<CudaSlice<u8>>,
+    host: Option<Pinned>,
+    bytes: usize,
+    download: bool,
+}
+
+impl Staged {
+    /// The bytes downloaded from the device (only called once the op's event fired).
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match &self.host {
+            Some(h) => h.read(self.bytes),
+            None => &[],
+        }
+    }
+}
+
+/// The actor's resources that plans use.
+pub(crate) struct Cx {
+    pub(crate) rank: u32,
+    pub(crate) world: u32,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pool: Pool,
+    scratch: Option<CudaSlice<u8>>,
+}
+
+impl Cx {
+    /// Stages `data` on the device (upload enqueued now); `download` copies it back after the
+    /// op (in-place ops).
+    pub(crate) fn stage_in(&mut self, data: &[u8], download: bool) -> Result<Staged, CommError> {
+        let mut s = self.stage(data.len(), download)?;
+        if let (Some(host), Some(dev)) = (&mut s.host, &s.dev) {
+            host.write(data);
+            host.upload(&self.stream, DevPtr::of(dev, &self.stream, 0), data.len()).map_err(|e| call_error(e, ""))?;
+        }
+        Ok(s)
+    }
+
+    /// Device memory for an output of `bytes`, downloaded after the op.
+    pub(crate) fn stage_out(&mut self, bytes: usize) -> Result<Staged, CommError> {
+        self.stage(bytes, true)
+    }
+
+    fn stage(&mut self, bytes: usize, download: bool) -> Result<Staged, CommError> {
+        if bytes == 0 {
+            return Ok(Staged { dev: None, host: None, bytes, download: false });
+        }
+        let dev = self.pool.device(&self.stream, bytes)?;
+        let host = self.pool.pinned(&self.ctx, bytes)?;
+        Ok(Staged { dev: Some(dev), host: Some(host), bytes, download })
+    }
+
+    /// The device address of byte `offset` of a staged buffer.
+    pub(crate) fn ptr(&self, s: &Staged, offset: usize) -> DevPtr {
+        match &s.dev {
+            Some(d) => DevPtr::of(d, &self.stream, 0).add(offset),
+            None => DevPtr::NULL,
+        }
+    }
+
+    /// The device address of element `offset` of a caller's device buffer; the stream first
+    /// waits for the work already queued on the buffer's own stream.
+    pub(crate) fn user_ptr<T>(&self, s: &CudaSlice<T>, offset: usize) -> Result<DevPtr, CommError> {
+        if !Arc::ptr_eq(s.stream(), &self.stream) {
+            self.stream.join(s.stream()).map_err(|e| cuda_error("cuStreamWaitEvent", &e))?;
+        }
+        Ok(if s.is_empty() { DevPtr::NULL } else { DevPtr::of(s, &self.stream, offset) })
+    }
+
+    /// A one-element (f32) device buffer for barriers.
+    pub(crate) fn scratch(&mut self) -> Result<DevPtr, CommError> {
+        if self.scratch.is_none() {
+            let s = self.stream.alloc_zeros::<u8>(8).map_err(|e| cuda_error("cuMemAllocAsync", &e))?;
+            self.scratch = Some(s);
+        }
+        let s = self.scratch.as_ref().expect("just set");
+        Ok(DevPtr::of(s, &self.stream, 0))
+    }
+}
+
+/// Staging memory kept for reuse, by power-of-two size class (idle buffers only).
+struct Pool {
+    dev: HashMap<usize, Vec<CudaSlice<u8>>>,
+    host: HashMap<usize, Vec<Pinned>>,
+    kept_dev: usize,
+    kept_host: usize,
+    limit: usize,
+}
+
+fn class(bytes: usize) -> usize {
+    bytes.next_power_of_two().max(4096)
+}
+
+impl Pool {
+    fn device(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<CudaSlice<u8>, CommError> {
+        let c = class(bytes);
+        if let Some(d) = self.dev.get_mut(&c).and_then(Vec::pop) {
+            self.kept_dev -= c;
+            return Ok(d);
+        }
+        ffi::alloc_device(stream, c).map_err(|e| cuda_error("cuMemAllocAsync", &e))
+    }
+
+    fn pinned(&mut self, ctx: &CudaContext, bytes: usize) -> Result<Pinned, CommError> {
+        let c = class(bytes);
+        if let Some(h) = self.host.get_mut(&c).and_then(Vec::pop) {
+            self.kept_host -= c;
+            return Ok(h);
+        }
+        Pinned::alloc(ctx, c).map_err(|e| cuda_error("cuMemHostAlloc", &e))
+    }
+
+    fn recycle(&mut self, staged: Vec<Staged>) {
+        for s in staged {
+            if let Some(d) = s.dev {
+                let c = d.len();
+                if self.kept_dev + c <= self.limit {
+                    self.kept_dev += c;
+                    self.dev.entry(c).or_default().push(d);
+                }
+            }
+            if let Some(h) = s.host {
+                let c = h.cap();
+                if self.kept_host + c <= self.limit {
+                    self.kept_host += c;
+                    self.host.entry(c).or_default().push(h);
+                }
+            }
+        }
+    }
+}
+
+struct InFlight {
+    name: &'static str,
+    event: Arc<CudaEvent>,
+    issued: Instant,
+    finish: Finish,
+    staged: Vec<Staged>,
+}
+
+/// Settings of one actor.
+#[derive(Clone, Debug)]
+pub(crate) struct Setup {
+    pub(crate) device: usize,
+    pub(crate) rank: u32,
+    pub(crate) world: u32,
+    pub(crate) timeout: Duration,
+    pub(crate) linger: Duration,
+    pub(crate) pool_limit: usize,
+    pub(crate) poison: Arc<Mutex<Option<String>>>,
+}
+
+/// What the actor reports once its device is set up.
+pub(crate) struct Ready {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    /// The device's UUID, hex.
+    pub(crate) uuid: String,
+    /// Rank 0's fresh NCCL unique id.
+    pub(crate) id: Option<[u8; ID_BYTES]>,
+}
+
+/// The request to create the communicator.
+pub(crate) type InitRequest = ([u8; ID_BYTES], Once<Arc<CommState>>);
+
+/// Thread body: set up the device, create the communicator when asked, then serve ops.
+pub(crate) fn main(setup: Setup, ready: Once<Ready>, init: Receiver<InitRequest>, rx: Receiver<Command>) {
+    let ctx = match CudaContext::new(setup.device) {
+        Ok(c) => c,
+        Err(e) => {
+            ready.complete(Err(cuda_error(&format!("cuDevicePrimaryCtxRetain (device {})", setup.device), &e)));
+            return;
+        }
+    };
+    let set_up = || -> Result<Ready, CommError> {
+        ctx.bind_to_thread().map_err(|e| cuda_error("cuCtxSetCurrent", &e))?;
+        let stream = ctx.new_stream().map_err(|e| cuda_error("cuStreamCreate", &e))?;
+        let uuid = ctx.uuid().map_err(|e| cuda_error("cuDeviceGetUuid", &e))?;
+        let uuid = uuid.bytes.iter().map(|b| format!("{:02x}", *b as u8)).collect();
+        let id = if setup.rank == 0 {
+            Some(ffi::unique_id().map_err(|c| crate::error::nccl_error(c.code, c.call, c.last))?)
+        } else {
+            None
+        };
+        Ok(Ready { ctx: ctx.clone(), stream, uuid, id })
+    };
+    let stream = match set_up() {
+        Ok(r) => {
+            let stream = r.stream.clone();
+            if !ready.complete(Ok(r)) {
+                return;
+            }
+            stream
+        }
+        Err(e) => {
+            ready.complete(Err(e));
+            return;
+        }
+    };
+    let Ok((id, done)) = init.recv() else { return };
+    let comm = match Comm::init(&id, setup.rank, setup.world) {
+        Ok(c) => c,
+        Err(e) => {
+            done.complete(Err(call_error(e, "ncclCommInitRank was aborted")));
+            return;
+        }
+    };
+    if !done.complete(Ok(comm.state())) {
+        return; // the caller gave up waiting; `comm` is aborted on drop
+    }
+    let cx = Cx {
+        rank: setup.rank,
+        world: setup.world,
+        ctx,
+        stream,
+        pool: Pool { dev: HashMap::new(), host: HashMap::new(), kept_dev: 0, kept_host: 0, limit: setup.pool_limit },
+        scratch: None,
+    };
+    Actor {
+        cx,
+        comm,
+        rx,
+        stash: None,
+        in_flight: VecDeque::new(),
+        graveyard: Vec::new(),
+        setup,
+        shutdown: None,
+        disconnected: false,
+    }
+    .run();
+}
+
+struct Actor {
+    cx: Cx,
+    comm: Comm,
+    rx: Receiver<Command>,
+    /// A command taken while collecting a p2p batch, to run next.
+    stash: Option<Command>,
+    in_flight: VecDeque<InFlight>,
+    /// Staging memory of failed ops: the stream may still use it, so it is neither reused nor
+    /// freed before the stream drained.
+    graveyard: Vec<Vec<Staged>>,
+    setup: Setup,
+    shutdown: Option<Vec<Completer<()>>>,
+    disconnected: bool,
+}
+
+/// Most p2p ops batched into one NCCL group.
+const MAX_BATCH: usize = 1024;
+
+impl Actor {
+    fn run(mut self) {
+        let mut idle = 0u32;
+        loop {
+            if self.reap() {
+                idle = 0;
+            }
+            if self.in_flight.is_empty() && (self.shutdown.is_some() || self.disconnected) {
+                break;
+            }
+            match self.next(idle) {
+                Some(Command::Op(r)) => {
+                    idle = 0;
+                    self.handle(r);
+                }
+                Some(Command::Shutdown(done)) => self.shutdown.get_or_insert_with(Vec::new).push(done),
+                None => idle = idle.saturating_add(1),
+            }
+        }
+        self.close();
+    }
+
+    /// The next command; while ops are in flight, waits at most a backoff step (events are
+    /// polled: a few yields first, then sleeps growing from 20 µs to 1 ms).
+    fn next(&mut self, idle: u32) -> Option<Command> {
+        if let Some(c) = self.stash.take() {
+            return Some(c);
+        }
+        if self.in_flight.is_empty() {
+            if self.disconnected {
+                return None;
+            }
+            return match self.rx.recv() {
+                Ok(c) => Some(c),
+                Err(_) => {
+                    self.disconnected = true;
+                    None
+                }
+            };
+        }
+        if idle < 32 {
+            std::thread::yield_now();
+            return match self.rx.try_recv() {
+                Ok(c) => Some(c),
+                Err(TryRecvError::Empty) => None,
+                Err(TryRecvError::Disconnected) => {
+                    self.disconnected = true;
+                    None
+                }
+            };
+        }
+        let step = Duration::from_micros(20u64 << (idle - 32).min(6)).min(Duration::from_millis(1));
+        if self.disconnected {
+            std::thread::sleep(step);
+            return None;
+        }
+        match self.rx.recv_timeout(step) {
+            Ok(c) => Some(c),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => {
+                self.disconnected = true;
+                None
+            }
+        }
+    }
+
+    fn poisoned(&self) -> Option<String> {
+        self.setup.poison.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn poison(&self, cause: String) {
+        self.setup.poison.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(cause);
+    }
+
+    fn handle(&mut self, req: Box<dyn Request>) {
+        if let Some(cause) = self.poisoned() {
+            return req.fail(CommError::Poisoned { cause });
+        }
+        if self.shutdown.is_some() {
+            return req.fail(CommError::Shutdown(String::new()));
+        }
+        if !req.p2p() {
+            return self.launch(vec![req], false);
+        }
+        // Batch the p2p ops submitted right after this one (batch_isend_irecv, a send followed
+        // by its recv): they go into one NCCL group, so a ring exchange cannot deadlock.
+        let mut batch = vec![req];
+        while batch.len() < MAX_BATCH {
+            let next = match self.rx.try_recv() {
+                Ok(c) => Some(c),
+                Err(TryRecvError::Empty) if !self.setup.linger.is_zero() => {
+                    self.rx.recv_timeout(self.setup.linger).ok()
+                }
+                Err(_) => None,
+            };
+            match next {
+                Some(Command::Op(r)) if r.p2p() => batch.push(r),
+                Some(other) => {
+                    self.stash = Some(other);
+                    break;
+                }
+                None => break,
+            }
+        }
+        self.launch(batch, true);
+    }
+
+    /// Plans, issues and records the completion event of `reqs` (one op, or a p2p batch run as
+    /// one NCCL group).
+    fn launch(&mut self, reqs: Vec<Box<dyn Request>>, batch: bool) {
+        let mut ops: Vec<(&'static str, Finish, Body)> = Vec::with_capacity(reqs.len());
+        let mut failure = None;
+        for r in reqs {
+            let name = r.name();
+            let p = r.prepare(&mut self.cx);
+            match p.body {
+                Ok(b) => ops.push((name, p.finish, b)),
+                Err(e) => {
+                    if e.poisons_group() && failure.is_none() {
+                        failure = Some(e.to_string());
+                    }
+                    (p.finish)(Err(e));
+                }
+            }
+        }
+        if let Some(cause) = failure {
+            // Staging failed (out of memory...): the peers would wait for this rank forever.
+            self.poison(cause.clone());
+            return self.fail_ops(ops, |_| CommError::Poisoned { cause: cause.clone() });
+        }
+        if ops.is_empty() {
+            return;
+        }
+        let name = if batch { "p2p batch" } else { ops[0].0 };
+        let issued = {
+            let (comm, stream) = (&self.comm, &self.cx.stream);
+            let issue_all = |ops: &[(&'static str, Finish, Body)]| -> Result<(), CallError> {
+                for (_, _, b) in ops {
+                    for c in &b.calls {
+                        comm.issue(stream, c)?;
+                    }
+                }
+                Ok(())
+            };
+            if batch || ops[0].2.group {
+                comm.group(|| issue_all(&ops))
+            } else {
+                issue_all(&ops)
+            }
+        };
+        let downloaded = issued.and_then(|()| {
+            for (_, _, b) in &mut ops {
+                for s in &mut b.staged {
+                    if let (true, Some(dev), Some(host)) = (s.download, &s.dev, &mut s.host) {
+                        host.download(&self.cx.stream, DevPtr::of(dev, &self.cx.stream, 0), s.bytes)?;
+                    }
+                }
+            }
+            Ok(())
+        });
+        let event = downloaded.map_err(|e| self.call_failure(e, name)).and_then(|()| {
+            let ev = self.cx.ctx.new_event(None).map_err(|e| cuda_error("cuEventCreate", &e))?;
+            ev.record(&self.cx.stream).map_err(|e| cuda_error("cuEventRecord", &e))?;
+            Ok(Arc::new(ev))
+        });
+        match event {
+            Ok(event) => {
+                let issued = Instant::now();
+                for (name, finish, b) in ops {
+                    self.in_flight.push_back(InFlight { name, event: event.clone(), issued, finish, staged: b.staged });
+                }
+            }
+            Err(e) => {
+                self.poison(e.to_string());
+                let first = std::cell::Cell::new(Some(e));
+                let cause = self.poisoned().unwrap_or_default();
+                self.fail_ops(ops, |_| first.take().unwrap_or_else(|| CommError::Poisoned { cause: cause.clone() }));
+            }
+        }
+    }
+
+    /// The error of a failed call; a call refused because the watchdog aborted the
+    /// communicator is a timeout.
+    fn call_failure(&self, e: CallError, what: &str) -> CommError {
+        if self.comm.state().is_gone() {
+            return CommError::Timeout {
+                op: what.to_owned(),
+                after: self.setup.timeout,
+                detail: format!(
+                    "a call into NCCL blocked for longer than the timeout (a peer is gone?); the watchdog aborted the communicator of rank {} of {} and the group is poisoned",
+                    self.setup.rank, self.setup.world
+                ),
+            };
+        }
+        call_error(e, "the NCCL communicator was aborted")
+    }
+
+    fn fail_ops(&mut self, ops: Vec<(&'static str, Finish, Body)>, mut err: impl FnMut(usize) -> CommError) {
+        for (i, (_, finish, body)) in ops.into_iter().enumerate() {
+            finish(Err(err(i)));
+            self.graveyard.push(body.staged);
+        }
+    }
+
+    /// Completes the ops whose events fired (in order: one stream), and times out the oldest
+    /// when it is overdue. Returns whether anything completed.
+    fn reap(&mut self) -> bool {
+        let mut progress = false;
+        while let Some(front) = self.in_flight.front() {
+            match front.event.try_is_complete() {
+                Ok(true) => {
+                    let f = self.in_flight.pop_front().expect("front exists");
+                    (f.finish)(Ok(&f.staged));
+                    self.cx.pool.recycle(f.staged);
+                    progress = true;
+                }
+                Ok(false) if self.comm.state().is_gone() => {
+                    let e = self.call_failure(CallError::Aborted, front.name);
+                    self.abort_all(e);
+                    break;
+                }
+                Ok(false) => {
+                    if front.issued.elapsed() > self.setup.timeout {
+                        let e = CommError::Timeout {
+                            op: front.name.to_owned(),
+                            after: self.setup.timeout,
+                            detail: format!(
+                                "rank {} of {} (CUDA device {}): the op did not complete (a peer never joined it, or died); the NCCL communicator was aborted (ncclCommAbort) and the group is poisoned",
+                                self.setup.rank, self.setup.world, self.setup.device
+                            ),
+                        };
+                        self.abort_all(e);
+                    }
+                    break;
+                }
+                Err(e) => {
+                    let e = cuda_error("cuEventQuery", &e);
+                    self.abort_all(e);
+                    break;
+                }
+            }
+        }
+        progress
+    }
+
+    /// Aborts the communicator, poisons the group and fails every op in flight (the oldest
+    /// with `err`, the others as poisoned).
+    fn abort_all(&mut self, err: CommError) {
+        let cause = err.to_string();
+        self.poison(cause.clone());
+        let _ = self.comm.close(false);
+        tracing::error!(rank = self.setup.rank, error = %cause, "nccl: communicator aborted");
+        let mut first = Some(err);
+        while let Some(f) = self.in_flight.pop_front() {
+            let e = first.take().unwrap_or_else(|| CommError::Poisoned { cause: cause.clone() });
+            (f.finish)(Err(e));
+            self.graveyard.push(f.staged);
+        }
+    }
+
+    fn close(mut self) {
+        let healthy = self.poisoned().is_none();
+        if let Err(e) = self.comm.close(healthy) {
+            tracing::warn!(rank = self.setup.rank, error = %call_error(e, ""), "nccl: closing the communicator failed");
+        }
+        if !self.graveyard.is_empty() {
+            // Free the staging memory of failed ops only once the stream drained; if it never
+            // does (a kernel that ignores the abort), leak it rather than free memory in use.
+            let drained =
+                self.cx.ctx.new_event(None).ok().filter(|ev| ev.record(&self.cx.stream).is_ok()).is_some_and(|ev| {
+                    let deadline = Instant::now() + self.setup.timeout.min(Duration::from_secs(10));
+                    loop {
+                        match ev.try_is_complete() {
+                            Ok(true) => break true,
+                            Ok(false) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
+                            _ => break false,
+                        }
+                    }
+                });
+            let graves = std::mem::take(&mut self.graveyard);
+            if drained {
+                drop(graves);
+            } else {
+                tracing::warn!(
+                    rank = self.setup.rank,
+                    "nccl: the stream did not drain; leaking the staging memory of failed ops"
+                );
+                std::mem::forget(graves);
+            }
+        }
+        for done in self.shutdown.take().unwrap_or_default() {
+            done.complete(Ok(()));
+        }
+    }
+}
+
+/// A completer that either its owner or a deadline completes, whichever comes first.
+pub(crate) struct Once<T> {
+    slot: Arc<Mutex<Option<Completer<T>>>>,
+    timer: Thread,
+}
+
+impl<T: Send + 'static> Once<T> {
+    /// A pending `Work` that completes with [`CommError::Timeout`] about `what` unless the
+    /// returned `Once` completes it first, within `timeout`.
+    pub(crate) fn with_deadline(timeout: Duration, what: String) -> Result<(Once<T>, Work<T>), CommError> {
+        let (done, work) = Work::pending();
+        let slot = Arc::new(Mutex::new(Some(done)));
+        let timer_slot = slot.clone();
+        let start = Instant::now();
+        let timer = std::thread::Builder::new()
+            .name("comm-nccl-deadline".into())
+            .spawn(move || loop {
+                let mut guard = timer_slot.lock().unwrap_or_else(|p| p.into_inner());
+                if guard.is_none() {
+                    return;
+                }
+                let left = timeout.saturating_sub(start.elapsed());
+                if left.is_zero() {
+                    if let Some(c) = guard.take() {
+                        c.complete(Err(CommError::Timeout {
+                            op: what,
+                            after: timeout,
+                            detail: "not every rank got there in time (is every rank running, on its own GPU?)".into(),
+                        }));
+                    }
+                    return;
+                }
+                drop(guard);
+                std::thread::park_timeout(left.min(Duration::from_millis(200)));
+            })
+            .map_err(|e| CommError::io("starting the nccl deadline thread", e))?;
+        Ok((Once { slot, timer: timer.thread().clone() }, work))
+    }
+
+    /// Completes the work unless the deadline passed; returns whether this call completed it.
+    pub(crate) fn complete(self, r: Result<T, CommError>) -> bool {
+        let taken = self.slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.timer.unpark();
+        match taken {
+            Some(c) => {
+                c.complete(r);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Watches the actor's calls into NCCL and aborts a call blocked for longer than `timeout`.
+pub(crate) fn watchdog(state: Arc<CommState>, timeout: Duration, poison: Arc<Mutex<Option<String>>>, rank: u32) {
+    let tick = (timeout / 4).clamp(Duration::from_millis(10), Duration::from_millis(500));
+    let (mut last, mut since) = (state.seq(), Instant::now());
+    while !state.is_gone() {
+        std::thread::sleep(tick);
+        let seq = state.seq();
+        if seq != last {
+            (last, since) = (seq, Instant::now());
+            continue;
+        }
+        if seq % 2 == 1 && since.elapsed() > timeout && state.abort_if_stuck(seq) {
+            let cause = format!("rank {rank}: a call into NCCL blocked for more than {timeout:?}; the watchdog aborted the communicator");
+            tracing::error!(rank, "nccl: {cause}");
+            poison.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(cause);
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_classes() {
+        assert_eq!(class(1), 4096);
+        assert_eq!(class(4097), 8192);
+        assert_eq!(class(1 << 20), 1 << 20);
+    }
+
+    #[test]
+    fn deadline_completes_once() {
+        let (once, work) = Once::<u8>::with_deadline(Duration::from_millis(20), "test wait".into()).unwrap();
+        let e = work.wait().unwrap_err();
+        assert!(matches!(e, CommError::Timeout { .. }), "{e}");
+        assert!(!once.complete(Ok(1)), "too late");
+
+        let (once, work) = Once::<u8>::with_deadline(Duration::from_secs(60), "test wait".into()).unwrap();
+        assert!(once.complete(Ok(7)));
+        assert_eq!(work.wait().unwrap(), 7);
+    }
+}

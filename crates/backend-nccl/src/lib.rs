@@ -1,0 +1,500 @@
+//! NCCL backend for comm, over [`cudarc`]'s `nccl` and `driver` modules.
+//!
+//! cudarc is built with `dynamic-loading`: libcuda and libnccl are opened at run time, so this
+//! crate builds (and its tests run) on machines with no CUDA toolkit, no NCCL and no GPU.
+//! [`is_available`] says, without panicking, whether NCCL can run here and if not what is
+//! missing; [`NcclBackend::new`] fails with that same [`CommError::Unavailable`].
+//!
+//! # How it works
+//! - **Bootstrap.** Each rank's worker thread sets up its CUDA device (`rank % devices` unless
+//!   [`NcclOptions::device`] says otherwise). Ranks publish `(host, device UUID)` through the
+//!   [`Store`] so two ranks on one GPU are refused with a clear error; rank 0 creates the NCCL
+//!   unique id and publishes it; once every rank is there, all call `ncclCommInitRank`.
+//!   [`Group::new_group`] makes a fresh communicator (fresh id) per sub-group.
+//! - **One actor thread per communicator** owns the `!Send` communicator, its CUDA stream,
+//!   staging memory and events. Ops go to it over a channel in submission order; it issues them
+//!   on its stream and completes each [`Work`] when the CUDA event recorded after the op fires,
+//!   so `is_completed()` is an atomic load and `.await` never blocks a runtime thread.
+//! - **Host buffers** ([`HostBuffer`]) are copied through pinned memory into device staging
+//!   buffers (pooled) and back. **Device buffers** (`CudaSlice<T>`) go to NCCL as they are,
+//!   through the request types of [`device`] (e.g. [`DeviceAllReduce`]) on the same
+//!   [`Collective`] trait, on a [`NcclBackend`] handle.
+//! - **Ops.** all_reduce (sum, prod, min, max, avg), broadcast, reduce, all_gather and
+//!   reduce_scatter are NCCL collectives; all_to_all, scatter and gather are grouped
+//!   `ncclSend`/`ncclRecv`; send/recv submitted back to back are batched into one NCCL group
+//!   (so `batch_isend_irecv` and a send-then-recv ring cannot deadlock); barrier is a
+//!   one-element all_reduce. Every `comm-core` dtype is an NCCL type. Bitwise reductions do not
+//!   exist in NCCL: they fail with [`CommError::Unsupported`] (the facade can fall back).
+//!   Send/recv tags are not matched (NCCL has none): messages between two ranks match in order.
+//! - **Timeouts.** An op not complete [`NcclOptions::timeout`] after it was issued aborts the
+//!   communicator (`ncclCommAbort`, which also stops kernels waiting for a dead peer): it fails
+//!   with [`CommError::Timeout`] and the group is poisoned (later ops fail fast with
+//!   [`CommError::Poisoned`]). A watchdog thread does the same for a call into NCCL that blocks
+//!   the host that long. `ncclCommInitRank` cannot be aborted: bootstrap is bounded by the
+//!   timeout (the caller gets `Timeout`), and a worker stuck in it is left behind.
+//!
+//! # Building against another CUDA version
+//! The default feature `cuda-12080` pins cudarc's bindings to CUDA 12.8, which run on every
+//! driver since 570 (CUDA 13 drivers included). To pick others, build with
+//! `default-features = false` and one of the `cuda-*` features, or with no `cuda-*` feature and
+//! `CUDARC_CUDA_VERSION=13000` (cudarc's variable) in the build environment. Exactly one must be
+//! chosen: cudarc fails to build with none, and with two.
+//!
+//! # Run-time requirements
+//! An NVIDIA driver (libcuda.so.1), NCCL ≥ 2.10 reachable as `libnccl.so` (cudarc does not look
+//! for `libnccl.so.2`: a pip-installed NCCL needs a symlink; [`is_available`] says so), one GPU
+//! per rank. `NCCL_*` variables (`NCCL_DEBUG=INFO`, `NCCL_SOCKET_IFNAME`...) work as usual.
+#![deny(unsafe_code)]
+
+mod actor;
+pub mod device;
+mod error;
+mod ffi;
+mod plans;
+mod probe;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use comm_core::ops::{self, Op};
+use comm_core::{Backend, Collective, CommError, DType, Group, Rank, Store, Work};
+pub use cudarc;
+use cudarc::driver::{CudaContext, CudaStream};
+
+use actor::{Command, Once, Pending, Plan, Setup};
+pub use device::{
+    DeviceAllGather, DeviceAllReduce, DeviceAllToAll, DeviceBroadcast, DeviceElement, DeviceInOut, DeviceRecv,
+    DeviceReduce, DeviceReduceScatter, DeviceSend,
+};
+pub use error::{nccl_description, NcclFailure};
+pub use probe::{is_available, NcclInfo, MIN_NCCL};
+
+/// This backend's name in errors and [`Group::backend_name`].
+pub const BACKEND: &str = "nccl";
+
+/// Settings of the NCCL backend.
+#[derive(Clone, Debug)]
+pub struct NcclOptions {
+    /// How long bootstrap, and any op, may take before [`CommError::Timeout`] (an op that
+    /// times out aborts the communicator).
+    pub timeout: Duration,
+    /// The CUDA device (ordinal among the visible ones) this rank uses; `None`: the local rank
+    /// when known (see [`NcclOptions::from_env`]), else `rank % devices`.
+    pub device: Option<usize>,
+    /// How long the worker waits for more point-to-point ops to batch with one it has (they
+    /// are issued as one NCCL group). Default 200 µs.
+    pub p2p_linger: Duration,
+    /// Bytes of staging memory (each of device and pinned host memory) kept for reuse.
+    /// Default 256 MiB.
+    pub pool_limit: usize,
+}
+
+impl Default for NcclOptions {
+    fn default() -> Self {
+        NcclOptions {
+            timeout: Duration::from_secs(300),
+            device: None,
+            p2p_linger: Duration::from_micros(200),
+            pool_limit: 256 << 20,
+        }
+    }
+}
+
+impl NcclOptions {
+    /// Defaults, overridden by `COMM_NCCL_DEVICE` (else `LOCAL_RANK`), `COMM_NCCL_P2P_LINGER_US`
+    /// and `COMM_NCCL_POOL_MB`.
+    pub fn from_env() -> Result<Self, CommError> {
+        let mut o = NcclOptions::default();
+        let num = |name: &str| -> Result<Option<u64>, CommError> {
+            match std::env::var(name) {
+                Err(_) => Ok(None),
+                Ok(v) => v
+                    .trim()
+                    .parse()
+                    .map(Some)
+                    .map_err(|_| CommError::Config(format!("{name}={v:?} is not a non-negative integer"))),
+            }
+        };
+        if let Some(d) = num("COMM_NCCL_DEVICE")? {
+            o.device = Some(d as usize);
+        } else if let Ok(Some(d)) = num("LOCAL_RANK") {
+            o.device = Some(d as usize);
+        }
+        if let Some(us) = num("COMM_NCCL_P2P_LINGER_US")? {
+            o.p2p_linger = Duration::from_micros(us);
+        }
+        if let Some(mb) = num("COMM_NCCL_POOL_MB")? {
+            o.pool_limit = (mb as usize) << 20;
+        }
+        Ok(o)
+    }
+}
+
+/// A diagnostic op: the communicator's stream waits until `release` is set, and the op
+/// completes after that. It counts as an op for [`NcclOptions::timeout`], so it is how the
+/// abort-on-timeout path is tested on a single GPU. Ops submitted after it queue behind it.
+#[derive(Debug, Default, Clone)]
+pub struct Stall {
+    /// Set it to let the stream go on.
+    pub release: Arc<AtomicBool>,
+}
+
+impl Op for Stall {
+    type Output = ();
+    const NAME: &'static str = "stall";
+    fn bytes(&self) -> usize {
+        0
+    }
+    fn dtype(&self) -> Option<DType> {
+        None
+    }
+    fn validate(&self, _: Rank, _: u32) -> Result<(), CommError> {
+        Ok(())
+    }
+}
+
+/// Handle to an NCCL process group (one communicator). Cheap to clone; the communicator is
+/// destroyed when the last clone is dropped (after the submitted ops) or on
+/// [`Group::shutdown`].
+#[derive(Clone)]
+pub struct NcclBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    rank: Rank,
+    world: u32,
+    device: usize,
+    tx: Sender<Command>,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    poison: Arc<Mutex<Option<String>>>,
+    shut: AtomicBool,
+    store: Arc<dyn Store>,
+    opts: NcclOptions,
+    prefix: String,
+    subgroups: AtomicU64,
+    info: NcclInfo,
+}
+
+impl std::fmt::Debug for NcclBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclBackend")
+            .field("rank", &self.inner.rank)
+            .field("world", &self.inner.world)
+            .field("device", &self.inner.device)
+            .field("group", &self.inner.prefix)
+            .finish()
+    }
+}
+
+/// Boot id and host name: two ranks with the same value share a machine (and its GPUs).
+fn host_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{}@{}", boot.trim(), host.trim())
+}
+
+impl NcclBackend {
+    /// Joins the world group: `world` ranks that all call this with the same store.
+    pub async fn new(
+        store: Arc<dyn Store>,
+        rank: Rank,
+        world: u32,
+        opts: NcclOptions,
+    ) -> Result<NcclBackend, CommError> {
+        Self::create(store, rank, world, opts, "nccl/world".into()).await
+    }
+
+    async fn create(
+        store: Arc<dyn Store>,
+        rank: Rank,
+        world: u32,
+        opts: NcclOptions,
+        prefix: String,
+    ) -> Result<NcclBackend, CommError> {
+        if world == 0 || rank >= world {
+            return Err(CommError::invalid("nccl init", format!("rank {rank} is not in a world of {world}")));
+        }
+        let info = is_available()?;
+        let device = opts.device.unwrap_or(rank as usize % info.devices);
+        if device >= info.devices {
+            return Err(CommError::Unavailable {
+                backend: BACKEND,
+                why: format!(
+                    "rank {rank} should use CUDA device {device}, but {} device(s) are visible (one GPU per rank: set COMM_NCCL_DEVICE / LOCAL_RANK, or CUDA_VISIBLE_DEVICES)",
+                    info.devices
+                ),
+            });
+        }
+        let to = opts.timeout;
+        let poison = Arc::new(Mutex::new(None));
+        let setup = Setup {
+            device,
+            rank,
+            world,
+            timeout: to,
+            linger: opts.p2p_linger,
+            pool_limit: opts.pool_limit,
+            poison: poison.clone(),
+        };
+        let (tx, rx) = channel();
+        let (init_tx, init_rx) = channel();
+        let (ready_once, ready) = Once::with_deadline(to, format!("setting up CUDA device {device}"))?;
+        std::thread::Builder::new()
+            .name(format!("comm-nccl-r{rank}"))
+            .spawn(move || actor::main(setup, ready_once, init_rx, rx))
+            .map_err(|e| CommError::io("starting the nccl worker thread", e))?;
+        let ready = ready.await?;
+
+        // One GPU per rank: NCCL refuses two ranks on one device, with a less helpful error.
+        let me = format!("{} {}", host_identity(), ready.uuid);
+        store.set(&format!("{prefix}/dev/{rank}"), me.as_bytes()).await?;
+        for r in (0..world).filter(|&r| r != rank) {
+            if store.get(&format!("{prefix}/dev/{r}"), to).await? == me.as_bytes() {
+                return Err(CommError::Unavailable {
+                    backend: BACKEND,
+                    why: format!(
+                        "ranks {} and {} would both use CUDA device {device} (UUID {}) of this host; NCCL needs one GPU per rank",
+                        r.min(rank),
+                        r.max(rank),
+                        ready.uuid
+                    ),
+                });
+            }
+        }
+        let key = format!("{prefix}/id");
+        let id: [u8; ffi::ID_BYTES] = match ready.id {
+            Some(id) => {
+                store.set(&key, &id).await?;
+                id
+            }
+            None => store.get(&key, to).await?.try_into().map_err(|v: Vec<u8>| {
+                CommError::Store(format!(
+                    "the NCCL unique id under `{key}` has {} bytes, not {}",
+                    v.len(),
+                    ffi::ID_BYTES
+                ))
+            })?,
+        };
+        // Everyone is here: ncclCommInitRank (which cannot be aborted) should not wait long.
+        store.set(&format!("{prefix}/joined/{rank}"), b"1").await?;
+        let keys: Vec<String> = (0..world).map(|r| format!("{prefix}/joined/{r}")).collect();
+        store.wait(&keys.iter().map(String::as_str).collect::<Vec<_>>(), to).await?;
+        let (init_once, init) = Once::with_deadline(to, format!("ncclCommInitRank (rank {rank} of {world})"))?;
+        init_tx
+            .send((id, init_once))
+            .map_err(|_| CommError::Shutdown("the nccl worker exited during bootstrap".into()))?;
+        let state = init.await?;
+        let wd_poison = poison.clone();
+        std::thread::Builder::new()
+            .name(format!("comm-nccl-watchdog-r{rank}"))
+            .spawn(move || actor::watchdog(state, to, wd_poison, rank))
+            .map_err(|e| CommError::io("starting the nccl watchdog thread", e))?;
+        tracing::debug!(rank, world, device, group = %prefix, "nccl: communicator ready");
+        Ok(NcclBackend {
+            inner: Arc::new(Inner {
+                rank,
+                world,
+                device,
+                tx,
+                ctx: ready.ctx,
+                stream: ready.stream,
+                poison,
+                shut: AtomicBool::new(false),
+                store,
+                opts,
+                prefix,
+                subgroups: AtomicU64::new(0),
+                info,
+            }),
+        })
+    }
+
+    /// The CUDA context of this rank's device: allocate device buffers for the device ops
+    /// with it (e.g. `backend.context().default_stream().clone_htod(&data)`).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.inner.ctx
+    }
+
+    /// The stream NCCL runs on (device ops wait for their buffers' streams first; using this
+    /// one avoids even that).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
+    /// The CUDA device ordinal this rank uses.
+    pub fn device(&self) -> usize {
+        self.inner.device
+    }
+
+    /// What the availability probe found (NCCL and driver versions, devices).
+    pub fn info(&self) -> &NcclInfo {
+        &self.inner.info
+    }
+
+    /// Checks that apply to every op before it is issued: arguments, what NCCL supports, the
+    /// buffers' device, poisoning and shutdown.
+    fn admit<R: Plan>(&self, req: &R) -> Result<(), CommError> {
+        let inner = &*self.inner;
+        req.validate(inner.rank, inner.world)?;
+        let unsupported = || CommError::Unsupported { op: R::NAME, dtype: req.dtype(), backend: BACKEND };
+        if req.dtype().is_some_and(|d| ffi::nccl_dtype(d).is_none()) {
+            return Err(unsupported());
+        }
+        if req.reduce_op().is_some_and(|r| ffi::nccl_op(r).is_none()) {
+            return Err(unsupported());
+        }
+        req.check_device(&inner.ctx)?;
+        if let Some(cause) = inner.poison.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Err(CommError::Poisoned { cause });
+        }
+        if inner.shut.load(SeqCst) {
+            return Err(CommError::Shutdown(String::new()));
+        }
+        Ok(())
+    }
+
+    fn submit_plan<R: Plan>(&self, req: R) -> Work<R::Output> {
+        if let Err(e) = self.admit(&req) {
+            return Work::ready(Err(e));
+        }
+        let (done, work) = Work::pending();
+        // If the worker is gone the command (and its Completer) is dropped, which completes the
+        // Work with `Shutdown`.
+        let _ = self.inner.tx.send(Command::Op(Box::new(Pending { req, done })));
+        work
+    }
+}
+
+macro_rules! collectives {
+    ($($req:ty),* $(,)?) => {$(
+        impl Collective<$req> for NcclBackend {
+            fn submit(&self, req: $req) -> Work<<$req as Op>::Output> {
+                self.submit_plan(req)
+            }
+        }
+    )*};
+}
+
+collectives!(
+    ops::AllReduce,
+    ops::Broadcast,
+    ops::Reduce,
+    ops::AllGather,
+    ops::ReduceScatter,
+    ops::AllToAll,
+    ops::Scatter,
+    ops::Gather,
+    ops::Send,
+    ops::Recv,
+    ops::Barrier,
+    Stall,
+);
+
+macro_rules! device_collectives {
+    ($($req:ident),* $(,)?) => {$(
+        impl<T: DeviceElement> Collective<$req<T>> for NcclBackend {
+            fn submit(&self, req: $req<T>) -> Work<<$req<T> as Op>::Output> {
+                self.submit_plan(req)
+            }
+        }
+    )*};
+}
+
+device_collectives!(
+    DeviceAllReduce,
+    DeviceBroadcast,
+    DeviceReduce,
+    DeviceAllGather,
+    DeviceReduceScatter,
+    DeviceAllToAll,
+    DeviceSend,
+    DeviceRecv,
+);
+
+#[async_trait]
+impl Group for NcclBackend {
+    fn rank(&self) -> Rank {
+        self.inner.rank
+    }
+
+    fn world_size(&self) -> u32 {
+        self.inner.world
+    }
+
+    fn backend_name(&self) -> &'static str {
+        BACKEND
+    }
+
+    async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
+        let inner = &*self.inner;
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.is_empty() || sorted.len() != ranks.len() || sorted.last().is_some_and(|&r| r >= inner.world) {
+            return Err(CommError::invalid(
+                "new_group",
+                format!("ranks {ranks:?} must be distinct ranks of this group of {} (and at least one)", inner.world),
+            ));
+        }
+        // Every rank counts every new_group call, so members agree on the new group's keys.
+        let id = inner.subgroups.fetch_add(1, SeqCst);
+        let Some(pos) = sorted.iter().position(|&r| r == inner.rank) else { return Ok(None) };
+        let opts = NcclOptions { device: Some(inner.device), ..inner.opts.clone() };
+        let prefix = format!("{}/g{id}", inner.prefix);
+        let g = Self::create(inner.store.clone(), pos as Rank, sorted.len() as u32, opts, prefix).await?;
+        Ok(Some(Arc::new(g)))
+    }
+
+    async fn shutdown(&self) -> Result<(), CommError> {
+        if self.inner.shut.swap(true, SeqCst) {
+            return Ok(());
+        }
+        let (done, work) = Work::pending();
+        if self.inner.tx.send(Command::Shutdown(done)).is_err() {
+            return Ok(());
+        }
+        match work.await {
+            Ok(()) | Err(CommError::Shutdown(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use comm_core::MemoryStore;
+
+    #[test]
+    fn options_from_the_environment() {
+        let o = NcclOptions::default();
+        assert_eq!(o.timeout, Duration::from_secs(300));
+        assert_eq!(o.p2p_linger, Duration::from_micros(200));
+        assert!(host_identity().contains('@'));
+    }
+
+    #[tokio::test]
+    async fn bad_rank_is_an_argument_error() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let e = NcclBackend::new(store, 3, 2, NcclOptions::default()).await.unwrap_err();
+        assert!(matches!(e, CommError::InvalidArgument { .. }), "{e}");
+    }
+
+    #[tokio::test]
+    async fn without_a_gpu_joining_is_unavailable_and_says_why() {
+        if is_available().is_ok() {
+            eprintln!("skipped: a usable CUDA device and NCCL are present (tests/gpu.rs covers this machine)");
+            return;
+        }
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let e = NcclBackend::new(store, 0, 1, NcclOptions::default()).await.unwrap_err();
+        let CommError::Unavailable { backend, why } = &e else { panic!("expected Unavailable, got {e:?}") };
+        assert_eq!(*backend, "nccl");
+        assert!(why.contains("libcuda") || why.contains("libnccl") || why.contains("device"), "{why}");
+    }
+}
