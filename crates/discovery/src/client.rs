@@ -25,13 +25,29 @@ const MIN_ATTEMPT: Duration = Duration::from_millis(100);
 /// First and largest pause between connection attempts.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
 
-/// The job token this process presents to (or expects from) the store: `COMM_JOB_TOKEN`, or
-/// the empty string when it is unset.
+/// The job token this process presents to (or expects from) the store: `COMM_JOB_TOKEN`;
+/// when unset, one derived from the job's id as the launcher exports it (`SLURM_JOB_ID`,
+/// `PMIX_NAMESPACE`, Open MPI's `OMPI_MCA_ess_base_jobid`), else the empty string.
 ///
 /// Every rank of a job reads it the same way, so a launcher that sets one random token for the
-/// whole job keeps the ranks of another job (or a stray client) off its store.
+/// whole job keeps the ranks of another job (or a stray client) off its store. The derived
+/// tokens do the same for two Slurm or MPI jobs that share a node and the default port.
 pub fn job_token() -> String {
-    std::env::var_os("COMM_JOB_TOKEN").map(|v| v.to_string_lossy().into_owned()).unwrap_or_default()
+    job_token_from(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+}
+
+/// [`job_token`] with the variables from `var`.
+pub(crate) fn job_token_from(var: impl Fn(&str) -> Option<String>) -> String {
+    if let Some(t) = var("COMM_JOB_TOKEN") {
+        return t;
+    }
+    // The job, not the step: every rank of one job agrees even if started by several steps.
+    let derived = [("SLURM_JOB_ID", "slurm"), ("PMIX_NAMESPACE", "pmix"), ("OMPI_MCA_ess_base_jobid", "ompi")];
+    derived
+        .iter()
+        .find_map(|(name, kind)| var(name).filter(|v| !v.trim().is_empty()).map(|v| format!("{kind}:{}", v.trim())))
+        .map(|t| t.chars().take(wire::MAX_TOKEN).collect())
+        .unwrap_or_default()
 }
 
 /// `addr:port`, with brackets around an IPv6 address.

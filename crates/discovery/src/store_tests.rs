@@ -220,6 +220,22 @@ async fn nothing_listening_never_came_up() {
     assert!(msg.contains("is MASTER_ADDR/MASTER_PORT right? did rank 0 start?"), "{msg}");
 }
 
+#[test]
+fn job_tokens_come_from_the_launcher_when_unset() {
+    use crate::client::job_token_from;
+    let env = |pairs: &'static [(&'static str, &'static str)]| {
+        move |name: &str| pairs.iter().find(|(k, _)| *k == name).map(|(_, v)| (*v).to_owned())
+    };
+    assert_eq!(job_token_from(env(&[("COMM_JOB_TOKEN", "abc"), ("SLURM_JOB_ID", "7")])), "abc");
+    // Set but empty is a choice too: no token.
+    assert_eq!(job_token_from(env(&[("COMM_JOB_TOKEN", ""), ("SLURM_JOB_ID", "7")])), "");
+    assert_eq!(job_token_from(env(&[("SLURM_JOB_ID", "123456"), ("PMIX_NAMESPACE", "x")])), "slurm:123456");
+    assert_eq!(job_token_from(env(&[("PMIX_NAMESPACE", "prterun-host-1234@1")])), "pmix:prterun-host-1234@1");
+    assert_eq!(job_token_from(env(&[("OMPI_MCA_ess_base_jobid", "2812870657")])), "ompi:2812870657");
+    assert_eq!(job_token_from(env(&[("SLURM_JOB_ID", " ")])), "");
+    assert_eq!(job_token_from(env(&[])), "");
+}
+
 #[tokio::test]
 async fn rendezvous_names_a_rank_0_that_never_came_up() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
