@@ -26,20 +26,17 @@ struct Job {
     elapsed: Duration,
 }
 
-fn mpirun() -> Option<String> {
+/// The launcher (`$MPIRUN` or `mpirun`) and whether it is Open MPI's; `None` if missing.
+fn mpirun() -> Option<(String, bool)> {
     let name = std::env::var("MPIRUN").unwrap_or_else(|_| "mpirun".into());
-    let ok = Command::new(&name)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    ok.then_some(name)
+    let out = Command::new(&name).arg("--version").stdin(Stdio::null()).output().ok().filter(|o| o.status.success())?;
+    let open_mpi = String::from_utf8_lossy(&out.stdout).contains("Open MPI");
+    Some((name, open_mpi))
 }
 
 /// Runs `scenario` on `np` ranks; `None` when mpirun is not installed.
 fn job(np: u32, scenario: &str, envs: &[(&str, &str)], limit: Duration) -> Option<Job> {
-    let Some(mpirun) = mpirun() else {
+    let Some((mpirun, open_mpi)) = mpirun() else {
         eprintln!("skipped: `mpirun` not found (install openmpi-bin, or set MPIRUN)");
         return None;
     };
@@ -47,9 +44,12 @@ fn job(np: u32, scenario: &str, envs: &[(&str, &str)], limit: Duration) -> Optio
     let exe = std::env::current_exe().expect("test binary path");
     let mut cmd = Command::new("timeout");
     cmd.args(["-k", "5", &limit.as_secs().to_string(), &mpirun]);
-    cmd.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()]);
+    if open_mpi {
+        cmd.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]);
+    }
+    cmd.args(["-np", &np.to_string()]);
     cmd.arg(&exe).args(["child", "--exact", "--nocapture", "--test-threads=1"]);
-    cmd.env(CHILD, scenario).env("OMPI_MCA_rmaps_base_oversubscribe", "1");
+    cmd.env(CHILD, scenario);
     for (k, v) in envs {
         cmd.env(k, v);
     }
@@ -57,8 +57,18 @@ fn job(np: u32, scenario: &str, envs: &[(&str, &str)], limit: Duration) -> Optio
     let out = cmd.output().expect("running timeout/mpirun");
     let elapsed = start.elapsed();
     let output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("--- mpirun -np {np} {scenario} ({elapsed:.1?}, exit {:?}) ---\n{output}", out.status.code());
+    // The whole output goes into failure messages; a summary is enough otherwise.
+    println!("mpirun -np {np} {scenario}: {elapsed:.1?}, exit {:?}", out.status.code());
+    for line in output.lines().filter(|l| ["-OK", "KILL-", "calling MPI_Abort"].iter().any(|t| l.contains(t))) {
+        println!("    {}", line.trim_start_matches("test child ... "));
+    }
     Some(Job { code: out.status.code(), output, elapsed })
+}
+
+impl std::fmt::Display for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "exit {:?} after {:.1?}; output:\n{}", self.code, self.elapsed, self.output)
+    }
 }
 
 fn lines<'a>(job: &'a Job, tag: &str) -> Vec<&'a str> {
@@ -67,9 +77,9 @@ fn lines<'a>(job: &'a Job, tag: &str) -> Vec<&'a str> {
 
 fn conformance(np: u32, envs: &[(&str, &str)]) {
     let Some(job) = job(np, "suite", envs, Duration::from_secs(600)) else { return };
-    assert_eq!(job.code, Some(0), "the job failed");
+    assert_eq!(job.code, Some(0), "the job failed: {job}");
     let ok = lines(&job, "SUITE-OK");
-    assert_eq!(ok.len(), np as usize, "every rank reports the suite passed: {ok:?}");
+    assert_eq!(ok.len(), np as usize, "every rank reports the suite passed: {job}");
 }
 
 #[test]
@@ -102,11 +112,11 @@ fn conformance_native_reductions_2_ranks() {
 #[test]
 fn mismatched_calls_are_errors_not_aborts() {
     let Some(job) = job(2, "mismatch", &[], Duration::from_secs(120)) else { return };
-    assert_eq!(job.code, Some(0), "mismatches must not abort the job");
+    assert_eq!(job.code, Some(0), "mismatches must not abort the job: {job}");
     for want in ["size", "op", "splits", "truncated", "short", "dtype", "poisoned"] {
         let seen = lines(&job, &format!("MISMATCH-OK {want}"));
         let expect = if matches!(want, "truncated" | "short" | "dtype") { 1 } else { 2 };
-        assert_eq!(seen.len(), expect, "`{want}` reported by {expect} rank(s): {seen:?}");
+        assert_eq!(seen.len(), expect, "`{want}` reported by {expect} rank(s): {job}");
     }
 }
 
@@ -114,26 +124,26 @@ fn mismatched_calls_are_errors_not_aborts() {
 fn a_rank_that_never_joins_times_out() {
     let Some(job) = job(2, "timeout", &[], Duration::from_secs(120)) else { return };
     let ok = lines(&job, "TIMEOUT-OK");
-    assert_eq!(ok.len(), 1, "rank 0 reports the timeout");
-    assert!(job.elapsed < Duration::from_secs(60), "the job ended ({:?})", job.elapsed);
+    assert_eq!(ok.len(), 1, "rank 0 reports the timeout: {job}");
+    assert!(job.elapsed < Duration::from_secs(60), "the job ended: {job}");
 }
 
 #[test]
 fn a_killed_rank_ends_the_job() {
     let Some(job) = job(3, "kill", &[], Duration::from_secs(120)) else { return };
-    assert_ne!(job.code, Some(0), "a killed rank fails the job");
-    assert!(!lines(&job, "KILL-BEFORE").is_empty(), "rank 2 got as far as killing itself");
+    assert_ne!(job.code, Some(0), "a killed rank fails the job: {job}");
+    assert!(!lines(&job, "KILL-BEFORE").is_empty(), "rank 2 got as far as killing itself: {job}");
     // The timeout of the survivors is 10 s; mpirun usually ends the job sooner.
-    assert!(job.elapsed < Duration::from_secs(45), "the job ended within the timeout ({:?})", job.elapsed);
+    assert!(job.elapsed < Duration::from_secs(45), "the job ended within the timeout: {job}");
 }
 
 #[test]
 fn a_panic_aborts_the_job_at_once() {
     let Some(job) = job(2, "panic", &[], Duration::from_secs(120)) else { return };
-    assert_ne!(job.code, Some(0), "a panic fails the job");
-    assert!(!lines(&job, "calling MPI_Abort").is_empty(), "the panic hook aborted");
+    assert_ne!(job.code, Some(0), "a panic fails the job: {job}");
+    assert!(!lines(&job, "calling MPI_Abort").is_empty(), "the panic hook aborted: {job}");
     // Rank 0 waits in a collective with a 60 s timeout: the abort must end it long before.
-    assert!(job.elapsed < Duration::from_secs(30), "ended quickly ({:?})", job.elapsed);
+    assert!(job.elapsed < Duration::from_secs(30), "ended quickly: {job}");
 }
 
 // ---------------------------------------------------------------------------------------------
