@@ -100,6 +100,11 @@ async fn waits_block_until_set_and_time_out_naming_missing_keys() {
     assert!(matches!(e, CommError::Timeout { .. }) && e.to_string().contains("`never`"), "{e}");
     // The cancelled waits left their connections in sync: the store still answers.
     assert_eq!(s.get("a", T).await.unwrap(), b"1");
+    // A zero timeout on keys that exist succeeds (as with this library's own store).
+    assert_eq!(s.get("a", Duration::ZERO).await.unwrap(), b"1");
+    s.wait(&["a", "b"], Duration::ZERO).await.unwrap();
+    s.wait(&[], Duration::ZERO).await.unwrap();
+    assert!(s.check(&[]).await.unwrap());
     assert!(srv.connections() <= 4, "{} connections", srv.connections());
 }
 
