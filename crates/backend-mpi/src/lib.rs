@@ -14,15 +14,15 @@
 //!   submission order, which is the order MPI needs on every rank.
 //! - **Owned buffers** move into the request and come back when MPI completes it; all `unsafe`
 //!   is in `raw.rs`, which never frees memory MPI may still use.
-//! - **Exact reductions.** Floating-point reductions are computed by us in rank order (f16/bf16
-//!   accumulate in f32 and round once), so results are bit-identical on every rank, at every
-//!   world size, and to `comm_test::reference` and the shm backend. MPI's own reductions may
-//!   combine ranks in any order (and user-defined ops round f16/bf16 at every step), which
-//!   changes the last bits. Small messages: all-gather + local reduce; large ones: `alltoallv`
-//!   of slices + local reduce + `allgatherv` (bandwidth-optimal, like a ring). Integer
-//!   reductions are exact in any order and use MPI's built-in ops. [`Reduction::Native`] (opt
-//!   in) hands floats to MPI too: built-in ops for f32/f64, user-defined MPI ops (combining in
-//!   f32) for f16/bf16.
+//! - **Exact reductions.** By default every reduction is computed by this backend in rank
+//!   order (f16/bf16 accumulate in f32 and round once), so results are bit-identical on every
+//!   rank, at every world size, and to `comm_test::reference` and the shm backend. MPI's own
+//!   reductions may combine ranks in any order (user-defined ops also round f16/bf16 at every
+//!   step), and Open MPI 4.1's AVX kernels saturate 8-bit sums instead of wrapping. Small
+//!   messages: all-gather + local reduce (one round); large ones: `alltoallv` of slices +
+//!   local reduce + `allgatherv` (bandwidth-optimal, like a ring). [`Reduction::Native`] (opt
+//!   in) hands reductions to MPI: built-in ops for integers and f32/f64, user-defined MPI ops
+//!   (combining in f32) for f16/bf16.
 //! - **Errors instead of aborts.** Communicators use `MPI_ERRORS_RETURN` and every return code
 //!   is checked. With checking on (default), every collective starts by gathering a 32-byte
 //!   header from each rank (op, dtype, count, root, reduce op), so ranks that call different ops
@@ -45,8 +45,8 @@
 //! # Backend mapping
 //! broadcast `MPI_Ibcast`; all_gather `MPI_Iallgather`; scatter `MPI_Iscatter`; gather
 //! `MPI_Igather`; all_to_all `MPI_Ialltoallv`; barrier: the header exchange (or `MPI_Ibarrier`
-//! with checking off); integer all_reduce / reduce / reduce_scatter `MPI_Iallreduce` /
-//! `MPI_Ireduce` / `MPI_Ireduce_scatter_block`; float reductions as above; send/recv
+//! with checking off); all_reduce / reduce / reduce_scatter as above (native mode:
+//! `MPI_Iallreduce` / `MPI_Ireduce` / `MPI_Ireduce_scatter_block`); send/recv
 //! `MPI_Isend` / `MPI_Irecv`; `new_group` `MPI_Comm_split` (after a header exchange, so it
 //! never waits on a missing rank); each world group is an `MPI_Comm_idup` of
 //! `MPI_COMM_WORLD`.
@@ -72,13 +72,15 @@ use actor::{Cmd, GroupInfo, Msg, Params};
 /// How floating-point reductions are computed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Reduction {
-    /// By this backend, in rank order: bit-identical to the reference on every rank and at
-    /// every world size (f16/bf16 accumulate in f32 and round once). The default.
+    /// By this backend, in rank order, for every dtype: bit-identical to the reference on
+    /// every rank and at every world size (f16/bf16 accumulate in f32 and round once). The
+    /// default.
     #[default]
     Exact,
-    /// By MPI (`MPI_Iallreduce` and friends): built-in ops for f32/f64, user-defined MPI ops
-    /// combining in f32 for f16/bf16 (each step rounds to 16 bits). Results can differ in the
-    /// last bits from `Exact` (and between world sizes) from three ranks on.
+    /// By MPI (`MPI_Iallreduce` and friends): built-in ops for integers and f32/f64,
+    /// user-defined MPI ops combining in f32 for f16/bf16 (each step rounds to 16 bits).
+    /// Float results can differ in the last bits from `Exact` (and between world sizes) from
+    /// three ranks on. 8-bit sums stay exact (Open MPI 4.1's AVX kernels saturate them).
     Native,
 }
 
