@@ -484,9 +484,9 @@ async fn hello(addr: &str, port: u16, bind: Option<IpAddr>, shown: &str, limit: 
     match tokio::time::timeout(limit, c.read_u32_le()).await {
         Ok(Ok(n)) if n == nonce => Ok(c),
         Ok(Ok(_)) => Err(not_torch("its answer to PING is not the nonce")),
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-            Err(not_torch("it closed the connection at the handshake; a torch older than 2.4 does not answer PING"))
-        }
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(not_torch(
+            "it closed the connection at the handshake; an old torch without the PING command does this too",
+        )),
         Ok(Err(e)) => Err(Hello::Retry(format!("the handshake failed: {e}"))),
         Err(_) => Err(not_torch(&format!("it accepted the connection but did not answer PING within {limit:?}"))),
     }
