@@ -81,8 +81,8 @@ pub struct NcclOptions {
     /// How long bootstrap, and any op, may take before [`CommError::Timeout`] (an op that
     /// times out aborts the communicator).
     pub timeout: Duration,
-    /// The CUDA device (ordinal among the visible ones) this rank uses; `None`: the local rank
-    /// when known (see [`NcclOptions::from_env`]), else `rank % devices`.
+    /// The CUDA device (ordinal among the visible ones) this rank uses; `None`: `rank % devices`
+    /// (`comm-api` passes the local rank).
     pub device: Option<usize>,
     /// How long the worker waits for more point-to-point ops to batch with one it has (they
     /// are issued as one NCCL group). Default 200 µs.
@@ -104,8 +104,8 @@ impl Default for NcclOptions {
 }
 
 impl NcclOptions {
-    /// Defaults, overridden by `COMM_NCCL_DEVICE` (else `LOCAL_RANK`), `COMM_NCCL_P2P_LINGER_US`
-    /// and `COMM_NCCL_POOL_MB`.
+    /// Defaults, overridden by `COMM_NCCL_DEVICE`, `COMM_NCCL_P2P_LINGER_US` and
+    /// `COMM_NCCL_POOL_MB`.
     pub fn from_env() -> Result<Self, CommError> {
         let mut o = NcclOptions::default();
         let num = |name: &str| -> Result<Option<u64>, CommError> {
@@ -119,8 +119,6 @@ impl NcclOptions {
             }
         };
         if let Some(d) = num("COMM_NCCL_DEVICE")? {
-            o.device = Some(d as usize);
-        } else if let Ok(Some(d)) = num("LOCAL_RANK") {
             o.device = Some(d as usize);
         }
         if let Some(us) = num("COMM_NCCL_P2P_LINGER_US")? {

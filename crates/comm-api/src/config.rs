@@ -204,6 +204,18 @@ impl Builder {
                 }
                 .await
             }
+            #[cfg(any(feature = "nccl", feature = "nccl-unpinned"))]
+            BackendKind::Nccl => {
+                async {
+                    let o = backend_nccl::NcclOptions::from_env()?;
+                    // One GPU per local rank unless COMM_NCCL_DEVICE says otherwise.
+                    let device = o.device.or(Some(world.local_rank as usize));
+                    let opts = backend_nccl::NcclOptions { timeout, device, ..o };
+                    let b = backend_nccl::NcclBackend::new(store.clone(), world.rank, world.world_size, opts).await?;
+                    Ok(Arc::new(b) as Arc<dyn Backend>)
+                }
+                .await
+            }
             other => Err(not_compiled(other)),
         };
         let backend = started.map_err(|e| startup_context(e, &world))?;
@@ -253,9 +265,20 @@ struct Available {
 
 impl Available {
     fn compiled() -> Available {
-        // `nccl` is set here by its cargo feature once that backend is wired in.
-        Available { shm: cfg!(feature = "shm"), mpi: cfg!(feature = "mpi"), nccl: false, gpu: false }
+        let nccl = cfg!(any(feature = "nccl", feature = "nccl-unpinned"));
+        // The probe never panics; it loads libcuda/libnccl only when they are there.
+        let gpu = nccl && nccl_unavailable().is_none();
+        Available { shm: cfg!(feature = "shm"), mpi: cfg!(feature = "mpi"), nccl, gpu }
     }
+}
+
+/// Why the NCCL backend cannot run here, as [`CommError::Unavailable`] (`None`: it can, or it
+/// is not compiled in).
+fn nccl_unavailable() -> Option<CommError> {
+    #[cfg(any(feature = "nccl", feature = "nccl-unpinned"))]
+    return backend_nccl::is_available().err();
+    #[cfg(not(any(feature = "nccl", feature = "nccl-unpinned")))]
+    None
 }
 
 /// Whether an MPI launcher started this process (Auto then prefers the MPI backend).
@@ -302,7 +325,10 @@ fn resolve(kind: BackendKind, world: &WorldInfo, have: Available) -> Result<(Bac
             }
             let mut no = Vec::new();
             no.push(if have.nccl {
-                "nccl: no usable GPU".to_owned()
+                match nccl_unavailable() {
+                    Some(CommError::Unavailable { why, .. }) => format!("nccl: no usable GPU: {why}"),
+                    _ => "nccl: no usable GPU".to_owned(),
+                }
             } else {
                 "nccl: not compiled in (feature `nccl`)".into()
             });
@@ -333,7 +359,10 @@ fn resolve(kind: BackendKind, world: &WorldInfo, have: Available) -> Result<(Bac
             Ok((BackendKind::Shm, format!("asked for; {hosts}")))
         }
         BackendKind::Mpi if have.mpi => Ok((BackendKind::Mpi, "asked for".into())),
-        BackendKind::Nccl if have.nccl => Ok((BackendKind::Nccl, "asked for".into())),
+        BackendKind::Nccl if have.nccl && have.gpu => Ok((BackendKind::Nccl, "asked for".into())),
+        // Compiled in, but this machine lacks the driver, NCCL or a GPU: say which.
+        BackendKind::Nccl if have.nccl => Err(nccl_unavailable()
+            .unwrap_or_else(|| CommError::Unavailable { backend: "nccl", why: "no usable GPU".into() })),
         other => Err(not_compiled(other)),
     }
 }
@@ -398,6 +427,39 @@ mod tests {
         // Asking for shm across hosts is allowed: shm checks the hosts itself.
         let (kind, why) = resolve(BackendKind::Shm, &ompi, SHM_ONLY).unwrap();
         assert!(kind == BackendKind::Shm && why.contains("several hosts"), "{why}");
+    }
+
+    /// With the `nccl` feature on a machine without GPU/NCCL (CI), asking for NCCL names what is
+    /// missing, and `Auto` goes on to the other backends; with a GPU, NCCL is chosen.
+    #[cfg(any(feature = "nccl", feature = "nccl-unpinned"))]
+    #[tokio::test]
+    async fn nccl_is_chosen_only_where_it_can_run() {
+        let have = Available::compiled();
+        assert!(have.nccl);
+        let explicit = resolve(BackendKind::Nccl, &WorldInfo::single(), have);
+        let auto = resolve(BackendKind::Auto, &WorldInfo::single(), have).unwrap().0;
+        match backend_nccl::is_available() {
+            Ok(info) => {
+                assert!(have.gpu, "{info:?}");
+                assert_eq!(explicit.unwrap().0, BackendKind::Nccl);
+                assert_eq!(auto, BackendKind::Nccl);
+            }
+            Err(probe) => {
+                assert!(!have.gpu);
+                let e = explicit.unwrap_err();
+                let CommError::Unavailable { backend: "nccl", why } = &e else { panic!("{e:?}") };
+                assert_eq!(e.to_string(), probe.to_string());
+                assert!(why.contains("libcuda") || why.contains("libnccl") || why.contains("device"), "{why}");
+                assert_eq!(auto, BackendKind::Shm);
+                // The whole start-up path: an explicit NCCL request fails before any rendezvous.
+                let e = builder(Config::single()).backend(BackendKind::Nccl).connect().await.unwrap_err();
+                assert!(matches!(&e, CommError::Unavailable { backend: "nccl", .. }), "{e:?}");
+                let mut multi = world(Launcher::Torchrun, 4, 2);
+                multi.rank = 1;
+                let e = resolve(BackendKind::Auto, &multi, have).unwrap_err().to_string();
+                assert!(e.contains("nccl: no usable GPU: ") && e.contains(why.as_str()), "{e}");
+            }
+        }
     }
 
     #[tokio::test]

@@ -26,10 +26,14 @@
 //! |---|---|---|---|---|
 //! | `shm` | yes | same-host shared memory | nothing | every rank on one host, `/dev/shm` with room for `2 × window + mailboxes` per rank (≈ 8.5 MiB at 2 ranks) |
 //! | `mpi` | no | MPI (Open MPI, MPICH) through rsmpi | an MPI dev package, libclang, pkg-config, a C compiler (Debian: `libopenmpi-dev openmpi-bin libclang-dev pkg-config`) | ranks started by that MPI's `mpirun` |
+//! | `nccl` | no | NCCL (GPUs) through cudarc | nothing (libcuda and libnccl are loaded at run time; cudarc pinned to CUDA 12.8 bindings, `nccl-unpinned` + `backend-nccl/cuda-*` or `CUDARC_CUDA_VERSION` for others) | an NVIDIA driver, NCCL ≥ 2.10 reachable as `libnccl.so`, one GPU per rank (`backend_nccl::is_available()` says what is missing) |
 //!
-//! `Auto` picks `mpi` when an MPI launcher started the process and the feature is on. The
-//! `nccl` backend comes with its own feature; asking for a backend that was not compiled in
-//! fails with [`CommError::Unavailable`] naming the feature to enable.
+//! `Auto` picks `nccl` when the feature is on and a GPU is usable, else `mpi` when an MPI
+//! launcher started the process and the feature is on. Asking for a backend that was not
+//! compiled in fails with [`CommError::Unavailable`] naming the feature to enable; asking for
+//! `nccl` where it cannot run fails with `Unavailable` naming what is missing (driver, NCCL,
+//! device). Device buffers (`CudaSlice`) go zero-copy through `backend_nccl`'s request types on
+//! an `NcclBackend` handle.
 //!
 //! # Environment
 //! `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (as
