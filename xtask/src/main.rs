@@ -1,4 +1,5 @@
-//! Project automation: `cargo xtask test [--quick]`, `cargo xtask ci`, `cargo xtask bench [...]`.
+//! Project automation: `cargo xtask test [--quick]`, `cargo xtask ci`, `cargo xtask bench [...]`,
+//! `cargo xtask gpu-test [--no-run]`.
 //!
 //! Plain `std`: no dependencies, so it builds in seconds before anything else.
 
@@ -23,7 +24,16 @@ commands:
                    every comm-api example under commrun -n 2 and -n 3 and under mpirun -np 2,
                    and comm-bench smoke runs on shm and mpi (debug build).
                    --quick skips fmt and clippy.
+                   The nccl feature is built, linted and unit-tested too (no GPU needed:
+                   its GPU tests print `skipped: no CUDA device`).
   ci               the same as `test` (what .ci/run calls).
+  gpu-test [--no-run]
+                   the NCCL backend's GPU tests (conformance suite on 1 rank, and on 2 where
+                   two GPUs are visible; zero-copy device ops; abort on timeout) and comm-api's
+                   nccl tests, with COMM_NCCL_REQUIRE_GPU=1: where NCCL cannot run they fail
+                   instead of skipping. --no-run only builds them and prints the test
+                   binaries (to carry to a GPU machine without a Rust toolchain; run them
+                   there with COMM_NCCL_REQUIRE_GPU=1 --test-threads=1).
   bench [options]  builds commrun and comm-bench in release and runs
                    `commrun -n NP -- comm-bench ...` once per backend (`mpirun -np NP
                    comm-bench ...` for mpi); with several backends, a side-by-side table with
@@ -45,6 +55,8 @@ const BACKENDS: [&str; 3] = ["shm", "mpi", "nccl"];
 const JOB_TIMEOUT: Duration = Duration::from_secs(300);
 /// The features that build the mpi backend into comm-api and comm-bench.
 const MPI_FEATURES: &str = "comm-api/mpi,comm-bench/mpi";
+/// The feature that builds the nccl backend into comm-api (builds without CUDA).
+const NCCL_FEATURES: &str = "comm-api/nccl";
 /// comm-bench arguments of the smoke runs in `cargo xtask test`.
 const SMOKE_BENCH: [&str; 10] =
     ["--op", "all", "--dtype", "f32,bf16", "--sizes", "8B..1MiB:x16", "--iters", "5", "--warmup", "1"];
@@ -69,6 +81,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("test" | "ci") => test(&args[1..]),
         Some("bench") => bench(&args[1..]),
+        Some("gpu-test") => gpu_test(&args[1..]),
         Some("help" | "-h" | "--help") => {
             println!("{USAGE}");
             Ok(())
@@ -291,6 +304,7 @@ fn test(args: &[String]) -> Result {
             } else {
                 c.args(["--exclude", "backend-mpi"]);
             }
+            c.args(["--features", NCCL_FEATURES]);
             c.args(["--", "-D", "warnings"]);
             run(c)
         })?;
@@ -298,6 +312,11 @@ fn test(args: &[String]) -> Result {
     step("test", || {
         let mut c = cargo();
         c.args(["test", "--workspace", "--exclude", "backend-mpi"]);
+        run(c)
+    })?;
+    step("nccl feature: comm-api unit tests with the nccl backend compiled in", || {
+        let mut c = cargo();
+        c.args(["test", "-p", "comm-api", "--features", "nccl", "--lib"]);
         run(c)
     })?;
     if with_mpi {
@@ -352,6 +371,37 @@ fn test(args: &[String]) -> Result {
     }
     println!("\n== all steps passed in {:.1}s ==", total.elapsed().as_secs_f64());
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// cargo xtask gpu-test
+
+fn gpu_test(args: &[String]) -> Result {
+    let mut no_run = false;
+    for a in args {
+        match a.as_str() {
+            "--no-run" => no_run = true,
+            other => return Err(Failure::usage(format!("`gpu-test` does not take `{other}`"))),
+        }
+    }
+    if no_run {
+        return step("build the GPU tests (backend-nccl tests/gpu.rs)", || {
+            let mut c = cargo();
+            c.args(["test", "-p", "backend-nccl", "--test", "gpu", "--no-run"]);
+            run(c)
+        });
+    }
+    step("GPU tests: backend-nccl (COMM_NCCL_REQUIRE_GPU=1)", || {
+        let mut c = cargo();
+        c.env("COMM_NCCL_REQUIRE_GPU", "1");
+        c.args(["test", "-p", "backend-nccl", "--", "--test-threads=1", "--nocapture"]);
+        run(c)
+    })?;
+    step("GPU tests: comm-api with the nccl feature", || {
+        let mut c = cargo();
+        c.args(["test", "-p", "comm-api", "--features", "nccl", "--lib", "--", "nccl", "--nocapture"]);
+        run(c)
+    })
 }
 
 /// Example names in `dir`: `name.rs` files and `name/main.rs` directories, sorted.
