@@ -272,6 +272,17 @@ impl Available {
     }
 }
 
+/// Whether this host has a GPU for each of its ranks (NCCL needs one per rank); always true
+/// without the `nccl` feature (the unit tests of `resolve` describe machines by `Available`).
+fn nccl_fits(world: &WorldInfo) -> bool {
+    #[cfg(any(feature = "nccl", feature = "nccl-unpinned"))]
+    if let Ok(info) = backend_nccl::is_available() {
+        return info.devices >= world.local_world_size.max(1) as usize;
+    }
+    let _ = world;
+    true
+}
+
 /// Why the NCCL backend cannot run here, as [`CommError::Unavailable`] (`None`: it can, or it
 /// is not compiled in).
 fn nccl_unavailable() -> Option<CommError> {
@@ -303,7 +314,7 @@ fn resolve(kind: BackendKind, world: &WorldInfo, have: Available) -> Result<(Bac
     };
     match kind {
         BackendKind::Auto => {
-            if have.nccl && have.gpu {
+            if have.nccl && have.gpu && nccl_fits(world) {
                 return Ok((BackendKind::Nccl, "auto: NCCL is compiled in and a GPU is usable".into()));
             }
             let launcher = world.source.launcher;
