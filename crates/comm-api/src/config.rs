@@ -124,11 +124,39 @@ impl Config {
 #[derive(Clone, Debug)]
 pub struct Builder {
     cfg: Config,
+    layers: Layers,
 }
 
 /// A [`Builder`] starting from `cfg`.
 pub fn builder(cfg: Config) -> Builder {
-    Builder { cfg }
+    Builder { cfg, layers: Layers::default() }
+}
+
+/// The layers the builder puts around every backend it starts (sub-groups inherit them).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Layers {
+    #[cfg(feature = "profiling")]
+    profiling: Option<profiling::ProfilingLayer>,
+}
+
+impl Layers {
+    /// For error messages: `", profiling"` when it is on.
+    fn describe(&self) -> &'static str {
+        #[cfg(feature = "profiling")]
+        if self.profiling.is_some() {
+            return ", profiling";
+        }
+        ""
+    }
+
+    fn apply(&self, backend: Arc<dyn Backend>) -> Arc<dyn Backend> {
+        #[cfg(feature = "profiling")]
+        if let Some(layer) = &self.profiling {
+            // Outermost: the span covers everything under it.
+            return Arc::new(layer.layer(backend));
+        }
+        backend
+    }
 }
 
 /// Initialises the process's default group, like `deepspeed.init_distributed`.
@@ -140,7 +168,7 @@ pub async fn init(cfg: Config) -> Result<ProcessGroup, CommError> {
     builder(cfg).init().await
 }
 
-type Registered = (Config, ProcessGroup);
+type Registered = (Config, Layers, ProcessGroup);
 
 fn registry() -> &'static tokio::sync::Mutex<Option<Registered>> {
     static REG: OnceLock<tokio::sync::Mutex<Option<Registered>>> = OnceLock::new();
@@ -160,26 +188,53 @@ impl Builder {
         self
     }
 
+    /// Opens a `tracing` span per op (`comm.<op>`, see [`profiling::Profiling`]) on this
+    /// group and every group made from it; a `tracing` subscriber such as
+    /// [`profiling::CommsLogger`] or the `otel` layer decides what happens to them. Costs
+    /// nothing measurable while no subscriber wants the spans.
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// use comm_api::profiling::{CommsConfig, CommsLogger, ProfilingLayer};
+    /// use comm_api::{Config, HostBuffer, ReduceOp};
+    /// use tracing_subscriber::layer::SubscriberExt;
+    ///
+    /// let logger = CommsLogger::new(CommsConfig::default());
+    /// let _g = tracing::subscriber::set_default(tracing_subscriber::registry().with(logger.clone()));
+    /// let pg = comm_api::builder(Config::single()).profiling(ProfilingLayer::new()).connect().await.unwrap();
+    /// pg.all_reduce(HostBuffer::from_slice(&[1.0f32; 256]), ReduceOp::Sum).await.unwrap();
+    /// let summary = logger.log_summary(); // prints the table
+    /// assert_eq!((summary.rows[0].op.as_str(), summary.rows[0].bytes), ("all_reduce", 1024));
+    /// # pg.shutdown().await.unwrap();
+    /// # });
+    /// ```
+    #[cfg(feature = "profiling")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "profiling")))]
+    pub fn profiling(mut self, layer: profiling::ProfilingLayer) -> Self {
+        self.layers.profiling = Some(layer);
+        self
+    }
+
     /// Initialises (once per process) and returns the default group.
     pub async fn init(self) -> Result<ProcessGroup, CommError> {
         let mut reg = registry().lock().await;
-        if let Some((cfg, pg)) = &*reg {
-            if *cfg == self.cfg {
+        if let Some((cfg, layers, pg)) = &*reg {
+            if *cfg == self.cfg && *layers == self.layers {
                 return Ok(pg.clone());
             }
             return Err(CommError::Config(format!(
-                "init was already called in this process with {} (backend {}, timeout {:?}); it cannot be called again with {} (backend {}, timeout {:?})",
-                cfg.world, cfg.backend, cfg.timeout, self.cfg.world, self.cfg.backend, self.cfg.timeout
+                "init was already called in this process with {} (backend {}, timeout {:?}{}); it cannot be called again with {} (backend {}, timeout {:?}{})",
+                cfg.world, cfg.backend, cfg.timeout, layers.describe(), self.cfg.world, self.cfg.backend, self.cfg.timeout, self.layers.describe()
             )));
         }
         let pg = self.clone().connect().await?;
-        *reg = Some((self.cfg, pg.clone()));
+        *reg = Some((self.cfg, self.layers, pg.clone()));
         Ok(pg)
     }
 
     /// Rendezvous and backend start-up, without registering the group as the process default.
     pub async fn connect(self) -> Result<ProcessGroup, CommError> {
-        let Config { world, backend, timeout } = self.cfg;
+        let Builder { cfg: Config { world, backend, timeout }, layers } = self;
         tracing::debug!(world = %world, "comm: discovered world");
         let (kind, why) = resolve(backend, &world, Available::compiled())?;
         tracing::debug!(backend = %kind, why = %why, "comm: backend chosen");
@@ -191,7 +246,7 @@ impl Builder {
             let b = backend_mpi::MpiBackend::init(opts).await.map_err(|e| startup_context(e, &world))?;
             let world = b.reconcile(&world)?;
             tracing::debug!(backend = "mpi", "comm: backend ready");
-            return Ok(ProcessGroup::new(Arc::new(b), world, None, why));
+            return Ok(ProcessGroup::new(layers.apply(Arc::new(b)), world, None, why));
         }
         let (store, server) = discovery::rendezvous(&world, timeout).await?;
         let started: Result<Arc<dyn Backend>, CommError> = match kind {
@@ -220,7 +275,7 @@ impl Builder {
         };
         let backend = started.map_err(|e| startup_context(e, &world))?;
         tracing::debug!(backend = backend.backend_name(), "comm: backend ready");
-        Ok(ProcessGroup::new(backend, world, server.map(Arc::new), why))
+        Ok(ProcessGroup::new(layers.apply(backend), world, server.map(Arc::new), why))
     }
 }
 

@@ -20,7 +20,7 @@ use crate::TARGET;
 /// let profiled = ProfilingLayer::new().layer(ranks[0].clone()); // Profiling<Arc<dyn Backend>>
 /// assert_eq!(profiled.world_size(), 1);
 /// ```
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ProfilingLayer {
     world: Option<(Rank, u32)>,
 }
