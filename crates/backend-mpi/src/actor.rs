@@ -36,6 +36,7 @@ pub(crate) struct Params {
     pub(crate) reduction: Reduction,
     pub(crate) check: bool,
     pub(crate) small_max: usize,
+    pub(crate) chunk: usize,
     pub(crate) spin: Option<Duration>,
 }
 
@@ -407,36 +408,75 @@ fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) 
                 done(buf)
             }));
         }
-        // Large: rank j reduces slice j of every input (in rank order), then the reduced slices
+        // Large: chunk by chunk (so each chunk's traffic and reduction stay in cache), rank j
+        // reduces slice j of the chunk of every input (in rank order), then the reduced slices
         // are gathered (to every rank, or the root).
-        let parts: Vec<(usize, usize)> = (0..n).map(|j| slice_of(len, n, j)).collect();
-        let mine = parts[me].1;
-        let recv_parts: Vec<(usize, usize)> = (0..n).map(|i| (i * mine, mine)).collect();
-        let req = raw::ialltoallv(env.comm, buf, &parts, env.buffer(dtype, n * mine), &recv_parts)?;
-        Ok(wait(req, move |env, b| {
-            let (buf, slices) = (take(b.send)?, take(b.recv)?);
-            let mut reduced = env.buffer(dtype, mine);
-            kernels::reduce(dtype, op, &blocks(&slices, n, mine), reduced.as_bytes_mut());
-            env.recycle(Some(slices));
-            let req = match root {
-                None => raw::iallgatherv(env.comm, reduced, buf, &parts)?,
-                Some(r) if r == me => raw::igatherv(env.comm, reduced, Some(buf), &parts, r as i32)?,
-                Some(r) => {
-                    // Non-roots keep their input: send the slice, then hand `buf` back.
-                    let req = raw::igatherv(env.comm, reduced, None, &parts, r as i32)?;
-                    return Ok(wait(req, move |env, b| {
-                        env.recycle(b.send);
-                        done(buf)
-                    }));
-                }
-            };
-            Ok(wait(req, |env, b| {
-                env.recycle(b.send);
-                done(take(b.recv)?)
-            }))
-        }))
+        let per = (env.params.chunk / es).max(16 * n);
+        large_reduce(env, buf, 0, Chunks { dtype, op, len, root, per })
     };
     Plan { name, header, start: Box::new(start), reply }
+}
+
+/// A large exact all_reduce / reduce, processed `per` elements at a time.
+#[derive(Clone, Copy)]
+struct Chunks {
+    dtype: DType,
+    op: ReduceOp,
+    len: usize,
+    root: Option<usize>,
+    per: usize,
+}
+
+/// Chunk `[off, off + per)` of a large exact reduction, then the next one.
+fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks) -> Result<Step, CommError> {
+    let (me, n, dtype) = (env.rank, env.size, c.dtype);
+    let clen = c.per.min(c.len - off);
+    let parts: Vec<(usize, usize)> = (0..n)
+        .map(|j| {
+            let (lo, l) = slice_of(clen, n, j);
+            (off + lo, l)
+        })
+        .collect();
+    let mine = parts[me].1;
+    let recv_parts: Vec<(usize, usize)> = (0..n).map(|i| (i * mine, mine)).collect();
+    let req = raw::ialltoallv(env.comm, buf, &parts, env.buffer(dtype, n * mine), &recv_parts)?;
+    Ok(wait(req, move |env, b| {
+        let (buf, slices) = (take(b.send)?, take(b.recv)?);
+        let mut reduced = env.buffer(dtype, mine);
+        kernels::reduce(dtype, c.op, &blocks(&slices, n, mine), reduced.as_bytes_mut());
+        env.recycle(Some(slices));
+        let next = move |env: &Env<'_>, buf: HostBuffer| {
+            if off + clen < c.len {
+                large_reduce(env, buf, off + clen, c)
+            } else {
+                done(buf)
+            }
+        };
+        match c.root {
+            None => {
+                let req = raw::iallgatherv(env.comm, reduced, buf, &parts)?;
+                Ok(wait(req, move |env, b| {
+                    env.recycle(b.send);
+                    next(env, take(b.recv)?)
+                }))
+            }
+            Some(r) if r == me => {
+                let req = raw::igatherv(env.comm, reduced, Some(buf), &parts, r as i32)?;
+                Ok(wait(req, move |env, b| {
+                    env.recycle(b.send);
+                    next(env, take(b.recv)?)
+                }))
+            }
+            Some(r) => {
+                // Non-roots keep their input: send the slice, keep `buf` as it is.
+                let req = raw::igatherv(env.comm, reduced, None, &parts, r as i32)?;
+                Ok(wait(req, move |env, b| {
+                    env.recycle(b.send);
+                    next(env, buf)
+                }))
+            }
+        }
+    }))
 }
 
 fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
@@ -457,18 +497,35 @@ fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
                 done(out)
             }));
         }
-        // Block j of every input to rank j, which reduces them in rank order.
-        let req = raw::ialltoall(env.comm, r.input, env.buffer(dtype, len))?;
-        Ok(wait(req, move |env, b| {
-            let mine = take(b.recv)?;
-            let mut out = out;
-            kernels::reduce(dtype, op, &blocks(&mine, n, block), out.as_bytes_mut());
-            env.recycle(Some(mine));
-            env.recycle(b.send);
-            done(out)
-        }))
+        if block == 0 {
+            return done(out);
+        }
+        // Block j of every input to rank j, which reduces them in rank order; chunk by chunk.
+        let per = (env.params.chunk / n / dtype.size()).max(16);
+        scatter_reduce(env, r.input, out, 0, Chunks { dtype, op, len: block, root: None, per })
     };
     Plan { name: "reduce_scatter", header, start: Box::new(start), reply }
+}
+
+/// Chunk `[off, off + per)` of every block of a large exact reduce_scatter into `out`, then
+/// the next one.
+fn scatter_reduce(env: &Env<'_>, input: HostBuffer, out: HostBuffer, off: usize, c: Chunks) -> Result<Step, CommError> {
+    let (n, dtype, es) = (env.size, c.dtype, c.dtype.size());
+    let clen = c.per.min(c.len - off);
+    let send_parts: Vec<(usize, usize)> = (0..n).map(|j| (j * c.len + off, clen)).collect();
+    let recv_parts: Vec<(usize, usize)> = (0..n).map(|i| (i * clen, clen)).collect();
+    let req = raw::ialltoallv(env.comm, input, &send_parts, env.buffer(dtype, n * clen), &recv_parts)?;
+    Ok(wait(req, move |env, b| {
+        let (input, mine) = (take(b.send)?, take(b.recv)?);
+        let mut out = out;
+        kernels::reduce(dtype, c.op, &blocks(&mine, n, clen), &mut out.as_bytes_mut()[off * es..(off + clen) * es]);
+        env.recycle(Some(mine));
+        if off + clen < c.len {
+            return scatter_reduce(env, input, out, off + clen, c);
+        }
+        env.recycle(Some(input));
+        done(out)
+    }))
 }
 
 fn plan_all_to_all(r: AllToAll, reply: Reply) -> Plan {

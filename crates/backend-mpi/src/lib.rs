@@ -108,6 +108,9 @@ pub struct MpiOptions {
     /// Exact float reductions of at most this many bytes × (ranks − 1) gather every input to
     /// every rank (one round); larger ones use reduce-scatter + all-gather.
     pub small_max: usize,
+    /// Larger exact reductions are done this many bytes at a time (so each piece's traffic
+    /// and reduction stay in cache).
+    pub chunk: usize,
     /// How long the actor busy-polls before yielding the core; `None` picks 50 µs, or 0 when
     /// this node's ranks outnumber its cores.
     pub spin: Option<Duration>,
@@ -122,6 +125,7 @@ impl Default for MpiOptions {
             reduction: Reduction::Exact,
             check: true,
             small_max: 256 << 10,
+            chunk: 1 << 20,
             spin: None,
             abort_on_panic: true,
         }
@@ -138,8 +142,8 @@ fn env_bool(name: &str, v: &str) -> Result<bool, CommError> {
 
 impl MpiOptions {
     /// Defaults, overridden by `COMM_TIMEOUT` (seconds), `COMM_MPI_REDUCTION` (`exact` or
-    /// `native`), `COMM_MPI_CHECK` (`1`/`0`), `COMM_MPI_SMALL_MAX` (bytes, optional `K`/`M`
-    /// suffix), `COMM_MPI_SPIN_US` and `COMM_MPI_ABORT_ON_PANIC` (`1`/`0`).
+    /// `native`), `COMM_MPI_CHECK` (`1`/`0`), `COMM_MPI_SMALL_MAX` and `COMM_MPI_CHUNK` (bytes,
+    /// optional `K`/`M` suffix), `COMM_MPI_SPIN_US` and `COMM_MPI_ABORT_ON_PANIC` (`1`/`0`).
     pub fn from_env() -> Result<Self, CommError> {
         let mut o = MpiOptions::default();
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
@@ -161,6 +165,11 @@ impl MpiOptions {
                 CommError::Config(format!("COMM_MPI_SMALL_MAX={v:?} is not a size (e.g. 256K, 65536)"))
             })?;
         }
+        if let Some(v) = var("COMM_MPI_CHUNK") {
+            o.chunk = parse_size(&v)
+                .filter(|&c| c > 0)
+                .ok_or_else(|| CommError::Config(format!("COMM_MPI_CHUNK={v:?} is not a size (e.g. 1M, 65536)")))?;
+        }
         if let Some(v) = var("COMM_MPI_SPIN_US") {
             let us = v
                 .trim()
@@ -180,6 +189,7 @@ impl MpiOptions {
             reduction: self.reduction,
             check: self.check,
             small_max: self.small_max,
+            chunk: self.chunk.max(1),
             spin: self.spin,
         }
     }

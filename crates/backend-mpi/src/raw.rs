@@ -621,17 +621,6 @@ pub(crate) fn iscatter(
     })
 }
 
-/// `MPI_Ialltoall` with equal blocks of `send.len() / size` elements.
-pub(crate) fn ialltoall(comm: &Comm, send: HostBuffer, recv: HostBuffer) -> Result<Request, CommError> {
-    let dt = datatype(send.dtype());
-    let n = count("all_to_all", send.len() / comm.size as usize)?;
-    debug_assert_eq!(send.len(), recv.len());
-    Request::start("MPI_Ialltoall", dt, Bufs { send: Some(send), recv: Some(recv) }, vec![], |s, r, _, req| {
-        // SAFETY: `s` and `r` both hold `size × n` elements (rule 2).
-        unsafe { ffi::MPI_Ialltoall(s, n, dt, r, n, dt, comm.raw, req) }
-    })
-}
-
 /// `MPI_Ialltoallv`: `send_parts[j]` of `send` to rank `j`, whose block lands at
 /// `recv_parts[i]` of rank `j`'s `recv` for sender `i`. Parts are `(offset, len)` in elements.
 pub(crate) fn ialltoallv(

@@ -92,9 +92,11 @@ fn conformance_2_ranks() {
     conformance(2, &[]);
 }
 
+/// Three ranks (uneven slices) with tiny thresholds, so every reduction of the suite takes
+/// the large, chunked path, many chunks per op.
 #[test]
-fn conformance_3_ranks() {
-    conformance(3, &[]);
+fn conformance_3_ranks_chunked() {
+    conformance(3, &[("COMM_MPI_SMALL_MAX", "1K"), ("COMM_MPI_CHUNK", "4K")]);
 }
 
 #[test]
