@@ -307,6 +307,9 @@ pub(crate) struct Engine {
     zc_maps: Vec<(String, Arc<Segment>)>,
 }
 
+/// How long an inline caller keeps yielding for late peers after its spin, before it parks.
+const INLINE_YIELD: Duration = Duration::from_micros(200);
+
 /// How many peer zero-copy buffers stay mapped between ops.
 const ZC_CACHE: usize = 16;
 
@@ -433,13 +436,21 @@ impl Engine {
         self.announce(k);
         let t0 = Instant::now();
         while !self.reached(k) {
-            if t0.elapsed() >= budget {
+            let waited = t0.elapsed();
+            if waited >= budget + INLINE_YIELD {
                 self.parked = Some(Parked { op, k, hdr, done: None });
                 return Inline::Parked;
             }
-            // A true spin: the budget is zero when ranks outnumber cores, and otherwise the
-            // peer runs on another core and arrives within microseconds.
-            std::hint::spin_loop();
+            if waited < budget {
+                // A true spin: the peer runs on another core and arrives within microseconds
+                // (`budget` is zero when ranks outnumber cores).
+                std::hint::spin_loop();
+            } else {
+                // Then give the core away while waiting a little longer: on a busy or small
+                // machine the peer may need it, and parking costs two wake-ups (ours and our
+                // caller's), which would make the ranks alternate between parking.
+                std::thread::yield_now();
+            }
         }
         Inline::Done(self.read_step(&mut op, k, &hdr).map(|()| op))
     }
