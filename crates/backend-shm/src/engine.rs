@@ -1105,28 +1105,36 @@ impl Engine {
         let (ins, outs) = r.splits(n as u32);
         let out_len: usize = outs.iter().sum();
         let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, out_len));
-        let hdr = self.header(OP_ALL_TO_ALL, dtype, 0, 0, None);
-        // Step 0: everyone publishes its send splits, so each rank checks that what it
-        // expects from every peer is what that peer sends, and all agree on the rounds.
-        let mine: Vec<u64> = ins.iter().map(|&x| x as u64).collect();
-        let mut matrix = vec![0u64; n * n];
-        self.step(&hdr, |io| match io {
-            Io::Write(w) => w[..n * 8].copy_from_slice(bytemuck::cast_slice(&mine)),
-            Io::Read(views, _) => {
-                for (p, v) in views.iter().enumerate() {
-                    matrix[p * n..(p + 1) * n].copy_from_slice(bytemuck::cast_slice(&v[..n * 8]));
+        // Equal blocks need no agreement beyond the length, which the header checks. Uneven
+        // ones start with a step where everyone publishes its send splits, so each rank checks
+        // that what it expects from every peer is what that peer sends, and all agree on the
+        // rounds. (Every rank must use the same form.)
+        let equal = r.input_splits.is_none() && r.output_splits.is_none();
+        let hdr = StepHeader {
+            aux: u64::from(!equal),
+            ..self.header(OP_ALL_TO_ALL, dtype, if equal { r.input.len() } else { 0 }, 0, None)
+        };
+        let mut matrix = vec![(r.input.len() / n) as u64; n * n];
+        if !equal {
+            let mine: Vec<u64> = ins.iter().map(|&x| x as u64).collect();
+            self.step(&hdr, |io| match io {
+                Io::Write(w) => w[..n * 8].copy_from_slice(bytemuck::cast_slice(&mine)),
+                Io::Read(views, _) => {
+                    for (p, v) in views.iter().enumerate() {
+                        matrix[p * n..(p + 1) * n].copy_from_slice(bytemuck::cast_slice(&v[..n * 8]));
+                    }
                 }
-            }
-        })?;
-        for (p, &expect) in outs.iter().enumerate() {
-            let sends = matrix[p * n + me] as usize;
-            if sends != expect {
-                return Err(CommError::Mismatch {
-                    op: "all_to_all",
-                    detail: format!(
-                        "rank {p} sends {sends} elements to rank {me}, but rank {me}'s output_splits expect {expect}"
-                    ),
-                });
+            })?;
+            for (p, &expect) in outs.iter().enumerate() {
+                let sends = matrix[p * n + me] as usize;
+                if sends != expect {
+                    return Err(CommError::Mismatch {
+                        op: "all_to_all",
+                        detail: format!(
+                            "rank {p} sends {sends} elements to rank {me}, but rank {me}'s output_splits expect {expect}"
+                        ),
+                    });
+                }
             }
         }
         let input = r.input.as_bytes();

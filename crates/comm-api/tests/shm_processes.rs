@@ -115,7 +115,7 @@ fn mismatches_across_ranks() {
     multiprocess::run(2, "mismatches_across_ranks", T, || async {
         let rank = pg_rank();
         let world = connect().await?;
-        for case in 0..3 {
+        for case in 0..4 {
             // A fresh sub-group per case: a mismatch poisons only the group it happened in.
             let pg = world.new_group(&[0, 1]).await.map_err(|e| e.to_string())?.ok_or("not a member")?;
             let r = match (case, rank) {
@@ -123,8 +123,12 @@ fn mismatches_across_ranks() {
                 (0, _) => pg.all_reduce(HostBuffer::zeroed(DType::F64, 8), ReduceOp::Sum).await,
                 (1, 0) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 8), ReduceOp::Sum).await,
                 (1, _) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 9), ReduceOp::Sum).await,
-                (_, 0) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 8), ReduceOp::Sum).await,
-                (_, _) => pg.broadcast(HostBuffer::zeroed(DType::F32, 8), 0).await,
+                (2, 0) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 8), ReduceOp::Sum).await,
+                (2, _) => pg.broadcast(HostBuffer::zeroed(DType::F32, 8), 0).await,
+                // Uneven all_to_all whose splits disagree: rank 0 sends 3 to rank 1, which
+                // expects 2 from it.
+                (_, 0) => pg.all_to_all_single_uneven(HostBuffer::zeroed(DType::I32, 4), vec![1, 3], vec![1, 2]).await,
+                (_, _) => pg.all_to_all_single_uneven(HostBuffer::zeroed(DType::I32, 4), vec![2, 2], vec![2, 2]).await,
             };
             let e = expect_err(r, "mismatch")?;
             let msg = e.to_string();
