@@ -340,10 +340,11 @@ fn slice_of(len: usize, parts: usize, i: usize) -> (usize, usize) {
 }
 
 /// Whether a reduction is done by us (rank order, bit-identical to the reference) rather than
-/// by an MPI op: always in exact mode; in native mode for 8-bit sums, which Open MPI 4.1's
-/// AVX kernels saturate instead of wrapping.
-fn local_reduction(params: &Params, dtype: DType, op: ReduceOp) -> bool {
-    params.reduction == Reduction::Exact || (matches!(dtype, DType::U8 | DType::I8) && op == ReduceOp::Sum)
+/// by an MPI op: always in exact mode; in native mode for 8-bit integers, which MPI libraries
+/// get wrong (Open MPI 4.1's AVX kernels saturate sums instead of wrapping; MPICH 4.0
+/// compares `uint8_t` as signed in min/max).
+fn local_reduction(params: &Params, dtype: DType) -> bool {
+    params.reduction == Reduction::Exact || matches!(dtype, DType::U8 | DType::I8)
 }
 
 /// The MPI op for a reduction MPI performs: built-in for integers and (native mode) f32/f64,
@@ -371,7 +372,7 @@ fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) 
         let (me, n) = (env.rank, env.size);
         let root = root.map(|r| r as usize);
         let keep = root.is_none_or(|r| r == me);
-        if !local_reduction(env.params, dtype, op) {
+        if !local_reduction(env.params, dtype) {
             let mpi = mpi_op(env, dtype, op)?;
             let recv = keep.then(|| env.buffer(dtype, len));
             let req = match root {
@@ -486,7 +487,7 @@ fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
         let n = env.size;
         let block = len / n;
         let out = r.output.unwrap_or_else(|| env.buffer(dtype, block));
-        if !local_reduction(env.params, dtype, op) {
+        if !local_reduction(env.params, dtype) {
             let req = raw::ireduce_scatter_block(env.comm, r.input, out, mpi_op(env, dtype, op)?)?;
             return Ok(wait(req, move |env, b| {
                 env.recycle(b.send);

@@ -18,7 +18,8 @@
 //!   order (f16/bf16 accumulate in f32 and round once), so results are bit-identical on every
 //!   rank, at every world size, and to `comm_test::reference` and the shm backend. MPI's own
 //!   reductions may combine ranks in any order (user-defined ops also round f16/bf16 at every
-//!   step), and Open MPI 4.1's AVX kernels saturate 8-bit sums instead of wrapping. Small
+//!   step), and MPI's 8-bit kernels can be wrong (Open MPI 4.1 saturates sums, MPICH 4.0
+//!   compares `uint8_t` as signed). Small
 //!   messages: all-gather + local reduce (one round); large ones: `alltoallv` of slices +
 //!   local reduce + `allgatherv` (bandwidth-optimal, like a ring). [`Reduction::Native`] (opt
 //!   in) hands reductions to MPI: built-in ops for integers and f32/f64, user-defined MPI ops
@@ -80,7 +81,8 @@ pub enum Reduction {
     /// By MPI (`MPI_Iallreduce` and friends): built-in ops for integers and f32/f64,
     /// user-defined MPI ops combining in f32 for f16/bf16 (each step rounds to 16 bits).
     /// Float results can differ in the last bits from `Exact` (and between world sizes) from
-    /// three ranks on. 8-bit sums stay exact (Open MPI 4.1's AVX kernels saturate them).
+    /// three ranks on. 8-bit integers are still reduced by this backend (Open MPI 4.1's AVX
+    /// kernels saturate their sums, MPICH 4.0 compares `uint8_t` as signed).
     Native,
 }
 

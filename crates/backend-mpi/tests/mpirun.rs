@@ -4,6 +4,10 @@
 //! Each test re-executes this test binary under `mpirun` with `COMM_MPI_CHILD=<scenario>`;
 //! the `child` test runs the scenario on every rank (and does nothing otherwise). Tests skip,
 //! with a message, when `mpirun` is not installed. Jobs run one at a time.
+//!
+//! Against MPICH (Debian: `mpich libmpich-dev`), in a target directory of its own because
+//! mpi-sys does not rebuild when `MPICC` changes:
+//! `MPICC=mpicc.mpich MPIRUN=mpiexec.mpich CARGO_TARGET_DIR=target-mpich cargo test -p backend-mpi`.
 
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
