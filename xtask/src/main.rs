@@ -27,6 +27,8 @@ commands:
                    The nccl feature is built, linted and unit-tested too (no GPU needed:
                    its GPU tests print `skipped: no CUDA device`).
   ci               the same as `test` (what .ci/run calls).
+  deps             installs the system packages the mpi backend needs (apt, when missing; as
+                   root), as `test` does first.
   gpu-test [--no-run]
                    the NCCL backend's GPU tests (conformance suite on 1 rank, and on 2 where
                    two GPUs are visible; zero-copy device ops; abort on timeout) and comm-api's
@@ -81,6 +83,13 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("test" | "ci") => test(&args[1..]),
         Some("bench") => bench(&args[1..]),
+        Some("deps") if args.len() == 1 => step("system packages of the mpi backend", || {
+            if mpi::ensure_packages()? {
+                Ok(())
+            } else {
+                Err(Failure { code: 1, msg: "the mpi backend's packages are missing (see above)".into() })
+            }
+        }),
         Some("gpu-test") => gpu_test(&args[1..]),
         Some("help" | "-h" | "--help") => {
             println!("{USAGE}");
