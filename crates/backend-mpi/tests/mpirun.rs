@@ -115,6 +115,15 @@ fn conformance_native_reductions_2_ranks() {
     conformance(2, &[("COMM_MPI_REDUCTION", "native")]);
 }
 
+/// DeepSpeed's isend blocked until matched (PR 8303): here rank 0's 8 MiB isend is in flight
+/// while both ranks run collectives, and rank 1 posts the matching recv only after them.
+#[test]
+fn an_isend_does_not_block_collectives() {
+    let Some(job) = job(2, "overlap", &[], Duration::from_secs(120)) else { return };
+    assert_eq!(job.code, Some(0), "the job failed: {job}");
+    assert_eq!(lines(&job, "OVERLAP-OK").len(), 2, "both ranks finished: {job}");
+}
+
 #[test]
 fn mismatched_calls_are_errors_not_aborts() {
     let Some(job) = job(2, "mismatch", &[], Duration::from_secs(120)) else { return };
@@ -163,6 +172,7 @@ fn child() {
         match scenario.as_str() {
             "suite" => suite().await,
             "mismatch" => mismatch().await,
+            "overlap" => overlap().await,
             "timeout" => timeout().await,
             "kill" => kill().await,
             "panic" => panic().await,
@@ -210,6 +220,29 @@ fn expect_mismatch<T: std::fmt::Debug>(what: &str, me: u32, got: Result<T, CommE
         }
         other => panic!("{what} on rank {me}: expected a Mismatch naming {needles:?}, got {other:?}"),
     }
+}
+
+async fn overlap() -> i32 {
+    let w = MpiBackend::init(opts(Duration::from_secs(30))).await.unwrap();
+    let me = w.rank();
+    let big = 2 << 20; // 8 MiB of f32: far above every eager limit
+    let data: Vec<f32> = (0..big).map(|i| i as f32).collect();
+    let t = Instant::now();
+    let send = (me == 0).then(|| w.submit(Send { buf: f32s(&data), dst: 1, tag: 9 }));
+    for _ in 0..3 {
+        let sum = w.submit(AllReduce { buf: f32s(&[1.0; 1000]), op: ReduceOp::Sum }).await.unwrap();
+        assert_eq!(sum.to_vec::<f32>().unwrap(), vec![2.0; 1000]);
+        Collective::<Barrier>::submit(&w, Barrier).await.unwrap();
+    }
+    if let Some(s) = send {
+        s.await.unwrap();
+    } else {
+        let got = w.submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::F32, big), src: 0, tag: 9 }).await.unwrap();
+        assert_eq!(got.to_vec::<f32>().unwrap(), data);
+    }
+    println!("OVERLAP-OK rank {me} in {:.1?}", t.elapsed());
+    w.shutdown().await.unwrap();
+    0
 }
 
 /// Every sub-case on a fresh world group (a mismatch poisons its group).
