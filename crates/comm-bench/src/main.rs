@@ -7,6 +7,8 @@
 //! table and optionally writes JSON; every rank exits 1 when any element was wrong.
 
 mod cases;
+#[cfg(feature = "profiling")]
+mod overhead;
 mod report;
 mod sizes;
 
@@ -103,6 +105,14 @@ struct Cli {
     /// backend's zero-copy memory where it has one.
     #[arg(long)]
     zero_copy: bool,
+    /// Profile every op (a span each, recorded by a CommsLogger) and print the CommsLogger
+    /// summary with the per-rank straggler view after the bench (feature `profiling`).
+    #[arg(long, conflicts_with = "profile_overhead")]
+    profile: bool,
+    /// Instead of the table: run each row with profiling off, on with no subscriber, and on
+    /// with a CommsLogger, interleaved, and print the overhead (feature `profiling`).
+    #[arg(long)]
+    profile_overhead: bool,
 }
 
 /// The parsed, validated request.
@@ -119,6 +129,11 @@ struct Plan {
     json: Option<PathBuf>,
     check: bool,
     zero_copy: bool,
+    // Only acted on with the `profiling` feature; without it `from_cli` refuses them.
+    #[cfg_attr(not(feature = "profiling"), allow(dead_code))]
+    profile: bool,
+    #[cfg_attr(not(feature = "profiling"), allow(dead_code))]
+    profile_overhead: bool,
 }
 
 impl Plan {
@@ -150,6 +165,11 @@ impl Plan {
                 return Err(format!("--redop {redop} is not defined for {d}"));
             }
         }
+        if (cli.profile || cli.profile_overhead) && !cfg!(feature = "profiling") {
+            return Err("--profile and --profile-overhead need comm-bench built with the `profiling` feature \
+                 (cargo build -p comm-bench --features profiling; `cargo xtask bench --profile` does it)"
+                .into());
+        }
         Ok(Plan {
             colls,
             dtypes,
@@ -161,6 +181,8 @@ impl Plan {
             warmup: cli.warmup.map(|n| n as usize),
             json: cli.json,
             check: !cli.no_check,
+            profile: cli.profile,
+            profile_overhead: cli.profile_overhead,
             zero_copy: cli.zero_copy,
         })
     }
@@ -213,7 +235,26 @@ fn main() -> ExitCode {
 
 /// Runs the whole plan; returns the number of wrong elements over every row and rank.
 async fn run(plan: &Plan) -> Result<u64, CommError> {
-    let pg = comm_api::init(Config::from_env()?).await?;
+    let builder = comm_api::builder(Config::from_env()?);
+    #[cfg(feature = "profiling")]
+    let (builder, logger) = if plan.profile {
+        use comm_api::profiling::{CommsConfig, CommsLogger, ProfilingLayer};
+        use tracing_subscriber::layer::SubscriberExt;
+        let logger = CommsLogger::new(CommsConfig::default());
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(logger.clone()))
+            .map_err(|e| CommError::Config(format!("--profile: {e}")))?;
+        (builder.profiling(ProfilingLayer::new()), Some(logger))
+    } else {
+        (builder, None)
+    };
+    let pg = builder.init().await?;
+    #[cfg(feature = "profiling")]
+    if plan.profile_overhead {
+        overhead::run(&pg, plan).await?;
+        quiet(|| pg.barrier()).await?;
+        pg.shutdown().await?;
+        return Ok(0);
+    }
     let (rank, n) = (pg.rank(), pg.world_size());
     if plan.root >= n && plan.colls.iter().any(|c| c.rooted()) {
         return Err(CommError::Config(format!("--root {} is out of range for {n} ranks", plan.root)));
@@ -264,9 +305,23 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
             println!("# JSON written to {}", path.display());
         }
     }
-    pg.barrier().await?;
+    #[cfg(feature = "profiling")]
+    if let Some(logger) = logger {
+        // Collective: every rank takes part; rank 0 prints.
+        logger.log_summary_with_stragglers(pg.backend()).await?;
+    }
+    quiet(|| pg.barrier()).await?;
     pg.shutdown().await?;
     Ok(wrong)
+}
+
+/// Runs `f` (which submits bookkeeping ops: barriers outside the clock, the exchange of
+/// results) without profiling, so `--profile` reports the benchmarked ops only.
+fn quiet<T>(f: impl FnOnce() -> T) -> T {
+    #[cfg(feature = "profiling")]
+    return comm_api::profiling::without_profiling(f);
+    #[cfg(not(feature = "profiling"))]
+    f()
 }
 
 fn print_preamble(plan: &Plan, pg: &ProcessGroup, git_rev: Option<&str>) {
@@ -332,10 +387,10 @@ async fn bench_row(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<Row, Co
 
     // Same numbers on every rank: the slowest rank's time, the sum of wrong elements.
     let mean = elapsed.as_secs_f64() / iters as f64;
-    let time = pg.all_reduce(HostBuffer::from_slice(&[mean]), ReduceOp::Max).await?.to_vec::<f64>()?[0];
+    let time = quiet(|| pg.all_reduce(HostBuffer::from_slice(&[mean]), ReduceOp::Max)).await?.to_vec::<f64>()?[0];
     let wrong = match wrong {
         Some(w) => {
-            let all = pg.all_reduce(HostBuffer::from_slice(&[w as i64]), ReduceOp::Sum).await?;
+            let all = quiet(|| pg.all_reduce(HostBuffer::from_slice(&[w as i64]), ReduceOp::Sum)).await?;
             Some(all.to_vec::<i64>()?[0] as u64)
         }
         None => None,
@@ -376,7 +431,7 @@ async fn run_iters(
         let left = iters - done;
         let batch = if in_place { left } else { (POOL_BYTES / template.byte_len().max(1)).clamp(1, left) };
         let mut pool: Vec<HostBuffer> = if in_place { Vec::new() } else { vec![template.clone(); batch] };
-        pg.barrier().await?;
+        quiet(|| pg.barrier()).await?;
         let start = Instant::now();
         for _ in 0..batch {
             let taken = slot.take();
@@ -447,6 +502,15 @@ mod tests {
         assert_eq!(p.colls.len(), 6);
         assert_eq!(p.dtypes.len(), 8);
         assert_eq!((p.iters_for(8), p.warmup_for(7)), (7, 0));
+    }
+
+    #[test]
+    fn profile_flags_need_the_feature() {
+        match plan(&["--profile"]) {
+            Ok(p) => assert!(cfg!(feature = "profiling") && p.profile && !p.profile_overhead),
+            Err(e) => assert!(!cfg!(feature = "profiling") && e.contains("`profiling` feature"), "{e}"),
+        }
+        assert!(plan(&["--profile", "--profile-overhead"]).is_err());
     }
 
     #[test]

@@ -145,7 +145,11 @@ impl<T: Send + 'static> Work<T> {
     /// assert_eq!(*seen.lock().unwrap(), Some(true));
     /// ```
     pub fn on_complete(mut self, hook: impl FnOnce(Completion<'_>) + Send + 'static) -> Self {
-        self.add_hook(Box::new(hook));
+        match &self.inner {
+            // Ops that finished inline: no box, no lock (the profiling layer's hot path).
+            Inner::Ready(r) => hook(Completion { error: r.as_ref().and_then(|r| r.as_ref().err()), detached: false }),
+            _ => self.add_hook(Box::new(hook)),
+        }
         self
     }
 

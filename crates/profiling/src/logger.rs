@@ -126,9 +126,41 @@ pub(crate) struct Stats {
     pub(crate) detached: u64,
 }
 
+/// FxHash (rustc's): the keys are a few short strings and integers, hashed once per op on
+/// the recording path, where SipHash's DoS resistance buys nothing.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct FxHasher(u64);
+
+impl std::hash::Hasher for FxHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+    fn write_u8(&mut self, n: u8) {
+        self.write_u64(u64::from(n));
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type FxBuild = std::hash::BuildHasherDefault<FxHasher>;
+
 #[derive(Default)]
 pub(crate) struct Records {
-    pub(crate) rows: HashMap<Key, Stats>,
+    pub(crate) rows: HashMap<Key, Stats, FxBuild>,
     /// The process's global rank, as the spans report it.
     pub(crate) rank: Option<u32>,
 }
