@@ -25,7 +25,8 @@ commands:
                    and comm-bench smoke runs on shm and mpi (debug build).
                    --quick skips fmt and clippy.
                    The nccl feature is built, linted and unit-tested too (no GPU needed:
-                   its GPU tests print `skipped: no CUDA device`).
+                   its GPU tests print `skipped: no CUDA device`); so are the profiling and
+                   otel features (the shm smoke run uses --profile).
   ci               the same as `test` (what .ci/run calls).
   deps             installs the system packages the mpi backend needs (apt, when missing; as
                    root), as `test` does first.
@@ -48,6 +49,12 @@ commands:
       --sizes SPEC     8B..64MiB (default), 8B..64MiB:x8, 8B,1KiB,1MiB
       --iters N, --warmup N, --redop OP, --root R, --check, --no-check
       --json PATH      write the JSON report (PATH.<backend>.json per backend when several)
+      --profile        profile every op and print the CommsLogger summary (with the per-rank
+                       straggler view) after the bench (builds comm-bench/profiling)
+      --profile-overhead
+                       instead of the table: the same ops with profiling off, with the layer
+                       but no subscriber, and with a CommsLogger, in interleaved rounds, and
+                       the overhead of each (default sizes 1KiB,1MiB; one backend)
       -- ARGS...       anything after `--` goes to comm-bench as it is
                        (see `target/release/comm-bench --help`)";
 
@@ -59,6 +66,8 @@ const JOB_TIMEOUT: Duration = Duration::from_secs(300);
 const MPI_FEATURES: &str = "comm-api/mpi,comm-bench/mpi";
 /// The feature that builds the nccl backend into comm-api (builds without CUDA).
 const NCCL_FEATURES: &str = "comm-api/nccl";
+/// The features of the profiling layer, its OpenTelemetry export and comm-bench's --profile.
+const PROFILING_FEATURES: &str = "profiling/otel,comm-api/otel,comm-bench/profiling";
 /// comm-bench arguments of the smoke runs in `cargo xtask test`.
 const SMOKE_BENCH: [&str; 10] =
     ["--op", "all", "--dtype", "f32,bf16", "--sizes", "8B..1MiB:x16", "--iters", "5", "--warmup", "1"];
@@ -314,6 +323,7 @@ fn test(args: &[String]) -> Result {
                 c.args(["--exclude", "backend-mpi"]);
             }
             c.args(["--features", NCCL_FEATURES]);
+            c.args(["--features", PROFILING_FEATURES]);
             c.args(["--", "-D", "warnings"]);
             run(c)
         })?;
@@ -321,6 +331,14 @@ fn test(args: &[String]) -> Result {
     step("test", || {
         let mut c = cargo();
         c.args(["test", "--workspace", "--exclude", "backend-mpi"]);
+        run(c)
+    })?;
+    step("profiling and otel features: spans, CommsLogger, OTLP export; comm-api with them", || {
+        let mut c = cargo();
+        c.args(["test", "-p", "profiling", "--all-features"]);
+        run(c)?;
+        let mut c = cargo();
+        c.args(["test", "-p", "comm-api", "--features", "profiling,otel"]);
         run(c)
     })?;
     step("nccl feature: comm-api unit tests with the nccl backend compiled in", || {
@@ -338,6 +356,7 @@ fn test(args: &[String]) -> Result {
     step("build commrun, comm-bench, examples", || {
         let mut c = cargo();
         c.args(["build", "-p", "commrun", "-p", "comm-bench", "-p", "comm-api", "--bins", "--examples"]);
+        c.args(["--features", "comm-bench/profiling"]);
         if with_mpi {
             c.args(["--features", MPI_FEATURES]);
         }
@@ -359,7 +378,7 @@ fn test(args: &[String]) -> Result {
     step("bench smoke (comm-bench, 2 ranks)", || {
         let mut c = Command::new(&commrun);
         c.current_dir(root()).env("COMM_TIMEOUT", "120");
-        c.args(["-n", "2", "--"]).arg(target.join("comm-bench")).args(SMOKE_BENCH);
+        c.args(["-n", "2", "--"]).arg(target.join("comm-bench")).args(SMOKE_BENCH).arg("--profile");
         run_bounded(c, JOB_TIMEOUT)
     })?;
     if with_mpi {
@@ -454,7 +473,7 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
             b.forward.extend(it.by_ref().cloned());
             break;
         }
-        if arg == "--check" || arg == "--no-check" {
+        if ["--check", "--no-check", "--profile", "--profile-overhead"].contains(&arg.as_str()) {
             b.forward.push(arg.clone());
             continue;
         }
@@ -515,6 +534,25 @@ fn backend_features(backends: &[String], bench_manifest: &str) -> Result<Vec<Str
     Ok(features)
 }
 
+/// `--profile` / `--profile-overhead` need comm-bench's `profiling` feature; the overhead run
+/// measures one backend at 1 KiB and 1 MiB unless told otherwise.
+fn profiling_options(b: &mut BenchArgs, features: &mut Vec<String>) -> Result {
+    let has = |flag: &str| b.forward.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+    let overhead = has("--profile-overhead");
+    if overhead || has("--profile") {
+        features.push("comm-bench/profiling".into());
+    }
+    if overhead {
+        if b.backends.len() > 1 {
+            return Err(Failure::usage("--profile-overhead measures one backend at a time"));
+        }
+        if !has("--sizes") {
+            b.forward.extend(["--sizes".to_owned(), "1KiB,1MiB".to_owned()]);
+        }
+    }
+    Ok(())
+}
+
 /// `PATH` for one backend, `PATH` with `.<backend>` before the extension for several.
 fn json_path(path: &Path, backend: &str, several: bool) -> PathBuf {
     if !several {
@@ -541,11 +579,12 @@ fn git_rev() -> String {
 }
 
 fn bench(args: &[String]) -> Result {
-    let b = parse_bench(args)?;
+    let mut b = parse_bench(args)?;
     let manifest = root().join("crates/comm-bench/Cargo.toml");
     let manifest = std::fs::read_to_string(&manifest)
         .map_err(|e| Failure { code: 1, msg: format!("reading {}: {e}", manifest.display()) })?;
-    let features = backend_features(&b.backends, &manifest)?;
+    let mut features = backend_features(&b.backends, &manifest)?;
+    profiling_options(&mut b, &mut features)?;
     if b.backends.iter().any(|x| x == "mpi") && !mpi::ensure_packages()? {
         return Err(Failure { code: 2, msg: "the mpi backend needs MPI installed (see the note above)".into() });
     }
@@ -623,6 +662,21 @@ mod tests {
         assert_eq!(b.json, Some(PathBuf::from("out.json")));
         assert_eq!(b.forward, args("--op all_reduce,all_gather --dtype bf16 --sizes 8B..1MiB:x8 --no-check --root 1"));
         assert_eq!(parse_bench(&args("--backend SHM,mpi")).unwrap().backends, ["shm", "mpi"]);
+    }
+
+    #[test]
+    fn profiling_flags_add_the_feature_and_default_sizes() {
+        let mut b = parse_bench(&args("--profile-overhead")).unwrap();
+        let mut f = vec!["comm-bench/shm".to_owned()];
+        profiling_options(&mut b, &mut f).unwrap();
+        assert_eq!(f, ["comm-bench/shm", "comm-bench/profiling"]);
+        assert_eq!(b.forward, args("--profile-overhead --sizes 1KiB,1MiB"));
+        let mut b = parse_bench(&args("--profile --sizes 8B")).unwrap();
+        let mut f = Vec::new();
+        profiling_options(&mut b, &mut f).unwrap();
+        assert_eq!((f.len(), b.forward), (1, args("--profile --sizes 8B")));
+        let mut b = parse_bench(&args("--backend shm,mpi --profile-overhead")).unwrap();
+        assert!(profiling_options(&mut b, &mut Vec::new()).is_err());
     }
 
     #[test]
