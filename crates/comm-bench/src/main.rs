@@ -6,19 +6,24 @@
 //! iteration whose wrong elements are counted on every rank and summed. Rank 0 prints the
 //! table and optionally writes JSON; every rank exits 1 when any element was wrong.
 
+mod baseline;
 mod cases;
 #[cfg(feature = "profiling")]
 mod overhead;
+mod plot;
+mod progress;
 mod report;
+mod saved;
 mod sizes;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use comm_api::{CommError, Config, DType, HostBuffer, ProcessGroup, ReduceOp};
 
+use baseline::Baseline;
 use cases::{shape, Case, Coll};
 use report::Row;
 
@@ -57,19 +62,47 @@ CHECKING:
   in every dtype; sums stay exact up to 63 ranks). #wrong is the number of wrong elements,
   summed over ranks; any wrong element makes every rank exit 1.
 
-JSON (--json PATH, written by rank 0):
-  {\"host\", \"cpu\", \"nproc\", \"git_rev\" (env COMM_BENCH_GIT_REV), \"timestamp\" (RFC 3339 UTC),
-   \"backend\", \"np\", \"time\", \"args\", \"rows\": [{\"op\", \"dtype\", \"bytes\", \"count\", \"redop\",
-   \"root\", \"iters\", \"warmup\", \"time_us\", \"algbw_gbps\", \"busbw_gbps\", \"wrong\" (null
-   with --no-check), \"backend\", \"np\"}]}
+JSON (--json PATH, written by rank 0; schema 1):
+  schema      1 (raised when a field changes meaning or goes away)
+  host        host name;  cpu: CPU model (/proc/cpuinfo);  nproc: CPUs available to rank 0
+  git_rev     git revision (env COMM_BENCH_GIT_REV, as cargo xtask bench sets it; else the
+              source tree this binary was built from; null when unknown)
+  start, end  RFC 3339 UTC times of the first row's start and the last row's end;
+              timestamp: the same as end (older readers)
+  backend, np the backend and the number of ranks;  time: what time_us means
+  args        comm-bench's arguments
+  rows        one object per table line: op, dtype, bytes (size(B)), count, redop (\"none\" for
+              data movement), root (-1: none), iters, warmup, time_us, algbw_gbps, busbw_gbps
+              (GB/s = 1e9 B/s), wrong (null with --no-check), backend, np
+  Readers (--baseline, comm-bench plot) ignore unknown fields, and rows without backend / np
+  take the document's.
+
+BASELINE (--baseline PATH[,PATH...]):
+  Compares this run with saved --json reports: each table line gains base(GB/s), the saved
+  busbw, and new/old = busbw(this run) / busbw(saved), above 1 when this run is faster. Rows
+  match on (backend, op, dtype, bytes, np); a row the baseline lacks shows `-`. The footer
+  gives the geometric mean, min and max of new/old.
+
+PROGRESS (--progress, on rank 0's stderr; stdout keeps the table):
+  auto: a bar redrawn in place when stderr is a terminal, nothing otherwise (under commrun or
+  mpirun, or redirected); bar; lines: `comm-bench progress: DONE/TOTAL ROW` per row, for a
+  launcher that draws its own bar (cargo xtask bench); off.
+
+PLOT (comm-bench plot --svg OUT.svg REPORT.json...):
+  busbw (GB/s) against size (log2 axis, ticks in B/KiB/MiB/GiB), one line per backend and
+  dtype (and op, and rank count, where the reports hold several), with a legend and a title
+  naming the host, CPU, ranks and git revision. Reports of several runs (one per backend,
+  say) go on one plot.
 
 ENVIRONMENT:
   The launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), COMM_BACKEND, COMM_TIMEOUT.";
 
 /// nccl-tests–style collective benchmark; run one process per rank (commrun -n N -- comm-bench).
 #[derive(Parser, Debug)]
-#[command(name = "comm-bench", version, after_help = AFTER_HELP)]
+#[command(name = "comm-bench", version, after_help = AFTER_HELP, args_conflicts_with_subcommands = true)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Collectives, comma-separated: all_reduce, all_gather, reduce_scatter, broadcast,
     /// all_to_all, reduce, or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all_reduce", value_name = "OPS")]
@@ -95,6 +128,13 @@ struct Cli {
     /// Write the results as JSON to this file (rank 0).
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
+    /// Compare with saved --json reports: each row gains the saved busbw and new/old (see
+    /// BASELINE below).
+    #[arg(long, value_delimiter = ',', value_name = "PATH")]
+    baseline: Vec<PathBuf>,
+    /// Progress on rank 0's stderr (see PROGRESS below).
+    #[arg(long, value_enum, default_value = "auto", value_name = "MODE")]
+    progress: progress::Mode,
     /// Check every row's results (the default).
     #[arg(long, overrides_with = "no_check")]
     check: bool,
@@ -115,6 +155,13 @@ struct Cli {
     profile_overhead: bool,
 }
 
+/// What comm-bench does other than benchmarking.
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Plot saved --json reports as an SVG (see PLOT below).
+    Plot(plot::PlotArgs),
+}
+
 /// The parsed, validated request.
 #[derive(Debug)]
 struct Plan {
@@ -127,6 +174,8 @@ struct Plan {
     iters: Option<usize>,
     warmup: Option<usize>,
     json: Option<PathBuf>,
+    baseline: Option<Baseline>,
+    progress: progress::Mode,
     check: bool,
     zero_copy: bool,
     // Only acted on with the `profiling` feature; without it `from_cli` refuses them.
@@ -170,6 +219,7 @@ impl Plan {
                  (cargo build -p comm-bench --features profiling; `cargo xtask bench --profile` does it)"
                 .into());
         }
+        let baseline = if cli.baseline.is_empty() { None } else { Some(Baseline::load(&cli.baseline)?) };
         Ok(Plan {
             colls,
             dtypes,
@@ -180,6 +230,8 @@ impl Plan {
             iters: cli.iters.map(|n| n as usize),
             warmup: cli.warmup.map(|n| n as usize),
             json: cli.json,
+            baseline,
+            progress: cli.progress,
             check: !cli.no_check,
             profile: cli.profile,
             profile_overhead: cli.profile_overhead,
@@ -206,7 +258,17 @@ fn dedup<T: PartialEq + Copy>(v: &mut Vec<T>) {
 }
 
 fn main() -> ExitCode {
-    let plan = match Plan::from_cli(Cli::parse()) {
+    let cli = Cli::parse();
+    if let Some(Command::Plot(args)) = &cli.command {
+        return match plot::main(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("comm-bench plot: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let plan = match Plan::from_cli(cli) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("comm-bench: {e}");
@@ -260,41 +322,67 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
         return Err(CommError::Config(format!("--root {} is out of range for {n} ranks", plan.root)));
     }
     let leader = rank == 0;
-    let git_rev = std::env::var("COMM_BENCH_GIT_REV").ok().filter(|s| !s.is_empty());
+    let git_rev = if leader {
+        std::env::var("COMM_BENCH_GIT_REV").ok().filter(|s| !s.is_empty()).or_else(report::git_rev)
+    } else {
+        None
+    };
     if leader {
         print_preamble(plan, &pg, git_rev.as_deref());
     }
+    let start = report::timestamp();
+    let total = plan
+        .colls
+        .iter()
+        .flat_map(|&c| plan.dtypes.iter().flat_map(move |&d| plan.sizes.iter().map(move |&s| (c, d, s))))
+        .filter(|&(c, d, s)| shape(c, d, s, n).is_some())
+        .count();
+    let mut progress = progress::Progress::stderr(plan.progress, total, leader);
     let mut rows = Vec::new();
     for &coll in &plan.colls {
         if leader {
-            println!("#");
-            println!("# {coll}: busbw factor {:.3} ({n} ranks)", coll.bus_factor(n));
-            println!("{}", report::column_header());
+            progress.println("#");
+            progress.println(&format!("# {coll}: busbw factor {:.3} ({n} ranks)", coll.bus_factor(n)));
+            let extra = if plan.baseline.is_some() { Baseline::header() } else { String::new() };
+            progress.println(&format!("{}{extra}", report::column_header()));
         }
         for &dtype in &plan.dtypes {
             for &size in &plan.sizes {
                 let Some(shape) = shape(coll, dtype, size, n) else { continue };
                 let case = Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n };
+                progress.start_row(&format!("{coll} {dtype} {}", sizes::format_size(shape.bytes)));
                 let row = bench_row(&pg, plan, case).await?;
+                progress.row_done();
                 if leader {
-                    println!("{}", report::format_row(&row));
+                    let extra = plan.baseline.as_ref().map(|b| b.cells(&row)).unwrap_or_default();
+                    progress.println(&format!("{}{extra}", report::format_row(&row)));
                 }
                 rows.push(row);
             }
         }
     }
+    progress.finish();
+    let end = report::timestamp();
     let wrong: u64 = rows.iter().filter_map(|r| r.wrong).sum();
     if leader {
         for line in report::footer(&rows, &plan.colls) {
             println!("{line}");
         }
+        if let Some(b) = &plan.baseline {
+            for line in b.footer(&rows) {
+                println!("{line}");
+            }
+        }
         if let Some(path) = &plan.json {
             let doc = report::Report {
+                schema: report::SCHEMA,
                 host: report::hostname(),
                 cpu: report::cpu_model(),
                 nproc: std::thread::available_parallelism().map_or(1, usize::from),
                 git_rev,
-                timestamp: report::timestamp(),
+                start,
+                timestamp: end.clone(),
+                end,
                 backend: pg.backend_name(),
                 np: n,
                 time: "mean wall time per op, max over ranks",
@@ -353,6 +441,13 @@ fn print_preamble(plan: &Plan, pg: &ProcessGroup, git_rev: Option<&str>) {
         if plan.zero_copy { "  buffers: zero-copy (alloc_buffer)" } else { "" }
     );
     println!("# time: mean wall time per op, max over ranks; GB/s = 1e9 B/s; size(B) as nccl-tests (see --help)");
+    if let Some(b) = &plan.baseline {
+        println!(
+            "# baseline: {} ({} rows); base(GB/s) = its busbw, new/old = busbw / base(GB/s), - = not in it",
+            b.sources(),
+            b.len()
+        );
+    }
 }
 
 /// Times one row and checks it; every rank returns the same row.

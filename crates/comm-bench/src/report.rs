@@ -30,13 +30,22 @@ pub(crate) struct Row {
     pub(crate) np: u32,
 }
 
-/// The JSON document `--json` writes.
+/// The version of the JSON layout (`schema`); raised when a field changes meaning or goes.
+pub(crate) const SCHEMA: u32 = 1;
+
+/// The JSON document `--json` writes (its fields are listed in `comm-bench --help`).
 #[derive(Debug, Serialize)]
 pub(crate) struct Report<'a> {
+    pub(crate) schema: u32,
     pub(crate) host: String,
     pub(crate) cpu: String,
     pub(crate) nproc: usize,
     pub(crate) git_rev: Option<String>,
+    /// When the first row started (after the process group was up), RFC 3339 UTC.
+    pub(crate) start: String,
+    /// When the last row ended, RFC 3339 UTC.
+    pub(crate) end: String,
+    /// The same as `end` (the field's name before `start` / `end` existed).
     pub(crate) timestamp: String,
     pub(crate) backend: &'static str,
     pub(crate) np: u32,
@@ -138,6 +147,21 @@ pub(crate) fn hostname() -> String {
         .find_map(|p| std::fs::read_to_string(p).ok().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()))
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| "unknown".to_owned())
+}
+
+/// The git revision of the source tree this binary was built from, when that tree is still
+/// there (`git rev-parse --short HEAD` in it); `cargo xtask bench` passes its own instead
+/// (`COMM_BENCH_GIT_REV`).
+pub(crate) fn git_rev() -> Option<String> {
+    std::process::Command::new("git")
+        .args(["-C", env!("CARGO_MANIFEST_DIR"), "rev-parse", "--short", "HEAD"])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|s| !s.is_empty())
 }
 
 /// The CPU model, from `/proc/cpuinfo` where there is one.
