@@ -247,12 +247,16 @@ impl fmt::Display for Summary {
                 "# straggler view over {} ranks (this is group rank {}): min = fastest rank per call (the op itself), straggler = own - min (waiting for others)",
                 s.ranks, s.group_rank
             )?;
+            let mut last = None;
             let rows = s
                 .rows
                 .iter()
                 .map(|r| {
+                    let label = op_label(&r.op, r.caller.as_deref());
+                    let first = last.as_ref() != Some(&label);
+                    last = Some(label.clone());
                     vec![
-                        op_label(&r.op, r.caller.as_deref()),
+                        if first { label } else { String::new() },
                         r.size.clone(),
                         format!("{}{}", r.count, if r.counts_differ { "*" } else { "" }),
                         format!("{:.2}", r.total_min_us),
@@ -328,15 +332,17 @@ impl CommsLogger {
         G: Collective<AllGather> + Collective<AllReduce> + ?Sized,
     {
         let mut summary = self.summary();
-        let local: HashMap<String, Vec<u64>> = {
+        // In key order (op, caller, group size, bytes), which rank 0's list then gives everyone.
+        let ordered: Vec<(String, Vec<u64>)> = {
             let records = self.records();
-            records.rows.iter().map(|(k, s)| (ident(k), s.samples_ns.clone())).collect()
+            let mut keys: Vec<&Key> = records.rows.keys().collect();
+            keys.sort();
+            keys.into_iter().map(|k| (ident(k), records.rows[k].samples_ns.clone())).collect()
         };
+        let text: String = ordered.iter().map(|(id, s)| format!("{id}\t{}\n", s.len())).collect();
+        let local: HashMap<String, Vec<u64>> = ordered.into_iter().collect();
         let n = group.world_size() as usize;
         let me = group.rank() as usize;
-        let mut ids: Vec<&String> = local.keys().collect();
-        ids.sort();
-        let text: String = ids.iter().map(|id| format!("{id}\t{}\n", local[*id].len())).collect();
 
         let len = HostBuffer::from_slice(&[text.len() as i64]);
         let max = without_profiling(|| group.submit(AllReduce { buf: len, op: ReduceOp::Max })).await?;

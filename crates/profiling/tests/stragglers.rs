@@ -80,3 +80,28 @@ fn nothing_recorded_anywhere_is_fine() {
         assert!(st.rows.is_empty() && st.skipped.is_empty());
     }
 }
+
+#[test]
+fn rows_come_in_key_order_with_numeric_sizes() {
+    let ranks = comm_test::LocalWorld::new(2);
+    let threads: Vec<_> = ranks
+        .into_iter()
+        .map(|g| {
+            std::thread::spawn(move || {
+                let logger = CommsLogger::new(CommsConfig::default());
+                let _g = tracing::subscriber::set_default(tracing_subscriber::registry().with(logger.clone()));
+                let p = ProfilingLayer::new().layer(Mock::new(comm_core::Group::rank(&*g), 2, true));
+                for len in [512, 16, 4096] {
+                    p.submit(AllReduce { buf: HostBuffer::zeroed(DType::F32, len), op: ReduceOp::Sum }).wait().unwrap();
+                }
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                rt.block_on(logger.summary_with_stragglers(&*g)).unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        let st = t.join().unwrap().stragglers.unwrap();
+        let sizes: Vec<u64> = st.rows.iter().map(|r| r.bytes).collect();
+        assert_eq!(sizes, [64, 2048, 16384]);
+    }
+}
