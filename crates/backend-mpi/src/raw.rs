@@ -723,10 +723,17 @@ pub(crate) struct HalfOps {
 macro_rules! half_op {
     ($name:ident, $t:ty, $f:expr) => {
         unsafe extern "C" fn $name(inv: *mut c_void, inout: *mut c_void, len: *mut c_int, _dt: *mut ffi::MPI_Datatype) {
-            // SAFETY: MPI calls this with two distinct arrays of `*len` elements of the datatype
-            // the op is used with, which is always `uint16_t` (f16/bf16 bits).
+            if len.is_null() {
+                return;
+            }
+            // SAFETY: `len` is MPI's non-null pointer to the element count of this call.
+            let n = unsafe { *len }.max(0) as usize;
+            if n == 0 || inv.is_null() || inout.is_null() {
+                return;
+            }
+            // SAFETY: MPI calls this with two distinct, non-null arrays of `n` elements of the
+            // datatype the op is used with, which is always `uint16_t` (f16/bf16 bits).
             let (x, y) = unsafe {
-                let n = (*len).max(0) as usize;
                 (std::slice::from_raw_parts(inv.cast::<$t>(), n), std::slice::from_raw_parts_mut(inout.cast::<$t>(), n))
             };
             let f: fn(f32, f32) -> f32 = $f;
