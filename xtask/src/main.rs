@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 mod compare;
 mod mpi;
+mod progress;
 
 const USAGE: &str = "\
 usage: cargo xtask <command> [options]
@@ -41,7 +42,9 @@ commands:
                    `commrun -n NP -- comm-bench ...` once per backend (`mpirun -np NP
                    comm-bench ...` for mpi); with several backends, a side-by-side table with
                    the time ratio of each to the first follows.
-      --backend LIST   comma list of backends (default shm; compiled-in ones only)
+      --backend LIST   comma list of backends (default shm; compiled-in ones only); `all`:
+                       shm, mpi where MPI is installed (or installable: apt, as root), nccl
+                       where `nvidia-smi -L` (or /dev/nvidiaN) shows NP GPUs
       --np N           ranks (default 2)
       --op LIST        all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,reduce or all
                        (default all_reduce)
@@ -49,6 +52,13 @@ commands:
       --sizes SPEC     8B..64MiB (default), 8B..64MiB:x8, 8B,1KiB,1MiB
       --iters N, --warmup N, --redop OP, --root R, --check, --no-check
       --json PATH      write the JSON report (PATH.<backend>.json per backend when several)
+      --svg PATH       plot busbw against size (log2 axis) as an SVG, one line per backend and
+                       dtype (`comm-bench plot` on the runs' JSON reports)
+      --baseline PATH  compare with a saved --json report (or, when PATH is not there, its
+                       PATH.<backend>.json siblings): every row gains the saved busbw and
+                       new/old; rows match on backend, op, dtype, size and ranks (`-`: none)
+      --no-progress    no progress display (default: a bar on stderr when it is a terminal,
+                       else a line every 10 s of a longer run)
       --profile        profile every op and print the CommsLogger summary (with the per-rank
                        straggler view) after the bench (builds comm-bench/profiling)
       --profile-overhead
@@ -460,13 +470,27 @@ struct BenchArgs {
     backends: Vec<String>,
     np: u32,
     json: Option<PathBuf>,
+    /// `--svg`: where the plot goes.
+    svg: Option<PathBuf>,
+    /// `--baseline` reports.
+    baseline: Vec<PathBuf>,
+    /// Show the progress (not `--no-progress`).
+    progress: bool,
     /// Flags passed through to comm-bench.
     forward: Vec<String>,
 }
 
 fn parse_bench(args: &[String]) -> Result<BenchArgs> {
     const FORWARDED: [&str; 8] = ["--op", "--dtype", "--sizes", "--iters", "--warmup", "--redop", "--root", "--json"];
-    let mut b = BenchArgs { backends: vec!["shm".into()], np: 2, json: None, forward: Vec::new() };
+    let mut b = BenchArgs {
+        backends: vec!["shm".into()],
+        np: 2,
+        json: None,
+        svg: None,
+        baseline: Vec::new(),
+        progress: true,
+        forward: Vec::new(),
+    };
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         if arg == "--" {
@@ -477,11 +501,15 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
             b.forward.push(arg.clone());
             continue;
         }
+        if arg == "--no-progress" {
+            b.progress = false;
+            continue;
+        }
         let (flag, inline) = match arg.split_once('=') {
             Some((f, v)) if f.starts_with("--") => (f, Some(v.to_owned())),
             _ => (arg.as_str(), None),
         };
-        if flag != "--backend" && flag != "--np" && !FORWARDED.contains(&flag) {
+        if !["--backend", "--np", "--svg", "--baseline"].contains(&flag) && !FORWARDED.contains(&flag) {
             return Err(Failure::usage(format!("`bench` does not take `{arg}`")));
         }
         let value = match inline {
@@ -501,6 +529,8 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
                     .ok_or_else(|| Failure::usage(format!("--np {value}: expected a number of ranks ≥ 1")))?;
             }
             "--json" => b.json = Some(PathBuf::from(value)),
+            "--svg" => b.svg = Some(PathBuf::from(value)),
+            "--baseline" => b.baseline.extend(value.split(',').filter(|s| !s.is_empty()).map(PathBuf::from)),
             _ => b.forward.extend([flag.to_owned(), value]),
         }
     }
@@ -553,6 +583,97 @@ fn profiling_options(b: &mut BenchArgs, features: &mut Vec<String>) -> Result {
     Ok(())
 }
 
+/// `all` in `--backend`, in its place: every backend comm-bench has a feature for that can
+/// run here: shm; mpi when `mpi_ok` (MPI installed, or installed now); nccl when `gpus` (the
+/// GPUs of this host) are at least `np`. Duplicates go.
+fn expand_backends(
+    requested: &[String],
+    features: &[String],
+    np: u32,
+    mpi_ok: impl FnOnce() -> Result<bool>,
+    gpus: impl FnOnce() -> usize,
+) -> Result<Vec<String>> {
+    let mut out: Vec<String> = Vec::new();
+    let mut mpi_ok = Some(mpi_ok);
+    let mut gpus = Some(gpus);
+    for r in requested {
+        let picked: Vec<String> = if r == "all" {
+            let mut v = Vec::new();
+            for k in BACKENDS {
+                if !features.iter().any(|f| f == k) {
+                    println!("note: --backend all: comm-bench has no `{k}` feature, skipping {k}");
+                    continue;
+                }
+                let usable = match k {
+                    "mpi" => mpi_ok.take().map_or(Ok(false), |f| f())?,
+                    "nccl" => {
+                        let n = gpus.take().map_or(0, |f| f());
+                        if n < np as usize {
+                            println!("note: --backend all: {n} GPU(s) here for {np} rank(s), skipping nccl");
+                        }
+                        n >= np as usize
+                    }
+                    _ => true,
+                };
+                if usable {
+                    v.push(k.to_owned());
+                } else if k == "mpi" {
+                    println!("note: --backend all: MPI is not installed here, skipping mpi");
+                }
+            }
+            v
+        } else {
+            vec![r.clone()]
+        };
+        for p in picked {
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The GPUs of this host: `nvidia-smi -L` lines, else `/dev/nvidiaN` device files.
+fn gpu_count() -> usize {
+    if let Ok(o) = Command::new("nvidia-smi").arg("-L").stdin(std::process::Stdio::null()).output() {
+        if o.status.success() {
+            return String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count();
+        }
+    }
+    std::fs::read_dir("/dev").map_or(0, |d| {
+        d.filter_map(|e| e.ok())
+            .filter(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                name.strip_prefix("nvidia").is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+            })
+            .count()
+    })
+}
+
+/// The reports `--baseline PATH` stands for: PATH itself, or where it is not there, the
+/// `PATH.<backend>.json` files of an earlier run with several backends.
+fn baseline_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for p in paths {
+        if p.is_file() {
+            out.push(p.clone());
+            continue;
+        }
+        let siblings: Vec<PathBuf> = BACKENDS.iter().map(|k| json_path(p, k, true)).filter(|s| s.is_file()).collect();
+        if siblings.is_empty() {
+            return Err(Failure::usage(format!(
+                "--baseline {}: no such report (nor {})",
+                p.display(),
+                json_path(p, "<backend>", true).display()
+            )));
+        }
+        out.extend(siblings);
+    }
+    Ok(out)
+}
+
 /// `PATH` for one backend, `PATH` with `.<backend>` before the extension for several.
 fn json_path(path: &Path, backend: &str, several: bool) -> PathBuf {
     if !several {
@@ -583,8 +704,22 @@ fn bench(args: &[String]) -> Result {
     let manifest = root().join("crates/comm-bench/Cargo.toml");
     let manifest = std::fs::read_to_string(&manifest)
         .map_err(|e| Failure { code: 1, msg: format!("reading {}: {e}", manifest.display()) })?;
+    b.backends = expand_backends(&b.backends, &cargo_features(&manifest), b.np, mpi::ensure_packages, gpu_count)?;
+    if b.backends.is_empty() {
+        return Err(Failure { code: 2, msg: "--backend all: no backend can run here".into() });
+    }
     let mut features = backend_features(&b.backends, &manifest)?;
     profiling_options(&mut b, &mut features)?;
+    if (b.svg.is_some() || !b.baseline.is_empty()) && b.forward.iter().any(|a| a == "--profile-overhead") {
+        return Err(Failure::usage("--svg and --baseline need the table: they do not go with --profile-overhead"));
+    }
+    // comm-bench runs in the workspace root: paths the user gave are relative to here.
+    let cwd = env::current_dir().unwrap_or_else(|_| root());
+    for p in b.json.iter_mut().chain(b.svg.iter_mut()).chain(b.baseline.iter_mut()) {
+        *p = cwd.join(&*p);
+    }
+    let baseline = baseline_files(&b.baseline)?;
+    let progress = b.progress && !b.forward.iter().any(|a| a == "--progress" || a.starts_with("--progress="));
     if b.backends.iter().any(|x| x == "mpi") && !mpi::ensure_packages()? {
         return Err(Failure { code: 2, msg: "the mpi backend needs MPI installed (see the note above)".into() });
     }
@@ -602,7 +737,7 @@ fn bench(args: &[String]) -> Result {
     for backend in &b.backends {
         let json = match &b.json {
             Some(p) => Some(json_path(p, backend, several)),
-            None if several => Some(compare::scratch(&target_root, backend)),
+            None if several || b.svg.is_some() => Some(compare::scratch(&target_root, backend)),
             None => None,
         };
         let r = step(&format!("bench {backend}, {} ranks", b.np), || {
@@ -615,6 +750,12 @@ fn bench(args: &[String]) -> Result {
             };
             c.current_dir(root()).env("COMM_BACKEND", backend).env("COMM_BENCH_GIT_REV", &rev);
             c.arg(target.join("comm-bench"));
+            if progress {
+                c.args(["--progress", "lines"]);
+            }
+            for p in &baseline {
+                c.arg("--baseline").arg(p);
+            }
             c.args(&b.forward);
             if let Some(p) = &json {
                 if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -622,7 +763,11 @@ fn bench(args: &[String]) -> Result {
                 }
                 c.arg("--json").arg(p);
             }
-            run(c)
+            if progress {
+                progress::run_relayed(c, &format!("bench {backend}"))
+            } else {
+                run(c)
+            }
         });
         match r {
             Ok(()) => reports.extend(json.map(|p| (backend.clone(), p))),
@@ -635,6 +780,14 @@ fn bench(args: &[String]) -> Result {
     if several && reports.len() > 1 {
         println!("\n== {} side by side ==", b.backends.join(" vs "));
         print!("{}", compare::table(&compare::load(&reports)?, b.np));
+    }
+    if let (Some(svg), false) = (&b.svg, reports.is_empty()) {
+        step("plot", || {
+            let mut c = Command::new(target.join("comm-bench"));
+            c.current_dir(root()).arg("plot").arg("--svg").arg(svg);
+            c.args(reports.iter().map(|(_, p)| p));
+            run(c)
+        })?;
     }
     match first_failure {
         None => Ok(()),
@@ -696,6 +849,50 @@ mod tests {
         assert!(e.contains("no `mpi` feature") && e.contains("usable now: shm"), "{e}");
         let e = backend_features(&["gloo".into()], manifest).unwrap_err().msg;
         assert!(e.contains("unknown backend `gloo`"), "{e}");
+    }
+
+    #[test]
+    fn bench_plot_baseline_and_progress_flags() {
+        let b = parse_bench(&args("--svg out.svg --baseline a.json --baseline=b.json,c.json --no-progress")).unwrap();
+        assert_eq!(b.svg, Some(PathBuf::from("out.svg")));
+        assert_eq!(b.baseline, [PathBuf::from("a.json"), PathBuf::from("b.json"), PathBuf::from("c.json")]);
+        assert!(!b.progress && b.forward.is_empty());
+        assert!(parse_bench(&[]).unwrap().progress);
+        assert!(parse_bench(&args("--svg")).is_err());
+    }
+
+    #[test]
+    fn backend_all_is_what_can_run_here() {
+        let features: Vec<String> = ["default", "shm", "mpi", "nccl", "profiling"].map(String::from).into();
+        let all = |req: &str, np: u32, mpi: bool, gpus: usize| {
+            let req: Vec<String> = req.split(',').map(String::from).collect();
+            expand_backends(&req, &features, np, || Ok(mpi), || gpus).unwrap()
+        };
+        assert_eq!(all("all", 2, true, 2), ["shm", "mpi", "nccl"]);
+        assert_eq!(all("all", 2, false, 0), ["shm"]);
+        assert_eq!(all("all", 4, true, 2), ["shm", "mpi"], "fewer GPUs than ranks");
+        assert_eq!(all("mpi,all", 2, true, 0), ["mpi", "shm"], "no duplicates, given order first");
+        assert_eq!(all("shm,mpi", 2, false, 0), ["shm", "mpi"], "named backends are kept (and checked later)");
+        let shm_only: Vec<String> = vec!["shm".into()];
+        let r = expand_backends(&["all".into()], &shm_only, 2, || panic!("mpi not asked"), || panic!("gpus")).unwrap();
+        assert_eq!(r, ["shm"]);
+    }
+
+    #[test]
+    fn baseline_paths_fall_back_to_per_backend_reports() {
+        let dir = std::env::temp_dir().join(format!("xtask-baseline-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("one.json"), "{}").unwrap();
+        std::fs::write(dir.join("two.shm.json"), "{}").unwrap();
+        std::fs::write(dir.join("two.mpi.json"), "{}").unwrap();
+        assert_eq!(baseline_files(&[dir.join("one.json")]).unwrap(), [dir.join("one.json")]);
+        assert_eq!(
+            baseline_files(&[dir.join("two.json")]).unwrap(),
+            [dir.join("two.shm.json"), dir.join("two.mpi.json")]
+        );
+        let e = baseline_files(&[dir.join("three.json")]).unwrap_err().msg;
+        assert!(e.contains("three.json: no such report") && e.contains("three.<backend>.json"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

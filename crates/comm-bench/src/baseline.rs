@@ -9,6 +9,7 @@ use std::path::PathBuf;
 
 use crate::report::Row;
 use crate::saved::{SavedReport, SavedRow};
+use crate::sizes::format_size;
 
 /// The match key of a row.
 type Key = (String, String, String, u64, u32);
@@ -80,7 +81,8 @@ impl Baseline {
         for row in rows {
             match self.lookup(row) {
                 Some(old) => ratios.extend(
-                    ratio(row.busbw_gbps, old).map(|r| (format!("{} {} {}B", row.op, row.dtype, row.bytes), r)),
+                    ratio(row.busbw_gbps, old)
+                        .map(|r| (format!("{} {} {}", row.op, row.dtype, format_size(row.bytes)), r)),
                 ),
                 None => missing += 1,
             }
@@ -202,7 +204,7 @@ mod tests {
         let f = b.footer(&rows).join("\n");
         assert!(f.contains("old.json: 2 row(s) compared, 1 not in the baseline"), "{f}");
         // sqrt(1.5 * 0.5)
-        assert!(f.contains("geometric mean 0.866, min 0.50 (all_reduce f32 2048B), max 1.50"), "{f}");
+        assert!(f.contains("geometric mean 0.866, min 0.50 (all_reduce f32 2KiB), max 1.50"), "{f}");
     }
 
     #[test]
