@@ -111,10 +111,12 @@ pub(crate) fn ratio(new: f64, old: f64) -> Option<f64> {
     (old > 0.0 && new.is_finite() && old.is_finite()).then(|| new / old)
 }
 
-/// The `new/old` cell: two decimals, or `-` when there is no baseline row (or it is 0).
+/// The `new/old` cell: two decimals (below 0.1, two significant digits: `3.4e-3`, not a
+/// misleading `0.00`), or `-` when there is no baseline row (or its busbw is 0).
 pub(crate) fn format_ratio(new: f64, old: Option<f64>) -> String {
     match old.and_then(|o| ratio(new, o)) {
-        Some(r) => format!("{r:.2}"),
+        Some(r) if r >= 0.095 || r == 0.0 => format!("{r:.2}"),
+        Some(r) => format!("{r:.1e}"),
         None => "-".to_owned(),
     }
 }
@@ -184,6 +186,9 @@ mod tests {
         assert_eq!(format_ratio(1.0, Some(3.0)), "0.33");
         assert_eq!(format_ratio(1.0, None), "-");
         assert_eq!(format_ratio(1.0, Some(0.0)), "-");
+        assert_eq!(format_ratio(0.0034, Some(1.0)), "3.4e-3");
+        assert_eq!(format_ratio(0.0, Some(1.0)), "0.00");
+        assert_eq!(format_ratio(0.096, Some(1.0)), "0.10");
         let b = Baseline::from_reports(&[saved()]);
         let cells = b.cells(&row("shm", "f32", 1024, 2, 3.0));
         assert_eq!(cells.split_whitespace().collect::<Vec<_>>(), ["2.00", "1.50"]);
