@@ -158,7 +158,7 @@ struct Cli {
 /// What comm-bench does other than benchmarking.
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Plot saved --json reports as an SVG (see PLOT below).
+    /// Plot saved --json reports as an SVG (see PLOT in `comm-bench --help`).
     Plot(plot::PlotArgs),
 }
 
