@@ -102,6 +102,10 @@ fn reduce_generic(dtype: DType, op: ReduceOp, inputs: &[Src<'_>], out: &mut [u8]
 /// An element type and how it is accumulated.
 trait Lane: bytemuck::Pod {
     type Acc: Copy + Default + std::ops::Div<Output = Self::Acc> + PartialOrd;
+    /// Whether blocks are converted in bulk (`load_block`/`store_block`) rather than element
+    /// by element inside the combining loop: only worth it where the bulk conversion is a
+    /// hardware instruction the per-element one cannot vectorise into (f16 through F16C).
+    const BULK: bool = false;
     fn load(self) -> Self::Acc;
     fn store(acc: Self::Acc) -> Self;
     /// Bulk `load` of a block into accumulators.
@@ -138,6 +142,7 @@ identity_lane!(u8, i8, i32, i64, f32, f64);
 
 impl Lane for f16 {
     type Acc = f32;
+    const BULK: bool = true;
     #[inline(always)]
     fn load(self) -> f32 {
         self.to_f32()
@@ -235,16 +240,30 @@ fn run<T: Lane>(
         let (acc, tmp) = (&mut acc[..m], &mut tmp[..m]);
         T::load_block(bufs[0].map_or(&out[range.clone()], |b| &b[range.clone()]), acc);
         for b in &bufs[1..] {
-            T::load_block(b.map_or(&out[range.clone()], |b| &b[range.clone()]), tmp);
-            for (a, &t) in acc.iter_mut().zip(tmp.iter()) {
-                *a = combine(*a, t);
+            let x = b.map_or(&out[range.clone()], |b| &b[range.clone()]);
+            if T::BULK {
+                T::load_block(x, tmp);
+                for (a, &t) in acc.iter_mut().zip(tmp.iter()) {
+                    *a = combine(*a, t);
+                }
+            } else {
+                // Convert while combining: one pass over the block instead of two.
+                for (a, &x) in acc.iter_mut().zip(x) {
+                    *a = combine(*a, x.load());
+                }
             }
         }
-        for a in acc.iter_mut() {
-            *a = finish(*a);
-        }
         // Every input of this block is read: now `out` may be overwritten.
-        T::store_block(acc, &mut out[range.clone()]);
+        if T::BULK {
+            for a in acc.iter_mut() {
+                *a = finish(*a);
+            }
+            T::store_block(acc, &mut out[range.clone()]);
+        } else {
+            for (o, &a) in out[range.clone()].iter_mut().zip(acc.iter()) {
+                *o = T::store(finish(a));
+            }
+        }
         if let Some(c) = copy.as_deref_mut() {
             c[range.clone()].copy_from_slice(&out[range]);
         }
