@@ -55,7 +55,7 @@
 #![deny(unsafe_code)]
 
 mod actor;
-mod kernels;
+use comm_kernels as kernels;
 #[allow(unsafe_code)] // the one audited module; see its docs
 mod raw;
 

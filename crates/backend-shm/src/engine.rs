@@ -19,11 +19,11 @@ use std::time::{Duration, Instant};
 use comm_core::ops::{AllGather, AllReduce, AllToAll, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send};
 use comm_core::{CommError, Completer, DType, HostBuffer, Rank, ReduceOp};
 
-use crate::kernels::{self, Src};
 use crate::layout::*;
 use crate::segment::Segment;
 use crate::sys::{futex_wait, futex_wake, ProcId};
 use crate::zerocopy::ShmBuf;
+use comm_kernels::{self as kernels, Src};
 
 /// What the handle sends to the worker.
 pub(crate) enum Command {

@@ -20,7 +20,6 @@
 //! per-pair mailboxes, progressed concurrently with collectives.
 
 mod engine;
-mod kernels;
 mod layout;
 mod segment;
 mod sys;

@@ -1,4 +1,8 @@
-//! Reduction kernels: combine the same range of several ranks' buffers, in rank order.
+//! Reduction kernels of comm: combine the same range of several ranks' buffers, in rank order.
+//!
+//! Shared by the backends that reduce on the host (shm, and mpi, which reduces itself to stay
+//! bit-identical with the reference); a crate of its own because backends never depend on
+//! each other and comm-core stays free of `unsafe`.
 //!
 //! The order is fixed (input 0 first), so every rank that reduces the same inputs gets
 //! bit-identical results. f16/bf16 accumulate in f32 across all inputs and round once
@@ -17,8 +21,8 @@ const BLOCK: usize = 1024;
 const SMALL: usize = 64;
 
 /// One input of a reduction.
-#[derive(Clone, Copy)]
-pub(crate) enum Src<'a> {
+#[derive(Clone, Copy, Debug)]
+pub enum Src<'a> {
     /// A separate buffer.
     Buf(&'a [u8]),
     /// The current contents of the output buffer (an in-place input).
@@ -28,7 +32,7 @@ pub(crate) enum Src<'a> {
 /// `out = inputs[0] ⊕ inputs[1] ⊕ ...` elementwise, in input order. `Avg` divides by the
 /// number of inputs. All slices have `out.len()` bytes, aligned for `dtype`, and the op was
 /// validated for the dtype (`ReduceOp::applies_to`).
-pub(crate) fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
+pub fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
     let srcs: Vec<Src<'_>> = inputs.iter().map(|b| Src::Buf(b)).collect();
     reduce_to(dtype, op, &srcs, out, None);
 }
@@ -36,7 +40,7 @@ pub(crate) fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8
 /// Like [`reduce`], but an input may be `out` itself ([`Src::Out`], read before it is
 /// overwritten), and the result is also written to `copy` when given — one pass over the data
 /// where a separate copy-in or copy-out would be another.
-pub(crate) fn reduce_to(dtype: DType, op: ReduceOp, inputs: &[Src<'_>], out: &mut [u8], copy: Option<&mut [u8]>) {
+pub fn reduce_to(dtype: DType, op: ReduceOp, inputs: &[Src<'_>], out: &mut [u8], copy: Option<&mut [u8]>) {
     debug_assert!(inputs.iter().all(|i| !matches!(i, Src::Buf(b) if b.len() != out.len())));
     debug_assert!(copy.as_ref().is_none_or(|c| c.len() == out.len()));
     if inputs.is_empty() || out.is_empty() {
@@ -74,6 +78,23 @@ mod avx2 {
         copy: Option<&mut [u8]>,
     ) {
         reduce_generic(dtype, op, inputs, out, copy)
+    }
+}
+
+/// Divides every element by `n` (an `Avg` whose sum was computed elsewhere, e.g. by MPI): in
+/// f32 for f16/bf16, then rounded once. Integer buffers are left as they are.
+pub fn divide(buf: &mut comm_core::HostBuffer, n: usize) {
+    fn each<T: comm_core::Element>(buf: &mut comm_core::HostBuffer, f: impl Fn(T) -> T) {
+        if let Ok(s) = buf.as_mut_slice::<T>() {
+            s.iter_mut().for_each(|x| *x = f(*x));
+        }
+    }
+    match buf.dtype() {
+        DType::F16 => each::<f16>(buf, |x| f16::from_f32(x.to_f32() / n as f32)),
+        DType::BF16 => each::<bf16>(buf, |x| bf16::from_f32(x.to_f32() / n as f32)),
+        DType::F32 => each::<f32>(buf, |x| x / n as f32),
+        DType::F64 => each::<f64>(buf, |x| x / n as f64),
+        _ => {}
     }
 }
 
