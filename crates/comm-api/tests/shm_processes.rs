@@ -279,3 +279,40 @@ fn zero_copy_all_reduce() {
         Ok(())
     });
 }
+
+/// Large all_gather / all_to_all blocks (several window-sized rounds, uneven splits) give the
+/// reference result.
+async fn large_blocks_body() -> Result<(), String> {
+    use comm_test::reference;
+    let pg = connect().await?;
+    let (rank, n) = (pg.rank(), pg.world_size());
+    let e = |e: CommError| e.to_string();
+    let len = 300_007; // f32: 1.2 MB per rank
+    let inputs: Vec<HostBuffer> = (0..n).map(|r| reference::input(DType::F32, len, r, 11)).collect();
+    let refs: Vec<&HostBuffer> = inputs.iter().collect();
+    let got = pg.all_gather(inputs[rank as usize].clone()).await.map_err(e)?;
+    reference::compare(&got, &reference::all_gather(&refs)[rank as usize], "all_gather", rank)?;
+    let eq = len - len % n as usize;
+    let inputs: Vec<HostBuffer> = (0..n).map(|r| reference::input(DType::I32, eq, r, 12)).collect();
+    let refs: Vec<&HostBuffer> = inputs.iter().collect();
+    let got = pg.all_to_all_single(inputs[rank as usize].clone()).await.map_err(e)?;
+    reference::compare(&got, &reference::all_to_all_equal(&refs)[rank as usize], "all_to_all", rank)?;
+    // Uneven: rank i sends (i + j + 1) * 100_000 elements to rank j.
+    let splits = |i: u32| (0..n).map(|j| (i + j + 1) as usize * 100_000).collect::<Vec<_>>();
+    let all: Vec<Vec<usize>> = (0..n).map(splits).collect();
+    let inputs: Vec<HostBuffer> =
+        (0..n).map(|r| reference::input(DType::F32, all[r as usize].iter().sum(), r, 13)).collect();
+    let refs: Vec<&HostBuffer> = inputs.iter().collect();
+    let outs: Vec<usize> = (0..n).map(|i| all[i as usize][rank as usize]).collect();
+    let got = pg
+        .all_to_all_single_uneven(inputs[rank as usize].clone(), all[rank as usize].clone(), outs)
+        .await
+        .map_err(e)?;
+    reference::compare(&got, &reference::all_to_all(&refs, &all)[rank as usize], "uneven all_to_all", rank)?;
+    Ok(())
+}
+
+#[test]
+fn large_blocks() {
+    multiprocess::run(3, "large_blocks", T, large_blocks_body);
+}
