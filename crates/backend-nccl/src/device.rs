@@ -21,6 +21,7 @@
 
 use std::fmt;
 
+use comm_core::ops::{check_len, check_peer, check_reduce, check_root};
 use comm_core::{CommError, Completer, DType, Element, Op, Rank, ReduceOp};
 use cudarc::driver::{CudaContext, CudaSlice, DeviceRepr};
 
@@ -47,37 +48,6 @@ impl<T> fmt::Debug for DeviceInOut<T> {
             .field("output_len", &self.output.len())
             .finish()
     }
-}
-
-fn check_root(op: &'static str, root: Rank, world: u32) -> Result<(), CommError> {
-    if root >= world {
-        return Err(CommError::invalid(op, format!("root {root} is out of range for a group of {world} ranks")));
-    }
-    Ok(())
-}
-
-fn check_reduce(op: &'static str, r: ReduceOp, d: DType) -> Result<(), CommError> {
-    if !r.applies_to(d) {
-        return Err(CommError::invalid(op, format!("reduce op {r} is not defined for {d}")));
-    }
-    Ok(())
-}
-
-fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<(), CommError> {
-    if got != want {
-        return Err(CommError::invalid(op, format!("{what} holds {got} elements, {want} are needed")));
-    }
-    Ok(())
-}
-
-fn check_peer(op: &'static str, peer: Rank, rank: Rank, world: u32) -> Result<(), CommError> {
-    if peer >= world {
-        return Err(CommError::invalid(op, format!("peer rank {peer} is out of range for a group of {world} ranks")));
-    }
-    if peer == rank {
-        return Err(CommError::invalid(op, format!("rank {rank} cannot {op} to/from itself")));
-    }
-    Ok(())
 }
 
 fn same_device<T>(op: &'static str, s: &CudaSlice<T>, ctx: &CudaContext) -> Result<(), CommError> {

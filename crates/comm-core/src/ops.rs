@@ -24,14 +24,19 @@ pub trait Op: std::marker::Send + 'static {
     fn validate(&self, rank: Rank, world_size: u32) -> Result<(), CommError>;
 }
 
-fn check_root(op: &'static str, root: Rank, world: u32) -> Result<(), CommError> {
+// Argument checks shared by every request type, here and in backends' own request types
+// (e.g. NCCL's device-buffer ops), so the same bad input gets the same error everywhere.
+
+/// `root` must be a rank of a group of `world`.
+pub fn check_root(op: &'static str, root: Rank, world: u32) -> Result<(), CommError> {
     if root >= world {
         return Err(CommError::invalid(op, format!("root {root} is out of range for a group of {world} ranks")));
     }
     Ok(())
 }
 
-fn check_reduce(op: &'static str, r: ReduceOp, dtype: DType) -> Result<(), CommError> {
+/// `r` must be defined for `dtype` (bitwise ops: integers; avg: floats).
+pub fn check_reduce(op: &'static str, r: ReduceOp, dtype: DType) -> Result<(), CommError> {
     if !r.applies_to(dtype) {
         let why =
             if r == ReduceOp::Avg { "avg needs a floating-point dtype" } else { "bitwise ops need an integer dtype" };
@@ -40,17 +45,23 @@ fn check_reduce(op: &'static str, r: ReduceOp, dtype: DType) -> Result<(), CommE
     Ok(())
 }
 
-fn check_output(op: &'static str, out: &HostBuffer, dtype: DType, len: usize) -> Result<(), CommError> {
-    if out.dtype() != dtype {
-        return Err(CommError::invalid(op, format!("output buffer is {} but the input is {dtype}", out.dtype())));
-    }
-    if out.len() != len {
-        return Err(CommError::invalid(op, format!("output buffer holds {} elements, {len} are needed", out.len())));
+/// A buffer (`what`) must hold exactly `want` elements.
+pub fn check_len(op: &'static str, what: &str, got: usize, want: usize) -> Result<(), CommError> {
+    if got != want {
+        return Err(CommError::invalid(op, format!("{what} holds {got} elements, {want} are needed")));
     }
     Ok(())
 }
 
-fn check_peer(op: &'static str, peer: Rank, rank: Rank, world: u32) -> Result<(), CommError> {
+fn check_output(op: &'static str, out: &HostBuffer, dtype: DType, len: usize) -> Result<(), CommError> {
+    if out.dtype() != dtype {
+        return Err(CommError::invalid(op, format!("output buffer is {} but the input is {dtype}", out.dtype())));
+    }
+    check_len(op, "output buffer", out.len(), len)
+}
+
+/// `peer` must be another rank of a group of `world` than `rank`.
+pub fn check_peer(op: &'static str, peer: Rank, rank: Rank, world: u32) -> Result<(), CommError> {
     if peer >= world {
         return Err(CommError::invalid(op, format!("peer rank {peer} is out of range for a group of {world} ranks")));
     }
