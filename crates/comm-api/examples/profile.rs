@@ -14,7 +14,9 @@ use tracing_subscriber::layer::SubscriberExt;
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // debug: rows are keyed by the span the op ran in too ("all_reduce [in step]").
     let logger = CommsLogger::new(CommsConfig { debug: true, ..CommsConfig::default() });
-    let subscriber = tracing_subscriber::registry().with(logger.clone());
+    // The profiling layer records into the logger directly; a subscriber is only needed for
+    // the `step` spans to exist (`debug` keys rows by them) and for OpenTelemetry.
+    let subscriber = tracing_subscriber::registry().with(tracing_subscriber::filter::LevelFilter::INFO);
     #[cfg(feature = "otel")]
     let (subscriber, otel) = {
         let otel = comm_api::profiling::otel::OtelConfig::from_env("profile-example")
@@ -28,7 +30,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     tracing::subscriber::set_global_default(subscriber)?;
 
-    let pg = comm_api::builder(Config::from_env()?).profiling(ProfilingLayer::new()).init().await?;
+    let pg = comm_api::builder(Config::from_env()?)
+        .profiling(ProfilingLayer::new().with_logger(logger.clone()))
+        .init()
+        .await?;
     let (rank, n) = (pg.rank(), pg.world_size());
     for step in 0..3 {
         let span = tracing::info_span!("step", step);

@@ -27,7 +27,7 @@
 //! | `shm` | yes | same-host shared memory | nothing | every rank on one host, `/dev/shm` with room for `2 × window + mailboxes` per rank (≈ 8.5 MiB at 2 ranks) |
 //! | `mpi` | no | MPI (Open MPI, MPICH) through rsmpi | an MPI dev package, libclang, pkg-config, a C compiler (Debian: `libopenmpi-dev openmpi-bin libclang-dev pkg-config`) | ranks started by that MPI's `mpirun` |
 //! | `nccl` | no | NCCL (GPUs) through cudarc | nothing (libcuda and libnccl are loaded at run time; cudarc pinned to CUDA 12.8 bindings, `nccl-unpinned` + `backend-nccl/cuda-*` or `CUDARC_CUDA_VERSION` for others) | an NVIDIA driver, NCCL ≥ 2.10 reachable as `libnccl.so`, one GPU per rank (`backend_nccl::is_available()` says what is missing) |
-//! | `profiling` | no | — (a `tracing` span per op, the `CommsLogger` summary; `Builder::profiling`, `comm_api::profiling`) | nothing (pure Rust) | a `tracing` subscriber that wants the spans, e.g. `profiling::CommsLogger`; none costs nothing |
+//! | `profiling` | no | — (a `tracing` span per op, the `CommsLogger` summary; `Builder::profiling`, `comm_api::profiling`) | nothing (pure Rust) | nothing for the summary (`ProfilingLayer::with_logger`); a `tracing` subscriber that wants the spans for anything else — none costs nothing |
 //! | `otel` | no | — (`profiling` + OpenTelemetry export, `profiling::otel`) | nothing native (OTLP over HTTP/protobuf through a small std client: no TLS, no async runtime) | an OTLP/HTTP collector at `http://` (`OTEL_EXPORTER_OTLP_ENDPOINT`, default `http://localhost:4318`), or `OTEL_TRACES_EXPORTER=console` for stdout |
 //!
 //! `Auto` picks `nccl` when the feature is on and a GPU is usable, else `mpi` when an MPI

@@ -301,11 +301,8 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
     #[cfg(feature = "profiling")]
     let (builder, logger) = if plan.profile {
         use comm_api::profiling::{CommsConfig, CommsLogger, ProfilingLayer};
-        use tracing_subscriber::layer::SubscriberExt;
         let logger = CommsLogger::new(CommsConfig::default());
-        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(logger.clone()))
-            .map_err(|e| CommError::Config(format!("--profile: {e}")))?;
-        (builder.profiling(ProfilingLayer::new()), Some(logger))
+        (builder.profiling(ProfilingLayer::new().with_logger(logger.clone())), Some(logger))
     } else {
         (builder, None)
     };

@@ -1,19 +1,28 @@
 //! `--profile-overhead`: the same ops with profiling off and on, in one run.
 //!
-//! Three ways of running each row, on the same backend, interleaved round by round (the order
-//! rotates so drift hits every mode alike):
+//! Four ways of running each row, on the same backend:
 //! - `off`: the plain group, no profiling layer;
-//! - `idle`: the profiling layer, but this thread's subscriber wants no spans (the cost of
-//!   compiling profiling in and leaving it unobserved; measured while another subscriber
-//!   exists in the process, so the callsites are in their "ask each time" state — an upper
-//!   bound for a program that never installs one);
-//! - `on`: the profiling layer with a `CommsLogger` subscriber recording every op.
+//! - `idle`: the profiling layer, no subscriber wants the spans (the cost of compiling
+//!   profiling in and leaving it unobserved);
+//! - `on`: the profiling layer recording into a `CommsLogger` directly
+//!   (`ProfilingLayer::with_logger`, default config: what `--profile` and `Builder::profiling`
+//!   users get), no subscriber;
+//! - `spans`: the profiling layer with a `CommsLogger` installed as a `tracing` subscriber
+//!   layer, recording from the spans (every op timed).
 //!
-//! Each mode's time per op is the mean over the round's iterations, maximum over ranks; the
-//! table shows the best round of each mode (interference from other processes only ever adds
-//! time, so the minimum is the steadiest estimate on a shared machine), the difference to
-//! `off`, and the medians. With one rank (`--np 1`) the op itself is local and short, so the
-//! difference is the layer's own cost per op in absolute terms.
+//! In two phases, because a registered subscriber that wants the spans changes what the others
+//! cost (`tracing` then asks at every callsite instead of caching "never"): first `off`,
+//! `idle` and `on` interleaved round by round for every row (the order rotates so drift hits
+//! every mode alike), with no such subscriber in the process — as in a program that only
+//! keeps the summary; then `off` and `spans` interleaved, once the subscriber exists.
+//!
+//! Each mode's time per op is the mean over the round's iterations, maximum over ranks. The
+//! table shows the best round of `off` (interference from other processes only ever adds
+//! time, so the minimum is the steadiest estimate on a shared machine) and, for each other
+//! mode, its cost: the median over rounds of (mode − `off` of the same round). Pairing within
+//! a round cancels the machine's slow drifts, and the median ignores rounds that another
+//! process disturbed; the percentage is that cost over the best `off`. With one rank
+//! (`--np 1`) the op itself is local and short, so the cost is the layer's own per op.
 
 use std::sync::Arc;
 
@@ -25,98 +34,115 @@ use tracing_subscriber::layer::SubscriberExt;
 use crate::cases::{shape, Case};
 use crate::{run_iters, sizes, Plan};
 
-/// Rounds per row (each runs every mode once).
-const ROUNDS: usize = 15;
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Mode {
-    Off,
-    Idle,
-    On,
-}
-
-const MODES: [Mode; 3] = [Mode::Off, Mode::Idle, Mode::On];
+/// Rounds per row (each runs every mode once). Many short rounds rather than a few long
+/// ones: on a shared machine the best of many finds rounds no other process disturbed.
+const ROUNDS: usize = 41;
 
 /// One measured row, for printing.
 struct Measured {
     label: String,
     iters: usize,
-    /// Best round's µs per op of off, idle, on.
-    best_us: [f64; 3],
-    /// Median round's µs per op of off, idle, on.
-    median_us: [f64; 3],
+    /// Best round's µs per op of `off` in phase 1 and in phase 2.
+    off_us: [f64; 2],
+    /// Median over rounds of (mode − `off` of the round), µs per op: idle, on, spans.
+    cost_us: [f64; 3],
+}
+
+/// Runs `case` through each of `modes` (group, subscriber; the first is the baseline),
+/// interleaved for `ROUNDS` rounds; returns the baseline's best round and, for every mode,
+/// the median over rounds of its difference to the baseline's round.
+async fn measure(
+    pg: &ProcessGroup,
+    case: &Case,
+    plan: &Plan,
+    modes: &[(&ProcessGroup, &Dispatch)],
+) -> Result<(usize, f64, Vec<f64>), CommError> {
+    let template = case.input()?;
+    let iters = plan.iters_for(case.shape.bytes);
+    let warmup = plan.warmup_for(iters);
+    let mut samples = vec![Vec::new(); modes.len()];
+    for round in 0..ROUNDS {
+        for k in 0..modes.len() {
+            let m = (round + k) % modes.len();
+            let (group, dispatch) = modes[m];
+            let mut slot = Some(if case.coll.in_place() { template.clone() } else { case.sentinel_output()? });
+            let _scope = tracing::dispatcher::set_default(dispatch);
+            if round == 0 {
+                run_iters(group, case, warmup, &template, &mut slot).await?;
+            }
+            let t = run_iters(group, case, iters, &template, &mut slot).await?;
+            let mean = t.as_secs_f64() / iters as f64;
+            let max = without_profiling(|| pg.all_reduce(HostBuffer::from_slice(&[mean]), ReduceOp::Max));
+            samples[m].push(max.await?.to_vec::<f64>()?[0] * 1e6);
+        }
+    }
+    let best = samples[0].iter().copied().fold(f64::INFINITY, f64::min);
+    let costs = samples.iter().map(|s| median(s.iter().zip(&samples[0]).map(|(x, base)| x - base).collect())).collect();
+    Ok((iters, best, costs))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 pub(crate) async fn run(pg: &ProcessGroup, plan: &Plan) -> Result<(), CommError> {
     let (rank, n) = (pg.rank(), pg.world_size());
-    let profiled = ProcessGroup::from_backend(
-        Arc::new(ProfilingLayer::new().layer(pg.backend().clone())),
-        pg.world_info().clone(),
-    );
-    let logger = CommsLogger::new(CommsConfig::default());
-    let on = Dispatch::new(tracing_subscriber::registry().with(logger.clone()));
-    // A registered subscriber that wants nothing. (`Dispatch::none()` is not registered: with
-    // `on` as the only registered dispatcher, tracing would cache each callsite's interest
-    // from whichever default was current at its first use, and `idle` would switch `on` off.)
-    let idle = Dispatch::new(tracing::subscriber::NoSubscriber::default());
+    let wrap = |layer: ProfilingLayer| {
+        ProcessGroup::from_backend(Arc::new(layer.layer(pg.backend().clone())), pg.world_info().clone())
+    };
+    let profiled = wrap(ProfilingLayer::new());
+    let direct = CommsLogger::new(CommsConfig::default());
+    let logged = wrap(ProfilingLayer::new().with_logger(direct.clone()));
+    // A registered subscriber that wants nothing, current in every round of phase 1 (and for
+    // `off` in phase 2) so each mode runs under the same kind of dispatcher.
+    let none = Dispatch::new(tracing::subscriber::NoSubscriber::default());
     let leader = rank == 0;
     if leader {
         println!(
-            "# profiling overhead: backend {}, {n} ranks; time per op in us (mean over the iterations, max over ranks), best of {ROUNDS} interleaved rounds (medians in brackets)",
+            "# profiling overhead: backend {}, {n} ranks; time per op in us (mean over the iterations, max over ranks); {ROUNDS} interleaved rounds: off = the best round, the others = median over rounds of (mode - off of the same round)",
             pg.backend_name()
         );
-        println!("# off: no layer | idle: layer, no subscriber wants the spans | on: layer + CommsLogger");
+        println!("# off: no layer | idle: layer, no subscriber wants the spans | on: layer recording into a CommsLogger (with_logger, default sampling)");
+        println!("# then, with a CommsLogger subscriber registered: off again | spans: layer + that subscriber");
     }
-    let mut rows = Vec::new();
+    let mut cases = Vec::new();
     for &coll in &plan.colls {
         for &dtype in &plan.dtypes {
             for &size in &plan.sizes {
                 let Some(shape) = shape(coll, dtype, size, n) else { continue };
-                let case = Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n };
-                let template = case.input()?;
-                let iters = plan.iters_for(case.shape.bytes);
-                let warmup = plan.warmup_for(iters);
-                let mut samples: [Vec<f64>; 3] = Default::default();
-                for round in 0..ROUNDS {
-                    for k in 0..MODES.len() {
-                        let mode = MODES[(round + k) % MODES.len()];
-                        let (group, dispatch) = match mode {
-                            Mode::Off => (pg, &idle),
-                            Mode::Idle => (&profiled, &idle),
-                            Mode::On => (&profiled, &on),
-                        };
-                        let mut slot =
-                            Some(if case.coll.in_place() { template.clone() } else { case.sentinel_output()? });
-                        let _scope = tracing::dispatcher::set_default(dispatch);
-                        if round == 0 {
-                            run_iters(group, &case, warmup, &template, &mut slot).await?;
-                        }
-                        let t = run_iters(group, &case, iters, &template, &mut slot).await?;
-                        let mean = t.as_secs_f64() / iters as f64;
-                        let max = without_profiling(|| pg.all_reduce(HostBuffer::from_slice(&[mean]), ReduceOp::Max));
-                        samples[mode as usize].push(max.await?.to_vec::<f64>()?[0] * 1e6);
-                    }
-                }
-                let sorted = samples.map(|mut v| {
-                    v.sort_by(f64::total_cmp);
-                    v
-                });
-                let m = Measured {
-                    label: format!("{} {} {}", coll.name(), dtype.name(), sizes::format_size(case.shape.bytes)),
-                    iters,
-                    best_us: [0, 1, 2].map(|i| sorted[i][0]),
-                    median_us: [0, 1, 2].map(|i| sorted[i][sorted[i].len() / 2]),
-                };
-                if leader {
-                    println!("{}", format_row(&m));
-                }
-                rows.push(m);
+                cases.push(Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n });
             }
         }
     }
+    let mut rows = Vec::new();
+    for case in &cases {
+        let (iters, off, cost) = measure(pg, case, plan, &[(pg, &none), (&profiled, &none), (&logged, &none)]).await?;
+        rows.push(Measured {
+            label: format!("{} {} {}", case.coll.name(), case.dtype.name(), sizes::format_size(case.shape.bytes)),
+            iters,
+            off_us: [off, 0.0],
+            cost_us: [cost[1], cost[2], 0.0],
+        });
+    }
+    let logger = CommsLogger::new(CommsConfig::default());
+    let spans = Dispatch::new(tracing_subscriber::registry().with(logger.clone()));
+    for (case, row) in cases.iter().zip(&mut rows) {
+        let (_, off, cost) = measure(pg, case, plan, &[(pg, &none), (&profiled, &spans)]).await?;
+        row.off_us[1] = off;
+        row.cost_us[2] = cost[1];
+    }
     if leader {
+        for row in &rows {
+            println!("{}", format_row(row));
+        }
         println!(
-            "# on: the CommsLogger recorded {} ops on rank 0 (every timed and warm-up op of the `on` rounds)",
+            "# the loggers recorded {} (on) and {} (spans) ops on rank 0: every timed and warm-up op of their rounds",
+            direct.operation_count(),
             logger.operation_count()
         );
     }
@@ -124,18 +150,21 @@ pub(crate) async fn run(pg: &ProcessGroup, plan: &Plan) -> Result<(), CommError>
 }
 
 fn format_row(m: &Measured) -> String {
-    let [off, idle, on] = m.best_us;
-    let pct = |x: f64| if off > 0.0 { (x - off) / off * 100.0 } else { 0.0 };
-    let [moff, midle, mon] = m.median_us;
+    let [off, off2] = m.off_us;
+    let [idle, on, spans] = m.cost_us;
+    let pct = |x: f64, base: f64| if base > 0.0 { x / base * 100.0 } else { 0.0 };
     format!(
-        "{:<22} iters {:>5}  off {:>9.3}  idle {:>9.3} ({:>+6.2}%)  on {:>9.3} ({:>+6.2}%)  [{moff:.3} / {midle:.3} / {mon:.3}]",
+        "{:<22} iters {:>5}  off {:>9.3}  idle {:>+8.3} ({:>+6.2}%)  on {:>+8.3} ({:>+6.2}%)  | off {:>9.3}  spans {:>+8.3} ({:>+6.2}%)",
         m.label,
         m.iters,
         off,
         idle,
-        pct(idle),
+        pct(idle, off),
         on,
-        pct(on)
+        pct(on, off),
+        off2,
+        spans,
+        pct(spans, off2)
     )
 }
 
@@ -144,16 +173,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rows_show_the_difference_to_off() {
+    fn rows_show_the_cost_over_off() {
         let m = Measured {
             label: "all_reduce f32 1KiB".into(),
             iters: 1000,
-            best_us: [2.0, 2.01, 2.1],
-            median_us: [2.5, 2.5, 2.75],
+            off_us: [2.0, 2.5],
+            cost_us: [0.01, 0.1, -0.5],
         };
         assert_eq!(
             format_row(&m),
-            "all_reduce f32 1KiB    iters  1000  off     2.000  idle     2.010 ( +0.50%)  on     2.100 ( +5.00%)  [2.500 / 2.500 / 2.750]"
+            "all_reduce f32 1KiB    iters  1000  off     2.000  idle   +0.010 ( +0.50%)  on   +0.100 ( +5.00%)  | off     2.500  spans   -0.500 (-20.00%)"
         );
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
     }
 }

@@ -105,6 +105,24 @@ impl<T: Send + 'static> Work<T> {
         }
     }
 
+    /// How the op ended, if it finished inline (the backend returned a [`Work::ready`]);
+    /// `None` for an op still running or completed by another thread. Lets observers such as
+    /// the profiling layer handle the common inline case without registering a hook.
+    ///
+    /// ```
+    /// use comm_core::{CommError, Work};
+    /// assert!(Work::ready(Ok(1u8)).inline_completion().is_some_and(|c| c.error.is_none()));
+    /// let failed = Work::<u8>::ready(Err(CommError::Shutdown("gone".into())));
+    /// assert!(failed.inline_completion().is_some_and(|c| c.error.is_some()));
+    /// assert!(Work::<u8>::pending().1.inline_completion().is_none());
+    /// ```
+    pub fn inline_completion(&self) -> Option<Completion<'_>> {
+        match &self.inner {
+            Inner::Ready(r) => Some(Completion { error: r.as_ref().and_then(|r| r.as_ref().err()), detached: false }),
+            _ => None,
+        }
+    }
+
     /// Blocks the calling thread until the op completes and returns its result.
     ///
     /// Backends progress ops on their own threads, so this never needs the async runtime to

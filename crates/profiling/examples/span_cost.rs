@@ -1,6 +1,8 @@
 //! The profiling layer's own cost per op, without any transport: an op that completes inline
 //! (a backend doing nothing) submitted through `Profiling` with no subscriber, with a
-//! subscriber that wants nothing, and with a `CommsLogger`. Run in release:
+//! subscriber that wants nothing, with a `CommsLogger` recording directly (`with_logger`,
+//! with its default sampling and timing every call), and with a `CommsLogger` subscriber.
+//! Run in release:
 //! `cargo run --release -p profiling --example span_cost`.
 
 use std::sync::Arc;
@@ -61,11 +63,24 @@ fn main() {
         println!("CommsLogger: {ns:.1} ns/op");
         return;
     }
+    if std::env::args().nth(2).as_deref() == Some("direct") {
+        let every = std::env::var("EVERY").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
+        let enabled = std::env::var("DISABLED").is_err();
+        let direct = CommsLogger::new(CommsConfig { sample_every: every, enabled, ..CommsConfig::default() });
+        let sampled = ProfilingLayer::new().with_logger(direct.clone()).layer(Instant0);
+        let ns = per_op_ns(&sampled, iters);
+        println!("direct: {ns:.1} ns/op");
+        return;
+    }
     let plain = Instant0;
     let profiled = ProfilingLayer::new().layer(Instant0);
     let logger = CommsLogger::new(CommsConfig::default());
     let on = tracing::Dispatch::new(tracing_subscriber::registry().with(logger.clone()));
     let idle = tracing::Dispatch::new(tracing::subscriber::NoSubscriber::default());
+    let direct = CommsLogger::new(CommsConfig::default());
+    let sampled = ProfilingLayer::new().with_logger(direct.clone()).layer(Instant0);
+    let every = CommsLogger::new(CommsConfig { sample_every: 1, ..CommsConfig::default() });
+    let timed = ProfilingLayer::new().with_logger(every.clone()).layer(Instant0);
     // A registry needs at least one layer to free its spans (the layered stack closes them).
     let bare = tracing::Dispatch::new(tracing_subscriber::registry().with(tracing_subscriber::layer::Identity::new()));
     let clock = {
@@ -82,12 +97,17 @@ fn main() {
         let idle_ns = tracing::dispatcher::with_default(&idle, || per_op_ns(&profiled, iters));
         let bare_ns = tracing::dispatcher::with_default(&bare, || per_op_ns(&profiled, iters));
         let on_ns = tracing::dispatcher::with_default(&on, || per_op_ns(&profiled, iters));
+        let sampled_ns = tracing::dispatcher::with_default(&idle, || per_op_ns(&sampled, iters));
+        let timed_ns = tracing::dispatcher::with_default(&idle, || per_op_ns(&timed, iters));
         println!(
-            "round {round}: off {off:.1} ns/op, idle {idle_ns:.1} (+{:.1}), registry only {bare_ns:.1} (+{:.1}), CommsLogger {on_ns:.1} (+{:.1})",
+            "round {round}: off {off:.1} ns/op, idle {idle_ns:.1} (+{:.1}), registry only {bare_ns:.1} (+{:.1}), \
+             direct logger {sampled_ns:.1} (+{:.1}), direct timing every call {timed_ns:.1} (+{:.1}), CommsLogger subscriber {on_ns:.1} (+{:.1})",
             idle_ns - off,
             bare_ns - off,
+            sampled_ns - off,
+            timed_ns - off,
             on_ns - off
         );
     }
-    println!("recorded {} ops", logger.operation_count());
+    println!("recorded {} / {} / {} ops", direct.operation_count(), every.operation_count(), logger.operation_count());
 }

@@ -1,10 +1,13 @@
 //! [`CommsLogger`]: DeepSpeed's comms logger as a `tracing_subscriber::Layer` over the op spans.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use comm_core::Completion;
 
 use serde::{Deserialize, Serialize};
 use tracing::field::{Field, Visit};
@@ -42,11 +45,31 @@ pub struct CommsConfig {
     /// Key records by op *and* caller: the name of the span the op was submitted in (with
     /// `#[tracing::instrument]`, the calling function), like DeepSpeed's `[Caller Func: f]`.
     pub debug: bool,
+    /// For ops recorded directly ([`ProfilingLayer::with_logger`](crate::ProfilingLayer::with_logger)):
+    /// time one call in `sample_every` of messages under `time_all_from` bytes (default 32;
+    /// `1` times every call). Every call is *counted*; the latency columns are over the timed
+    /// ones ([`Row::timed`](crate::Row::timed)). The first `sample_every` calls of each row
+    /// are all timed, the rest are picked by a hash of the call's index, so every rank times
+    /// the same calls (the straggler view compares them) and periodic patterns do not alias.
+    /// Reading the clock twice costs about as much as a small shared-memory op itself; this
+    /// is what keeps the logger under 5 % there.
+    pub sample_every: u32,
+    /// Messages of at least this many bytes are timed on every call (default 64 KiB: such
+    /// ops take microseconds, next to which the clock is noise).
+    pub time_all_from: u64,
 }
 
 impl Default for CommsConfig {
     fn default() -> Self {
-        CommsConfig { enabled: true, verbose: false, prof_all: true, prof_ops: Vec::new(), debug: false }
+        CommsConfig {
+            enabled: true,
+            verbose: false,
+            prof_all: true,
+            prof_ops: Vec::new(),
+            debug: false,
+            sample_every: 32,
+            time_all_from: 64 << 10,
+        }
     }
 }
 
@@ -91,17 +114,27 @@ impl ManualClock {
     }
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 enum Clock {
-    Monotonic(Instant),
+    /// Raw TSC ticks through `quanta` (monotonic, calibrated against the OS clock).
+    Tsc(quanta::Clock),
     Manual(ManualClock),
 }
 
 impl Clock {
-    fn now_ns(&self) -> u64 {
+    /// A timestamp in the clock's own ticks.
+    fn now(&self) -> u64 {
         match self {
-            Clock::Monotonic(origin) => origin.elapsed().as_nanos() as u64,
+            Clock::Tsc(c) => c.raw(),
             Clock::Manual(c) => c.ns.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Nanoseconds since the timestamp `start`.
+    fn elapsed_ns(&self, start: u64) -> u64 {
+        match self {
+            Clock::Tsc(c) => c.delta_as_nanos(start, c.raw()),
+            Clock::Manual(c) => c.ns.load(Ordering::SeqCst).saturating_sub(start),
         }
     }
 }
@@ -117,13 +150,153 @@ pub(crate) struct Key {
     pub(crate) bytes: u64,
 }
 
-/// Per-key data: every successful op's latency in call order (kept whole for exact
-/// percentiles and the per-call straggler view; 8 bytes per op — `reset` between epochs).
+const _: () = assert!(std::mem::size_of::<Ticket>() <= 64, "the ticket is moved on every op");
+
+/// One row's data, as read for a summary: successful ops, the latencies of the timed ones in
+/// call order (kept whole for exact percentiles and the per-call straggler view; 8 bytes per
+/// timed op — `reset` between epochs), failed and detached ops.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Stats {
+    pub(crate) count: u64,
     pub(crate) samples_ns: Vec<u64>,
     pub(crate) errors: u64,
     pub(crate) detached: u64,
+}
+
+/// One row's live counters. Recording adds to them without the logger's map lock: threads
+/// find their cells through a per-thread cache ([`CACHE`]).
+///
+/// Ops recorded directly are counted when *submitted*, on a per-thread counter; the few that
+/// do not end as an inline success are taken back out (`uncounted`) and counted again when
+/// they complete. So the common case — a small op finishing inline — costs one plain store.
+#[derive(Debug, Default)]
+struct Cell {
+    /// Successes counted at completion.
+    ok: AtomicU64,
+    /// Submissions counted by the submitting thread, one counter per thread.
+    submitted: Mutex<Vec<Arc<LocalCount>>>,
+    /// Of those, the ones that did not finish inline with success.
+    uncounted: AtomicU64,
+    errors: AtomicU64,
+    detached: AtomicU64,
+    samples_ns: Mutex<Vec<u64>>,
+}
+
+/// A counter with one writer: a plain load and store, no locked instruction. `reset` moves
+/// `base` instead of zeroing `n`, so it cannot race with the writer.
+#[derive(Debug, Default)]
+struct LocalCount {
+    n: AtomicU64,
+    base: AtomicU64,
+}
+
+impl LocalCount {
+    /// Only from the thread that owns the counter; returns the count before.
+    fn bump(&self) -> u64 {
+        let n = self.n.load(Ordering::Relaxed);
+        self.n.store(n + 1, Ordering::Relaxed);
+        n
+    }
+}
+
+impl Cell {
+    fn samples(&self) -> MutexGuard<'_, Vec<u64>> {
+        self.samples_ns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn submitted(&self) -> MutexGuard<'_, Vec<Arc<LocalCount>>> {
+        self.submitted.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts one completed op.
+    fn add(&self, failed: bool, detached: bool, latency_ns: Option<u64>) {
+        if failed {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.ok.fetch_add(1, Ordering::Relaxed);
+            if let Some(ns) = latency_ns {
+                self.samples().push(ns);
+            }
+        }
+        if detached {
+            self.detached.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn stats(&self) -> Stats {
+        let submitted: u64 = self
+            .submitted()
+            .iter()
+            .map(|l| l.n.load(Ordering::Relaxed).saturating_sub(l.base.load(Ordering::Relaxed)))
+            .sum();
+        Stats {
+            count: (self.ok.load(Ordering::Relaxed) + submitted).saturating_sub(self.uncounted.load(Ordering::Relaxed)),
+            samples_ns: self.samples().clone(),
+            errors: self.errors.load(Ordering::Relaxed),
+            detached: self.detached.load(Ordering::Relaxed),
+        }
+    }
+
+    fn clear(&self) {
+        let mut samples = self.samples();
+        samples.clear();
+        samples.shrink_to_fit();
+        for c in [&self.ok, &self.uncounted, &self.errors, &self.detached] {
+            c.store(0, Ordering::Relaxed);
+        }
+        for l in self.submitted().iter() {
+            l.base.store(l.n.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+}
+
+/// A thread's view of the rows it recorded into, so the hot path takes no lock: `(logger id,
+/// key)` → the row's cell and this thread's submission counter in it (whose value is also the
+/// index that decides which calls are timed). A handful of entries: a linear scan beats
+/// hashing.
+struct Cached {
+    logger: u64,
+    key: Key,
+    cell: Arc<Cell>,
+    submitted: Arc<LocalCount>,
+}
+
+thread_local! {
+    static CACHE: RefCell<Vec<Cached>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Entries kept per thread before the cache starts over (a program with more rows than this
+/// only pays the map lock more often).
+const CACHE_CAP: usize = 256;
+
+/// splitmix64's finaliser: a call index to a well-mixed word, to pick the timed calls.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// [`Ticket::start`] of a call that is not timed.
+const UNTIMED: u64 = u64::MAX;
+
+/// What [`CommsLogger::begin`] decided for one op recorded directly; handed back to
+/// [`CommsLogger::end`] when the op completes.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    key: Key,
+    rank: u32,
+    /// Where the key sat in the submitting thread's cache (a hint for the end).
+    slot: u32,
+    /// The clock at submission (its ticks); [`UNTIMED`] when the call is not timed. (Not an
+    /// `Option`: the ticket stays small on the hot path.)
+    start: u64,
+}
+
+#[cfg(test)]
+impl Ticket {
+    pub(crate) fn is_timed(&self) -> bool {
+        self.start != UNTIMED
+    }
 }
 
 /// FxHash (rustc's): the keys are a few short strings and integers, hashed once per op on
@@ -158,27 +331,31 @@ impl std::hash::Hasher for FxHasher {
 
 type FxBuild = std::hash::BuildHasherDefault<FxHasher>;
 
-#[derive(Default)]
-pub(crate) struct Records {
-    pub(crate) rows: HashMap<Key, Stats, FxBuild>,
-    /// The process's global rank, as the spans report it.
-    pub(crate) rank: Option<u32>,
-}
-
 /// Kept in the span's extensions from open to close.
 struct Pending {
     key: Key,
     rank: u32,
-    start_ns: u64,
+    start: u64,
     failed: bool,
     detached: bool,
 }
 
 struct Inner {
+    /// Unique per logger (never reused), naming it in per-thread caches and in span fields.
+    id: u64,
     flags: AtomicU8,
+    sample_every: AtomicU32,
+    /// `u64::MAX / sample_every`: a call is timed when the hash of its index is below (a
+    /// compare instead of a division on the hot path).
+    sample_below: AtomicU64,
+    time_all_from: AtomicU64,
     prof_ops: RwLock<Vec<String>>,
     clock: Clock,
-    records: Mutex<Records>,
+    /// Every row ever recorded; `reset` clears the cells but keeps them, so cached handles
+    /// stay valid.
+    cells: Mutex<HashMap<Key, Arc<Cell>, FxBuild>>,
+    /// The process's global rank, as the ops report it.
+    rank: OnceLock<u32>,
     output: Option<Output>,
 }
 
@@ -228,7 +405,7 @@ impl Default for CommsLogger {
 impl CommsLogger {
     /// A logger with `config`, timing spans with the monotonic clock.
     pub fn new(config: CommsConfig) -> Self {
-        Self::build(config, Clock::Monotonic(Instant::now()), None)
+        Self::build(config, Clock::Tsc(quanta::Clock::new()), None)
     }
 
     /// A logger whose latencies come from `clock` (tests: exact numbers).
@@ -244,20 +421,22 @@ impl CommsLogger {
             inner.output = Some(Arc::new(out));
             return self;
         }
-        let clock = match &self.inner.clock {
-            Clock::Monotonic(origin) => Clock::Monotonic(*origin),
-            Clock::Manual(c) => Clock::Manual(c.clone()),
-        };
-        Self::build(self.config(), clock, Some(Arc::new(out)))
+        Self::build(self.config(), self.inner.clock.clone(), Some(Arc::new(out)))
     }
 
     fn build(config: CommsConfig, clock: Clock, output: Option<Output>) -> Self {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let logger = CommsLogger {
             inner: Arc::new(Inner {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 flags: AtomicU8::new(0),
+                sample_every: AtomicU32::new(1),
+                sample_below: AtomicU64::new(u64::MAX),
+                time_all_from: AtomicU64::new(0),
                 prof_ops: RwLock::new(Vec::new()),
                 clock,
-                records: Mutex::new(Records::default()),
+                cells: Mutex::new(HashMap::default()),
+                rank: OnceLock::new(),
                 output,
             }),
         };
@@ -274,6 +453,10 @@ impl CommsLogger {
                 .iter()
                 .filter(|(on, _)| *on)
                 .fold(0, |acc, (_, bit)| acc | bit);
+        let every = config.sample_every.max(1);
+        self.inner.sample_every.store(every, Ordering::Relaxed);
+        self.inner.sample_below.store(u64::MAX / u64::from(every), Ordering::Relaxed);
+        self.inner.time_all_from.store(config.time_all_from, Ordering::Relaxed);
         self.inner.flags.store(flags, Ordering::Release);
     }
 
@@ -286,31 +469,46 @@ impl CommsLogger {
             prof_all: flags & PROF_ALL != 0,
             prof_ops: self.inner.prof_ops.read().unwrap_or_else(|e| e.into_inner()).clone(),
             debug: flags & DEBUG != 0,
+            sample_every: self.inner.sample_every.load(Ordering::Relaxed),
+            time_all_from: self.inner.time_all_from.load(Ordering::Relaxed),
         }
     }
 
-    pub(crate) fn records(&self) -> MutexGuard<'_, Records> {
-        self.inner.records.lock().unwrap_or_else(|e| e.into_inner())
+    /// Identifies this logger (and its clones) in the `comm.logger` field of op spans.
+    pub(crate) fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    fn cells(&self) -> MutexGuard<'_, HashMap<Key, Arc<Cell>, FxBuild>> {
+        self.inner.cells.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Every row with data, in key order.
+    pub(crate) fn rows(&self) -> Vec<(Key, Stats)> {
+        let mut rows: Vec<(Key, Stats)> =
+            self.cells().iter().map(|(k, c)| (*k, c.stats())).filter(|(_, s)| s.count + s.errors > 0).collect();
+        rows.sort_by_key(|r| r.0);
+        rows
     }
 
     /// Forgets everything recorded (DeepSpeed's `reset_log`), e.g. between epochs.
     pub fn reset(&self) {
-        self.records().rows.clear();
+        self.cells().values().for_each(|c| c.clear());
     }
 
     /// Whether anything was recorded (`has_comm_data`).
     pub fn has_data(&self) -> bool {
-        !self.records().rows.is_empty()
+        !self.rows().is_empty()
     }
 
     /// Ops recorded, failed ones included (`get_comm_operation_count`).
     pub fn operation_count(&self) -> u64 {
-        self.records().rows.values().map(|s| s.samples_ns.len() as u64 + s.errors).sum()
+        self.rows().iter().map(|(_, s)| s.count + s.errors).sum()
     }
 
     /// Names of the ops recorded, sorted (`get_logged_comm_ops`).
     pub fn logged_ops(&self) -> Vec<String> {
-        let mut ops: Vec<String> = self.records().rows.keys().map(|k| k.op.to_owned()).collect();
+        let mut ops: Vec<String> = self.rows().iter().map(|(k, _)| k.op.to_owned()).collect();
         ops.sort();
         ops.dedup();
         ops
@@ -318,11 +516,8 @@ impl CommsLogger {
 
     /// The summary of what was recorded on this process, without printing.
     pub fn summary(&self) -> Summary {
-        let records = self.records();
-        let mut keys: Vec<&Key> = records.rows.keys().collect();
-        keys.sort();
-        let rows = keys.into_iter().map(|k| Row::new(k, &records.rows[k])).collect();
-        Summary { rank: records.rank, rows, stragglers: None }
+        let rows = self.rows().iter().map(|(k, s)| Row::new(k, s)).collect();
+        Summary { rank: self.inner.rank.get().copied(), rows, stragglers: None }
     }
 
     /// Prints this process's summary table to standard output and returns it (DeepSpeed's
@@ -334,36 +529,119 @@ impl CommsLogger {
         s
     }
 
+    #[inline]
     fn wants(&self, flags: u8, op: &str) -> bool {
         flags & PROF_ALL != 0 || self.inner.prof_ops.read().unwrap_or_else(|e| e.into_inner()).iter().any(|o| o == op)
     }
 
-    fn record(&self, p: Pending, latency_ns: u64, verbose: bool) {
-        {
-            let mut records = self.records();
-            records.rank.get_or_insert(p.rank);
-            let stats = records.rows.entry(p.key).or_default();
-            if p.failed {
-                stats.errors += 1;
-            } else {
-                stats.samples_ns.push(latency_ns);
-            }
-            stats.detached += u64::from(p.detached);
+    /// The direct path's start ([`Profiling`](crate::Profiling) with a logger): counts the
+    /// op as an inline success and decides whether to time it. See [`end_inline`] and
+    /// [`end`] for the rest.
+    ///
+    /// [`end_inline`]: Self::end_inline
+    /// [`end`]: Self::end
+    #[inline]
+    pub(crate) fn begin(&self, op: &'static str, bytes: u64, group_size: u32, rank: u32) -> Option<Ticket> {
+        let flags = self.inner.flags.load(Ordering::Relaxed);
+        if flags & ENABLED == 0 || !self.wants(flags, op) {
+            return None;
         }
-        if verbose {
-            let line = verbose_line(&p, latency_ns);
-            match &self.inner.output {
-                Some(out) => out(&line),
-                None if p.rank == 0 => println!("{line}"),
-                None => {}
-            }
+        let caller = if flags & DEBUG != 0 { tracing::Span::current().metadata().map(|m| m.name()) } else { None };
+        let key = Key { op, caller, group_size, bytes };
+        let (slot, index) = self.with_cached(&key, None, rank, |c| c.submitted.bump());
+        let timed = index < u64::from(self.inner.sample_every.load(Ordering::Relaxed))
+            || flags & VERBOSE != 0
+            || bytes >= self.inner.time_all_from.load(Ordering::Relaxed)
+            || mix(index) < self.inner.sample_below.load(Ordering::Relaxed);
+        let start = if timed { self.inner.clock.now() } else { UNTIMED };
+        Some(Ticket { key, rank, slot: slot as u32, start })
+    }
+
+    /// An op [`begin`](Self::begin) counted finished inline, on the submitting thread: only
+    /// a failure or a timed call has anything left to record.
+    #[inline]
+    pub(crate) fn end_inline(&self, t: &Ticket, c: Completion<'_>) {
+        if c.error.is_some() {
+            self.pending(t);
+            return self.end(t, c);
+        }
+        if t.start == UNTIMED {
+            return;
+        }
+        let latency = self.inner.clock.elapsed_ns(t.start);
+        self.with_cached(&t.key, Some(t.slot as usize), t.rank, |c| c.cell.samples().push(latency));
+        self.verbose(&t.key, t.rank, latency, false, false);
+    }
+
+    /// An op [`begin`](Self::begin) counted did not finish inline: takes it back out, to be
+    /// counted by [`end`](Self::end) when it completes. On the submitting thread.
+    pub(crate) fn pending(&self, t: &Ticket) {
+        self.with_cached(&t.key, Some(t.slot as usize), t.rank, |c| c.cell.uncounted.fetch_add(1, Ordering::Relaxed));
+    }
+
+    /// Counts a completed op taken out by [`pending`](Self::pending) (any thread).
+    pub(crate) fn end(&self, t: &Ticket, c: Completion<'_>) {
+        let latency = (t.start != UNTIMED).then(|| self.inner.clock.elapsed_ns(t.start));
+        self.record(&t.key, t.rank, c.error.is_some(), c.detached, latency);
+    }
+
+    /// Runs `f` on this thread's cache entry for `key` (made on first use; `hint`: where it
+    /// was last time); returns where it is and what `f` returned.
+    fn with_cached<T>(&self, key: &Key, hint: Option<usize>, rank: u32, f: impl FnOnce(&Cached) -> T) -> (usize, T) {
+        CACHE.with(|cache| {
+            let mut cache = cache.borrow_mut();
+            let id = self.inner.id;
+            let hit = |c: &Cached| {
+                c.logger == id
+                    && c.key.bytes == key.bytes
+                    && c.key.group_size == key.group_size
+                    && (std::ptr::eq(c.key.op, key.op) || c.key.op == key.op)
+                    && c.key.caller == key.caller
+            };
+            let found = match hint {
+                Some(i) if cache.get(i).is_some_and(hit) => Some(i),
+                _ => cache.iter().position(hit),
+            };
+            let i = found.unwrap_or_else(|| self.add_cached(&mut cache, key, rank));
+            (i, f(&cache[i]))
+        })
+    }
+
+    #[cold]
+    fn add_cached(&self, cache: &mut Vec<Cached>, key: &Key, rank: u32) -> usize {
+        if cache.len() >= CACHE_CAP {
+            cache.clear();
+        }
+        self.inner.rank.get_or_init(|| rank);
+        let cell = self.cells().entry(*key).or_default().clone();
+        let submitted = Arc::new(LocalCount::default());
+        cell.submitted().push(submitted.clone());
+        cache.push(Cached { logger: self.inner.id, key: *key, cell, submitted });
+        cache.len() - 1
+    }
+
+    fn record(&self, key: &Key, rank: u32, failed: bool, detached: bool, latency_ns: Option<u64>) {
+        self.with_cached(key, None, rank, |c| c.cell.add(failed, detached, latency_ns));
+        if let Some(ns) = latency_ns {
+            self.verbose(key, rank, ns, failed, detached);
+        }
+    }
+
+    fn verbose(&self, key: &Key, rank: u32, latency_ns: u64, failed: bool, detached: bool) {
+        if self.inner.flags.load(Ordering::Relaxed) & VERBOSE == 0 {
+            return;
+        }
+        let line = verbose_line(key, latency_ns, failed, detached);
+        match &self.inner.output {
+            Some(out) => out(&line),
+            None if rank == 0 => println!("{line}"),
+            None => {}
         }
     }
 }
 
 /// DeepSpeed's verbose line, in the units of the summary.
-fn verbose_line(p: &Pending, latency_ns: u64) -> String {
-    let k = &p.key;
+fn verbose_line(k: &Key, latency_ns: u64, failed: bool, detached: bool) -> String {
     let mut line = format!(
         "comm op: {} | time (us): {:.2} | msg size: {} | ranks: {}",
         k.op,
@@ -377,10 +655,10 @@ fn verbose_line(p: &Pending, latency_ns: u64) -> String {
     if let Some(c) = k.caller {
         line.push_str(&format!(" | caller: {c}"));
     }
-    if p.failed {
+    if failed {
         line.push_str(" | FAILED");
     }
-    if p.detached {
+    if detached {
         line.push_str(" | detached");
     }
     line
@@ -404,11 +682,18 @@ struct OpFields {
     bytes: i64,
     group_size: i64,
     rank: i64,
+    /// `comm.logger`: the logger that records the op directly, if any.
+    logger: Option<u64>,
     /// `comm.op` is only read for the shared `comm.op` callsite.
     read_op: bool,
 }
 
 impl Visit for OpFields {
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        if field.name() == "comm.logger" {
+            self.logger = Some(value);
+        }
+    }
     fn record_i64(&mut self, field: &Field, value: i64) {
         match field.name() {
             "comm.bytes" => self.bytes = value,
@@ -454,6 +739,9 @@ where
         let Some(short) = meta.name().strip_prefix("comm.") else { return };
         let mut f = OpFields { read_op: short == "op", ..OpFields::default() };
         attrs.record(&mut f);
+        if f.logger == Some(self.inner.id) {
+            return; // recorded directly, without the span
+        }
         let op = if f.read_op { f.op } else { Some(short) };
         // Spans of the target without op fields (e.g. comm.new_group) have no group size.
         let Some(op) = op.filter(|_| f.group_size > 0) else { return };
@@ -464,7 +752,7 @@ where
         let caller = if flags & DEBUG != 0 { span.parent().map(|p| p.name()) } else { None };
         let key = Key { op, caller, group_size: f.group_size as u32, bytes: f.bytes.max(0) as u64 };
         let pending =
-            Pending { key, rank: f.rank as u32, start_ns: self.inner.clock.now_ns(), failed: false, detached: false };
+            Pending { key, rank: f.rank as u32, start: self.inner.clock.now(), failed: false, detached: false };
         span.extensions_mut().insert(pending);
     }
 
@@ -479,9 +767,8 @@ where
     fn on_close(&self, id: Id, ctx: Context<'_, S>) {
         let Some(span) = ctx.span(&id) else { return };
         let Some(p) = span.extensions_mut().remove::<Pending>() else { return };
-        let latency = self.inner.clock.now_ns().saturating_sub(p.start_ns);
-        let verbose = self.inner.flags.load(Ordering::Relaxed) & VERBOSE != 0;
-        self.record(p, latency, verbose);
+        let latency = self.inner.clock.elapsed_ns(p.start);
+        self.record(&p.key, p.rank, p.failed, p.detached, Some(latency));
     }
 }
 
@@ -504,21 +791,32 @@ mod tests {
         assert!(CommsConfig::default().prof_all && CommsConfig::default().enabled);
     }
 
+    #[test]
+    fn sampling_times_the_first_calls_then_one_in_n_by_a_hash_of_the_index() {
+        let cfg = CommsConfig { sample_every: 4, time_all_from: 1000, ..CommsConfig::default() };
+        let logger = CommsLogger::new(cfg);
+        let timed: Vec<bool> = (0..4000).map(|_| logger.begin("all_reduce", 8, 2, 0).unwrap().is_timed()).collect();
+        assert!(timed[..4].iter().all(|t| *t));
+        let n = timed.iter().filter(|t| **t).count();
+        assert!((900..1100).contains(&n), "{n} of 4000 timed, expected about 1000");
+        // The same calls on every rank: a fresh logger (a fresh per-thread index) picks the same.
+        let again = CommsLogger::new(logger.config());
+        assert!((0..4000).all(|i| again.begin("all_reduce", 8, 2, 0).unwrap().is_timed() == timed[i]));
+        // Large messages: every call.
+        assert!((0..100).all(|_| logger.begin("all_reduce", 1000, 2, 0).unwrap().is_timed()));
+        // Not a periodic pick: some window of 4 consecutive calls has no timed call.
+        assert!(timed[4..].chunks(4).any(|w| w.iter().all(|t| !*t)));
+    }
+
     fn serde_json_like(s: &str) -> CommsConfig {
         serde_json::from_str(s).unwrap()
     }
 
     #[test]
     fn verbose_line_format() {
-        let p = Pending {
-            key: Key { op: "all_reduce", caller: Some("step"), group_size: 4, bytes: 1 << 20 },
-            rank: 0,
-            start_ns: 0,
-            failed: false,
-            detached: true,
-        };
+        let key = Key { op: "all_reduce", caller: Some("step"), group_size: 4, bytes: 1 << 20 };
         assert_eq!(
-            verbose_line(&p, 1_048_576),
+            verbose_line(&key, 1_048_576, false, true),
             "comm op: all_reduce | time (us): 1048.58 | msg size: 1.00 MiB | ranks: 4 | algbw (GB/s): 1.00 | busbw (GB/s): 1.50 | caller: step | detached"
         );
     }

@@ -35,13 +35,16 @@ pub struct Row {
     pub size: String,
     /// Ranks in the group the op ran on (the `n` of the bandwidth formulas).
     pub group_size: u32,
-    /// Ops that succeeded; the latency columns are over these.
+    /// Ops that succeeded.
     pub count: u64,
+    /// Of those, the ones timed: the latency columns are over these. All of them unless
+    /// the logger samples small messages ([`CommsConfig::sample_every`](crate::CommsConfig::sample_every)).
+    pub timed: u64,
     /// Ops that failed (not in the latency columns).
     pub errors: u64,
     /// Ops whose `Work` was dropped before they completed (measured to their completion).
     pub detached: u64,
-    /// Sum of latencies.
+    /// Sum of latencies (when only some calls were timed: `avg_us × count`).
     pub total_us: f64,
     /// Mean latency.
     pub avg_us: f64,
@@ -128,12 +131,13 @@ fn us(ns: u64) -> f64 {
 
 impl Row {
     pub(crate) fn new(k: &Key, s: &Stats) -> Row {
-        let count = s.samples_ns.len() as u64;
-        let total: u64 = s.samples_ns.iter().sum();
+        let timed = s.samples_ns.len() as u64;
+        let sum: u64 = s.samples_ns.iter().sum();
         let mut sorted = s.samples_ns.clone();
         sorted.sort_unstable();
         let at = |i: usize| sorted.get(i).copied().map_or(0.0, us);
-        let avg_ns = if count == 0 { 0.0 } else { total as f64 / count as f64 };
+        let avg_ns = if timed == 0 { 0.0 } else { sum as f64 / timed as f64 };
+        let total_ns = if timed == s.count { sum as f64 } else { avg_ns * s.count as f64 };
         let bw = bandwidth(k.op, k.bytes, k.group_size, avg_ns);
         Row {
             op: k.op.to_owned(),
@@ -141,10 +145,11 @@ impl Row {
             bytes: k.bytes,
             size: human_size(k.bytes),
             group_size: k.group_size,
-            count,
+            count: s.count,
+            timed,
             errors: s.errors,
             detached: s.detached,
-            total_us: us(total),
+            total_us: total_ns / 1e3,
             avg_us: avg_ns / 1e3,
             min_us: at(0),
             p50_us: at(sorted.len().div_ceil(2).saturating_sub(1)),
@@ -209,6 +214,8 @@ impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let rank = self.rank.map_or_else(|| "?".to_owned(), |r| r.to_string());
         writeln!(f, "# comms summary (rank {rank}); latency in us, bandwidth in GB/s (10^9 B/s, nccl-tests)")?;
+        // Latency columns over the timed calls: say how many when the logger sampled.
+        let sampled = self.rows.iter().any(|r| r.timed != r.count);
         let mut last = None;
         let rows = self
             .rows
@@ -221,7 +228,7 @@ impl fmt::Display for Summary {
                     if first { label } else { String::new() },
                     r.size.clone(),
                     r.group_size.to_string(),
-                    r.count.to_string(),
+                    if sampled { format!("{} ({} timed)", r.count, r.timed) } else { r.count.to_string() },
                     r.errors.to_string(),
                     format!("{:.2}", r.total_us),
                     format!("{:.2}", r.avg_us),
@@ -333,12 +340,8 @@ impl CommsLogger {
     {
         let mut summary = self.summary();
         // In key order (op, caller, group size, bytes), which rank 0's list then gives everyone.
-        let ordered: Vec<(String, Vec<u64>)> = {
-            let records = self.records();
-            let mut keys: Vec<&Key> = records.rows.keys().collect();
-            keys.sort();
-            keys.into_iter().map(|k| (ident(k), records.rows[k].samples_ns.clone())).collect()
-        };
+        let ordered: Vec<(String, Vec<u64>)> =
+            { self.rows().into_iter().map(|(k, s)| (ident(&k), s.samples_ns)).collect() };
         let text: String = ordered.iter().map(|(id, s)| format!("{id}\t{}\n", s.len())).collect();
         let local: HashMap<String, Vec<u64>> = ordered.into_iter().collect();
         let n = group.world_size() as usize;
@@ -478,15 +481,18 @@ mod tests {
     #[test]
     fn rows_compute_exact_statistics() {
         let k = Key { op: "all_reduce", caller: None, group_size: 4, bytes: 1_000_000 };
-        let s = Stats { samples_ns: vec![4_000, 1_000, 3_000, 2_000], errors: 1, detached: 2 };
+        let s = Stats { count: 4, samples_ns: vec![4_000, 1_000, 3_000, 2_000], errors: 1, detached: 2 };
         let r = Row::new(&k, &s);
-        assert_eq!((r.count, r.errors, r.detached), (4, 1, 2));
+        assert_eq!((r.count, r.timed, r.errors, r.detached), (4, 4, 1, 2));
         assert_eq!((r.total_us, r.avg_us, r.min_us, r.p50_us, r.max_us), (10.0, 2.5, 1.0, 2.0, 4.0));
         // 1 MB in 2.5 us = 400 GB/s; busbw × 2(4-1)/4 = 600.
         assert_eq!(r.algbw_gbps, Some(400.0));
         assert_eq!(r.busbw_gbps, Some(600.0));
-        let odd = Row::new(&k, &Stats { samples_ns: vec![5_000, 1_000, 3_000], ..Stats::default() });
+        let odd = Row::new(&k, &Stats { count: 3, samples_ns: vec![5_000, 1_000, 3_000], ..Stats::default() });
         assert_eq!(odd.p50_us, 3.0);
+        // Sampled: the latency columns over the timed calls, the total estimated over all.
+        let sampled = Row::new(&k, &Stats { count: 10, samples_ns: vec![5_000, 1_000, 3_000], ..Stats::default() });
+        assert_eq!((sampled.count, sampled.timed, sampled.avg_us, sampled.total_us), (10, 3, 3.0, 30.0));
         let none = Row::new(&k, &Stats { errors: 3, ..Stats::default() });
         assert_eq!((none.count, none.avg_us, none.algbw_gbps), (0, 0.0, None));
     }

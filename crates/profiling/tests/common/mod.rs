@@ -26,11 +26,17 @@ pub struct Mock {
     pub world: u32,
     pub inline: bool,
     queue: Arc<Mutex<VecDeque<Finish>>>,
+    inline_error: Arc<Mutex<Option<CommError>>>,
 }
 
 impl Mock {
     pub fn new(rank: Rank, world: u32, inline: bool) -> Self {
-        Mock { rank, world, inline, queue: Arc::default() }
+        Mock { rank, world, inline, queue: Arc::default(), inline_error: Arc::default() }
+    }
+
+    /// The next inline op fails with `e`.
+    pub fn fail_inline_next(&self, e: CommError) {
+        *self.inline_error.lock().unwrap() = Some(e);
     }
 
     pub fn pending(&self) -> usize {
@@ -49,7 +55,10 @@ impl Mock {
 
     fn run<T: std::marker::Send + 'static>(&self, out: T) -> Work<T> {
         if self.inline {
-            return Work::ready(Ok(out));
+            return Work::ready(match self.inline_error.lock().unwrap().take() {
+                None => Ok(out),
+                Some(e) => Err(e),
+            });
         }
         let (c, w): (Completer<T>, Work<T>) = Work::pending();
         self.queue.lock().unwrap().push_back(Box::new(move |e| match e {
