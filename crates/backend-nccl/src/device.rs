@@ -268,7 +268,7 @@ impl<T: DeviceElement> Op for DeviceReduceScatter<T> {
     fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
         check_reduce(Self::NAME, self.op, T::DTYPE)?;
         let n = self.input.len();
-        if n % world as usize != 0 {
+        if !n.is_multiple_of(world as usize) {
             return Err(CommError::invalid(
                 Self::NAME,
                 format!("input length {n} is not divisible by the group size {world}"),
@@ -318,7 +318,7 @@ impl<T: DeviceElement> Op for DeviceAllToAll<T> {
     }
     fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
         let n = self.input.len();
-        if n % world as usize != 0 {
+        if !n.is_multiple_of(world as usize) {
             return Err(CommError::invalid(
                 Self::NAME,
                 format!("input length {n} is not divisible by the group size {world}"),

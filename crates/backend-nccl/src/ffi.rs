@@ -166,7 +166,7 @@ impl CommState {
     /// Watchdog side: aborts the communicator if the owner is still inside the call numbered
     /// `observed` (odd). Returns whether it aborted.
     pub(crate) fn abort_if_stuck(&self, observed: u64) -> bool {
-        if observed % 2 == 0 || self.raw.load(SeqCst).is_null() {
+        if observed.is_multiple_of(2) || self.raw.load(SeqCst).is_null() {
             return false;
         }
         if self.state.compare_exchange(LIVE, ABORTING, SeqCst, SeqCst).is_err() {

@@ -90,7 +90,7 @@ impl Segment {
 
     fn check(&self, off: usize, len: usize, align: usize) {
         assert!(
-            off.checked_add(len).is_some_and(|end| end <= self.len) && off % align == 0,
+            off.checked_add(len).is_some_and(|end| end <= self.len) && off.is_multiple_of(align),
             "shm access out of bounds or misaligned: offset {off} + {len} in a segment of {} bytes",
             self.len
         );

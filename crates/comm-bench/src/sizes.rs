@@ -82,7 +82,7 @@ pub(crate) fn parse_sizes(spec: &str) -> Result<Vec<usize>, String> {
 /// Formats a byte count the way `--sizes` accepts it (`64MiB`, `8B`, `1536B`).
 pub(crate) fn format_size(bytes: usize) -> String {
     for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-        if bytes >= 1 << shift && bytes % (1 << shift) == 0 {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
             return format!("{}{unit}", bytes >> shift);
         }
     }

@@ -100,7 +100,7 @@ impl HostBuffer {
     /// A buffer of `dtype` holding a copy of raw `bytes` (length must be a multiple of the
     /// element size).
     pub fn from_bytes(dtype: DType, bytes: &[u8]) -> Result<Self, CommError> {
-        if bytes.len() % dtype.size() != 0 {
+        if !bytes.len().is_multiple_of(dtype.size()) {
             return Err(CommError::invalid(
                 "HostBuffer::from_bytes",
                 format!("{} bytes is not a whole number of {dtype} elements", bytes.len()),

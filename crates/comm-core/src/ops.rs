@@ -194,7 +194,7 @@ impl Op for ReduceScatter {
     fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
         check_reduce(Self::NAME, self.op, self.input.dtype())?;
         let n = self.input.len();
-        if n % world as usize != 0 {
+        if !n.is_multiple_of(world as usize) {
             return Err(CommError::invalid(
                 Self::NAME,
                 format!("input length {n} is not divisible by the group size {world}"),

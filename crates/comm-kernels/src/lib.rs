@@ -104,6 +104,14 @@ mod avx2 {
         out: &mut [u8],
         copy: Option<&mut [u8]>,
     ) {
+        if dtype == DType::F16 && f16_block::level() != f16_block::Level::None && out.len() / 2 > SMALL {
+            // SAFETY: `level` is F16c or Avx512 only when the CPU has F16C (and AVX).
+            return unsafe { f16_block::x86::reduce_f16c(op, inputs, out, copy) };
+        }
+        if dtype == DType::BF16 && out.len() / 2 > SMALL {
+            // SAFETY: this tier runs only where the CPU has AVX2.
+            return unsafe { f16_block::x86::reduce_bf16_avx2(op, inputs, out, copy) };
+        }
         reduce_generic(dtype, op, inputs, out, copy)
     }
 }
@@ -147,6 +155,10 @@ mod avx512 {
         out: &mut [u8],
         copy: Option<&mut [u8]>,
     ) {
+        if dtype == DType::F16 && out.len() / 2 > SMALL {
+            // SAFETY: this tier runs only where the CPU has AVX-512 F.
+            return unsafe { f16_block::x86::reduce_avx512(op, inputs, out, copy) };
+        }
         reduce_generic(dtype, op, inputs, out, copy)
     }
 }
@@ -319,7 +331,10 @@ mod f16_block {
                 // SAFETY: i + 16 <= n elements of both slices; unaligned loads and stores.
                 unsafe {
                     let v = _mm512_loadu_ps(src.as_ptr().add(i));
-                    _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast(), _mm512_cvtps_ph::<{ ROUND | _MM_FROUND_NO_EXC }>(v));
+                    _mm256_storeu_si256(
+                        dst.as_mut_ptr().add(i).cast(),
+                        _mm512_cvtps_ph::<{ ROUND | _MM_FROUND_NO_EXC }>(v),
+                    );
                 }
                 i += 16;
             }
@@ -358,6 +373,163 @@ mod f16_block {
                 i += 8;
             }
             dst[i..n].convert_from_f32_slice(&src[i..n]);
+        }
+
+        /// One fused f16 reduction per vector width: every input converted, combined in rank
+        /// order and rounded once, `W` lanes at a time, with no f32 block in between (the
+        /// blocked path's extra passes made f16 the slowest dtype). The combining ops are the
+        /// generic kernel's (`min(b, a)` is `b < a ? b : a`, NaN-compatible with it); the tail
+        /// goes through the generic kernel.
+        macro_rules! fused {
+            ($name:ident, $dtype:expr, $feat:literal, $w:literal, $vh:ty, $load_h:ident, $store_h:ident, $to:ident, $from:ident,
+             $round:expr, $add:ident, $mul:ident, $div:ident, $min:ident, $max:ident, $set1:ident) => {
+                /// # Safety
+                /// The CPU must support the features enabled here.
+                #[target_feature(enable = $feat)]
+                pub(crate) unsafe fn $name(
+                    op: ReduceOp,
+                    inputs: &[Src<'_>],
+                    out: &mut [u8],
+                    mut copy: Option<&mut [u8]>,
+                ) {
+                    let n = out.len() / 2;
+                    let main = n / $w * $w;
+                    let out_ptr = out.as_mut_ptr().cast::<u16>();
+                    let ptrs: Vec<*const u16> = inputs
+                        .iter()
+                        .map(|s| match s {
+                            Src::Buf(b) => b.as_ptr().cast::<u16>(),
+                            Src::Out => out_ptr.cast_const(),
+                        })
+                        .collect();
+                    let copy_ptr = copy.as_deref_mut().map(|c| c.as_mut_ptr().cast::<u16>());
+                    let count = inputs.len() as f32;
+                    macro_rules! run {
+                        ($combine:expr, $finish:expr) => {{
+                            let mut i = 0;
+                            while i < main {
+                                // SAFETY: every input, `out` and `copy` have `n` >= i + W
+                                // elements (u16 lanes; unaligned loads and stores). All inputs
+                                // of lanes i..i+W are read before `out`'s lanes are written,
+                                // so `out` may be one of them.
+                                unsafe {
+                                    let mut acc = $to($load_h(ptrs[0].add(i).cast::<$vh>()));
+                                    for p in &ptrs[1..] {
+                                        acc = $combine(acc, $to($load_h(p.add(i).cast::<$vh>())));
+                                    }
+                                    let h = $from::<{ $round }>($finish(acc));
+                                    $store_h(out_ptr.add(i).cast::<$vh>(), h);
+                                    if let Some(c) = copy_ptr {
+                                        $store_h(c.add(i).cast::<$vh>(), h);
+                                    }
+                                }
+                                i += $w;
+                            }
+                        }};
+                    }
+                    let id = |a| a;
+                    match op {
+                        ReduceOp::Sum => run!(|a, b| $add(a, b), id),
+                        ReduceOp::Avg => run!(|a, b| $add(a, b), |a| $div(a, $set1(count))),
+                        ReduceOp::Prod => run!(|a, b| $mul(a, b), id),
+                        ReduceOp::Min => run!(|a, b| $min(b, a), id),
+                        ReduceOp::Max => run!(|a, b| $max(b, a), id),
+                        // Not float ops (validated away): the generic kernel decides.
+                        _ => return reduce_generic($dtype, op, inputs, out, copy),
+                    }
+                    if main < n {
+                        let tail: Vec<Src<'_>> = inputs
+                            .iter()
+                            .map(|s| match s {
+                                Src::Buf(b) => Src::Buf(&b[main * 2..]),
+                                Src::Out => Src::Out,
+                            })
+                            .collect();
+                        reduce_generic($dtype, op, &tail, &mut out[main * 2..], copy.map(|c| &mut c[main * 2..]));
+                    }
+                }
+            };
+        }
+
+        fused!(
+            reduce_avx512,
+            DType::F16,
+            "avx512f",
+            16,
+            __m256i,
+            _mm256_loadu_si256,
+            _mm256_storeu_si256,
+            _mm512_cvtph_ps,
+            _mm512_cvtps_ph,
+            ROUND | _MM_FROUND_NO_EXC,
+            _mm512_add_ps,
+            _mm512_mul_ps,
+            _mm512_div_ps,
+            _mm512_min_ps,
+            _mm512_max_ps,
+            _mm512_set1_ps
+        );
+        fused!(
+            reduce_f16c,
+            DType::F16,
+            "avx,avx2,f16c",
+            8,
+            __m128i,
+            _mm_loadu_si128,
+            _mm_storeu_si128,
+            _mm256_cvtph_ps,
+            _mm256_cvtps_ph,
+            ROUND,
+            _mm256_add_ps,
+            _mm256_mul_ps,
+            _mm256_div_ps,
+            _mm256_min_ps,
+            _mm256_max_ps,
+            _mm256_set1_ps
+        );
+        fused!(
+            reduce_bf16_avx2,
+            DType::BF16,
+            "avx,avx2",
+            8,
+            __m128i,
+            _mm_loadu_si128,
+            _mm_storeu_si128,
+            bf16x8_to_ps,
+            ps_to_bf16x8,
+            0,
+            _mm256_add_ps,
+            _mm256_mul_ps,
+            _mm256_div_ps,
+            _mm256_min_ps,
+            _mm256_max_ps,
+            _mm256_set1_ps
+        );
+
+        /// [`bf16_bits_to_f32`] on 8 lanes: widen, shift, quiet the NaNs.
+        #[target_feature(enable = "avx,avx2")]
+        fn bf16x8_to_ps(h: __m128i) -> __m256 {
+            let x = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
+            let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
+            let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
+            _mm256_castsi256_ps(_mm256_or_si256(x, _mm256_and_si256(nan, _mm256_set1_epi32(0x0040_0000))))
+        }
+
+        /// [`f32_to_bf16_bits`] on 8 lanes: round to nearest even, NaNs quiet, then narrow
+        /// (AVX2 has no 32→16-bit narrowing move: pack, then gather the two halves).
+        #[target_feature(enable = "avx,avx2")]
+        fn ps_to_bf16x8<const R: i32>(v: __m256) -> __m128i {
+            let x = _mm256_castps_si256(v);
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+            let rounded =
+                _mm256_srli_epi32::<16>(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))));
+            let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
+            let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
+            let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x0040));
+            let bits = _mm256_blendv_epi8(rounded, quiet, nan);
+            // Lanes are <= 0xFFFF, so the signed-to-unsigned saturating pack keeps them.
+            let packed = _mm256_packus_epi32(bits, bits);
+            _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(packed))
         }
     }
 }
@@ -648,6 +820,47 @@ mod tests {
         }
     }
 
+    /// Every f16 / bf16 bit pattern (NaNs, infinities, subnormals, signed zeros) through every
+    /// tier: bit-exact against the scalar reference except that a NaN only has to be a NaN
+    /// (which NaN's payload an add returns depends on operand order the compiler may swap).
+    #[test]
+    fn half_kernels_on_every_bit_pattern() {
+        let is_nan = |dtype: DType, bits: u16| match dtype {
+            DType::F16 => f16::from_bits(bits).is_nan(),
+            _ => bf16::from_bits(bits).is_nan(),
+        };
+        for dtype in [DType::F16, DType::BF16] {
+            let all: Vec<u16> = (0..=u16::MAX).collect();
+            let shifted = |k: usize| -> HostBuffer {
+                let v: Vec<u16> = all.iter().cycle().skip(k * 7919).take(all.len() + 5).copied().collect();
+                let mut b = HostBuffer::zeroed(dtype, v.len());
+                b.as_bytes_mut().copy_from_slice(bytemuck::cast_slice(&v));
+                b
+            };
+            let ins: Vec<HostBuffer> = (0..3).map(shifted).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max] {
+                let want = scalar(op, &ins);
+                let mut got = vec![("dispatched", red(op, &ins)), ("generic", red_generic(op, &ins))];
+                #[cfg(target_arch = "x86_64")]
+                if std::is_x86_feature_detected!("avx2") {
+                    let mut out = HostBuffer::zeroed(dtype, ins[0].len());
+                    let views: Vec<Src<'_>> = ins.iter().map(|b| Src::Buf(b.as_bytes())).collect();
+                    // SAFETY: AVX2 was detected just above.
+                    unsafe { avx2::reduce(dtype, op, &views, out.as_bytes_mut(), None) };
+                    got.push(("avx2", out));
+                }
+                let want: &[u16] = bytemuck::cast_slice(want.as_bytes());
+                for (tier, out) in &got {
+                    let out: &[u16] = bytemuck::cast_slice(out.as_bytes());
+                    for (i, (g, w)) in out.iter().zip(want).enumerate() {
+                        let same = g == w || (is_nan(dtype, *g) && is_nan(dtype, *w));
+                        assert!(same, "{tier} {dtype} {op} element {i}: {g:#06x} vs {w:#06x}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn unaligned_sub_slices() {
         // Slices that start in the middle of a buffer (as the reduce-scatter slices do).
@@ -703,21 +916,25 @@ mod tests {
         let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
         let want: Vec<u32> = all.iter().map(|h| h.to_f32().to_bits()).collect();
         let mut f32s = vec![0f32; all.len()];
-        let mut tiers: Vec<(&str, fn(&[f16], &mut [f32]), fn(&[f32], &mut [f16]))> =
-            vec![("dispatched", f16_block::to_f32, f16_block::from_f32)];
+        type Tier = (&'static str, fn(&[f16], &mut [f32]), fn(&[f32], &mut [f16]));
+        let mut tiers: Vec<Tier> = vec![("dispatched", f16_block::to_f32, f16_block::from_f32)];
         #[cfg(target_arch = "x86_64")]
         {
             if std::is_x86_feature_detected!("avx512f") {
                 // SAFETY: AVX-512 F was detected just above (the closures run only here).
-                tiers.push(("avx512", |s, d| unsafe { f16_block::x86::to_f32_avx512(s, d) }, |s, d| unsafe {
-                    f16_block::x86::from_f32_avx512(s, d)
-                }));
+                tiers.push((
+                    "avx512",
+                    |s, d| unsafe { f16_block::x86::to_f32_avx512(s, d) },
+                    |s, d| unsafe { f16_block::x86::from_f32_avx512(s, d) },
+                ));
             }
             if std::is_x86_feature_detected!("f16c") {
                 // SAFETY: F16C (and so AVX) was detected just above.
-                tiers.push(("f16c", |s, d| unsafe { f16_block::x86::to_f32_f16c(s, d) }, |s, d| unsafe {
-                    f16_block::x86::from_f32_f16c(s, d)
-                }));
+                tiers.push((
+                    "f16c",
+                    |s, d| unsafe { f16_block::x86::to_f32_f16c(s, d) },
+                    |s, d| unsafe { f16_block::x86::from_f32_f16c(s, d) },
+                ));
             }
         }
         for (name, to, from) in &tiers {

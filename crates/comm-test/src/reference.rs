@@ -144,7 +144,11 @@ pub fn all_gather(inputs: &[&HostBuffer]) -> Vec<HostBuffer> {
 pub fn reduce_scatter(inputs: &[&HostBuffer], op: ReduceOp) -> Vec<HostBuffer> {
     let n = inputs.len();
     let reduced = reduce(inputs, op);
-    assert!(reduced.len() % n == 0, "reference::reduce_scatter: length {} is not divisible by {n}", reduced.len());
+    assert!(
+        reduced.len().is_multiple_of(n),
+        "reference::reduce_scatter: length {} is not divisible by {n}",
+        reduced.len()
+    );
     let k = reduced.len() / n;
     (0..n).map(|r| slice(&reduced, r * k, k)).collect()
 }
@@ -194,7 +198,11 @@ pub fn all_to_all(inputs: &[&HostBuffer], input_splits: &[Vec<usize>]) -> Vec<Ho
 /// When the length is not divisible by `world`.
 pub fn scatter(root_input: &HostBuffer, world: u32) -> Vec<HostBuffer> {
     let n = world as usize;
-    assert!(root_input.len() % n == 0, "reference::scatter: length {} is not divisible by {n}", root_input.len());
+    assert!(
+        root_input.len().is_multiple_of(n),
+        "reference::scatter: length {} is not divisible by {n}",
+        root_input.len()
+    );
     let k = root_input.len() / n;
     (0..n).map(|r| slice(root_input, r * k, k)).collect()
 }
