@@ -34,9 +34,16 @@ use tracing_subscriber::layer::SubscriberExt;
 use crate::cases::{shape, Case};
 use crate::{run_iters, sizes, Plan};
 
-/// Rounds per row (each runs every mode once). Many short rounds rather than a few long
-/// ones: on a shared machine the best of many finds rounds no other process disturbed.
-const ROUNDS: usize = 41;
+/// Rounds per row (each runs every mode once): many short rounds rather than a few long ones,
+/// so the medians see through what other processes do to some of them. Small messages get
+/// more: their rounds are short, and the cost measured is a few nanoseconds.
+fn rounds(bytes: usize) -> usize {
+    if bytes <= 64 << 10 {
+        201
+    } else {
+        41
+    }
+}
 
 /// One measured row, for printing.
 struct Measured {
@@ -49,7 +56,7 @@ struct Measured {
 }
 
 /// Runs `case` through each of `modes` (group, subscriber; the first is the baseline),
-/// interleaved for `ROUNDS` rounds; returns the baseline's best round and, for every mode,
+/// interleaved for [`rounds`] rounds; returns the baseline's best round and, for every mode,
 /// the median over rounds of its difference to the baseline's round.
 async fn measure(
     pg: &ProcessGroup,
@@ -61,7 +68,7 @@ async fn measure(
     let iters = plan.iters_for(case.shape.bytes);
     let warmup = plan.warmup_for(iters);
     let mut samples = vec![Vec::new(); modes.len()];
-    for round in 0..ROUNDS {
+    for round in 0..rounds(case.shape.bytes) {
         for k in 0..modes.len() {
             let m = (round + k) % modes.len();
             let (group, dispatch) = modes[m];
@@ -104,8 +111,10 @@ pub(crate) async fn run(pg: &ProcessGroup, plan: &Plan) -> Result<(), CommError>
     let leader = rank == 0;
     if leader {
         println!(
-            "# profiling overhead: backend {}, {n} ranks; time per op in us (mean over the iterations, max over ranks); {ROUNDS} interleaved rounds: off = the best round, the others = median over rounds of (mode - off of the same round)",
-            pg.backend_name()
+            "# profiling overhead: backend {}, {n} ranks; time per op in us (mean over the iterations, max over ranks); {} interleaved rounds ({} from 64 KiB): off = the best round, the others = median over rounds of (mode - off of the same round)",
+            pg.backend_name(),
+            rounds(0),
+            rounds((64 << 10) + 1)
         );
         println!("# off: no layer | idle: layer, no subscriber wants the spans | on: layer recording into a CommsLogger (with_logger, default sampling)");
         println!("# then, with a CommsLogger subscriber registered: off again | spans: layer + that subscriber");

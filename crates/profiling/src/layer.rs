@@ -327,14 +327,14 @@ impl<R: Op, C: Collective<R>> Collective<R> for Profiling<C> {
         if span.is_disabled() {
             // The hot path: a small op that finished inline was counted by `begin`.
             if let Some(c) = work.inline_completion() {
-                logger.end_inline(&ticket, c);
+                logger.end_inline(ticket, c);
                 return work;
             }
         }
-        logger.pending(&ticket);
+        let key = logger.pending(ticket);
         let logger = logger.clone();
         work.on_complete(move |c| {
-            logger.end(&ticket, c);
+            logger.end(&key, ticket, c);
             finish(span, c);
         })
     }

@@ -142,15 +142,13 @@ impl Clock {
 type Output = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// Aggregation key: one row of the summary.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct Key {
     pub(crate) op: &'static str,
     pub(crate) caller: Option<&'static str>,
     pub(crate) group_size: u32,
     pub(crate) bytes: u64,
 }
-
-const _: () = assert!(std::mem::size_of::<Ticket>() <= 64, "the ticket is moved on every op");
 
 /// One row's data, as read for a summary: successful ops, the latencies of the timed ones in
 /// call order (kept whole for exact percentiles and the per-call straggler view; 8 bytes per
@@ -166,20 +164,35 @@ pub(crate) struct Stats {
 /// One row's live counters. Recording adds to them without the logger's map lock: threads
 /// find their cells through a per-thread cache ([`CACHE`]).
 ///
-/// Ops recorded directly are counted when *submitted*, on a per-thread counter; the few that
-/// do not end as an inline success are taken back out (`uncounted`) and counted again when
-/// they complete. So the common case — a small op finishing inline — costs one plain store.
+/// Successes are counted on per-thread counters ([`ThreadCounts`]), each written by one thread
+/// only: ops recorded directly are counted when *submitted* (the common case — a small op
+/// finishing inline — then costs one plain store and nothing else), the few that do not end
+/// as an inline success are taken back out by the submitter and counted by whichever thread
+/// completes them, on its own counters. No cache line moves between the submitting and the
+/// completing thread for the count.
 #[derive(Debug, Default)]
-struct Cell {
-    /// Successes counted at completion.
-    ok: AtomicU64,
-    /// Submissions counted by the submitting thread, one counter per thread.
-    submitted: Mutex<Vec<Arc<LocalCount>>>,
-    /// Of those, the ones that did not finish inline with success.
-    uncounted: AtomicU64,
+pub(crate) struct Cell {
+    key: Key,
+    /// The row's number in [`Inner::rows`] (from 1), carried by tickets.
+    row: u32,
+    threads: Mutex<Vec<Arc<ThreadCounts>>>,
     errors: AtomicU64,
     detached: AtomicU64,
     samples_ns: Mutex<Vec<u64>>,
+}
+
+/// One thread's counts in one row; success count = submitted − taken back + completed.
+#[derive(Debug, Default)]
+struct ThreadCounts {
+    submitted: LocalCount,
+    taken_back: LocalCount,
+    completed: LocalCount,
+}
+
+impl ThreadCounts {
+    fn count(&self) -> u64 {
+        (self.submitted.get() + self.completed.get()).saturating_sub(self.taken_back.get())
+    }
 }
 
 /// A counter with one writer: a plain load and store, no locked instruction. `reset` moves
@@ -197,6 +210,14 @@ impl LocalCount {
         self.n.store(n + 1, Ordering::Relaxed);
         n
     }
+
+    fn get(&self) -> u64 {
+        self.n.load(Ordering::Relaxed).saturating_sub(self.base.load(Ordering::Relaxed))
+    }
+
+    fn reset(&self) {
+        self.base.store(self.n.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
 }
 
 impl Cell {
@@ -204,33 +225,13 @@ impl Cell {
         self.samples_ns.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn submitted(&self) -> MutexGuard<'_, Vec<Arc<LocalCount>>> {
-        self.submitted.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Counts one completed op.
-    fn add(&self, failed: bool, detached: bool, latency_ns: Option<u64>) {
-        if failed {
-            self.errors.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.ok.fetch_add(1, Ordering::Relaxed);
-            if let Some(ns) = latency_ns {
-                self.samples().push(ns);
-            }
-        }
-        if detached {
-            self.detached.fetch_add(1, Ordering::Relaxed);
-        }
+    fn threads(&self) -> MutexGuard<'_, Vec<Arc<ThreadCounts>>> {
+        self.threads.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn stats(&self) -> Stats {
-        let submitted: u64 = self
-            .submitted()
-            .iter()
-            .map(|l| l.n.load(Ordering::Relaxed).saturating_sub(l.base.load(Ordering::Relaxed)))
-            .sum();
         Stats {
-            count: (self.ok.load(Ordering::Relaxed) + submitted).saturating_sub(self.uncounted.load(Ordering::Relaxed)),
+            count: self.threads().iter().map(|t| t.count()).sum(),
             samples_ns: self.samples().clone(),
             errors: self.errors.load(Ordering::Relaxed),
             detached: self.detached.load(Ordering::Relaxed),
@@ -241,24 +242,25 @@ impl Cell {
         let mut samples = self.samples();
         samples.clear();
         samples.shrink_to_fit();
-        for c in [&self.ok, &self.uncounted, &self.errors, &self.detached] {
+        for c in [&self.errors, &self.detached] {
             c.store(0, Ordering::Relaxed);
         }
-        for l in self.submitted().iter() {
-            l.base.store(l.n.load(Ordering::Relaxed), Ordering::Relaxed);
+        for t in self.threads().iter() {
+            [&t.submitted, &t.taken_back, &t.completed].iter().for_each(|c| c.reset());
         }
     }
 }
 
 /// A thread's view of the rows it recorded into, so the hot path takes no lock: `(logger id,
-/// key)` → the row's cell and this thread's submission counter in it (whose value is also the
+/// key)` → the row's cell and this thread's counters in it (the submitted count is also the
 /// index that decides which calls are timed). A handful of entries: a linear scan beats
 /// hashing.
 struct Cached {
     logger: u64,
     key: Key,
+    row: u32,
     cell: Arc<Cell>,
-    submitted: Arc<LocalCount>,
+    counts: Arc<ThreadCounts>,
 }
 
 thread_local! {
@@ -279,18 +281,17 @@ fn mix(mut x: u64) -> u64 {
 /// [`Ticket::start`] of a call that is not timed.
 const UNTIMED: u64 = u64::MAX;
 
-/// What [`CommsLogger::begin`] decided for one op recorded directly; handed back to
-/// [`CommsLogger::end`] when the op completes.
-#[derive(Debug)]
+/// What [`CommsLogger::begin`] decided for one op recorded directly; handed back when the op
+/// completes. Two words, so it travels in registers on the hot path.
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Ticket {
-    key: Key,
-    rank: u32,
-    /// Where the key sat in the submitting thread's cache (a hint for the end).
-    slot: u32,
-    /// The clock at submission (its ticks); [`UNTIMED`] when the call is not timed. (Not an
-    /// `Option`: the ticket stays small on the hot path.)
+    /// The op's row ([`Cell::row`]).
+    row: std::num::NonZeroU32,
+    /// The clock at submission (its ticks); [`UNTIMED`] when the call is not timed.
     start: u64,
 }
+
+const _: () = assert!(std::mem::size_of::<Option<Ticket>>() == 16);
 
 #[cfg(test)]
 impl Ticket {
@@ -354,6 +355,9 @@ struct Inner {
     /// Every row ever recorded; `reset` clears the cells but keeps them, so cached handles
     /// stay valid.
     cells: Mutex<HashMap<Key, Arc<Cell>, FxBuild>>,
+    /// The same cells by row number (minus one), for tickets whose row is not in the
+    /// completing thread's cache.
+    rows: RwLock<Vec<Arc<Cell>>>,
     /// The process's global rank, as the ops report it.
     rank: OnceLock<u32>,
     output: Option<Output>,
@@ -436,6 +440,7 @@ impl CommsLogger {
                 prof_ops: RwLock::new(Vec::new()),
                 clock,
                 cells: Mutex::new(HashMap::default()),
+                rows: RwLock::new(Vec::new()),
                 rank: OnceLock::new(),
                 output,
             }),
@@ -535,11 +540,9 @@ impl CommsLogger {
     }
 
     /// The direct path's start ([`Profiling`](crate::Profiling) with a logger): counts the
-    /// op as an inline success and decides whether to time it. See [`end_inline`] and
-    /// [`end`] for the rest.
-    ///
-    /// [`end_inline`]: Self::end_inline
-    /// [`end`]: Self::end
+    /// op as an inline success and decides whether to time it. Then, on the submitting
+    /// thread, [`end_inline`](Self::end_inline) or [`pending`](Self::pending) followed by
+    /// [`end`](Self::end) on the completing one.
     #[inline]
     pub(crate) fn begin(&self, op: &'static str, bytes: u64, group_size: u32, rank: u32) -> Option<Ticket> {
         let flags = self.inner.flags.load(Ordering::Relaxed);
@@ -548,46 +551,60 @@ impl CommsLogger {
         }
         let caller = if flags & DEBUG != 0 { tracing::Span::current().metadata().map(|m| m.name()) } else { None };
         let key = Key { op, caller, group_size, bytes };
-        let (slot, index) = self.with_cached(&key, None, rank, |c| c.submitted.bump());
+        let (row, index) = self.with_cached(&key, rank, |c| (c.row, c.counts.submitted.bump()));
         let timed = index < u64::from(self.inner.sample_every.load(Ordering::Relaxed))
             || flags & VERBOSE != 0
             || bytes >= self.inner.time_all_from.load(Ordering::Relaxed)
             || mix(index) < self.inner.sample_below.load(Ordering::Relaxed);
         let start = if timed { self.inner.clock.now() } else { UNTIMED };
-        Some(Ticket { key, rank, slot: slot as u32, start })
+        Some(Ticket { row: std::num::NonZeroU32::new(row).expect("rows count from 1"), start })
     }
 
-    /// An op [`begin`](Self::begin) counted finished inline, on the submitting thread: only
-    /// a failure or a timed call has anything left to record.
+    /// An op [`begin`](Self::begin) counted finished inline: only a failure or a timed call
+    /// has anything left to record.
     #[inline]
-    pub(crate) fn end_inline(&self, t: &Ticket, c: Completion<'_>) {
-        if c.error.is_some() {
-            self.pending(t);
-            return self.end(t, c);
+    pub(crate) fn end_inline(&self, t: Ticket, c: Completion<'_>) {
+        if c.error.is_some() || t.start != UNTIMED {
+            self.end_inline_rest(t, c);
         }
-        if t.start == UNTIMED {
-            return;
-        }
-        let latency = self.inner.clock.elapsed_ns(t.start);
-        self.with_cached(&t.key, Some(t.slot as usize), t.rank, |c| c.cell.samples().push(latency));
-        self.verbose(&t.key, t.rank, latency, false, false);
     }
 
-    /// An op [`begin`](Self::begin) counted did not finish inline: takes it back out, to be
-    /// counted by [`end`](Self::end) when it completes. On the submitting thread.
-    pub(crate) fn pending(&self, t: &Ticket) {
-        self.with_cached(&t.key, Some(t.slot as usize), t.rank, |c| c.cell.uncounted.fetch_add(1, Ordering::Relaxed));
+    #[inline(never)]
+    fn end_inline_rest(&self, t: Ticket, c: Completion<'_>) {
+        let key = self.pending(t);
+        self.end(&key, t, c);
     }
 
-    /// Counts a completed op taken out by [`pending`](Self::pending) (any thread).
-    pub(crate) fn end(&self, t: &Ticket, c: Completion<'_>) {
+    /// An op [`begin`](Self::begin) counted did not finish inline with success: takes it
+    /// back out (on the submitting thread) and returns its key for [`end`](Self::end).
+    pub(crate) fn pending(&self, t: Ticket) -> Key {
+        let id = self.inner.id;
+        let found = CACHE.with(|cache| {
+            let cache = cache.borrow();
+            let c = cache.iter().find(|c| c.logger == id && c.row == t.row.get())?;
+            c.counts.taken_back.bump();
+            Some(c.key)
+        });
+        found.unwrap_or_else(|| {
+            // Not in this thread's cache any more (it started over): an entry of its own again.
+            let key = self.inner.rows.read().unwrap_or_else(|e| e.into_inner())[t.row.get() as usize - 1].key;
+            let rank = self.inner.rank.get().copied().unwrap_or(0);
+            self.with_cached(&key, rank, |c| c.counts.taken_back.bump());
+            key
+        })
+    }
+
+    /// Counts a completed op taken out by [`pending`](Self::pending), on the completing
+    /// thread's own counters.
+    pub(crate) fn end(&self, key: &Key, t: Ticket, c: Completion<'_>) {
         let latency = (t.start != UNTIMED).then(|| self.inner.clock.elapsed_ns(t.start));
-        self.record(&t.key, t.rank, c.error.is_some(), c.detached, latency);
+        let rank = self.inner.rank.get().copied().unwrap_or(0);
+        self.record(key, rank, c.error.is_some(), c.detached, latency);
     }
 
-    /// Runs `f` on this thread's cache entry for `key` (made on first use; `hint`: where it
-    /// was last time); returns where it is and what `f` returned.
-    fn with_cached<T>(&self, key: &Key, hint: Option<usize>, rank: u32, f: impl FnOnce(&Cached) -> T) -> (usize, T) {
+    /// Runs `f` on this thread's cache entry for `key` (made on first use).
+    #[inline]
+    fn with_cached<T>(&self, key: &Key, rank: u32, f: impl FnOnce(&Cached) -> T) -> T {
         CACHE.with(|cache| {
             let mut cache = cache.borrow_mut();
             let id = self.inner.id;
@@ -598,12 +615,11 @@ impl CommsLogger {
                     && (std::ptr::eq(c.key.op, key.op) || c.key.op == key.op)
                     && c.key.caller == key.caller
             };
-            let found = match hint {
-                Some(i) if cache.get(i).is_some_and(hit) => Some(i),
-                _ => cache.iter().position(hit),
+            let i = match cache.iter().position(hit) {
+                Some(i) => i,
+                None => self.add_cached(&mut cache, key, rank),
             };
-            let i = found.unwrap_or_else(|| self.add_cached(&mut cache, key, rank));
-            (i, f(&cache[i]))
+            f(&cache[i])
         })
     }
 
@@ -613,28 +629,50 @@ impl CommsLogger {
             cache.clear();
         }
         self.inner.rank.get_or_init(|| rank);
-        let cell = self.cells().entry(*key).or_default().clone();
-        let submitted = Arc::new(LocalCount::default());
-        cell.submitted().push(submitted.clone());
-        cache.push(Cached { logger: self.inner.id, key: *key, cell, submitted });
+        let cell = self
+            .cells()
+            .entry(*key)
+            .or_insert_with(|| {
+                let mut rows = self.inner.rows.write().unwrap_or_else(|e| e.into_inner());
+                let cell = Arc::new(Cell { key: *key, row: rows.len() as u32 + 1, ..Cell::default() });
+                rows.push(cell.clone());
+                cell
+            })
+            .clone();
+        let counts = Arc::new(ThreadCounts::default());
+        cell.threads().push(counts.clone());
+        cache.push(Cached { logger: self.inner.id, key: *key, row: cell.row, cell, counts });
         cache.len() - 1
     }
 
+    /// Counts one completed op on this thread's counters.
     fn record(&self, key: &Key, rank: u32, failed: bool, detached: bool, latency_ns: Option<u64>) {
-        self.with_cached(key, None, rank, |c| c.cell.add(failed, detached, latency_ns));
+        self.with_cached(key, rank, |c| {
+            if failed {
+                c.cell.errors.fetch_add(1, Ordering::Relaxed);
+            } else {
+                c.counts.completed.bump();
+                if let Some(ns) = latency_ns {
+                    c.cell.samples().push(ns);
+                }
+            }
+            if detached {
+                c.cell.detached.fetch_add(1, Ordering::Relaxed);
+            }
+        });
         if let Some(ns) = latency_ns {
-            self.verbose(key, rank, ns, failed, detached);
+            self.verbose(key, ns, failed, detached);
         }
     }
 
-    fn verbose(&self, key: &Key, rank: u32, latency_ns: u64, failed: bool, detached: bool) {
+    fn verbose(&self, key: &Key, latency_ns: u64, failed: bool, detached: bool) {
         if self.inner.flags.load(Ordering::Relaxed) & VERBOSE == 0 {
             return;
         }
         let line = verbose_line(key, latency_ns, failed, detached);
         match &self.inner.output {
             Some(out) => out(&line),
-            None if rank == 0 => println!("{line}"),
+            None if self.inner.rank.get() == Some(&0) => println!("{line}"),
             None => {}
         }
     }
