@@ -10,9 +10,10 @@
 //!
 //! Work is blocked (1024 elements) so accumulators stay in L1 and the inner loops are plain
 //! elementwise loops the compiler vectorises. On x86-64 the same code is compiled a second
-//! time with AVX2 and with AVX-512 enabled, chosen at run time; f16 blocks convert with the
-//! hardware's own instructions (`vcvtph2ps` / `vcvtps2ph`, 16 lanes on AVX-512, 8 with F16C,
-//! `half`'s slice conversions elsewhere), bf16 conversions are branch-free bit operations.
+//! time with AVX2 and with AVX-512 enabled, chosen at run time. f16 (AVX-512 and F16C) and
+//! bf16 (AVX2) take fused kernels written with the conversion instructions instead
+//! (`half_simd`); bf16 conversions elsewhere are branch-free bit operations the compiler
+//! vectorises.
 
 use comm_core::{bf16, f16, DType, ReduceOp};
 use half::slice::HalfFloatSliceExt;
@@ -104,13 +105,13 @@ mod avx2 {
         out: &mut [u8],
         copy: Option<&mut [u8]>,
     ) {
-        if dtype == DType::F16 && f16_block::level() != f16_block::Level::None && out.len() / 2 > SMALL {
-            // SAFETY: `level` is F16c or Avx512 only when the CPU has F16C (and AVX).
-            return unsafe { f16_block::x86::reduce_f16c(op, inputs, out, copy) };
+        if dtype == DType::F16 && half_simd::has_f16c() && out.len() / 2 > SMALL {
+            // SAFETY: the CPU has AVX2 (this tier) and F16C (checked).
+            return unsafe { half_simd::x86::reduce_f16c(op, inputs, out, copy) };
         }
         if dtype == DType::BF16 && out.len() / 2 > SMALL {
             // SAFETY: this tier runs only where the CPU has AVX2.
-            return unsafe { f16_block::x86::reduce_bf16_avx2(op, inputs, out, copy) };
+            return unsafe { half_simd::x86::reduce_bf16_avx2(op, inputs, out, copy) };
         }
         reduce_generic(dtype, op, inputs, out, copy)
     }
@@ -157,7 +158,7 @@ mod avx512 {
     ) {
         if dtype == DType::F16 && out.len() / 2 > SMALL {
             // SAFETY: this tier runs only where the CPU has AVX-512 F.
-            return unsafe { f16_block::x86::reduce_avx512(op, inputs, out, copy) };
+            return unsafe { half_simd::x86::reduce_avx512(op, inputs, out, copy) };
         }
         reduce_generic(dtype, op, inputs, out, copy)
     }
@@ -233,11 +234,11 @@ impl Lane for f16 {
     }
     #[inline(always)]
     fn load_block(src: &[f16], dst: &mut [f32]) {
-        f16_block::to_f32(src, dst);
+        src.convert_to_f32_slice(dst); // the portable tier (SIMD tiers take the fused kernels)
     }
     #[inline(always)]
     fn store_block(src: &[f32], dst: &mut [f16]) {
-        f16_block::from_f32(src, dst);
+        dst.convert_from_f32_slice(src);
     }
     #[inline(always)]
     fn count(n: usize) -> f32 {
@@ -245,55 +246,19 @@ impl Lane for f16 {
     }
 }
 
-/// Whole-block f16 ⇄ f32 conversions with the CPU's conversion instructions. Rounding is
-/// to nearest even and NaNs stay (quiet) NaNs, exactly as `half`'s conversions (tested on
-/// every f16 and on millions of f32s), so every tier gives the same bits.
-mod f16_block {
+/// f16/bf16 kernels written with the CPU's own instructions: fused reductions (see
+/// [`x86::reduce_avx512`]) where the compiler's code for the generic kernel is poor — f16
+/// conversions (`vcvtph2ps` / `vcvtps2ph`) and AVX2's bf16 narrowing. Rounding is to nearest
+/// even and NaNs stay NaNs, as `half`'s conversions (tested on every bit pattern).
+mod half_simd {
     use super::*;
 
-    pub(super) fn to_f32(src: &[f16], dst: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        match level() {
-            // SAFETY: `level` checked the CPU features each function needs.
-            Level::Avx512 => return unsafe { x86::to_f32_avx512(src, dst) },
-            // SAFETY: as above.
-            Level::F16c => return unsafe { x86::to_f32_f16c(src, dst) },
-            Level::None => {}
-        }
-        src.convert_to_f32_slice(dst);
-    }
-
-    pub(super) fn from_f32(src: &[f32], dst: &mut [f16]) {
-        #[cfg(target_arch = "x86_64")]
-        match level() {
-            // SAFETY: `level` checked the CPU features each function needs.
-            Level::Avx512 => return unsafe { x86::from_f32_avx512(src, dst) },
-            // SAFETY: as above.
-            Level::F16c => return unsafe { x86::from_f32_f16c(src, dst) },
-            Level::None => {}
-        }
-        dst.convert_from_f32_slice(src);
-    }
-
+    /// Whether the CPU converts f16 in hardware (F16C), for the AVX2 tier.
     #[cfg(target_arch = "x86_64")]
-    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-    pub(super) enum Level {
-        None,
-        F16c,
-        Avx512,
-    }
-
-    /// Follows the kernel tier (`COMM_SIMD` included): AVX-512 conversions with the AVX-512
-    /// tier, F16C ones with the AVX2 tier when the CPU has F16C, `half` otherwise.
-    #[cfg(target_arch = "x86_64")]
-    pub(super) fn level() -> Level {
+    pub(super) fn has_f16c() -> bool {
         use std::sync::OnceLock;
-        static LEVEL: OnceLock<Level> = OnceLock::new();
-        *LEVEL.get_or_init(|| match simd_level() {
-            Simd::Avx512 => Level::Avx512,
-            Simd::Avx2 if std::is_x86_feature_detected!("f16c") => Level::F16c,
-            _ => Level::None,
-        })
+        static F16C: OnceLock<bool> = OnceLock::new();
+        *F16C.get_or_init(|| std::is_x86_feature_detected!("f16c"))
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -303,77 +268,6 @@ mod f16_block {
 
         /// Round to nearest even (F16C's immediate has 3 bits: no exception flag).
         const ROUND: i32 = _MM_FROUND_TO_NEAREST_INT;
-
-        /// # Safety
-        /// The CPU must support AVX-512 F.
-        #[target_feature(enable = "avx512f")]
-        pub(crate) unsafe fn to_f32_avx512(src: &[f16], dst: &mut [f32]) {
-            let n = src.len().min(dst.len());
-            let mut i = 0;
-            while i + 16 <= n {
-                // SAFETY: i + 16 <= n elements of both slices; unaligned loads and stores.
-                unsafe {
-                    let h = _mm256_loadu_si256(src.as_ptr().add(i).cast());
-                    _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
-                }
-                i += 16;
-            }
-            src[i..n].convert_to_f32_slice(&mut dst[i..n]);
-        }
-
-        /// # Safety
-        /// The CPU must support AVX-512 F.
-        #[target_feature(enable = "avx512f")]
-        pub(crate) unsafe fn from_f32_avx512(src: &[f32], dst: &mut [f16]) {
-            let n = src.len().min(dst.len());
-            let mut i = 0;
-            while i + 16 <= n {
-                // SAFETY: i + 16 <= n elements of both slices; unaligned loads and stores.
-                unsafe {
-                    let v = _mm512_loadu_ps(src.as_ptr().add(i));
-                    _mm256_storeu_si256(
-                        dst.as_mut_ptr().add(i).cast(),
-                        _mm512_cvtps_ph::<{ ROUND | _MM_FROUND_NO_EXC }>(v),
-                    );
-                }
-                i += 16;
-            }
-            dst[i..n].convert_from_f32_slice(&src[i..n]);
-        }
-
-        /// # Safety
-        /// The CPU must support AVX and F16C.
-        #[target_feature(enable = "avx,f16c")]
-        pub(crate) unsafe fn to_f32_f16c(src: &[f16], dst: &mut [f32]) {
-            let n = src.len().min(dst.len());
-            let mut i = 0;
-            while i + 8 <= n {
-                // SAFETY: i + 8 <= n elements of both slices; unaligned loads and stores.
-                unsafe {
-                    let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
-                    _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
-                }
-                i += 8;
-            }
-            src[i..n].convert_to_f32_slice(&mut dst[i..n]);
-        }
-
-        /// # Safety
-        /// The CPU must support AVX and F16C.
-        #[target_feature(enable = "avx,f16c")]
-        pub(crate) unsafe fn from_f32_f16c(src: &[f32], dst: &mut [f16]) {
-            let n = src.len().min(dst.len());
-            let mut i = 0;
-            while i + 8 <= n {
-                // SAFETY: i + 8 <= n elements of both slices; unaligned loads and stores.
-                unsafe {
-                    let v = _mm256_loadu_ps(src.as_ptr().add(i));
-                    _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), _mm256_cvtps_ph::<ROUND>(v));
-                }
-                i += 8;
-            }
-            dst[i..n].convert_from_f32_slice(&src[i..n]);
-        }
 
         /// One fused f16 reduction per vector width: every input converted, combined in rank
         /// order and rounded once, `W` lanes at a time, with no f32 block in between (the
@@ -907,61 +801,6 @@ mod tests {
             let x = if (i as usize) < specials.len() { specials[i as usize] } else { s };
             let v = f32::from_bits(x);
             assert_eq!(f32_to_bf16_bits(v), bf16::from_f32(v).to_bits(), "f32 {x:#010x}");
-        }
-    }
-
-    #[test]
-    fn f16_block_conversions_equal_half_everywhere() {
-        // Every f16, converted in blocks by each tier this CPU has, against `half`'s scalar.
-        let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
-        let want: Vec<u32> = all.iter().map(|h| h.to_f32().to_bits()).collect();
-        let mut f32s = vec![0f32; all.len()];
-        type Tier = (&'static str, fn(&[f16], &mut [f32]), fn(&[f32], &mut [f16]));
-        let mut tiers: Vec<Tier> = vec![("dispatched", f16_block::to_f32, f16_block::from_f32)];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx512f") {
-                // SAFETY: AVX-512 F was detected just above (the closures run only here).
-                tiers.push((
-                    "avx512",
-                    |s, d| unsafe { f16_block::x86::to_f32_avx512(s, d) },
-                    |s, d| unsafe { f16_block::x86::from_f32_avx512(s, d) },
-                ));
-            }
-            if std::is_x86_feature_detected!("f16c") {
-                // SAFETY: F16C (and so AVX) was detected just above.
-                tiers.push((
-                    "f16c",
-                    |s, d| unsafe { f16_block::x86::to_f32_f16c(s, d) },
-                    |s, d| unsafe { f16_block::x86::from_f32_f16c(s, d) },
-                ));
-            }
-        }
-        for (name, to, from) in &tiers {
-            to(&all, &mut f32s);
-            for (i, (got, want)) in f32s.iter().zip(&want).enumerate() {
-                assert_eq!(got.to_bits(), *want, "{name}: f16 {i:#06x}");
-            }
-            // f32 -> f16: specials, every f16 value's f32 (exact), halfway cases, random bits.
-            let mut s = 0x2545_F491u32;
-            let mut xs: Vec<f32> = [0u32, 0x8000_0000, 0x7F80_0000, 0xFF80_0000, 0x7FC0_0000, 0x7F80_0001, 0xFFC1_2345]
-                .iter()
-                .map(|&b| f32::from_bits(b))
-                .collect();
-            xs.extend(all.iter().map(|h| h.to_f32()));
-            xs.extend(all.iter().map(|h| f32::from_bits(h.to_f32().to_bits() + 0x1000))); // halfway
-            xs.extend((0..1_000_000).map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                f32::from_bits(s)
-            }));
-            let mut got = vec![f16::ZERO; xs.len() + 5]; // + an odd tail
-            let src: Vec<f32> = xs.iter().copied().chain([1.0, 2.0, 3.0, 4.0, 5.0]).collect();
-            from(&src, &mut got);
-            for (x, h) in src.iter().zip(&got) {
-                assert_eq!(h.to_bits(), f16::from_f32(*x).to_bits(), "{name}: f32 {:#010x}", x.to_bits());
-            }
         }
     }
 
