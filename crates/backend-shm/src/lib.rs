@@ -47,7 +47,10 @@ use sys::ProcId;
 pub struct ShmOptions {
     /// How long any wait for peers may take before [`CommError::Timeout`].
     pub timeout: Duration,
-    /// Bytes per collective buffer (two per rank); larger ops are chunked.
+    /// Bytes per collective buffer (two per rank); larger ops are chunked. Default 512 KiB:
+    /// chunks that small keep each step's copy-in, the peers' reads and the reduction in the
+    /// cores' L2 / the shared L3, where 4 MiB chunks went through memory (1.3-1.4× faster at
+    /// 16 MiB here, measured side by side).
     pub window: usize,
     /// Bytes per point-to-point mailbox slot (two per peer per rank).
     pub p2p_slot: usize,
@@ -61,7 +64,7 @@ impl Default for ShmOptions {
     fn default() -> Self {
         ShmOptions {
             timeout: Duration::from_secs(300),
-            window: 4 << 20,
+            window: 512 << 10,
             p2p_slot: 256 << 10,
             small_max: 256 << 10,
             spin: None,
