@@ -275,7 +275,8 @@ mod half_simd {
         /// generic kernel's (`min(b, a)` is `b < a ? b : a`, NaN-compatible with it); the tail
         /// goes through the generic kernel.
         macro_rules! fused {
-            ($name:ident, $dtype:expr, $feat:literal, $w:literal, $vh:ty, $load_h:ident, $store_h:ident, $to:ident, $from:ident,
+            ($name:ident, $dtype:expr, $feat:literal, $w:literal, $vh:ty, $load_h:ident, $store_h:ident, $to:ident,
+             $to_arith:ident, $from:ident,
              $round:expr, $add:ident, $mul:ident, $div:ident, $min:ident, $max:ident, $set1:ident) => {
                 /// # Safety
                 /// The CPU must support the features enabled here.
@@ -299,7 +300,7 @@ mod half_simd {
                     let copy_ptr = copy.as_deref_mut().map(|c| c.as_mut_ptr().cast::<u16>());
                     let count = inputs.len() as f32;
                     macro_rules! run {
-                        ($combine:expr, $finish:expr) => {{
+                        ($to_f:ident, $combine:expr, $finish:expr) => {{
                             let mut i = 0;
                             while i < main {
                                 // SAFETY: every input, `out` and `copy` have `n` >= i + W
@@ -307,9 +308,9 @@ mod half_simd {
                                 // of lanes i..i+W are read before `out`'s lanes are written,
                                 // so `out` may be one of them.
                                 unsafe {
-                                    let mut acc = $to($load_h(ptrs[0].add(i).cast::<$vh>()));
+                                    let mut acc = $to_f($load_h(ptrs[0].add(i).cast::<$vh>()));
                                     for p in &ptrs[1..] {
-                                        acc = $combine(acc, $to($load_h(p.add(i).cast::<$vh>())));
+                                        acc = $combine(acc, $to_f($load_h(p.add(i).cast::<$vh>())));
                                     }
                                     let h = $from::<{ $round }>($finish(acc));
                                     $store_h(out_ptr.add(i).cast::<$vh>(), h);
@@ -322,12 +323,18 @@ mod half_simd {
                         }};
                     }
                     let id = |a| a;
+                    // With two inputs or more, sums and products go through arithmetic, which
+                    // quiets a NaN itself (keeping its payload): `$to_arith` may skip that.
+                    let arith = inputs.len() > 1;
                     match op {
-                        ReduceOp::Sum => run!(|a, b| $add(a, b), id),
-                        ReduceOp::Avg => run!(|a, b| $add(a, b), |a| $div(a, $set1(count))),
-                        ReduceOp::Prod => run!(|a, b| $mul(a, b), id),
-                        ReduceOp::Min => run!(|a, b| $min(b, a), id),
-                        ReduceOp::Max => run!(|a, b| $max(b, a), id),
+                        ReduceOp::Sum if arith => run!($to_arith, |a, b| $add(a, b), id),
+                        ReduceOp::Sum => run!($to, |a, b| $add(a, b), id),
+                        ReduceOp::Avg if arith => run!($to_arith, |a, b| $add(a, b), |a| $div(a, $set1(count))),
+                        ReduceOp::Avg => run!($to, |a, b| $add(a, b), |a| $div(a, $set1(count))),
+                        ReduceOp::Prod if arith => run!($to_arith, |a, b| $mul(a, b), id),
+                        ReduceOp::Prod => run!($to, |a, b| $mul(a, b), id),
+                        ReduceOp::Min => run!($to, |a, b| $min(b, a), id),
+                        ReduceOp::Max => run!($to, |a, b| $max(b, a), id),
                         // Not float ops (validated away): the generic kernel decides.
                         _ => return reduce_generic($dtype, op, inputs, out, copy),
                     }
@@ -354,6 +361,7 @@ mod half_simd {
             _mm256_loadu_si256,
             _mm256_storeu_si256,
             _mm512_cvtph_ps,
+            _mm512_cvtph_ps,
             _mm512_cvtps_ph,
             ROUND | _MM_FROUND_NO_EXC,
             _mm512_add_ps,
@@ -371,6 +379,7 @@ mod half_simd {
             __m128i,
             _mm_loadu_si128,
             _mm_storeu_si128,
+            _mm256_cvtph_ps,
             _mm256_cvtph_ps,
             _mm256_cvtps_ph,
             ROUND,
@@ -390,6 +399,7 @@ mod half_simd {
             _mm_loadu_si128,
             _mm_storeu_si128,
             bf16x8_to_ps,
+            bf16x8_to_ps_raw,
             ps_to_bf16x8,
             0,
             _mm256_add_ps,
@@ -407,6 +417,13 @@ mod half_simd {
             let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
             let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
             _mm256_castsi256_ps(_mm256_or_si256(x, _mm256_and_si256(nan, _mm256_set1_epi32(0x0040_0000))))
+        }
+
+        /// Widen and shift only: a signalling NaN stays signalling, for inputs that go through
+        /// arithmetic (which quiets it, as [`bf16x8_to_ps`] would have).
+        #[target_feature(enable = "avx,avx2")]
+        fn bf16x8_to_ps_raw(h: __m128i) -> __m256 {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
         }
 
         /// [`f32_to_bf16_bits`] on 8 lanes: round to nearest even, NaNs quiet, then narrow
