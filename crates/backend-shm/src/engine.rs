@@ -959,8 +959,9 @@ impl Engine {
     }
 
     /// all_reduce on buffers from `alloc_buffer`: every rank reduces its slice in place
-    /// reading the peers' buffers directly, then copies the peers' reduced slices. No window,
-    /// no chunking, no copy-in. A third step keeps the buffer until every peer has read it.
+    /// reading the peers' buffers directly, then copies the peers' reduced slices, chunk by
+    /// chunk. No window traffic, no copy-in. A last step keeps the buffer until every peer has
+    /// read it.
     fn zc_all_reduce(&mut self, buf: &mut HostBuffer, op: ReduceOp, name: &str) -> Result<()> {
         let (dtype, count, es, n, me) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world, self.rank);
         let hdr = StepHeader { aux: AUX_ZERO_COPY, ..self.header(OP_ALL_REDUCE, dtype, count, 0, Some(op)) };
@@ -978,29 +979,37 @@ impl Engine {
             let theirs = String::from_utf8_lossy(&raw[..end]).into_owned();
             *slot = Some(self.map_zero_copy(p, &theirs, count * es)?);
         }
-        let (lo, hi) = slice_of(count, n, me);
-        {
-            // SAFETY: every peer published step `k`, so its buffer holds its input; a peer
-            // writes our slice of its buffer only after we publish `k + 1`.
-            let theirs: Vec<&[u8]> = peers
-                .iter()
-                .map(|s| s.as_ref().map_or(&[][..], |s| unsafe { s.bytes(lo * es, (hi - lo) * es) }))
-                .collect();
-            let srcs: Vec<Src<'_>> = (0..n).map(|p| if p == me { Src::Out } else { Src::Buf(theirs[p]) }).collect();
-            kernels::reduce_to(dtype, op, &srcs, &mut buf.as_bytes_mut()[lo * es..hi * es], None);
-        }
         self.phase = Phase::Idle;
-        // Step 2: every slice is reduced; copy the peers' slices.
-        let k = self.begin(&hdr)?;
-        self.publish(k, &hdr)?;
-        for (p, seg) in peers.iter().enumerate().filter_map(|(p, s)| s.as_ref().map(|s| (p, s))) {
-            let (lo, hi) = slice_of(count, n, p);
-            // SAFETY: peer `p` reduced its slice before publishing step `k` and does not touch
-            // it again until every rank publishes the next step.
-            let src = unsafe { seg.bytes(lo * es, (hi - lo) * es) };
-            buf.as_bytes_mut()[lo * es..hi * es].copy_from_slice(src);
+        // Then chunk by chunk (window-sized, so what a peer just reduced is still in cache when
+        // we copy it): reduce our slice of the chunk in place, reading the peers' buffers; one
+        // step; copy the peers' reduced slices of the chunk. Regions never overlap between
+        // chunks, so a rank may reduce chunk c + 1 while another still copies chunk c.
+        for (off, len) in pieces(count, self.lay.window / es) {
+            let (lo, hi) = slice_of(len, n, me);
+            let (lo, hi) = (off + lo, off + hi);
+            {
+                // SAFETY: every peer published step 1, so its buffer holds its input; a peer
+                // overwrites our slice of its buffer (copying our result) only after we
+                // publish this chunk's step.
+                let theirs: Vec<&[u8]> = peers
+                    .iter()
+                    .map(|s| s.as_ref().map_or(&[][..], |s| unsafe { s.bytes(lo * es, (hi - lo) * es) }))
+                    .collect();
+                let srcs: Vec<Src<'_>> = (0..n).map(|p| if p == me { Src::Out } else { Src::Buf(theirs[p]) }).collect();
+                kernels::reduce_to(dtype, op, &srcs, &mut buf.as_bytes_mut()[lo * es..hi * es], None);
+            }
+            let k = self.begin(&hdr)?;
+            self.publish(k, &hdr)?;
+            for (p, seg) in peers.iter().enumerate().filter_map(|(p, s)| s.as_ref().map(|s| (p, s))) {
+                let (lo, hi) = slice_of(len, n, p);
+                let (lo, hi) = (off + lo, off + hi);
+                // SAFETY: peer `p` reduced its slice of this chunk before publishing the step
+                // and never writes it again during this op.
+                let src = unsafe { seg.bytes(lo * es, (hi - lo) * es) };
+                buf.as_bytes_mut()[lo * es..hi * es].copy_from_slice(src);
+            }
+            self.phase = Phase::Idle;
         }
-        self.phase = Phase::Idle;
         // Step 3: every peer has copied our slice; the buffer can go back to its owner.
         let k = self.begin(&hdr)?;
         self.publish(k, &hdr)?;
