@@ -394,53 +394,82 @@ mod half_simd {
             reduce_bf16_avx2,
             DType::BF16,
             "avx,avx2",
-            8,
-            __m128i,
-            _mm_loadu_si128,
-            _mm_storeu_si128,
-            bf16x8_to_ps,
-            bf16x8_to_ps_raw,
-            ps_to_bf16x8,
+            16,
+            __m256i,
+            _mm256_loadu_si256,
+            _mm256_storeu_si256,
+            bf16x16_to_x2,
+            bf16x16_to_x2_raw,
+            x2_to_bf16x16,
             0,
-            _mm256_add_ps,
-            _mm256_mul_ps,
-            _mm256_div_ps,
-            _mm256_min_ps,
-            _mm256_max_ps,
-            _mm256_set1_ps
+            add2,
+            mul2,
+            div2,
+            min2,
+            max2,
+            set1x2
         );
 
-        /// [`bf16_bits_to_f32`] on 8 lanes: widen, shift, quiet the NaNs.
+        /// 16 f32 lanes as two AVX2 registers: the bf16 AVX2 kernel works 16 elements at a
+        /// time (two independent chains per iteration, one 256-bit store).
+        #[derive(Clone, Copy)]
+        struct X2(__m256, __m256);
+
+        macro_rules! pairwise {
+            ($($name:ident => $f:ident),*) => {$(
+                #[target_feature(enable = "avx,avx2")]
+                fn $name(a: X2, b: X2) -> X2 {
+                    X2($f(a.0, b.0), $f(a.1, b.1))
+                }
+            )*};
+        }
+        pairwise!(add2 => _mm256_add_ps, mul2 => _mm256_mul_ps, div2 => _mm256_div_ps, min2 => _mm256_min_ps,
+            max2 => _mm256_max_ps);
+
         #[target_feature(enable = "avx,avx2")]
-        fn bf16x8_to_ps(h: __m128i) -> __m256 {
-            let x = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
-            let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
-            let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
-            _mm256_castsi256_ps(_mm256_or_si256(x, _mm256_and_si256(nan, _mm256_set1_epi32(0x0040_0000))))
+        fn set1x2(x: f32) -> X2 {
+            X2(_mm256_set1_ps(x), _mm256_set1_ps(x))
+        }
+
+        /// [`bf16_bits_to_f32`] on 16 lanes: widen, shift, quiet the NaNs.
+        #[target_feature(enable = "avx,avx2")]
+        fn bf16x16_to_x2(h: __m256i) -> X2 {
+            let quiet = |x: __m256i| {
+                let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
+                let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
+                _mm256_castsi256_ps(_mm256_or_si256(x, _mm256_and_si256(nan, _mm256_set1_epi32(0x0040_0000))))
+            };
+            let X2(lo, hi) = bf16x16_to_x2_raw(h);
+            X2(quiet(_mm256_castps_si256(lo)), quiet(_mm256_castps_si256(hi)))
         }
 
         /// Widen and shift only: a signalling NaN stays signalling, for inputs that go through
-        /// arithmetic (which quiets it, as [`bf16x8_to_ps`] would have).
+        /// arithmetic (which quiets it, as [`bf16x16_to_x2`] would have).
         #[target_feature(enable = "avx,avx2")]
-        fn bf16x8_to_ps_raw(h: __m128i) -> __m256 {
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        fn bf16x16_to_x2_raw(h: __m256i) -> X2 {
+            let widen = |h: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
+            X2(widen(_mm256_castsi256_si128(h)), widen(_mm256_extracti128_si256::<1>(h)))
         }
 
-        /// [`f32_to_bf16_bits`] on 8 lanes: round to nearest even, NaNs quiet, then narrow
-        /// (AVX2 has no 32→16-bit narrowing move: pack, then gather the two halves).
+        /// [`f32_to_bf16_bits`] on 16 lanes: round to nearest even, NaNs quiet, then narrow
+        /// (AVX2 has no 32→16-bit narrowing move: pack both halves, then put the 64-bit
+        /// groups back in order).
         #[target_feature(enable = "avx,avx2")]
-        fn ps_to_bf16x8<const R: i32>(v: __m256) -> __m128i {
-            let x = _mm256_castps_si256(v);
-            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
-            let rounded =
-                _mm256_srli_epi32::<16>(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))));
-            let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
-            let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
-            let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x0040));
-            let bits = _mm256_blendv_epi8(rounded, quiet, nan);
-            // Lanes are <= 0xFFFF, so the signed-to-unsigned saturating pack keeps them.
-            let packed = _mm256_packus_epi32(bits, bits);
-            _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(packed))
+        fn x2_to_bf16x16<const R: i32>(v: X2) -> __m256i {
+            let round = |v: __m256| {
+                let x = _mm256_castps_si256(v);
+                let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+                let rounded =
+                    _mm256_srli_epi32::<16>(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))));
+                let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
+                let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
+                let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x0040));
+                _mm256_blendv_epi8(rounded, quiet, nan)
+            };
+            // Lanes are <= 0xFFFF, so the signed-to-unsigned saturating pack keeps them:
+            // [lo 0-3, hi 0-3 | lo 4-7, hi 4-7] -> [lo 0-7, hi 0-7].
+            let packed = _mm256_packus_epi32(round(v.0), round(v.1));
+            _mm256_permute4x64_epi64::<0b11_01_10_00>(packed)
         }
     }
 }
