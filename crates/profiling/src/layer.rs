@@ -106,7 +106,8 @@ impl ProfilingLayer {
 /// (the callsite's interest) and forwards the op untouched: no allocation, no formatting.
 /// When one does, it costs the subscriber's span bookkeeping plus one small allocation (the
 /// completion hook) for ops that do not complete inline. A directly attached logger costs a
-/// per-thread cache lookup and an atomic add per op, plus two clock reads for timed calls.
+/// per-thread cache lookup and a plain store per op (no locked instruction), plus two clock
+/// reads and a short lock for timed calls.
 #[derive(Clone, Debug)]
 pub struct Profiling<C> {
     inner: C,
@@ -305,11 +306,11 @@ impl<R: Op, C: Collective<R>> Collective<R> for Profiling<C> {
             return self.inner.submit(req);
         }
         let span = self.span_for(&req);
-        let ticket = match &self.logger {
-            Some(l) => l.begin(R::NAME, req.bytes() as u64, self.group_size, self.rank),
-            None => None,
-        };
-        let Some(ticket) = ticket else {
+        let logged = self
+            .logger
+            .as_ref()
+            .and_then(|l| Some((l, l.begin(R::NAME, req.bytes() as u64, self.group_size, self.rank)?)));
+        let Some((logger, ticket)) = logged else {
             if span.is_disabled() {
                 return self.inner.submit(req);
             }
@@ -323,7 +324,6 @@ impl<R: Op, C: Collective<R>> Collective<R> for Profiling<C> {
             let _entered = span.enter();
             self.inner.submit(req)
         };
-        let logger = self.logger.as_ref().expect("a ticket comes from the logger");
         if span.is_disabled() {
             // The hot path: a small op that finished inline was counted by `begin`.
             if let Some(c) = work.inline_completion() {

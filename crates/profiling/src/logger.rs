@@ -3,6 +3,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
+use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 use std::time::Duration;
@@ -170,11 +171,11 @@ pub(crate) struct Stats {
 /// as an inline success are taken back out by the submitter and counted by whichever thread
 /// completes them, on its own counters. No cache line moves between the submitting and the
 /// completing thread for the count.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Cell {
     key: Key,
     /// The row's number in [`Inner::rows`] (from 1), carried by tickets.
-    row: u32,
+    row: NonZeroU32,
     threads: Mutex<Vec<Arc<ThreadCounts>>>,
     errors: AtomicU64,
     detached: AtomicU64,
@@ -258,7 +259,7 @@ impl Cell {
 struct Cached {
     logger: u64,
     key: Key,
-    row: u32,
+    row: NonZeroU32,
     cell: Arc<Cell>,
     counts: Arc<ThreadCounts>,
 }
@@ -286,7 +287,7 @@ const UNTIMED: u64 = u64::MAX;
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Ticket {
     /// The op's row ([`Cell::row`]).
-    row: std::num::NonZeroU32,
+    row: NonZeroU32,
     /// The clock at submission (its ticks); [`UNTIMED`] when the call is not timed.
     start: u64,
 }
@@ -557,7 +558,7 @@ impl CommsLogger {
             || bytes >= self.inner.time_all_from.load(Ordering::Relaxed)
             || mix(index) < self.inner.sample_below.load(Ordering::Relaxed);
         let start = if timed { self.inner.clock.now() } else { UNTIMED };
-        Some(Ticket { row: std::num::NonZeroU32::new(row).expect("rows count from 1"), start })
+        Some(Ticket { row, start })
     }
 
     /// An op [`begin`](Self::begin) counted finished inline: only a failure or a timed call
@@ -581,7 +582,7 @@ impl CommsLogger {
         let id = self.inner.id;
         let found = CACHE.with(|cache| {
             let cache = cache.borrow();
-            let c = cache.iter().find(|c| c.logger == id && c.row == t.row.get())?;
+            let c = cache.iter().find(|c| c.logger == id && c.row == t.row)?;
             c.counts.taken_back.bump();
             Some(c.key)
         });
@@ -634,7 +635,15 @@ impl CommsLogger {
             .entry(*key)
             .or_insert_with(|| {
                 let mut rows = self.inner.rows.write().unwrap_or_else(|e| e.into_inner());
-                let cell = Arc::new(Cell { key: *key, row: rows.len() as u32 + 1, ..Cell::default() });
+                let row = NonZeroU32::MIN.saturating_add(rows.len() as u32);
+                let cell = Arc::new(Cell {
+                    key: *key,
+                    row,
+                    threads: Mutex::default(),
+                    errors: AtomicU64::new(0),
+                    detached: AtomicU64::new(0),
+                    samples_ns: Mutex::default(),
+                });
                 rows.push(cell.clone());
                 cell
             })
