@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, Weak};
 use std::time::Duration;
 
 use comm_core::Completion;
@@ -166,11 +166,11 @@ pub(crate) struct Stats {
 /// find their cells through a per-thread cache ([`CACHE`]).
 ///
 /// Successes are counted on per-thread counters ([`ThreadCounts`]), each written by one thread
-/// only: ops recorded directly are counted when *submitted* (the common case — a small op
-/// finishing inline — then costs one plain store and nothing else), the few that do not end
-/// as an inline success are taken back out by the submitter and counted by whichever thread
-/// completes them, on its own counters. No cache line moves between the submitting and the
-/// completing thread for the count.
+/// only (a plain store, no locked instruction). Ops recorded directly are counted when
+/// *submitted*; the few that fail are taken back by the thread that sees them complete, on its
+/// own counter. So the common case — a small op finishing inline — costs one plain store, and
+/// an op completed by the backend's worker needs nothing from the logger unless it failed, was
+/// detached or is timed. Ops recorded from spans are counted when they complete.
 #[derive(Debug)]
 pub(crate) struct Cell {
     key: Key,
@@ -182,7 +182,8 @@ pub(crate) struct Cell {
     samples_ns: Mutex<Vec<u64>>,
 }
 
-/// One thread's counts in one row; success count = submitted − taken back + completed.
+/// One thread's counts in one row; successes = submitted (direct) − taken back (direct
+/// failures) + completed (from spans).
 #[derive(Debug, Default)]
 struct ThreadCounts {
     submitted: LocalCount,
@@ -364,6 +365,20 @@ struct Inner {
     output: Option<Output>,
 }
 
+/// Every live logger by id, so a completion hook can find its logger without holding a
+/// reference (which would cost two atomic operations on one cache line from two threads for
+/// every op that completes off the submitting thread).
+fn registry() -> &'static Mutex<Vec<(u64, Weak<Inner>)>> {
+    static REGISTRY: OnceLock<Mutex<Vec<(u64, Weak<Inner>)>>> = OnceLock::new();
+    REGISTRY.get_or_init(Mutex::default)
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        registry().lock().unwrap_or_else(|e| e.into_inner()).retain(|(id, _)| *id != self.id);
+    }
+}
+
 /// DeepSpeed's `CommsLogger`, rebuilt on the op spans of [`Profiling`](crate::Profiling):
 /// a `tracing_subscriber::Layer` that aggregates, per op, caller (with `debug`), group size
 /// and message size: count, total / avg / min / p50 / max latency, algbw and busbw (GB/s,
@@ -447,6 +462,9 @@ impl CommsLogger {
             }),
         };
         logger.configure(config);
+        let mut registry = registry().lock().unwrap_or_else(|e| e.into_inner());
+        registry.push((logger.inner.id, Arc::downgrade(&logger.inner)));
+        drop(registry);
         logger
     }
 
@@ -541,9 +559,9 @@ impl CommsLogger {
     }
 
     /// The direct path's start ([`Profiling`](crate::Profiling) with a logger): counts the
-    /// op as an inline success and decides whether to time it. Then, on the submitting
-    /// thread, [`end_inline`](Self::end_inline) or [`pending`](Self::pending) followed by
-    /// [`end`](Self::end) on the completing one.
+    /// op as a success and decides whether to time it. Then [`end_inline`](Self::end_inline)
+    /// on the submitting thread, or [`end`](Self::end) from the completion hook when
+    /// [`needs_end`](Self::needs_end).
     #[inline]
     pub(crate) fn begin(&self, op: &'static str, bytes: u64, group_size: u32, rank: u32) -> Option<Ticket> {
         let flags = self.inner.flags.load(Ordering::Relaxed);
@@ -572,35 +590,61 @@ impl CommsLogger {
 
     #[inline(never)]
     fn end_inline_rest(&self, t: Ticket, c: Completion<'_>) {
-        let key = self.pending(t);
-        self.end(&key, t, c);
+        if let Some(key) = self.key_of(t) {
+            self.end(&key, t, c);
+        }
     }
 
-    /// An op [`begin`](Self::begin) counted did not finish inline with success: takes it
-    /// back out (on the submitting thread) and returns its key for [`end`](Self::end).
-    pub(crate) fn pending(&self, t: Ticket) -> Key {
+    /// The key of `t`'s row (from this thread's cache, else the logger's list of rows).
+    pub(crate) fn key_of(&self, t: Ticket) -> Option<Key> {
         let id = self.inner.id;
-        let found = CACHE.with(|cache| {
-            let cache = cache.borrow();
-            let c = cache.iter().find(|c| c.logger == id && c.row == t.row)?;
-            c.counts.taken_back.bump();
-            Some(c.key)
-        });
-        found.unwrap_or_else(|| {
-            // Not in this thread's cache any more (it started over): an entry of its own again.
-            let key = self.inner.rows.read().unwrap_or_else(|e| e.into_inner())[t.row.get() as usize - 1].key;
-            let rank = self.inner.rank.get().copied().unwrap_or(0);
-            self.with_cached(&key, rank, |c| c.counts.taken_back.bump());
-            key
+        let cached =
+            CACHE.with(|cache| cache.borrow().iter().find(|c| c.logger == id && c.row == t.row).map(|c| c.key));
+        cached.or_else(|| {
+            let rows = self.inner.rows.read().unwrap_or_else(|e| e.into_inner());
+            rows.get(t.row.get() as usize - 1).map(|c| c.key)
         })
     }
 
-    /// Counts a completed op taken out by [`pending`](Self::pending), on the completing
-    /// thread's own counters.
+    /// Completes the record of an op [`begin`](Self::begin) counted as a success, on the
+    /// thread that sees it complete: takes a failure back out (on this thread's own counter)
+    /// and counts it as an error, and adds the latency of a timed call. An untimed success
+    /// has nothing left to do: see [`needs_end`](Self::needs_end).
     pub(crate) fn end(&self, key: &Key, t: Ticket, c: Completion<'_>) {
+        let failed = c.error.is_some();
         let latency = (t.start != UNTIMED).then(|| self.inner.clock.elapsed_ns(t.start));
         let rank = self.inner.rank.get().copied().unwrap_or(0);
-        self.record(key, rank, c.error.is_some(), c.detached, latency);
+        self.with_cached(key, rank, |e| {
+            if failed {
+                e.counts.taken_back.bump();
+                e.cell.errors.fetch_add(1, Ordering::Relaxed);
+            } else if let Some(ns) = latency {
+                e.cell.samples().push(ns);
+            }
+            if c.detached {
+                e.cell.detached.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        if let Some(ns) = latency {
+            self.verbose(key, ns, failed, c.detached);
+        }
+    }
+
+    /// Whether [`end`](Self::end) has anything to record for this completion.
+    pub(crate) fn needs_end(t: Ticket, c: Completion<'_>) -> bool {
+        c.error.is_some() || c.detached || t.start != UNTIMED
+    }
+
+    /// Whether `t`'s call is timed (its completion hook then carries the logger itself).
+    pub(crate) fn is_timed(t: Ticket) -> bool {
+        t.start != UNTIMED
+    }
+
+    /// The live logger with this id, for a completion hook that did not carry one (a rare
+    /// failed or detached untimed op).
+    pub(crate) fn find(id: u64) -> Option<CommsLogger> {
+        let registry = registry().lock().unwrap_or_else(|e| e.into_inner());
+        registry.iter().find(|(i, _)| *i == id).and_then(|(_, w)| w.upgrade()).map(|inner| CommsLogger { inner })
     }
 
     /// Runs `f` on this thread's cache entry for `key` (made on first use).
