@@ -368,10 +368,12 @@ struct Inner {
 /// Every live logger by id, so a completion hook can find its logger without holding a
 /// reference (which would cost two atomic operations on one cache line from two threads for
 /// every op that completes off the submitting thread).
-fn registry() -> &'static Mutex<Vec<(u64, Weak<Inner>)>> {
-    static REGISTRY: OnceLock<Mutex<Vec<(u64, Weak<Inner>)>>> = OnceLock::new();
+fn registry() -> &'static Mutex<Registry> {
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
     REGISTRY.get_or_init(Mutex::default)
 }
+
+type Registry = Vec<(u64, Weak<Inner>)>;
 
 impl Drop for Inner {
     fn drop(&mut self) {
