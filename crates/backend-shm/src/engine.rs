@@ -305,6 +305,9 @@ pub(crate) struct Engine {
     last_liveness: Instant,
     /// Peers' zero-copy buffers mapped so far (most recent last; a few are kept).
     zc_maps: Vec<(String, Arc<Segment>)>,
+    /// A finished one-step op whose caller the worker wakes after releasing the engine lock
+    /// (see [`worker`]).
+    finished: Option<(Done, Result<OneShot>)>,
 }
 
 /// How long an inline caller keeps yielding for late peers after its spin, before it parks.
@@ -353,6 +356,7 @@ impl Engine {
             acked: vec![0; world],
             last_liveness: Instant::now(),
             zc_maps: Vec::new(),
+            finished: None,
         }
     }
 
@@ -467,7 +471,7 @@ impl Engine {
         let r = self.wait_all(p.k).and_then(|()| self.read_step(&mut p.op, p.k, &p.hdr));
         let r = r.map(|()| p.op);
         if let Some(done) = p.done {
-            done.complete(r);
+            self.finished = Some((done, r));
         }
     }
 
@@ -868,7 +872,8 @@ impl Engine {
             }
             Command::OneShot(op, d) => {
                 let name = op.name();
-                d.complete(self.run_op(name, |e| e.oneshot(op)));
+                let r = self.run_op(name, |e| e.oneshot(op));
+                self.finished = Some((d, r));
             }
             Command::Send(..) | Command::Recv(..) => unreachable!("p2p commands never enter the collective queue"),
         }
@@ -1380,11 +1385,23 @@ impl Engine {
 /// The worker thread: runs [`Engine::work`] under the lock and sleeps on the doorbell,
 /// unlocked, whenever there is nothing to do.
 pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
-    let lock = || engine.lock().unwrap_or_else(|p| p.into_inner());
+    // A small op's caller is woken only once the lock is released: woken under it, the caller
+    // would find the engine busy and queue its next op for the worker too, and the ranks would
+    // keep handing small ops to their workers (a thread hop each) instead of running them inline.
+    let work = || {
+        let mut engine = engine.lock().unwrap_or_else(|p| p.into_inner());
+        let flow = engine.work();
+        let finished = engine.finished.take();
+        drop(engine);
+        if let Some((done, r)) = finished {
+            done.complete(r);
+        }
+        flow
+    };
     loop {
         let bell = me.u32_at(OFF_DOORBELL);
         let seen = bell.load(SeqCst);
-        match lock().work() {
+        match work() {
             Flow::Exit => return,
             Flow::Busy => continue,
             Flow::Idle => {}
@@ -1392,7 +1409,7 @@ pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
         // Announce the sleep, then look once more: a peer that published before seeing the
         // flag is visible now; one that publishes later rings the bell.
         me.u32_at(OFF_SLEEPING).store(1, SeqCst);
-        let flow = lock().work();
+        let flow = work();
         if matches!(flow, Flow::Idle) {
             futex_wait(bell, seen, Duration::from_millis(10));
         }
