@@ -456,20 +456,27 @@ mod half_simd {
         /// groups back in order).
         #[target_feature(enable = "avx,avx2")]
         fn x2_to_bf16x16<const R: i32>(v: X2) -> __m256i {
-            let round = |v: __m256| {
-                let x = _mm256_castps_si256(v);
+            let rounded = |x: __m256i| {
                 let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
-                let rounded =
-                    _mm256_srli_epi32::<16>(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))));
-                let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
-                let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
-                let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x0040));
-                _mm256_blendv_epi8(rounded, quiet, nan)
+                _mm256_srli_epi32::<16>(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))))
+            };
+            let (x0, x1) = (_mm256_castps_si256(v.0), _mm256_castps_si256(v.1));
+            // NaNs are rare: one test for all 16 lanes, and their fix-up only when there is one.
+            let nan = _mm256_or_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(v.0, v.0), _mm256_cmp_ps::<_CMP_UNORD_Q>(v.1, v.1));
+            let (b0, b1) = if _mm256_testz_ps(nan, nan) == 1 {
+                (rounded(x0), rounded(x1))
+            } else {
+                let with_nans = |x: __m256i| {
+                    let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
+                    let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
+                    let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x0040));
+                    _mm256_blendv_epi8(rounded(x), quiet, nan)
+                };
+                (with_nans(x0), with_nans(x1))
             };
             // Lanes are <= 0xFFFF, so the signed-to-unsigned saturating pack keeps them:
             // [lo 0-3, hi 0-3 | lo 4-7, hi 4-7] -> [lo 0-7, hi 0-7].
-            let packed = _mm256_packus_epi32(round(v.0), round(v.1));
-            _mm256_permute4x64_epi64::<0b11_01_10_00>(packed)
+            _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(b0, b1))
         }
     }
 }
