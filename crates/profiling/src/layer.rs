@@ -334,7 +334,7 @@ impl<R: Op, C: Collective<R>> Collective<R> for Profiling<C> {
         // Completes elsewhere: the hook only has work for a failure, a detached op or a timed
         // call, and carries the logger itself only for timed calls (the rest find it by id).
         let Some(key) = logger.key_of(ticket) else { return work.on_complete(move |c| finish(span, c)) };
-        let (id, carried) = (logger.id(), CommsLogger::is_timed(ticket).then(|| logger.clone()));
+        let (id, carried) = (logger.id(), ticket.is_timed().then(|| logger.clone()));
         work.on_complete(move |c| {
             if CommsLogger::needs_end(ticket, c) {
                 if let Some(logger) = carried.or_else(|| CommsLogger::find(id)) {

@@ -295,8 +295,8 @@ pub(crate) struct Ticket {
 
 const _: () = assert!(std::mem::size_of::<Option<Ticket>>() == 16);
 
-#[cfg(test)]
 impl Ticket {
+    /// Whether the call is timed (its completion hook then carries the logger itself).
     pub(crate) fn is_timed(&self) -> bool {
         self.start != UNTIMED
     }
@@ -585,7 +585,7 @@ impl CommsLogger {
     /// has anything left to record.
     #[inline]
     pub(crate) fn end_inline(&self, t: Ticket, c: Completion<'_>) {
-        if c.error.is_some() || t.start != UNTIMED {
+        if c.error.is_some() || t.is_timed() {
             self.end_inline_rest(t, c);
         }
     }
@@ -614,7 +614,7 @@ impl CommsLogger {
     /// has nothing left to do: see [`needs_end`](Self::needs_end).
     pub(crate) fn end(&self, key: &Key, t: Ticket, c: Completion<'_>) {
         let failed = c.error.is_some();
-        let latency = (t.start != UNTIMED).then(|| self.inner.clock.elapsed_ns(t.start));
+        let latency = t.is_timed().then(|| self.inner.clock.elapsed_ns(t.start));
         let rank = self.inner.rank.get().copied().unwrap_or(0);
         self.with_cached(key, rank, |e| {
             if failed {
@@ -634,12 +634,7 @@ impl CommsLogger {
 
     /// Whether [`end`](Self::end) has anything to record for this completion.
     pub(crate) fn needs_end(t: Ticket, c: Completion<'_>) -> bool {
-        c.error.is_some() || c.detached || t.start != UNTIMED
-    }
-
-    /// Whether `t`'s call is timed (its completion hook then carries the logger itself).
-    pub(crate) fn is_timed(t: Ticket) -> bool {
-        t.start != UNTIMED
+        c.error.is_some() || c.detached || t.is_timed()
     }
 
     /// The live logger with this id, for a completion hook that did not carry one (a rare
