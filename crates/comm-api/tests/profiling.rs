@@ -2,11 +2,15 @@
 //! its sub-groups, the CommsLogger summary with the straggler view, OTLP export.
 #![cfg(feature = "profiling")]
 
+#[cfg(feature = "otel")]
 use std::sync::{Arc, Mutex};
 
 use comm_api::profiling::{CommsConfig, CommsLogger, ProfilingLayer};
-use comm_api::{Config, HostBuffer, ProcessGroup, ReduceOp, WorldInfo};
+use comm_api::{Config, HostBuffer, ReduceOp};
 use tracing_subscriber::layer::SubscriberExt;
+
+mod common;
+use common::{two_rank_summaries, Recording};
 
 #[tokio::test(flavor = "current_thread")]
 async fn builder_profiles_the_group_and_its_sub_groups() {
@@ -35,29 +39,7 @@ async fn a_second_init_with_other_layers_is_refused() {
 
 #[test]
 fn straggler_summary_over_a_process_group() {
-    let ranks = comm_test::LocalWorld::new(2);
-    let threads: Vec<_> = ranks
-        .into_iter()
-        .enumerate()
-        .map(|(r, b)| {
-            std::thread::spawn(move || {
-                let logger = CommsLogger::new(CommsConfig::default());
-                let _g = tracing::subscriber::set_default(tracing_subscriber::registry().with(logger.clone()));
-                let mut world = WorldInfo::single();
-                (world.rank, world.world_size, world.local_world_size) = (r as u32, 2, 2);
-                let pg = ProcessGroup::from_backend(Arc::new(ProfilingLayer::new().layer(b)), world);
-                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-                rt.block_on(async {
-                    for _ in 0..5 {
-                        pg.all_reduce(HostBuffer::from_slice(&[r as f32; 64]), ReduceOp::Sum).await.unwrap();
-                    }
-                    logger.log_summary_with_stragglers(pg.backend()).await.unwrap()
-                })
-            })
-        })
-        .collect();
-    for t in threads {
-        let s = t.join().unwrap();
+    for s in two_rank_summaries(Recording::Spans, 5) {
         assert_eq!(s.rows.len(), 1, "the summary's own exchanges are not recorded: {:?}", s.rows);
         assert_eq!((s.rows[0].op.as_str(), s.rows[0].count, s.rows[0].group_size), ("all_reduce", 5, 2));
         let st = s.stragglers.unwrap();
