@@ -1128,6 +1128,10 @@ impl Engine {
             aux: u64::from(!equal),
             ..self.header(OP_ALL_TO_ALL, dtype, if equal { r.input.len() } else { 0 }, 0, None)
         };
+        if n == 1 && ins[0] == outs[0] {
+            out.as_bytes_mut().copy_from_slice(r.input.as_bytes());
+            return Ok(out);
+        }
         let mut matrix = vec![(r.input.len() / n) as u64; n * n];
         if !equal {
             let mine: Vec<u64> = ins.iter().map(|&x| x as u64).collect();
@@ -1155,19 +1159,21 @@ impl Engine {
         let dst = out.as_bytes_mut();
         let in_off: Vec<usize> = ins.iter().scan(0, |a, &x| Some(std::mem::replace(a, *a + x))).collect();
         let out_off: Vec<usize> = outs.iter().scan(0, |a, &x| Some(std::mem::replace(a, *a + x))).collect();
-        let per = (self.lay.window / n / es).max(1);
+        // The block a rank keeps goes straight from its input to its output (one copy instead
+        // of two through its own window), so the window holds n - 1 slots: rank p's block
+        // for rank j sits in slot `j` of p's window, or `j - 1` past p.
+        let per = (self.lay.window / (n - 1).max(1) / es).max(1);
         let rounds = (matrix.iter().copied().max().unwrap_or(0) as usize).div_ceil(per);
         let slot = per * es;
+        let slot_of = |p: usize, j: usize| (j - usize::from(j > p)) * slot;
         for t in 0..rounds {
             let lo = t * per;
             self.step(&hdr, |io| match io {
-                // The block a rank keeps goes straight from its input to its output (one copy
-                // instead of two through its own window).
                 Io::Write(w) => {
                     for j in (0..n).filter(|&j| j != me) {
                         let (a, b) = (lo.min(ins[j]), (lo + per).min(ins[j]));
                         let src = &input[(in_off[j] + a) * es..(in_off[j] + b) * es];
-                        w[j * slot..j * slot + src.len()].copy_from_slice(src);
+                        w[slot_of(me, j)..slot_of(me, j) + src.len()].copy_from_slice(src);
                     }
                 }
                 Io::Read(views, _) => {
@@ -1179,7 +1185,7 @@ impl Engine {
                             // ins[me] == outs[me]: equal splits, or checked against the matrix.
                             &input[(in_off[me] + a) * es..(in_off[me] + a) * es + bytes]
                         } else {
-                            &v[me * slot..me * slot + bytes]
+                            &v[slot_of(p, me)..slot_of(p, me) + bytes]
                         };
                         dst[at..at + bytes].copy_from_slice(src);
                     }

@@ -8,6 +8,7 @@
 
 mod baseline;
 mod cases;
+mod heap;
 #[cfg(feature = "profiling")]
 mod overhead;
 mod plot;
@@ -56,6 +57,11 @@ TIMING:
   (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast and reduce.
   GB/s means 10^9 bytes per second. Without --iters, iterations = clamp(4 GiB / size, 5, 1000);
   without --warmup, warm-up = clamp(iters / 10, 2, 50).
+  Ops that consume their input get a copy made outside the clock, and free it inside.
+  comm-bench keeps freed memory in the process (glibc: no mmap, no heap trimming), so that
+  free is cheap and the copies reuse resident pages, as buffers reused across iterations
+  are in nccl-tests; --release-memory restores the allocator's defaults (at >= 8 MiB each
+  op then also pays for unmapping its input and the next copy for faulting it back in).
 
 CHECKING:
   After the timed loop one more iteration runs on fresh known inputs (small integers, exact
@@ -145,6 +151,10 @@ struct Cli {
     /// backend's zero-copy memory where it has one.
     #[arg(long)]
     zero_copy: bool,
+    /// Let the allocator return freed memory to the kernel as it does by default (see
+    /// TIMING); without it, comm-bench keeps freed memory for reuse.
+    #[arg(long)]
+    release_memory: bool,
     /// Profile every op (a span each, recorded by a CommsLogger) and print the CommsLogger
     /// summary with the per-rank straggler view after the bench (feature `profiling`).
     #[arg(long, conflicts_with = "profile_overhead")]
@@ -267,6 +277,9 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         };
+    }
+    if !cli.release_memory {
+        heap::keep_freed_memory();
     }
     let plan = match Plan::from_cli(cli) {
         Ok(p) => p,

@@ -44,6 +44,11 @@ pub struct HostBuffer {
 /// A clone is always plain host memory (a deep copy), whatever the original's storage.
 impl Clone for HostBuffer {
     fn clone(&self) -> Self {
+        if let Storage::Owned(w) = &self.storage {
+            // A plain copy of the words: no zeroing pass first (a third of a clone's time).
+            let storage = Storage::Owned(w[..self.bytes.div_ceil(8)].to_vec());
+            return HostBuffer { storage, bytes: self.bytes, dtype: self.dtype };
+        }
         let mut b = HostBuffer::zeroed(self.dtype, self.len());
         b.as_bytes_mut().copy_from_slice(self.as_bytes());
         b
@@ -281,9 +286,14 @@ mod tests {
         b.as_bytes_mut()[12] = 7;
         b.reshape(DType::F64, 3);
         assert_eq!(b.as_slice::<f64>().unwrap().len(), 3);
+        b.as_bytes_mut().fill(9);
         b.reshape(DType::U8, 2);
+        let mut c = b.clone();
+        assert_eq!(c.as_bytes(), [9, 9]);
         b.reshape(DType::U8, 16);
         assert!(b.as_bytes()[2..].iter().all(|&x| x == 0), "grown bytes are zero");
+        c.reshape(DType::U8, 16);
+        assert_eq!(b, c, "a clone grows the same way");
         assert!(HostBuffer::from_bytes(DType::I32, &[0; 6]).is_err());
         assert_eq!(HostBuffer::from_bytes(DType::I32, &[1, 0, 0, 0]).unwrap().to_vec::<i32>().unwrap(), [1]);
     }
