@@ -172,7 +172,10 @@ struct Parked {
 /// What one turn of the worker did.
 pub(crate) enum Flow {
     Busy,
+    /// Waiting on peers: point-to-point ops in flight.
     Idle,
+    /// Nothing in flight.
+    Quiet,
     Exit,
 }
 
@@ -395,11 +398,14 @@ impl Engine {
             self.poison_with(&e);
             return Flow::Busy;
         }
-        if self.closing && self.p2p_idle() && self.colls.is_empty() {
+        if !self.p2p_idle() {
+            Flow::Idle
+        } else if self.closing {
             self.close();
-            return Flow::Exit;
+            Flow::Exit
+        } else {
+            Flow::Quiet
         }
-        Flow::Idle
     }
 
     /// Whether an op submitted now could run inline: nothing queued, parked or in flight.
@@ -552,7 +558,7 @@ impl Engine {
         let me = self.segs[self.rank].clone();
         let bell = me.u32_at(OFF_DOORBELL);
         let seen = bell.load(SeqCst);
-        me.u32_at(OFF_SLEEPING).store(1, SeqCst);
+        me.u32_at(OFF_SLEEPING).store(SLEEP_PEERS, SeqCst);
         // Re-check after announcing the sleep: a peer that published before seeing the flag
         // is visible now; one that publishes after will ring.
         let skip = ready(self) || self.pump()?;
@@ -565,7 +571,7 @@ impl Engine {
 
     fn ring(&self, peer: usize) {
         let seg = &self.segs[peer];
-        if seg.u32_at(OFF_SLEEPING).load(SeqCst) != 0 {
+        if seg.u32_at(OFF_SLEEPING).load(SeqCst) == SLEEP_PEERS {
             seg.u32_at(OFF_DOORBELL).fetch_add(1, SeqCst);
             futex_wake(seg.u32_at(OFF_DOORBELL));
         }
@@ -1407,16 +1413,17 @@ pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
     loop {
         let bell = me.u32_at(OFF_DOORBELL);
         let seen = bell.load(SeqCst);
-        match work() {
+        let wait_for = match work() {
             Flow::Exit => return,
             Flow::Busy => continue,
-            Flow::Idle => {}
-        }
+            Flow::Idle => SLEEP_PEERS,
+            Flow::Quiet => SLEEP_LOCAL,
+        };
         // Announce the sleep, then look once more: a peer that published before seeing the
         // flag is visible now; one that publishes later rings the bell.
-        me.u32_at(OFF_SLEEPING).store(1, SeqCst);
+        me.u32_at(OFF_SLEEPING).store(wait_for, SeqCst);
         let flow = work();
-        if matches!(flow, Flow::Idle) {
+        if matches!(flow, Flow::Idle | Flow::Quiet) {
             futex_wait(bell, seen, Duration::from_millis(10));
         }
         me.u32_at(OFF_SLEEPING).store(0, SeqCst);

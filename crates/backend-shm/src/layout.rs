@@ -24,7 +24,17 @@ pub(crate) const OFF_STATE: usize = 20;
 pub(crate) const OFF_WINDOW: usize = 24;
 pub(crate) const OFF_STEP: usize = 64;
 pub(crate) const OFF_DOORBELL: usize = 128;
+/// What the worker sleeping on the doorbell waits for: 0 awake, [`SLEEP_PEERS`] or
+/// [`SLEEP_LOCAL`].
 pub(crate) const OFF_SLEEPING: usize = 132;
+/// Waiting for peers (a collective's step, a point-to-point slot): every peer that publishes
+/// progress rings.
+pub(crate) const SLEEP_PEERS: u32 = 1;
+/// Nothing in flight: only this rank's own submissions (and a peer closing or failing) ring.
+/// A peer's steps cannot concern it, and waking it for each would put an idle thread on the
+/// cores of callers running small ops inline (a context switch per op and engine-lock
+/// contention).
+pub(crate) const SLEEP_LOCAL: u32 = 2;
 pub(crate) const OFF_REASON: usize = 192;
 pub(crate) const REASON_LEN: usize = 256;
 const OFF_P2P_COUNTERS: usize = 512;
