@@ -32,7 +32,10 @@ use report::Row;
 const TARGET_BYTES: usize = 4 << 30;
 /// ...within these bounds.
 const ITERS_MIN: usize = 5;
-const ITERS_MAX: usize = 1000;
+const ITERS_MAX: usize = 10_000;
+/// Small ops settle for a few ms after start (threads placed, caches warm): a tenth of the
+/// iterations, up to this many, run untimed first.
+const WARMUP_MAX: usize = 1000;
 /// Ops that consume their input get a fresh copy per iteration, made before the clock starts;
 /// at most this many bytes of copies exist at once (more iterations run in several batches).
 const POOL_BYTES: usize = 256 << 20;
@@ -55,8 +58,8 @@ TIMING:
   time(us) = mean wall time of one op over the timed iterations, the maximum over ranks.
   algbw = size(B) / time; busbw = algbw * factor with factor 2(n-1)/n for all_reduce,
   (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast and reduce.
-  GB/s means 10^9 bytes per second. Without --iters, iterations = clamp(4 GiB / size, 5, 1000);
-  without --warmup, warm-up = clamp(iters / 10, 2, 50).
+  GB/s means 10^9 bytes per second. Without --iters, iterations = clamp(4 GiB / size, 5, 10000);
+  without --warmup, warm-up = clamp(iters / 10, 2, 1000).
   Ops that consume their input get a copy made outside the clock, and free it inside.
   comm-bench keeps freed memory in the process (glibc: no mmap, no heap trimming), so that
   free is cheap and the copies reuse resident pages, as buffers reused across iterations
@@ -254,7 +257,7 @@ impl Plan {
     }
 
     fn warmup_for(&self, iters: usize) -> usize {
-        self.warmup.unwrap_or_else(|| (iters / 10).clamp(2, 50))
+        self.warmup.unwrap_or_else(|| (iters / 10).clamp(2, WARMUP_MAX))
     }
 }
 
@@ -444,7 +447,7 @@ fn print_preamble(plan: &Plan, pg: &ProcessGroup, git_rev: Option<&str>) {
         plan.root
     );
     let iters = plan.iters.map_or_else(|| format!("clamp(4GiB/size, {ITERS_MIN}, {ITERS_MAX})"), |n| n.to_string());
-    let warmup = plan.warmup.map_or_else(|| "clamp(iters/10, 2, 50)".to_owned(), |n| n.to_string());
+    let warmup = plan.warmup.map_or_else(|| format!("clamp(iters/10, 2, {WARMUP_MAX})"), |n| n.to_string());
     println!(
         "# iters: {iters}  warmup: {warmup}  validation: {}{}",
         if plan.check { "on" } else { "off" },
@@ -590,8 +593,9 @@ mod tests {
         assert_eq!(p.iters_for(8), ITERS_MAX);
         assert_eq!(p.iters_for(64 << 20), 64);
         assert_eq!(p.iters_for(1 << 30), ITERS_MIN);
-        assert_eq!(p.iters_for(4 << 20), ITERS_MAX);
-        assert_eq!(p.warmup_for(1000), 50);
+        assert_eq!(p.iters_for(4 << 20), 1024);
+        assert_eq!(p.warmup_for(10_000), WARMUP_MAX);
+        assert_eq!(p.warmup_for(1000), 100);
         assert_eq!(p.warmup_for(5), 2);
     }
 
