@@ -74,6 +74,18 @@ pub(crate) enum OneShot {
         input: HostBuffer,
         out: HostBuffer,
     },
+    ReduceScatter {
+        input: HostBuffer,
+        out: HostBuffer,
+        op: ReduceOp,
+    },
+    /// Equal splits only (uneven ones need a step to agree on the splits).
+    AllToAll {
+        input: HostBuffer,
+        out: HostBuffer,
+        /// Ranks (blocks).
+        n: usize,
+    },
     Barrier,
 }
 
@@ -82,7 +94,7 @@ impl OneShot {
     pub(crate) fn into_buffer(self) -> HostBuffer {
         match self {
             OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf,
-            OneShot::AllGather { out, .. } => out,
+            OneShot::AllGather { out, .. } | OneShot::ReduceScatter { out, .. } | OneShot::AllToAll { out, .. } => out,
             OneShot::Barrier => HostBuffer::zeroed(DType::U8, 0),
         }
     }
@@ -93,6 +105,8 @@ impl OneShot {
             OneShot::AllReduce { .. } => "reduce",
             OneShot::Broadcast { .. } => "broadcast",
             OneShot::AllGather { .. } => "all_gather",
+            OneShot::ReduceScatter { .. } => "reduce_scatter",
+            OneShot::AllToAll { .. } => "all_to_all",
             OneShot::Barrier => "barrier",
         }
     }
@@ -105,6 +119,11 @@ impl OneShot {
             }
             OneShot::Broadcast { buf, root } => e.header(OP_BROADCAST, buf.dtype(), buf.len(), *root, None),
             OneShot::AllGather { input, .. } => e.header(OP_ALL_GATHER, input.dtype(), input.len(), 0, None),
+            OneShot::ReduceScatter { input, op, .. } => {
+                e.header(OP_REDUCE_SCATTER, input.dtype(), input.len(), 0, Some(*op))
+            }
+            // aux 0: equal splits, as in `Engine::all_to_all`.
+            OneShot::AllToAll { input, .. } => e.header(OP_ALL_TO_ALL, input.dtype(), input.len(), 0, None),
             OneShot::Barrier => e.header(OP_BARRIER, DType::U8, 0, 0, None),
         }
     }
@@ -129,6 +148,37 @@ impl OneShot {
                     out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(&v[..b]);
                 }
             }
+            // The whole input: block j (for rank j) at offset j * b, as in one round of
+            // `Engine::reduce_scatter`.
+            (OneShot::ReduceScatter { input, .. }, Io::Write(w)) => {
+                w[..input.byte_len()].copy_from_slice(input.as_bytes())
+            }
+            (OneShot::ReduceScatter { out, op, .. }, Io::Read(views, _)) => {
+                let b = out.byte_len();
+                let ins: Vec<&[u8]> = views.iter().map(|v| &v[me * b..(me + 1) * b]).collect();
+                kernels::reduce(out.dtype(), *op, &ins, out.as_bytes_mut());
+            }
+            // Only the peers' blocks go through the window, packed: rank p's block for rank j
+            // at slot j, or j - 1 past p. Our own block goes straight to the output.
+            (OneShot::AllToAll { input, n, .. }, Io::Write(w)) => {
+                let b = input.byte_len() / *n;
+                for j in (0..*n).filter(|&j| j != me) {
+                    let at = (j - usize::from(j > me)) * b;
+                    w[at..at + b].copy_from_slice(&input.as_bytes()[j * b..(j + 1) * b]);
+                }
+            }
+            (OneShot::AllToAll { input, out, n }, Io::Read(views, _)) => {
+                let b = input.byte_len() / *n;
+                for (p, v) in views.iter().enumerate() {
+                    let src = if p == me {
+                        &input.as_bytes()[me * b..(me + 1) * b]
+                    } else {
+                        let at = (me - usize::from(me > p)) * b;
+                        &v[at..at + b]
+                    };
+                    out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(src);
+                }
+            }
             _ => {}
         }
     }
@@ -139,6 +189,14 @@ impl OneShot {
             OneShot::AllGather { input, mut out } => {
                 out.as_bytes_mut().copy_from_slice(input.as_bytes());
                 OneShot::AllGather { input, out }
+            }
+            OneShot::ReduceScatter { input, mut out, op } => {
+                out.as_bytes_mut().copy_from_slice(input.as_bytes());
+                OneShot::ReduceScatter { input, out, op }
+            }
+            OneShot::AllToAll { input, mut out, n } => {
+                out.as_bytes_mut().copy_from_slice(input.as_bytes());
+                OneShot::AllToAll { input, out, n }
             }
             other => other,
         }

@@ -481,6 +481,47 @@ impl InlineOp for ops::AllGather {
     }
 }
 
+impl InlineOp for ops::ReduceScatter {
+    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
+        if self.input.byte_len() > inner.window {
+            return Err(self);
+        }
+        let block = self.input.len() / inner.world as usize;
+        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), block));
+        Ok(OneShot::ReduceScatter { input: self.input, out, op: self.op })
+    }
+    fn command(self, done: Completer<HostBuffer>) -> Command {
+        Command::ReduceScatter(self, done)
+    }
+    fn output(op: OneShot) -> HostBuffer {
+        op.into_buffer()
+    }
+    fn done(c: Completer<HostBuffer>) -> Done {
+        Done::Buf(c)
+    }
+}
+
+impl InlineOp for ops::AllToAll {
+    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
+        let n = inner.world as usize;
+        let peers_bytes = self.input.byte_len() / n * (n - 1);
+        if self.input_splits.is_some() || self.output_splits.is_some() || peers_bytes > inner.window {
+            return Err(self);
+        }
+        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), self.input.len()));
+        Ok(OneShot::AllToAll { input: self.input, out, n })
+    }
+    fn command(self, done: Completer<HostBuffer>) -> Command {
+        Command::AllToAll(self, done)
+    }
+    fn output(op: OneShot) -> HostBuffer {
+        op.into_buffer()
+    }
+    fn done(c: Completer<HostBuffer>) -> Done {
+        Done::Buf(c)
+    }
+}
+
 impl InlineOp for ops::Barrier {
     fn one_shot(self, _: &Inner) -> Result<OneShot, Self> {
         Ok(OneShot::Barrier)
@@ -531,11 +572,9 @@ macro_rules! inline_collectives {
     )*};
 }
 
-inline_collectives!(AllReduce, Broadcast, Reduce, AllGather, Barrier);
+inline_collectives!(AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, AllToAll, Barrier);
 
 collectives! {
-    ReduceScatter => ReduceScatter,
-    AllToAll => AllToAll,
     Scatter => Scatter,
     Gather => Gather,
     Send => Send,
