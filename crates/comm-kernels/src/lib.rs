@@ -374,24 +374,26 @@ mod half_simd {
             _mm512_max_ps,
             _mm512_set1_ps
         );
+        // 16 lanes per iteration as two 8-lane halves: two independent chains, one load and
+        // one store of 256 bits (kernel: 8 lanes ran at 13.8 GB/s, 16 at 23.5, f32 21-23).
         fused!(
             reduce_f16c,
             DType::F16,
             "avx,avx2,f16c",
-            8,
-            __m128i,
-            _mm_loadu_si128,
-            _mm_storeu_si128,
-            _mm256_cvtph_ps,
-            _mm256_cvtph_ps,
-            _mm256_cvtps_ph,
+            16,
+            __m256i,
+            _mm256_loadu_si256,
+            _mm256_storeu_si256,
+            f16x16_to_x2,
+            f16x16_to_x2,
+            x2_to_f16x16,
             ROUND,
-            _mm256_add_ps,
-            _mm256_mul_ps,
-            _mm256_div_ps,
-            _mm256_min_ps,
-            _mm256_max_ps,
-            _mm256_set1_ps
+            add2,
+            mul2,
+            div2,
+            min2,
+            max2,
+            set1x2
         );
         fused!(
             reduce_bf16_avx2,
@@ -432,6 +434,18 @@ mod half_simd {
         #[target_feature(enable = "avx,avx2")]
         fn set1x2(x: f32) -> X2 {
             X2(_mm256_set1_ps(x), _mm256_set1_ps(x))
+        }
+
+        /// F16C's conversion on 16 lanes (two halves).
+        #[target_feature(enable = "avx,avx2,f16c")]
+        fn f16x16_to_x2(h: __m256i) -> X2 {
+            X2(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)))
+        }
+
+        /// F16C's rounding conversion on 16 lanes (two halves).
+        #[target_feature(enable = "avx,avx2,f16c")]
+        fn x2_to_f16x16<const R: i32>(v: X2) -> __m256i {
+            _mm256_set_m128i(_mm256_cvtps_ph::<R>(v.1), _mm256_cvtps_ph::<R>(v.0))
         }
 
         /// [`bf16_bits_to_f32`] on 16 lanes: widen, shift, quiet the NaNs.
