@@ -1027,10 +1027,13 @@ impl Engine {
         Ok(())
     }
 
-    /// all_reduce on buffers from `alloc_buffer`: every rank reduces its slice in place
-    /// reading the peers' buffers directly, then copies the peers' reduced slices, chunk by
-    /// chunk. No window traffic, no copy-in. A last step keeps the buffer until every peer has
-    /// read it.
+    /// all_reduce on buffers from `alloc_buffer`. Rank r owns slice r of *every* rank's
+    /// buffer for the op: it reduces slice r reading all buffers directly and writes the
+    /// result into all of them in the same pass (the lines it writes in a peer's buffer are
+    /// the ones it just read, so they are in cache). Nobody else reads or writes slice r, so
+    /// two steps suffice: one to learn where the buffers are (and that they hold their
+    /// inputs), one to know every slice is written before the buffer goes back to its owner.
+    /// No window traffic, no copy-in or copy-out pass.
     fn zc_all_reduce(&mut self, buf: &mut HostBuffer, op: ReduceOp, name: &str) -> Result<()> {
         let (dtype, count, es, n, me) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world, self.rank);
         let hdr = StepHeader { aux: AUX_ZERO_COPY, ..self.header(OP_ALL_REDUCE, dtype, count, 0, Some(op)) };
@@ -1049,37 +1052,41 @@ impl Engine {
             *slot = Some(self.map_zero_copy(p, &theirs, count * es)?);
         }
         self.phase = Phase::Idle;
-        // Then chunk by chunk (window-sized, so what a peer just reduced is still in cache when
-        // we copy it): reduce our slice of the chunk in place, reading the peers' buffers; one
-        // step; copy the peers' reduced slices of the chunk. Regions never overlap between
-        // chunks, so a rank may reduce chunk c + 1 while another still copies chunk c.
-        for (off, len) in pieces(count, self.lay.window / es) {
-            let (lo, hi) = slice_of(len, n, me);
-            let (lo, hi) = (off + lo, off + hi);
+        let (lo, hi) = slice_of(count, n, me);
+        let (off, len) = (lo * es, (hi - lo) * es);
+        // The first peer's slice is read and written through `copy` (`Src::Copy`); the
+        // others' are read here and written after each piece.
+        let first = (0..n).find(|&p| p != me);
+        // Window-sized pieces, so the copies into the other peers' buffers read the result
+        // from cache.
+        let piece = (self.lay.window / es).max(1) * es;
+        // Every peer published step 1, so its buffer holds its input, and until step 2 only we
+        // touch slice `me` of any buffer: each piece of it is borrowed once below, shared
+        // (peers after the first, while reducing) or exclusive (the first's; the others' for
+        // the copy, after the shared borrows are gone).
+        for start in (0..len).step_by(piece) {
+            let end = (start + piece).min(len);
+            let (at, bytes) = (off + start, end - start);
             {
-                // SAFETY: every peer published step 1, so its buffer holds its input; a peer
-                // overwrites our slice of its buffer (copying our result) only after we
-                // publish this chunk's step.
-                let theirs: Vec<&[u8]> = peers
-                    .iter()
-                    .map(|s| s.as_ref().map_or(&[][..], |s| unsafe { s.bytes(lo * es, (hi - lo) * es) }))
+                let srcs: Vec<Src<'_>> = (0..n)
+                    .map(|p| match &peers[p] {
+                        // SAFETY: slice `me` of peer `p`'s buffer is ours (above).
+                        Some(seg) if Some(p) != first => Src::Buf(unsafe { seg.bytes(at, bytes) }),
+                        _ if p == me => Src::Out,
+                        _ => Src::Copy,
+                    })
                     .collect();
-                let srcs: Vec<Src<'_>> = (0..n).map(|p| if p == me { Src::Out } else { Src::Buf(theirs[p]) }).collect();
-                kernels::reduce_to(dtype, op, &srcs, &mut buf.as_bytes_mut()[lo * es..hi * es], None);
+                // SAFETY: slice `me` of the first peer's buffer is ours (above), borrowed only here.
+                let copy = first.and_then(|p| peers[p].as_ref()).map(|seg| unsafe { seg.bytes_mut(at, bytes) });
+                kernels::reduce_to(dtype, op, &srcs, &mut buf.as_bytes_mut()[at..at + bytes], copy);
             }
-            let k = self.begin(&hdr)?;
-            self.publish(k, &hdr)?;
-            for (p, seg) in peers.iter().enumerate().filter_map(|(p, s)| s.as_ref().map(|s| (p, s))) {
-                let (lo, hi) = slice_of(len, n, p);
-                let (lo, hi) = (off + lo, off + hi);
-                // SAFETY: peer `p` reduced its slice of this chunk before publishing the step
-                // and never writes it again during this op.
-                let src = unsafe { seg.bytes(lo * es, (hi - lo) * es) };
-                buf.as_bytes_mut()[lo * es..hi * es].copy_from_slice(src);
+            for seg in (0..n).filter(|&p| p != me && Some(p) != first).filter_map(|p| peers[p].as_ref()) {
+                // SAFETY: slice `me` of peer `p`'s buffer is ours (above); the shared borrow
+                // of it ended with the block above.
+                unsafe { seg.bytes_mut(at, bytes) }.copy_from_slice(&buf.as_bytes()[at..at + bytes]);
             }
-            self.phase = Phase::Idle;
         }
-        // Step 3: every peer has copied our slice; the buffer can go back to its owner.
+        // Step 2: every slice of every buffer is written; the buffer can go back to its owner.
         let k = self.begin(&hdr)?;
         self.publish(k, &hdr)?;
         self.phase = Phase::Idle;

@@ -32,6 +32,8 @@ pub enum Src<'a> {
     Buf(&'a [u8]),
     /// The current contents of the output buffer (an in-place input).
     Out,
+    /// The current contents of the `copy` buffer of [`reduce_to`] (which must be given).
+    Copy,
 }
 
 /// `out = inputs[0] ⊕ inputs[1] ⊕ ...` elementwise, in input order. `Avg` divides by the
@@ -42,12 +44,19 @@ pub fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
     reduce_to(dtype, op, &srcs, out, None);
 }
 
-/// Like [`reduce`], but an input may be `out` itself ([`Src::Out`], read before it is
-/// overwritten), and the result is also written to `copy` when given — one pass over the data
-/// where a separate copy-in or copy-out would be another.
+/// Like [`reduce`], but an input may be `out` itself ([`Src::Out`]) or `copy`
+/// ([`Src::Copy`]), read before it is overwritten, and the result is also written to `copy`
+/// when given — one pass over the data where a separate copy-in or copy-out would be another.
+///
+/// # Panics
+/// When an input is [`Src::Copy`] and `copy` is `None`.
 pub fn reduce_to(dtype: DType, op: ReduceOp, inputs: &[Src<'_>], out: &mut [u8], copy: Option<&mut [u8]>) {
     debug_assert!(inputs.iter().all(|i| !matches!(i, Src::Buf(b) if b.len() != out.len())));
     debug_assert!(copy.as_ref().is_none_or(|c| c.len() == out.len()));
+    assert!(
+        copy.is_some() || !inputs.iter().any(|i| matches!(i, Src::Copy)),
+        "reduce_to: an input is Src::Copy but there is no copy buffer"
+    );
     if inputs.is_empty() || out.is_empty() {
         return;
     }
@@ -298,6 +307,8 @@ mod half_simd {
                         .map(|s| match s {
                             Src::Buf(b) => b.as_ptr().cast::<u16>(),
                             Src::Out => out_ptr.cast_const(),
+                            // Checked by `reduce_to`: there is a copy buffer.
+                            Src::Copy => copy.as_deref().map_or(std::ptr::null(), |c| c.as_ptr().cast::<u16>()),
                         })
                         .collect();
                     let copy_ptr = copy.as_deref_mut().map(|c| c.as_mut_ptr().cast::<u16>());
@@ -308,8 +319,8 @@ mod half_simd {
                             while i < main {
                                 // SAFETY: every input, `out` and `copy` have `n` >= i + W
                                 // elements (u16 lanes; unaligned loads and stores). All inputs
-                                // of lanes i..i+W are read before `out`'s lanes are written,
-                                // so `out` may be one of them.
+                                // of lanes i..i+W are read before `out`'s and `copy`'s lanes
+                                // are written, so either may be one of them.
                                 unsafe {
                                     let mut acc = $to_f($load_h(ptrs[0].add(i).cast::<$vh>()));
                                     for p in &ptrs[1..] {
@@ -346,7 +357,7 @@ mod half_simd {
                             .iter()
                             .map(|s| match s {
                                 Src::Buf(b) => Src::Buf(&b[main * 2..]),
-                                Src::Out => Src::Out,
+                                other => *other,
                             })
                             .collect();
                         reduce_generic($dtype, op, &tail, &mut out[main * 2..], copy.map(|c| &mut c[main * 2..]));
@@ -546,17 +557,18 @@ fn run<T: Lane>(
 ) {
     let out: &mut [T] = bytemuck::cast_slice_mut(dst.out);
     let mut copy: Option<&mut [T]> = dst.copy.map(bytemuck::cast_slice_mut);
-    let bufs: Vec<Option<&[T]>> = inputs
+    let bufs: Vec<In<'_, T>> = inputs
         .iter()
         .map(|s| match s {
-            Src::Buf(b) => Some(bytemuck::cast_slice::<u8, T>(b)),
-            Src::Out => None,
+            Src::Buf(b) => In::Buf(bytemuck::cast_slice::<u8, T>(b)),
+            Src::Out => In::Out,
+            Src::Copy => In::Copy,
         })
         .collect();
     if out.len() <= TINY {
         // Latency-bound sizes: element by element, no block set-up.
         for i in 0..out.len() {
-            let load = |b: &Option<&[T]>| b.map_or(out[i], |b| b[i]).load();
+            let load = |b: &In<'_, T>| In::pick(b, out, copy.as_deref(), i..i + 1)[0].load();
             let acc = bufs[1..].iter().fold(load(&bufs[0]), |a, b| combine(a, load(b)));
             out[i] = T::store(finish(acc));
             if let Some(c) = copy.as_deref_mut() {
@@ -573,9 +585,28 @@ fn run<T: Lane>(
     }
 }
 
+/// An input of `run`, typed.
+enum In<'a, T> {
+    Buf(&'a [T]),
+    Out,
+    Copy,
+}
+
+impl<T> In<'_, T> {
+    /// The input's elements in `range`: its own, or the current contents of `out` or `copy`.
+    #[inline(always)]
+    fn pick<'s>(&'s self, out: &'s [T], copy: Option<&'s [T]>, range: std::ops::Range<usize>) -> &'s [T] {
+        match self {
+            In::Buf(b) => &b[range],
+            In::Out => &out[range],
+            In::Copy => &copy.expect("checked by reduce_to")[range],
+        }
+    }
+}
+
 #[inline(always)]
 fn blocks<T: Lane, const B: usize>(
-    bufs: &[Option<&[T]>],
+    bufs: &[In<'_, T>],
     out: &mut [T],
     mut copy: Option<&mut [T]>,
     combine: impl Fn(T::Acc, T::Acc) -> T::Acc,
@@ -588,9 +619,9 @@ fn blocks<T: Lane, const B: usize>(
         let m = B.min(out.len() - start);
         let range = start..start + m;
         let (acc, tmp) = (&mut acc[..m], &mut tmp[..m]);
-        T::load_block(bufs[0].map_or(&out[range.clone()], |b| &b[range.clone()]), acc);
+        T::load_block(bufs[0].pick(out, copy.as_deref(), range.clone()), acc);
         for b in &bufs[1..] {
-            let x = b.map_or(&out[range.clone()], |b| &b[range.clone()]);
+            let x = b.pick(out, copy.as_deref(), range.clone());
             if T::BULK {
                 T::load_block(x, tmp);
                 for (a, &t) in acc.iter_mut().zip(tmp.iter()) {
@@ -703,6 +734,21 @@ mod tests {
         (out, copy)
     }
 
+    /// Inputs `own` and `other` taken in place from the output and the copy buffer.
+    fn red_both_in_place(op: ReduceOp, ins: &[HostBuffer], own: usize, other: usize) -> (HostBuffer, Vec<u8>) {
+        let mut out = ins[own].clone();
+        let mut copy = ins[other].as_bytes().to_vec();
+        let views: Vec<Src<'_>> = (0..ins.len())
+            .map(|i| match i {
+                _ if i == own => Src::Out,
+                _ if i == other => Src::Copy,
+                _ => Src::Buf(ins[i].as_bytes()),
+            })
+            .collect();
+        reduce_to(ins[0].dtype(), op, &views, out.as_bytes_mut(), Some(&mut copy));
+        (out, copy)
+    }
+
     /// Scalar reference: element by element with `half`'s own conversions.
     fn scalar(op: ReduceOp, ins: &[HostBuffer]) -> HostBuffer {
         fn go<T: Copy + bytemuck::Pod + comm_core::Element, A: Copy>(
@@ -807,6 +853,11 @@ mod tests {
                         let (inplace, copy) = red_in_place(op, &ins, ranks / 2);
                         assert_eq!(inplace.as_bytes(), want.as_bytes(), "in place {dtype} {op} len {len}");
                         assert_eq!(copy, want.as_bytes(), "copy {dtype} {op} len {len}");
+                        if ranks > 1 {
+                            let (inplace, copy) = red_both_in_place(op, &ins, ranks - 1, 0);
+                            assert_eq!(inplace.as_bytes(), want.as_bytes(), "out+copy in place {dtype} {op} len {len}");
+                            assert_eq!(copy, want.as_bytes(), "copy in place {dtype} {op} len {len}");
+                        }
                     }
                 }
             }
