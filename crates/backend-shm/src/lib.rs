@@ -380,10 +380,10 @@ impl ShmBackend {
         };
         if let Some(mut engine) = guard.filter(|e| e.is_idle()) {
             match engine.try_inline(op, inner.inline_budget) {
-                Inline::Done(r) => return Work::ready(r.map(R::output)),
+                Inline::Done(r) => return Work::ready(r.map(R::Output::from_one_shot)),
                 Inline::Parked => {
                     let (done, work) = Work::pending();
-                    engine.attach(R::done(done));
+                    engine.attach(R::Output::done(done));
                     drop(engine);
                     self.ring_worker();
                     return work;
@@ -392,19 +392,39 @@ impl ShmBackend {
             }
         }
         let (done, work) = Work::pending();
-        self.enqueue(Command::OneShot(op, R::done(done)));
+        self.enqueue(Command::OneShot(op, R::Output::done(done)));
         work
     }
 }
 
 /// Ops that may take the one-step inline path.
-trait InlineOp: Op + Sized {
+trait InlineOp: Op<Output: OneShotOutput> + Sized {
     /// The one-step form, when the op fits one step; else the request back.
     fn one_shot(self, inner: &Inner) -> Result<OneShot, Self>;
     /// The general command, for ops too big for one step.
     fn command(self, done: Completer<Self::Output>) -> Command;
-    fn output(op: OneShot) -> Self::Output;
-    fn done(c: Completer<Self::Output>) -> Done;
+}
+
+/// What a one-step op hands back: its buffer, or nothing (barrier).
+trait OneShotOutput: Sized {
+    fn from_one_shot(op: OneShot) -> Self;
+    fn done(c: Completer<Self>) -> Done;
+}
+
+impl OneShotOutput for HostBuffer {
+    fn from_one_shot(op: OneShot) -> Self {
+        op.into_buffer()
+    }
+    fn done(c: Completer<Self>) -> Done {
+        Done::Buf(c)
+    }
+}
+
+impl OneShotOutput for () {
+    fn from_one_shot(_: OneShot) {}
+    fn done(c: Completer<Self>) -> Done {
+        Done::Unit(c)
+    }
 }
 
 impl InlineOp for ops::AllReduce {
@@ -416,12 +436,6 @@ impl InlineOp for ops::AllReduce {
     }
     fn command(self, done: Completer<HostBuffer>) -> Command {
         Command::AllReduce(self, done)
-    }
-    fn output(op: OneShot) -> HostBuffer {
-        op.into_buffer()
-    }
-    fn done(c: Completer<HostBuffer>) -> Done {
-        Done::Buf(c)
     }
 }
 
@@ -435,12 +449,6 @@ impl InlineOp for ops::Reduce {
     fn command(self, done: Completer<HostBuffer>) -> Command {
         Command::Reduce(self, done)
     }
-    fn output(op: OneShot) -> HostBuffer {
-        op.into_buffer()
-    }
-    fn done(c: Completer<HostBuffer>) -> Done {
-        Done::Buf(c)
-    }
 }
 
 impl InlineOp for ops::Broadcast {
@@ -452,12 +460,6 @@ impl InlineOp for ops::Broadcast {
     }
     fn command(self, done: Completer<HostBuffer>) -> Command {
         Command::Broadcast(self, done)
-    }
-    fn output(op: OneShot) -> HostBuffer {
-        op.into_buffer()
-    }
-    fn done(c: Completer<HostBuffer>) -> Done {
-        Done::Buf(c)
     }
 }
 
@@ -473,12 +475,6 @@ impl InlineOp for ops::AllGather {
     fn command(self, done: Completer<HostBuffer>) -> Command {
         Command::AllGather(self, done)
     }
-    fn output(op: OneShot) -> HostBuffer {
-        op.into_buffer()
-    }
-    fn done(c: Completer<HostBuffer>) -> Done {
-        Done::Buf(c)
-    }
 }
 
 impl InlineOp for ops::ReduceScatter {
@@ -492,12 +488,6 @@ impl InlineOp for ops::ReduceScatter {
     }
     fn command(self, done: Completer<HostBuffer>) -> Command {
         Command::ReduceScatter(self, done)
-    }
-    fn output(op: OneShot) -> HostBuffer {
-        op.into_buffer()
-    }
-    fn done(c: Completer<HostBuffer>) -> Done {
-        Done::Buf(c)
     }
 }
 
@@ -514,12 +504,6 @@ impl InlineOp for ops::AllToAll {
     fn command(self, done: Completer<HostBuffer>) -> Command {
         Command::AllToAll(self, done)
     }
-    fn output(op: OneShot) -> HostBuffer {
-        op.into_buffer()
-    }
-    fn done(c: Completer<HostBuffer>) -> Done {
-        Done::Buf(c)
-    }
 }
 
 impl InlineOp for ops::Barrier {
@@ -528,10 +512,6 @@ impl InlineOp for ops::Barrier {
     }
     fn command(self, _: Completer<()>) -> Command {
         unreachable!("a barrier always fits one step")
-    }
-    fn output(_: OneShot) {}
-    fn done(c: Completer<()>) -> Done {
-        Done::Unit(c)
     }
 }
 
