@@ -65,7 +65,13 @@ async fn measure(
     modes: &[(&ProcessGroup, &Dispatch)],
 ) -> Result<(usize, f64, Vec<f64>), CommError> {
     let template = case.input()?;
-    let iters = plan.iters_for(case.shape.bytes);
+    // Many short rounds (the median over rounds does the averaging): at most 1000 ops per
+    // round unless --iters says otherwise.
+    let iters = if plan.iters.is_some() {
+        plan.iters_for(case.shape.bytes)
+    } else {
+        plan.iters_for(case.shape.bytes).min(1000)
+    };
     let warmup = plan.warmup_for(iters);
     let mut samples = vec![Vec::new(); modes.len()];
     for round in 0..rounds(case.shape.bytes) {
