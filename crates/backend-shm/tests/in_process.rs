@@ -75,6 +75,32 @@ async fn p2p_large_both_directions() {
     assert_eq!(r1.await.unwrap(), a);
 }
 
+/// A large send whose receiver posts the recv only after a pause, during which both ranks
+/// run inline collectives: the receiver's worker sleeps through the sender's ring (nothing was
+/// in flight there) and must still pick the message up once the recv is posted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recv_posted_late_after_quiet_collectives() {
+    let ranks = world(2, small_opts()).await;
+    let n = 20_000usize; // 80 KB: 20 mailbox slots of 4 KiB
+    let a = HostBuffer::from_slice(&(0..n as i32).map(|x| x * 7).collect::<Vec<_>>());
+    let sent = ranks[0].submit(Send { buf: a.clone(), dst: 1, tag: 9 });
+    for _ in 0..50 {
+        let x = ranks[0].submit(AllReduce { buf: HostBuffer::from_slice(&[1.0f32]), op: ReduceOp::Sum });
+        let y = ranks[1].submit(AllReduce { buf: HostBuffer::from_slice(&[2.0f32]), op: ReduceOp::Sum });
+        assert_eq!(x.await.unwrap().to_vec::<f32>().unwrap(), [3.0]);
+        assert_eq!(y.await.unwrap().to_vec::<f32>().unwrap(), [3.0]);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let got = tokio::time::timeout(
+        Duration::from_secs(5),
+        ranks[1].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::I32, n), src: 0, tag: 9 }),
+    )
+    .await
+    .expect("the late recv completes");
+    assert_eq!(got.unwrap(), a);
+    sent.await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeout_names_the_missing_rank() {
     let mut o = small_opts();
