@@ -302,16 +302,17 @@ mod half_simd {
                     let n = out.len() / 2;
                     let main = n / $w * $w;
                     let out_ptr = out.as_mut_ptr().cast::<u16>();
+                    let copy_ptr = copy.as_deref_mut().map(|c| c.as_mut_ptr().cast::<u16>());
+                    // `out` and `copy` are read and written through the same pointers.
                     let ptrs: Vec<*const u16> = inputs
                         .iter()
                         .map(|s| match s {
                             Src::Buf(b) => b.as_ptr().cast::<u16>(),
                             Src::Out => out_ptr.cast_const(),
                             // Checked by `reduce_to`: there is a copy buffer.
-                            Src::Copy => copy.as_deref().map_or(std::ptr::null(), |c| c.as_ptr().cast::<u16>()),
+                            Src::Copy => copy_ptr.map_or(std::ptr::null(), <*mut u16>::cast_const),
                         })
                         .collect();
-                    let copy_ptr = copy.as_deref_mut().map(|c| c.as_mut_ptr().cast::<u16>());
                     let count = inputs.len() as f32;
                     macro_rules! run {
                         ($to_f:ident, $combine:expr, $finish:expr) => {{
