@@ -66,7 +66,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::ops::{self, Op};
-use comm_core::{Backend, Collective, CommError, Completer, Group, Launcher, Rank, Work, WorldInfo, WorldSource};
+use comm_core::{
+    config, Backend, Collective, CommError, Completer, Group, Launcher, Rank, Work, WorldInfo, WorldSource,
+};
 
 use actor::{Cmd, GroupInfo, Msg, Params};
 
@@ -134,60 +136,32 @@ impl Default for MpiOptions {
     }
 }
 
-fn env_bool(name: &str, v: &str) -> Result<bool, CommError> {
-    match v.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(CommError::Config(format!("{name}={v:?} is not a boolean (use 1 or 0)"))),
-    }
-}
-
 impl MpiOptions {
     /// Defaults, overridden by `COMM_TIMEOUT` (seconds), `COMM_MPI_REDUCTION` (`exact` or
     /// `native`), `COMM_MPI_CHECK` (`1`/`0`), `COMM_MPI_SMALL_MAX` and `COMM_MPI_CHUNK` (bytes,
     /// optional `K`/`M` suffix), `COMM_MPI_SPIN_US` and `COMM_MPI_ABORT_ON_PANIC` (`1`/`0`).
     pub fn from_env() -> Result<Self, CommError> {
         let mut o = MpiOptions::default();
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-        if let Some(v) = var("COMM_TIMEOUT") {
-            let secs = v.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0);
-            o.timeout =
-                Duration::from_secs_f64(secs.ok_or_else(|| {
-                    CommError::Config(format!("COMM_TIMEOUT={v:?} is not a positive number of seconds"))
-                })?);
-        }
+        let var = config::env_var;
+        o.timeout = config::env_parse("COMM_TIMEOUT", config::parse_timeout)?.unwrap_or(o.timeout);
         if let Some(v) = var("COMM_MPI_REDUCTION") {
             o.reduction = v.parse()?;
         }
-        if let Some(v) = var("COMM_MPI_CHECK") {
-            o.check = env_bool("COMM_MPI_CHECK", &v)?;
-        }
-        if let Some(v) = var("COMM_MPI_SMALL_MAX") {
-            o.small_max = parse_size(&v).ok_or_else(|| {
-                CommError::Config(format!("COMM_MPI_SMALL_MAX={v:?} is not a size (e.g. 256K, 65536)"))
-            })?;
-        }
-        if let Some(v) = var("COMM_MPI_CHUNK") {
-            o.chunk = parse_size(&v)
-                .filter(|&c| c > 0)
-                .ok_or_else(|| CommError::Config(format!("COMM_MPI_CHUNK={v:?} is not a size (e.g. 1M, 65536)")))?;
-        }
-        if let Some(v) = var("COMM_MPI_SPIN_US") {
-            let us = v
-                .trim()
-                .parse()
-                .map_err(|_| CommError::Config(format!("COMM_MPI_SPIN_US={v:?} is not a number of microseconds")))?;
-            o.spin = Some(Duration::from_micros(us));
-        }
-        if let Some(v) = var("COMM_MPI_ABORT_ON_PANIC") {
-            o.abort_on_panic = env_bool("COMM_MPI_ABORT_ON_PANIC", &v)?;
-        }
+        o.check = config::env_parse("COMM_MPI_CHECK", config::parse_bool)?.unwrap_or(o.check);
+        o.small_max = config::env_parse("COMM_MPI_SMALL_MAX", config::parse_size)?.unwrap_or(o.small_max);
+        let positive =
+            |v: &str| config::parse_size(v).and_then(|c| if c > 0 { Ok(c) } else { Err("must be above 0".into()) });
+        o.chunk = config::env_parse("COMM_MPI_CHUNK", positive)?.unwrap_or(o.chunk);
+        let spin_us = |v: &str| v.trim().parse::<u32>().map_err(|_| "not a number of microseconds".to_string());
+        o.spin = config::env_parse("COMM_MPI_SPIN_US", spin_us)?.map(|us| Duration::from_micros(us.into())).or(o.spin);
+        o.abort_on_panic =
+            config::env_parse("COMM_MPI_ABORT_ON_PANIC", config::parse_bool)?.unwrap_or(o.abort_on_panic);
         Ok(o)
     }
 
     fn params(&self) -> Params {
         Params {
-            timeout: self.timeout,
+            timeout: config::clamp_timeout(self.timeout),
             reduction: self.reduction,
             check: self.check,
             small_max: self.small_max,
@@ -195,17 +169,6 @@ impl MpiOptions {
             spin: self.spin,
         }
     }
-}
-
-fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last()? {
-        (i, 'k' | 'K') => (&s[..i], 1 << 10),
-        (i, 'm' | 'M') => (&s[..i], 1 << 20),
-        (i, 'g' | 'G') => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    num.trim().parse::<usize>().ok()?.checked_mul(mult)
 }
 
 /// Whether this process was started by an MPI launcher (Open MPI's `mpirun` sets
@@ -562,9 +525,5 @@ mod tests {
     fn options_parse() {
         assert_eq!("NATIVE".parse::<Reduction>().unwrap(), Reduction::Native);
         assert!("fast".parse::<Reduction>().unwrap_err().to_string().contains("fast"));
-        assert_eq!(parse_size("64K"), Some(64 << 10));
-        assert_eq!(parse_size("x"), None);
-        assert!(env_bool("X", "1").unwrap());
-        assert!(env_bool("X", "maybe").is_err());
     }
 }

@@ -21,7 +21,7 @@
 
 use std::fmt;
 
-use comm_core::ops::{check_len, check_peer, check_reduce, check_root};
+use comm_core::ops::{check_len, check_peer, check_reduce, check_root, check_total};
 use comm_core::{CommError, Completer, DType, Element, Op, Rank, ReduceOp};
 use cudarc::driver::{CudaContext, CudaSlice, DeviceRepr};
 
@@ -224,7 +224,8 @@ impl<T: DeviceElement> Op for DeviceAllGather<T> {
         Some(T::DTYPE)
     }
     fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
-        check_len(Self::NAME, "the output buffer", self.output.len(), self.input.len() * world as usize)
+        let total = check_total(Self::NAME, self.input.len(), world, T::DTYPE)?;
+        check_len(Self::NAME, "the output buffer", self.output.len(), total)
     }
 }
 

@@ -64,18 +64,18 @@ pub(crate) struct Layout {
     pub(crate) total: usize,
 }
 
-const fn align(x: usize, a: usize) -> usize {
-    x.div_ceil(a) * a
-}
-
 impl Layout {
-    pub(crate) fn new(world: usize, window: usize, slot: usize) -> Layout {
-        let window = align(window.max(4096), LINE);
-        let slot = align(slot.max(4096), LINE);
-        let coll = align(OFF_P2P_COUNTERS + 2 * world * LINE, 4096);
-        let p2p = coll + 2 * (COLL_HDR + window);
-        let total = align(p2p + world * SLOTS as usize * (HDR + slot), 4096);
-        Layout { world, window, slot, coll, p2p, total }
+    /// The layout for `world` ranks, or `None` when the segment's size would overflow
+    /// (`window` and `slot` are bounded by [`crate::ShmOptions`]; this guards `world` too).
+    pub(crate) fn new(world: usize, window: usize, slot: usize) -> Option<Layout> {
+        let align = |x: usize, a: usize| x.checked_next_multiple_of(a);
+        let window = align(window.max(4096), LINE)?;
+        let slot = align(slot.max(4096), LINE)?;
+        let coll = align(world.checked_mul(2 * LINE)?.checked_add(OFF_P2P_COUNTERS)?, 4096)?;
+        let p2p = (COLL_HDR + window).checked_mul(2)?.checked_add(coll)?;
+        let mailboxes = world.checked_mul(SLOTS as usize)?.checked_mul(HDR.checked_add(slot)?)?;
+        let total = align(p2p.checked_add(mailboxes)?, 4096)?;
+        (total <= isize::MAX as usize).then_some(Layout { world, window, slot, coll, p2p, total })
     }
 
     /// Counter of chunks this rank has published to `peer`.
@@ -152,7 +152,7 @@ mod tests {
     #[test]
     fn regions_do_not_overlap() {
         for world in 1..=16 {
-            let l = Layout::new(world, 1 << 16, 1 << 13);
+            let l = Layout::new(world, 1 << 16, 1 << 13).unwrap();
             assert!(l.acked(world - 1) + 8 <= l.step_header(0));
             assert_eq!(l.step_data(0) + l.window, l.step_header(1));
             assert!(l.step_data(1) + l.window <= l.msg_header(0, 0));

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::ops::{self, Op};
-use comm_core::{Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Rank, Store, Work};
+use comm_core::{config, Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Rank, Store, Work};
 
 use engine::{Command, Done, Engine, Inline, OneShot, Params};
 use layout::{
@@ -75,40 +75,38 @@ impl Default for ShmOptions {
     }
 }
 
+/// Largest `window` and `p2p_slot` (each rank's segment holds two windows and two slots per
+/// peer, so larger values only cost `/dev/shm` room).
+pub const MAX_WINDOW: usize = 1 << 30;
+/// Smallest `window` and `p2p_slot`.
+pub const MIN_WINDOW: usize = 4 << 10;
+
 impl ShmOptions {
-    /// Defaults, overridden by `COMM_SHM_WINDOW`, `COMM_SHM_SLOT`, `COMM_SHM_SMALL_MAX` (bytes,
-    /// with optional `K`/`M`/`G` suffix) and `COMM_SHM_SPIN_US`.
+    /// Defaults, overridden by `COMM_SHM_WINDOW`, `COMM_SHM_SLOT`, `COMM_SHM_SMALL_MAX` (sizes
+    /// as [`config::parse_size`] reads them: `512KiB`, `4M`, `65536`) and `COMM_SHM_SPIN_US`.
     pub fn from_env() -> Result<Self, CommError> {
         let mut o = ShmOptions::default();
-        let size = |name: &str, slot: &mut usize| -> Result<(), CommError> {
-            if let Ok(v) = std::env::var(name) {
-                *slot = parse_size(&v)
-                    .ok_or_else(|| CommError::Config(format!("{name}={v:?} is not a size (e.g. 4M, 65536)")))?;
-            }
-            Ok(())
-        };
-        size("COMM_SHM_WINDOW", &mut o.window)?;
-        size("COMM_SHM_SLOT", &mut o.p2p_slot)?;
-        size("COMM_SHM_SMALL_MAX", &mut o.small_max)?;
-        if let Ok(v) = std::env::var("COMM_SHM_SPIN_US") {
-            let us = v
-                .parse()
-                .map_err(|_| CommError::Config(format!("COMM_SHM_SPIN_US={v:?} is not a number of microseconds")))?;
-            o.spin = Some(Duration::from_micros(us));
-        }
+        let spin_us = |v: &str| v.trim().parse::<u32>().map_err(|_| "not a number of microseconds".to_string());
+        o.window = config::env_parse("COMM_SHM_WINDOW", config::parse_size)?.unwrap_or(o.window);
+        o.p2p_slot = config::env_parse("COMM_SHM_SLOT", config::parse_size)?.unwrap_or(o.p2p_slot);
+        o.small_max = config::env_parse("COMM_SHM_SMALL_MAX", config::parse_size)?.unwrap_or(o.small_max);
+        o.spin = config::env_parse("COMM_SHM_SPIN_US", spin_us)?.map(|us| Duration::from_micros(us.into())).or(o.spin);
+        o.check()?;
         Ok(o)
     }
-}
 
-fn parse_size(s: &str) -> Option<usize> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().last()? {
-        (i, 'k' | 'K') => (&s[..i], 1 << 10),
-        (i, 'm' | 'M') => (&s[..i], 1 << 20),
-        (i, 'g' | 'G') => (&s[..i], 1 << 30),
-        _ => (s, 1),
-    };
-    num.trim().parse::<usize>().ok()?.checked_mul(mult)
+    /// Whether the sizes are in range ([`MIN_WINDOW`]..=[`MAX_WINDOW`] for the window and
+    /// the slot).
+    pub fn check(&self) -> Result<(), CommError> {
+        for (what, v) in [("window (COMM_SHM_WINDOW)", self.window), ("p2p_slot (COMM_SHM_SLOT)", self.p2p_slot)] {
+            if !(MIN_WINDOW..=MAX_WINDOW).contains(&v) {
+                return Err(CommError::Config(format!(
+                    "shm {what} of {v} bytes is out of range: {MIN_WINDOW}..={MAX_WINDOW} bytes (4 KiB to 1 GiB)"
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Handle to a shared-memory process group. Cheap to clone; the worker stops when the last
@@ -169,7 +167,8 @@ impl ShmBackend {
         if world == 0 || rank >= world {
             return Err(CommError::invalid("shm init", format!("rank {rank} is not in a world of {world}")));
         }
-        let to = opts.timeout;
+        opts.check()?;
+        let to = config::clamp_timeout(opts.timeout);
         let host = sys::host_identity();
         store.set(&format!("{prefix}/host/{rank}"), host.as_bytes()).await?;
         if rank == 0 {
@@ -195,7 +194,11 @@ impl ShmBackend {
         }
 
         reap_stale_segments();
-        let lay = Layout::new(world as usize, window, slot);
+        let lay = Layout::new(world as usize, window, slot).ok_or_else(|| {
+            CommError::Config(format!(
+                "a shm segment for {world} ranks with {window}-byte windows and {slot}-byte slots does not fit in memory"
+            ))
+        })?;
         let mut rnd = [0u8; 8];
         getrandom::fill(&mut rnd).map_err(|e| CommError::Io {
             context: "random segment name".into(),
@@ -598,16 +601,19 @@ impl Group for ShmBackend {
     /// threshold on such buffers (on every rank) reads the peers' buffers in place instead of
     /// copying through the window.
     fn alloc_buffer(&self, dtype: DType, len: usize) -> Result<HostBuffer, CommError> {
-        let bytes = len * dtype.size();
+        let bytes = dtype
+            .checked_bytes(len)
+            .and_then(|b| b.max(1).checked_next_multiple_of(4096))
+            .ok_or_else(|| CommError::invalid("alloc_buffer", format!("{len} × {dtype} does not fit in memory")))?;
         let mut rnd = [0u8; 8];
         getrandom::fill(&mut rnd).map_err(|e| CommError::Io {
             context: "random segment name".into(),
             source: std::io::Error::other(e.to_string()),
         })?;
         let name = format!("/commshm-{}-z{:016x}", std::process::id(), u64::from_le_bytes(rnd));
-        let seg = Segment::create(&name, bytes.max(1).next_multiple_of(4096))
-            .map_err(io_err(format!("creating a zero-copy buffer of {bytes} bytes")))?;
-        HostBuffer::from_external(dtype, len, Box::new(zerocopy::ShmBuf::new(seg, bytes)))
+        let seg =
+            Segment::create(&name, bytes).map_err(io_err(format!("creating a zero-copy buffer of {len} × {dtype}")))?;
+        HostBuffer::from_external(dtype, len, Box::new(zerocopy::ShmBuf::new(seg, len * dtype.size())))
     }
 
     async fn shutdown(&self) -> Result<(), CommError> {
@@ -628,11 +634,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes_parse() {
-        assert_eq!(parse_size("4M"), Some(4 << 20));
-        assert_eq!(parse_size("64k"), Some(64 << 10));
-        assert_eq!(parse_size("1000"), Some(1000));
-        assert_eq!(parse_size("x"), None);
-        assert_eq!(parse_size(""), None);
+    fn window_sizes_are_bounded() {
+        ShmOptions::default().check().unwrap();
+        // Used to wrap to a 0-byte window when aligned, and the workers panicked.
+        for window in [usize::MAX - 15, MAX_WINDOW + 1, 0, MIN_WINDOW - 1] {
+            let e = ShmOptions { window, ..ShmOptions::default() }.check().unwrap_err().to_string();
+            assert!(e.contains("COMM_SHM_WINDOW") && e.contains("out of range"), "{e}");
+        }
+        let e = ShmOptions { p2p_slot: usize::MAX, ..ShmOptions::default() }.check().unwrap_err().to_string();
+        assert!(e.contains("COMM_SHM_SLOT"), "{e}");
+        assert!(Layout::new(usize::MAX / 8, MIN_WINDOW, MIN_WINDOW).is_none());
     }
 }

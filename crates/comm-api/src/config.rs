@@ -2,7 +2,7 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use comm_core::{Backend, CommError, Launcher, Rank, StoreKind, WorldInfo, WorldSource};
+use comm_core::{config, Backend, CommError, Launcher, Rank, StoreKind, WorldInfo, WorldSource};
 
 use crate::ProcessGroup;
 
@@ -59,28 +59,30 @@ pub struct Config {
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
-fn env_timeout() -> Result<Duration, CommError> {
-    match std::env::var("COMM_TIMEOUT") {
-        Err(_) => Ok(DEFAULT_TIMEOUT),
-        Ok(v) => v
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
-            .ok_or_else(|| CommError::Config(format!("COMM_TIMEOUT={v:?} is not a positive number of seconds"))),
-    }
+/// `COMM_BACKEND` and `COMM_TIMEOUT` from `var`, with their defaults.
+fn env_overrides(var: impl Fn(&str) -> Option<String>) -> Result<(BackendKind, Duration), CommError> {
+    let backend = var("COMM_BACKEND").unwrap_or_default().parse()?;
+    let timeout = match var("COMM_TIMEOUT").filter(|v| !v.trim().is_empty()) {
+        None => DEFAULT_TIMEOUT,
+        Some(v) => config::parse_timeout(&v).map_err(|why| CommError::Config(format!("COMM_TIMEOUT={v:?}: {why}")))?,
+    };
+    Ok((backend, timeout))
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
 }
 
 impl Config {
     /// From the environment: the launcher's variables (see `discovery::from_env`),
     /// `COMM_BACKEND` and `COMM_TIMEOUT`.
     pub fn from_env() -> Result<Config, CommError> {
-        let backend = std::env::var("COMM_BACKEND").unwrap_or_default().parse()?;
-        Ok(Config { world: discovery::from_env()?, backend, timeout: env_timeout()? })
+        let (backend, timeout) = env_overrides(env)?;
+        Ok(Config { world: discovery::from_env()?, backend, timeout })
     }
 
-    /// A world of one process (useful in tests and examples).
+    /// A world of one process (useful in tests and examples). Environment variables do not
+    /// apply.
     pub fn single() -> Config {
         Config { world: WorldInfo::single(), backend: BackendKind::Auto, timeout: DEFAULT_TIMEOUT }
     }
@@ -88,8 +90,35 @@ impl Config {
     /// Explicit values, like FlexLLMGen's
     /// `initialize_distributed(head_ip, port, world_size, rank, local_rank)`. The local world
     /// size is taken to be `world_size` (all ranks on this host); change `world` for more.
-    pub fn explicit(master_addr: &str, master_port: u16, world_size: u32, rank: Rank, local_rank: Rank) -> Config {
-        Config {
+    ///
+    /// The place in the job comes from the arguments only; `COMM_BACKEND` and `COMM_TIMEOUT`
+    /// apply as with [`Config::from_env`] (an invalid value is an error), and
+    /// [`Builder::backend`] / [`Builder::timeout`] override them.
+    pub fn explicit(
+        master_addr: &str,
+        master_port: u16,
+        world_size: u32,
+        rank: Rank,
+        local_rank: Rank,
+    ) -> Result<Config, CommError> {
+        Self::explicit_from(master_addr, master_port, world_size, rank, local_rank, env)
+    }
+
+    fn explicit_from(
+        master_addr: &str,
+        master_port: u16,
+        world_size: u32,
+        rank: Rank,
+        local_rank: Rank,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Config, CommError> {
+        if rank >= world_size || local_rank >= world_size {
+            return Err(CommError::Config(format!(
+                "Config::explicit: rank {rank} / local rank {local_rank} is not in a world of {world_size}"
+            )));
+        }
+        let (backend, timeout) = env_overrides(var)?;
+        Ok(Config {
             world: WorldInfo {
                 rank,
                 world_size,
@@ -100,9 +129,9 @@ impl Config {
                 store: StoreKind::Rank0,
                 source: WorldSource { launcher: Launcher::Explicit, variables: Vec::new() },
             },
-            backend: BackendKind::Auto,
-            timeout: DEFAULT_TIMEOUT,
-        }
+            backend,
+            timeout,
+        })
     }
 }
 
@@ -182,7 +211,7 @@ impl Builder {
         self
     }
 
-    /// Bound on every wait.
+    /// Bound on every wait (at most [`config::MAX_TIMEOUT`]: longer is taken as that).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.cfg.timeout = timeout;
         self
@@ -236,6 +265,7 @@ impl Builder {
     /// Rendezvous and backend start-up, without registering the group as the process default.
     pub async fn connect(self) -> Result<ProcessGroup, CommError> {
         let Builder { cfg: Config { world, backend, timeout }, layers } = self;
+        let timeout = config::clamp_timeout(timeout);
         tracing::debug!(world = %world, "comm: discovered world");
         let (kind, why) = resolve(backend, &world, Available::compiled())?;
         tracing::debug!(backend = %kind, why = %why, "comm: backend chosen");
@@ -444,6 +474,32 @@ mod tests {
         assert_eq!("".parse::<BackendKind>().unwrap(), BackendKind::Auto);
         let e = "gloo".parse::<BackendKind>().unwrap_err().to_string();
         assert!(e.contains("gloo"), "{e}");
+    }
+
+    #[test]
+    fn explicit_configs_honour_comm_timeout_and_backend() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| pairs.iter().find(|(k, _)| *k == name).map(|(_, v)| v.to_string())
+        };
+        let c = Config::explicit_from("10.0.0.1", 29511, 4, 3, 1, vars(&[])).unwrap();
+        assert_eq!(
+            (c.backend, c.timeout, c.world.rank, c.world.master_port),
+            (BackendKind::Auto, DEFAULT_TIMEOUT, 3, 29511)
+        );
+        let c =
+            Config::explicit_from("h", 1, 2, 0, 0, vars(&[("COMM_TIMEOUT", "15"), ("COMM_BACKEND", "shm")])).unwrap();
+        assert_eq!((c.backend, c.timeout), (BackendKind::Shm, Duration::from_secs(15)));
+        // Huge values are clamped (they overflowed Duration / Instant and panicked).
+        for huge in ["1e19", "1e20", "1e300"] {
+            let c = Config::explicit_from("h", 1, 2, 0, 0, move |n: &str| (n == "COMM_TIMEOUT").then(|| huge.into()));
+            assert_eq!(c.unwrap().timeout, config::MAX_TIMEOUT, "{huge}");
+        }
+        let e = Config::explicit_from("h", 1, 2, 0, 0, vars(&[("COMM_TIMEOUT", "-1")])).unwrap_err().to_string();
+        assert!(e.contains("COMM_TIMEOUT") && e.contains("positive"), "{e}");
+        let e = Config::explicit_from("h", 1, 2, 0, 0, vars(&[("COMM_BACKEND", "gloo")])).unwrap_err().to_string();
+        assert!(e.contains("gloo"), "{e}");
+        let e = Config::explicit_from("h", 1, 2, 2, 0, vars(&[])).unwrap_err().to_string();
+        assert!(e.contains("rank 2"), "{e}");
     }
 
     const SHM_ONLY: Available = Available { shm: true, mpi: false, nccl: false, gpu: false };

@@ -1,24 +1,7 @@
 //! Parsing of `--sizes`: `8B..64MiB`, `8B..64MiB:x8`, `1KiB..1MiB:+256KiB`, `8B,1KiB,1MiB`.
 
-/// Parses one size: a number followed by an optional unit. Units are binary and
-/// case-insensitive: `B`, `K`/`KB`/`KiB` (1024), `M`/`MB`/`MiB`, `G`/`GB`/`GiB`.
-pub(crate) fn parse_size(s: &str) -> Result<usize, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    if num.is_empty() {
-        return Err(format!("`{s}` is not a size (expected e.g. 8B, 4KiB, 64MiB)"));
-    }
-    let n: usize = num.parse().map_err(|_| format!("`{s}`: number too large"))?;
-    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        other => return Err(format!("`{s}`: unknown unit `{other}` (expected B, KiB, MiB, GiB or K, M, G)")),
-    };
-    n.checked_mul(mult).ok_or_else(|| format!("`{s}`: size too large"))
-}
+/// One size, as every `COMM_*` size variable reads it (`8B`, `4KiB`, `64M`).
+pub(crate) use comm_core::config::parse_size;
 
 /// Parses a whole `--sizes` value into the list of requested sizes, in order.
 ///

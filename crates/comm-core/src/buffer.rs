@@ -62,17 +62,42 @@ impl PartialEq for HostBuffer {
     }
 }
 
+fn too_large(op: &'static str, dtype: DType, len: usize) -> CommError {
+    CommError::invalid(op, format!("{len} × {dtype} does not fit in memory (more than isize::MAX bytes)"))
+}
+
 impl HostBuffer {
     /// A buffer of `len` zeroed elements of `dtype`.
+    ///
+    /// # Panics
+    /// Like `vec![0; n]`, when `len` elements of `dtype` exceed `isize::MAX` bytes; see
+    /// [`HostBuffer::try_zeroed`] for an error instead.
     pub fn zeroed(dtype: DType, len: usize) -> Self {
-        let bytes = len * dtype.size();
+        let Some(bytes) = dtype.checked_bytes(len) else {
+            panic!("HostBuffer::zeroed: {}", too_large("HostBuffer::zeroed", dtype, len));
+        };
         HostBuffer { storage: Storage::Owned(vec![0u64; bytes.div_ceil(8)]), bytes, dtype }
+    }
+
+    /// A buffer of `len` zeroed elements of `dtype`, or [`CommError::InvalidArgument`] when
+    /// that many bytes cannot be represented or allocated (instead of a panic or an abort).
+    pub fn try_zeroed(dtype: DType, len: usize) -> Result<Self, CommError> {
+        let bytes = dtype.checked_bytes(len).ok_or_else(|| too_large("HostBuffer::try_zeroed", dtype, len))?;
+        let mut words = Vec::new();
+        words.try_reserve_exact(bytes.div_ceil(8)).map_err(|e| {
+            CommError::invalid(
+                "HostBuffer::try_zeroed",
+                format!("cannot allocate {len} × {dtype} ({bytes} bytes): {e}"),
+            )
+        })?;
+        words.resize(bytes.div_ceil(8), 0);
+        Ok(HostBuffer { storage: Storage::Owned(words), bytes, dtype })
     }
 
     /// A buffer of `len` elements of `dtype` in memory lent by a backend. Fails when the
     /// storage is too small or not 8-byte aligned.
     pub fn from_external(dtype: DType, len: usize, storage: Box<dyn ExternalStorage>) -> Result<Self, CommError> {
-        let bytes = len * dtype.size();
+        let bytes = dtype.checked_bytes(len).ok_or_else(|| too_large("HostBuffer::from_external", dtype, len))?;
         let have = storage.bytes();
         if have.len() < bytes || have.as_ptr().align_offset(8) != 0 {
             return Err(CommError::invalid(
@@ -172,8 +197,13 @@ impl HostBuffer {
     /// Resize to `len` elements of `dtype`, reusing the allocation when it is big enough.
     /// New bytes are zero; kept bytes keep their value. Lent storage that is too small is
     /// replaced by plain host memory.
+    ///
+    /// # Panics
+    /// As [`HostBuffer::zeroed`], when the new size exceeds `isize::MAX` bytes.
     pub fn reshape(&mut self, dtype: DType, len: usize) {
-        let bytes = len * dtype.size();
+        let Some(bytes) = dtype.checked_bytes(len) else {
+            panic!("HostBuffer::reshape: {}", too_large("HostBuffer::reshape", dtype, len));
+        };
         let words = match &mut self.storage {
             Storage::Owned(w) => w,
             Storage::External(e) if e.bytes().len() >= bytes => {
@@ -277,6 +307,23 @@ mod tests {
         assert!(b.external().is_none());
         assert_eq!(b.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0, 0.0, 0.0]);
         assert!(HostBuffer::from_external(DType::F64, 3, Box::new(Lent(vec![0; 2], true))).is_err());
+    }
+
+    #[test]
+    fn sizes_that_do_not_fit_are_errors_not_tiny_buffers() {
+        // 2^61 + 1 f64 is 2^64 + 8 bytes: it wrapped to an 8-byte buffer.
+        let e = HostBuffer::try_zeroed(DType::F64, (1 << 61) + 1).unwrap_err().to_string();
+        assert!(e.contains("does not fit in memory"), "{e}");
+        let e = HostBuffer::try_zeroed(DType::U8, isize::MAX as usize).unwrap_err().to_string();
+        assert!(e.contains("cannot allocate"), "{e}");
+        assert_eq!(HostBuffer::try_zeroed(DType::BF16, 3).unwrap().byte_len(), 6);
+        let r = std::panic::catch_unwind(|| HostBuffer::zeroed(DType::F64, (1 << 61) + 1));
+        assert!(r.is_err(), "zeroed panics like vec![0; n] rather than returning a tiny buffer");
+        let r = std::panic::catch_unwind(|| HostBuffer::zeroed(DType::U8, 1).reshape(DType::I32, usize::MAX / 2));
+        assert!(r.is_err());
+        assert!(HostBuffer::from_external(DType::F64, usize::MAX, Box::new(Lent(vec![0; 2], true))).is_err());
+        assert_eq!(DType::I64.checked_bytes(1 << 60), None);
+        assert_eq!(DType::I64.checked_bytes(3), Some(24));
     }
 
     #[test]

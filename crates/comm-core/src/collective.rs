@@ -28,7 +28,7 @@ pub trait Group: std::marker::Send + Sync {
     /// A zeroed buffer that ops of this backend can use without copying it (shm: memory the
     /// peers map). Plain host memory where the backend has nothing better.
     fn alloc_buffer(&self, dtype: DType, len: usize) -> Result<HostBuffer, CommError> {
-        Ok(HostBuffer::zeroed(dtype, len))
+        HostBuffer::try_zeroed(dtype, len)
     }
 }
 

@@ -39,6 +39,15 @@ impl DType {
         }
     }
 
+    /// Bytes of `len` elements, when that is a size an allocation can have (at most
+    /// `isize::MAX` bytes); `None` when it overflows.
+    pub const fn checked_bytes(self, len: usize) -> Option<usize> {
+        match len.checked_mul(self.size()) {
+            Some(b) if b <= isize::MAX as usize => Some(b),
+            _ => None,
+        }
+    }
+
     /// Whether this is a floating-point type.
     pub const fn is_float(self) -> bool {
         matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)

@@ -12,10 +12,12 @@
 //! - [`Store`]: the rendezvous key-value store backends use to bootstrap.
 //! - [`WorldInfo`]: who this process is in the job.
 //! - [`CommError`]: the one error type.
+//! - [`config`]: parsing of sizes, timeouts and switches, the same in every crate.
 #![forbid(unsafe_code)]
 
 mod buffer;
 mod collective;
+pub mod config;
 mod dtype;
 mod error;
 pub mod ops;

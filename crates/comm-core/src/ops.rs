@@ -60,6 +60,22 @@ fn check_output(op: &'static str, out: &HostBuffer, dtype: DType, len: usize) ->
     check_len(op, "output buffer", out.len(), len)
 }
 
+/// `world` blocks of `len` elements of `dtype` (an all_gather's or gather's output, a scatter's
+/// input): their element count, when the bytes fit in memory.
+pub fn check_total(op: &'static str, len: usize, world: u32, dtype: DType) -> Result<usize, CommError> {
+    len.checked_mul(world as usize)
+        .filter(|&total| dtype.checked_bytes(total).is_some())
+        .ok_or_else(|| CommError::invalid(op, format!("{world} blocks of {len} × {dtype} do not fit in memory")))
+}
+
+/// The sum of `splits` (`what` names them), when it does not overflow.
+pub fn check_splits_sum(op: &'static str, what: &str, splits: &[usize]) -> Result<usize, CommError> {
+    splits
+        .iter()
+        .try_fold(0usize, |acc, &s| acc.checked_add(s))
+        .ok_or_else(|| CommError::invalid(op, format!("{what} {splits:?} sum to more than usize::MAX elements")))
+}
+
 /// `peer` must be another rank of a group of `world` than `rank`.
 pub fn check_peer(op: &'static str, peer: Rank, rank: Rank, world: u32) -> Result<(), CommError> {
     if peer >= world {
@@ -163,8 +179,9 @@ impl Op for AllGather {
         Some(self.input.dtype())
     }
     fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
+        let total = check_total(Self::NAME, self.input.len(), world, self.input.dtype())?;
         match &self.output {
-            Some(out) => check_output(Self::NAME, out, self.input.dtype(), self.input.len() * world as usize),
+            Some(out) => check_output(Self::NAME, out, self.input.dtype(), total),
             None => Ok(()),
         }
     }
@@ -245,53 +262,70 @@ impl Op for AllToAll {
     fn dtype(&self) -> Option<DType> {
         Some(self.input.dtype())
     }
-    fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
+    fn validate(&self, rank: Rank, world: u32) -> Result<(), CommError> {
         let n = world as usize;
-        for (what, splits, len) in [
-            ("input", &self.input_splits, Some(self.input.len())),
-            ("output", &self.output_splits, self.output.as_ref().map(HostBuffer::len)),
-        ] {
+        let bad = |reason: String| Err(CommError::invalid(Self::NAME, reason));
+        if let Some(out) = &self.output {
+            if out.dtype() != self.input.dtype() {
+                return bad(format!("output buffer is {} but the input is {}", out.dtype(), self.input.dtype()));
+            }
+        }
+        let output_len = self.output.as_ref().map(HostBuffer::len);
+        for (what, splits, len) in
+            [("input", &self.input_splits, Some(self.input.len())), ("output", &self.output_splits, output_len)]
+        {
             match splits {
                 Some(s) => {
                     if s.len() != n {
-                        return Err(CommError::invalid(
-                            Self::NAME,
-                            format!("{what}_splits has {} entries, the group has {n} ranks", s.len()),
-                        ));
+                        return bad(format!("{what}_splits has {} entries, the group has {n} ranks", s.len()));
                     }
-                    let sum: usize = s.iter().sum();
+                    let sum = check_splits_sum(Self::NAME, &format!("{what}_splits"), s)?;
                     if let Some(len) = len.filter(|&l| l != sum) {
-                        return Err(CommError::invalid(
-                            Self::NAME,
-                            format!("{what}_splits sum to {sum} but the {what} buffer holds {len} elements"),
+                        return bad(format!("{what}_splits sum to {sum} but the {what} buffer holds {len} elements"));
+                    }
+                    if self.input.dtype().checked_bytes(sum).is_none() {
+                        return bad(format!(
+                            "{what}_splits sum to {sum} × {}: more than fits in memory",
+                            self.input.dtype()
                         ));
                     }
                 }
                 None => {
                     let len = len.unwrap_or(self.input.len());
                     if len % n != 0 {
-                        return Err(CommError::invalid(
-                            Self::NAME,
-                            format!("{what} length {len} is not divisible by the group size {n} (give splits for uneven blocks)"),
+                        return bad(format!(
+                            "{what} length {len} is not divisible by the group size {n} (give splits for uneven blocks)"
                         ));
                     }
                 }
             }
         }
-        if let Some(out) = &self.output {
-            if out.dtype() != self.input.dtype() {
-                return Err(CommError::invalid(
-                    Self::NAME,
-                    format!("output buffer is {} but the input is {}", out.dtype(), self.input.dtype()),
-                ));
+        match (&self.input_splits, &self.output_splits, output_len) {
+            // Equal blocks both ways: every rank sends len/n to every rank, so what it receives
+            // fills exactly an output of the input's length.
+            (None, None, Some(out)) if out != self.input.len() => bad(format!(
+                "output buffer holds {out} elements but the input holds {} (equal splits need equal lengths; give splits for uneven blocks)",
+                self.input.len()
+            )),
+            (Some(_), None, None) => {
+                bad("input_splits without output_splits or an output buffer: the receive size is unknown".into())
             }
-        } else if self.input_splits.is_some() && self.output_splits.is_none() {
-            return Err(CommError::invalid(
-                Self::NAME,
-                "input_splits without output_splits or an output buffer: the receive size is unknown",
-            ));
+            _ => {
+                // The block a rank keeps must be as long as the block it receives from itself.
+                let me = rank as usize;
+                let block = |splits: &Option<Vec<usize>>, len: usize| splits.as_ref().map_or(len / n, |s| s[me]);
+                let (sends, expects) = (
+                    block(&self.input_splits, self.input.len()),
+                    block(&self.output_splits, output_len.unwrap_or(self.input.len())),
+                );
+                if sends != expects {
+                    return bad(format!(
+                        "rank {me} sends {sends} elements to itself but its output expects {expects} from rank {me}"
+                    ));
+                }
+                Ok(())
+            }
         }
-        Ok(())
     }
 }
 
@@ -322,15 +356,15 @@ impl Op for Scatter {
             let Some(input) = &self.input else {
                 return Err(CommError::invalid(Self::NAME, "the root must pass the data to scatter"));
             };
-            check_output(Self::NAME, input, self.output.dtype(), self.output.len() * world as usize).map_err(|_| {
+            let total = check_total(Self::NAME, self.output.len(), world, self.output.dtype())?;
+            check_output(Self::NAME, input, self.output.dtype(), total).map_err(|_| {
                 CommError::invalid(
                     Self::NAME,
                     format!(
-                        "root input is {} × {} elements, expected {} × {} (world size × output length)",
+                        "root input is {} × {} elements, expected {} × {total} (world size × output length)",
                         input.dtype(),
                         input.len(),
                         self.output.dtype(),
-                        self.output.len() * world as usize
                     ),
                 )
             })?;
@@ -362,10 +396,9 @@ impl Op for Gather {
     }
     fn validate(&self, rank: Rank, world: u32) -> Result<(), CommError> {
         check_root(Self::NAME, self.root, world)?;
+        let total = check_total(Self::NAME, self.input.len(), world, self.input.dtype())?;
         match &self.output {
-            Some(out) if rank == self.root => {
-                check_output(Self::NAME, out, self.input.dtype(), self.input.len() * world as usize)
-            }
+            Some(out) if rank == self.root => check_output(Self::NAME, out, self.input.dtype(), total),
             _ => Ok(()),
         }
     }
@@ -472,6 +505,44 @@ mod tests {
         assert!(e.to_string().contains("root must pass"), "{e}");
     }
 
+    fn a2a(input: usize, output: Option<usize>, ins: Option<Vec<usize>>, outs: Option<Vec<usize>>) -> AllToAll {
+        AllToAll { input: f32s(input), output: output.map(f32s), input_splits: ins, output_splits: outs }
+    }
+
+    #[test]
+    fn lengths_are_checked_exactly_and_without_overflow() {
+        // Equal splits: the output must be exactly as long as the input (a longer one was
+        // accepted and partly never written; a shorter one panicked in the engine).
+        for out in [6, 2, 0] {
+            let e = a2a(4, Some(out), None, None).validate(0, 2).unwrap_err().to_string();
+            assert!(e.contains("equal splits need equal lengths"), "{out}: {e}");
+        }
+        a2a(4, Some(4), None, None).validate(1, 2).unwrap();
+        // Split sums that wrap around usize.
+        let e = a2a(0, Some(1), Some(vec![usize::MAX, 1]), Some(vec![0, 1])).validate(1, 2).unwrap_err().to_string();
+        assert!(e.contains("input_splits") && e.contains("usize::MAX"), "{e}");
+        let e = a2a(1, None, Some(vec![0, 1]), Some(vec![usize::MAX, 2])).validate(1, 2).unwrap_err().to_string();
+        assert!(e.contains("output_splits") && e.contains("usize::MAX"), "{e}");
+        // A sum that does not overflow usize but cannot be a buffer.
+        let e = a2a(1, None, Some(vec![0, 1]), Some(vec![usize::MAX / 2, 1])).validate(1, 2).unwrap_err().to_string();
+        assert!(e.contains("fits in memory"), "{e}");
+        // The block a rank keeps.
+        let e = a2a(4, None, Some(vec![1, 3]), Some(vec![2, 2])).validate(1, 2).unwrap_err().to_string();
+        assert!(e.contains("sends 3 elements to itself") && e.contains("expects 2"), "{e}");
+        let e = a2a(4, Some(6), Some(vec![2, 2]), None).validate(0, 2).unwrap_err().to_string();
+        assert!(e.contains("sends 2 elements to itself") && e.contains("expects 3"), "{e}");
+        a2a(4, Some(6), Some(vec![1, 3]), Some(vec![1, 5])).validate(0, 2).unwrap();
+        // world × len products.
+        let big = usize::MAX / 4 + 1;
+        let huge_gather = AllGather { input: HostBuffer::zeroed(DType::U8, 0), output: None };
+        huge_gather.validate(0, u32::MAX).unwrap();
+        assert!(check_total("all_gather", big, 4, DType::U8).unwrap_err().to_string().contains("do not fit"));
+        assert!(check_total("gather", usize::MAX / 8, 2, DType::F64).is_err());
+        assert_eq!(check_total("gather", 3, 4, DType::F64).unwrap(), 12);
+        assert!(check_splits_sum("x", "s", &[usize::MAX, 0, 1]).is_err());
+        assert_eq!(check_splits_sum("x", "s", &[usize::MAX, 0]).unwrap(), usize::MAX);
+    }
+
     #[test]
     fn good_input_passes_and_splits_resolve() {
         AllReduce { buf: HostBuffer::zeroed(DType::I8, 3), op: ReduceOp::BAnd }.validate(0, 3).unwrap();
@@ -480,8 +551,8 @@ mod tests {
         a.validate(0, 3).unwrap();
         assert_eq!(a.splits(3), (vec![2, 2, 2], vec![2, 2, 2]));
         let a =
-            AllToAll { input: f32s(3), output: None, input_splits: Some(vec![0, 3]), output_splits: Some(vec![1, 1]) };
-        a.validate(0, 2).unwrap();
-        assert_eq!(a.splits(2), (vec![0, 3], vec![1, 1]));
+            AllToAll { input: f32s(3), output: None, input_splits: Some(vec![0, 3]), output_splits: Some(vec![1, 3]) };
+        a.validate(1, 2).unwrap();
+        assert_eq!(a.splits(2), (vec![0, 3], vec![1, 3]));
     }
 }

@@ -1,0 +1,117 @@
+//! Parsing of configuration values, shared by every crate so that a value means the same
+//! thing in an environment variable and on a command line: sizes (`4MiB`, `512K`, `65536`),
+//! timeouts in seconds, switches.
+
+use std::time::Duration;
+
+use crate::CommError;
+
+/// The longest wait any timeout stands for: longer ones are taken as this. A year is "forever"
+/// for a job, and keeps `Instant::now() + timeout` far from overflowing.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// `timeout`, at most [`MAX_TIMEOUT`].
+pub fn clamp_timeout(timeout: Duration) -> Duration {
+    timeout.min(MAX_TIMEOUT)
+}
+
+/// A size: a whole number followed by an optional binary, case-insensitive unit: `B`,
+/// `K`/`KB`/`KiB` (1024), `M`/`MB`/`MiB`, `G`/`GB`/`GiB`. Spaces may separate them.
+///
+/// ```
+/// use comm_core::config::parse_size;
+/// assert_eq!(parse_size("4MiB"), Ok(4 << 20));
+/// assert_eq!(parse_size("512k"), Ok(512 << 10));
+/// assert_eq!(parse_size("65536"), Ok(65536));
+/// assert!(parse_size("18446744073709551615G").is_err()); // overflow: an error, not a wrap
+/// ```
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    if num.is_empty() {
+        return Err(format!("`{s}` is not a size (expected e.g. 8B, 4KiB, 64MiB)"));
+    }
+    let n: usize = num.parse().map_err(|_| format!("`{s}`: number too large"))?;
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => return Err(format!("`{s}`: unknown unit `{other}` (expected B, KiB, MiB, GiB or K, M, G)")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("`{s}`: size too large"))
+}
+
+/// A timeout in seconds (fractions allowed): positive and finite; above [`MAX_TIMEOUT`] it is
+/// taken as `MAX_TIMEOUT`.
+///
+/// ```
+/// use std::time::Duration;
+/// use comm_core::config::{parse_timeout, MAX_TIMEOUT};
+/// assert_eq!(parse_timeout("1.5"), Ok(Duration::from_millis(1500)));
+/// assert_eq!(parse_timeout("1e20"), Ok(MAX_TIMEOUT));
+/// assert!(parse_timeout("0").is_err() && parse_timeout("nan").is_err());
+/// ```
+pub fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let secs = s.trim().parse::<f64>().ok().filter(|x| x.is_finite() && *x > 0.0);
+    let secs = secs.ok_or_else(|| format!("`{s}` is not a positive number of seconds"))?;
+    if secs >= MAX_TIMEOUT.as_secs_f64() {
+        return Ok(MAX_TIMEOUT);
+    }
+    // Below a nanosecond rounds to zero: still "positive" as the user meant it.
+    Ok(Duration::from_secs_f64(secs).max(Duration::from_nanos(1)))
+}
+
+/// A switch: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off`.
+pub fn parse_bool(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(format!("`{s}` is not a boolean (use 1 or 0)")),
+    }
+}
+
+/// Environment variable `name`, when set to something other than blanks.
+pub fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// Reads `name` with `parse`; a bad value is a [`CommError::Config`] naming the variable.
+pub fn env_parse<T>(name: &str, parse: impl FnOnce(&str) -> Result<T, String>) -> Result<Option<T>, CommError> {
+    env_var(name).map(|v| parse(&v).map_err(|why| CommError::Config(format!("{name}={v:?}: {why}")))).transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        for (s, want) in [("8B", 8), ("4 KiB", 4096), ("4kb", 4096), ("64MiB", 64 << 20), ("2g", 2 << 30), ("0", 0)] {
+            assert_eq!(parse_size(s), Ok(want), "{s}");
+        }
+        for s in ["", "x", "4 TiB", "-1", "1.5M", "99999999999999999999", "18446744073709551615K"] {
+            assert!(parse_size(s).is_err(), "{s}");
+        }
+    }
+
+    #[test]
+    fn timeouts_are_bounded() {
+        assert_eq!(parse_timeout(" 15 "), Ok(Duration::from_secs(15)));
+        assert_eq!(parse_timeout("1e19"), Ok(MAX_TIMEOUT));
+        assert_eq!(parse_timeout("1e-12"), Ok(Duration::from_nanos(1)));
+        for s in ["0", "-3", "inf", "NaN", "ten", ""] {
+            assert!(parse_timeout(s).is_err(), "{s}");
+        }
+        assert_eq!(clamp_timeout(Duration::MAX), MAX_TIMEOUT);
+        assert!(std::time::Instant::now().checked_add(MAX_TIMEOUT).is_some());
+    }
+
+    #[test]
+    fn switches() {
+        assert_eq!(parse_bool("On"), Ok(true));
+        assert_eq!(parse_bool("0"), Ok(false));
+        assert!(parse_bool("maybe").is_err());
+    }
+}
