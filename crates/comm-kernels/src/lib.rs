@@ -460,7 +460,13 @@ mod half_simd {
             _mm256_set_m128i(_mm256_cvtps_ph::<R>(v.1), _mm256_cvtps_ph::<R>(v.0))
         }
 
-        /// [`bf16_bits_to_f32`] on 16 lanes: widen, shift, quiet the NaNs.
+        // bf16 on AVX2 keeps the 16 lanes of a 256-bit load where they are: the even lanes
+        // (low halves of the 32-bit words) become one f32 vector by a shift, the odd lanes
+        // (high halves) another by a mask, and narrowing puts each back with a shift or a mask
+        // and one OR. No widening moves, packs or cross-lane permutes, which cost 2-3 uops each
+        // on CPUs that split 256-bit operations into 128-bit halves (Zen 1/2).
+
+        /// [`bf16_bits_to_f32`] on 16 lanes, as (even lanes, odd lanes): widen, quiet the NaNs.
         #[target_feature(enable = "avx,avx2")]
         fn bf16x16_to_x2(h: __m256i) -> X2 {
             let quiet = |x: __m256i| {
@@ -468,44 +474,45 @@ mod half_simd {
                 let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
                 _mm256_castsi256_ps(_mm256_or_si256(x, _mm256_and_si256(nan, _mm256_set1_epi32(0x0040_0000))))
             };
-            let X2(lo, hi) = bf16x16_to_x2_raw(h);
-            X2(quiet(_mm256_castps_si256(lo)), quiet(_mm256_castps_si256(hi)))
+            let X2(even, odd) = bf16x16_to_x2_raw(h);
+            X2(quiet(_mm256_castps_si256(even)), quiet(_mm256_castps_si256(odd)))
         }
 
-        /// Widen and shift only: a signalling NaN stays signalling, for inputs that go through
-        /// arithmetic (which quiets it, as [`bf16x16_to_x2`] would have).
+        /// Widen only: a signalling NaN stays signalling, for inputs that go through arithmetic
+        /// (which quiets it, as [`bf16x16_to_x2`] would have).
         #[target_feature(enable = "avx,avx2")]
         fn bf16x16_to_x2_raw(h: __m256i) -> X2 {
-            let widen = |h: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
-            X2(widen(_mm256_castsi256_si128(h)), widen(_mm256_extracti128_si256::<1>(h)))
+            let even = _mm256_slli_epi32::<16>(h);
+            let odd = _mm256_and_si256(h, _mm256_set1_epi32(0xFFFF_0000_u32 as i32));
+            X2(_mm256_castsi256_ps(even), _mm256_castsi256_ps(odd))
         }
 
-        /// [`f32_to_bf16_bits`] on 16 lanes: round to nearest even, NaNs quiet, then narrow
-        /// (AVX2 has no 32→16-bit narrowing move: pack both halves, then put the 64-bit
-        /// groups back in order).
+        /// [`f32_to_bf16_bits`] on (even lanes, odd lanes): round to nearest even, NaNs quiet,
+        /// each half back into its 16 bits of the 32-bit words.
         #[target_feature(enable = "avx,avx2")]
         fn x2_to_bf16x16<const R: i32>(v: X2) -> __m256i {
+            // x + 0x7FFF + (bit 16 of x): the bf16 in the high half, rounded.
             let rounded = |x: __m256i| {
                 let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
-                _mm256_srli_epi32::<16>(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))))
+                _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)))
             };
+            let high = _mm256_set1_epi32(0xFFFF_0000_u32 as i32);
             let (x0, x1) = (_mm256_castps_si256(v.0), _mm256_castps_si256(v.1));
             // NaNs are rare: one test for all 16 lanes, and their fix-up only when there is one.
             let nan = _mm256_or_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(v.0, v.0), _mm256_cmp_ps::<_CMP_UNORD_Q>(v.1, v.1));
-            let (b0, b1) = if _mm256_testz_ps(nan, nan) == 1 {
+            let (r0, r1) = if _mm256_testz_ps(nan, nan) == 1 {
                 (rounded(x0), rounded(x1))
             } else {
+                // A NaN keeps its high half, quieted (the rounding add could carry out of it).
                 let with_nans = |x: __m256i| {
                     let abs = _mm256_and_si256(x, _mm256_set1_epi32(0x7FFF_FFFF));
                     let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7F80_0000));
-                    let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x0040));
+                    let quiet = _mm256_or_si256(x, _mm256_set1_epi32(0x0040_0000));
                     _mm256_blendv_epi8(rounded(x), quiet, nan)
                 };
                 (with_nans(x0), with_nans(x1))
             };
-            // Lanes are <= 0xFFFF, so the signed-to-unsigned saturating pack keeps them:
-            // [lo 0-3, hi 0-3 | lo 4-7, hi 4-7] -> [lo 0-7, hi 0-7].
-            _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(b0, b1))
+            _mm256_or_si256(_mm256_srli_epi32::<16>(r0), _mm256_and_si256(r1, high))
         }
     }
 }
