@@ -23,6 +23,7 @@ mod engine;
 mod layout;
 mod segment;
 mod sys;
+mod tuning;
 mod zerocopy;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
@@ -47,18 +48,16 @@ use sys::ProcId;
 pub struct ShmOptions {
     /// How long any wait for peers may take before [`CommError::Timeout`].
     pub timeout: Duration,
-    /// Bytes per collective buffer (two per rank); larger ops are chunked. Default 512 KiB:
-    /// chunks that small keep each step's copy-in, the peers' reads and the reduction in the
-    /// cores' L2 / the shared L3, where 4 MiB chunks went through memory (1.3-1.4× faster at
-    /// 16 MiB here, measured side by side).
+    /// Bytes per collective buffer (two per rank); larger ops are chunked. Default: half a
+    /// core's L2 cache (64 KiB..1 MiB; 512 KiB with a 1 MiB L2), so each step's copy-in, the
+    /// peers' reads and the reduction stay in cache.
     pub window: usize,
     /// Bytes per point-to-point mailbox slot (two per peer per rank).
     pub p2p_slot: usize,
     /// all_reduce/reduce up to this many bytes use the one-step algorithm (and may run
-    /// inline). Default 256 KiB: with idle workers no longer woken by every step, one step
-    /// wins at 128 KiB (≈ 13 µs vs 16-40 two steps, 2 ranks; 50 vs 110-130 µs with 4) and
-    /// ties at 256 KiB; two steps win from 512 KiB.
-    pub small_max: usize,
+    /// inline). `None` (the default): the largest power of two whose `world + 1` copies fit
+    /// in a core's L2 cache (every rank reads all inputs and writes one output), 16 KiB..1 MiB.
+    pub small_max: Option<usize>,
     /// Spin before sleeping; `None` picks: 50 µs, or 0 when ranks outnumber cores.
     pub spin: Option<Duration>,
 }
@@ -67,9 +66,9 @@ impl Default for ShmOptions {
     fn default() -> Self {
         ShmOptions {
             timeout: Duration::from_secs(300),
-            window: 512 << 10,
+            window: tuning::window(tuning::l2_bytes()),
             p2p_slot: 256 << 10,
-            small_max: 256 << 10,
+            small_max: None,
             spin: None,
         }
     }
@@ -89,7 +88,7 @@ impl ShmOptions {
         let spin_us = |v: &str| v.trim().parse::<u32>().map_err(|_| "not a number of microseconds".to_string());
         o.window = config::env_parse("COMM_SHM_WINDOW", config::parse_size)?.unwrap_or(o.window);
         o.p2p_slot = config::env_parse("COMM_SHM_SLOT", config::parse_size)?.unwrap_or(o.p2p_slot);
-        o.small_max = config::env_parse("COMM_SHM_SMALL_MAX", config::parse_size)?.unwrap_or(o.small_max);
+        o.small_max = config::env_parse("COMM_SHM_SMALL_MAX", config::parse_size)?.or(o.small_max);
         o.spin = config::env_parse("COMM_SHM_SPIN_US", spin_us)?.map(|us| Duration::from_micros(us.into())).or(o.spin);
         o.check()?;
         Ok(o)
@@ -172,7 +171,8 @@ impl ShmBackend {
         let host = sys::host_identity();
         store.set(&format!("{prefix}/host/{rank}"), host.as_bytes()).await?;
         if rank == 0 {
-            let p = format!("{} {} {}", opts.window, opts.p2p_slot, opts.small_max);
+            let small_max = opts.small_max.unwrap_or_else(|| tuning::small_max(tuning::l2_bytes(), world));
+            let p = format!("{} {} {}", opts.window, opts.p2p_slot, small_max);
             store.set(&format!("{prefix}/params"), p.as_bytes()).await?;
         }
         let params = String::from_utf8_lossy(&store.get(&format!("{prefix}/params"), to).await?).into_owned();

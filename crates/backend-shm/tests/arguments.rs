@@ -298,7 +298,7 @@ async fn world(n: u32) -> Vec<ShmBackend> {
     let opts = ShmOptions {
         window: 4096,
         p2p_slot: 4096,
-        small_max: 1024,
+        small_max: Some(1024),
         timeout: Duration::from_secs(20),
         ..Default::default()
     };

@@ -18,7 +18,13 @@ async fn world(n: u32, opts: ShmOptions) -> Vec<ShmBackend> {
 }
 
 fn small_opts() -> ShmOptions {
-    ShmOptions { window: 4096, p2p_slot: 4096, small_max: 1024, timeout: Duration::from_secs(20), ..Default::default() }
+    ShmOptions {
+        window: 4096,
+        p2p_slot: 4096,
+        small_max: Some(1024),
+        timeout: Duration::from_secs(20),
+        ..Default::default()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
