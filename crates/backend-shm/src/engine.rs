@@ -291,6 +291,8 @@ pub(crate) struct Params {
     pub(crate) small_max: usize,
     /// How long a waiter spins before it sleeps on its futex (0 when ranks outnumber cores).
     pub(crate) spin: Duration,
+    /// Test hook (`COMM_FAULT_INJECT=panic:<op>`): the worker panics when it runs this op.
+    pub(crate) panic_at: Option<&'static str>,
 }
 
 /// Yields `(offset, len)` pieces of `total` elements, `per` at most; one empty piece when
@@ -369,6 +371,8 @@ pub(crate) struct Engine {
     /// A finished one-step op whose caller the worker wakes after releasing the engine lock
     /// (see [`worker`]).
     finished: Option<(Done, Result<OneShot>)>,
+    /// Panics contained so far (see [`Engine::contain_panic`]).
+    panics: u32,
 }
 
 /// How long an inline caller keeps yielding for late peers after its spin, before it parks.
@@ -418,6 +422,7 @@ impl Engine {
             last_liveness: Instant::now(),
             zc_maps: Vec::new(),
             finished: None,
+            panics: 0,
         }
     }
 
@@ -487,6 +492,9 @@ impl Engine {
         if let Some(e) = self.poison_error() {
             return Inline::Done(Err(e));
         }
+        if self.params.panic_at == Some(op.name()) {
+            panic!("COMM_FAULT_INJECT: injected panic in {} on rank {}", op.name(), self.rank);
+        }
         if self.world == 1 {
             return Inline::Done(Ok(op.alone()));
         }
@@ -533,6 +541,13 @@ impl Engine {
     fn resume(&mut self, mut p: Parked) {
         self.op = p.op.name();
         let r = self.wait_all(p.k).and_then(|()| self.read_step(&mut p.op, p.k, &p.hdr));
+        if let Err(e) = &r {
+            // As for ops run by the worker (`run_op`): a lost peer or a timeout poisons.
+            self.phase = Phase::Idle;
+            if e.poisons_group() {
+                self.poison_with(e);
+            }
+        }
         let r = r.map(|()| p.op);
         if let Some(done) = p.done {
             self.finished = Some((done, r));
@@ -645,6 +660,55 @@ impl Engine {
 
     // ----------------------------------------------------------------------------------------
     // Errors and liveness
+
+    /// After a panic on the worker or an inline caller: the op that panicked is gone (its
+    /// completer reported `Poisoned` while unwinding); poison the group with the panic's
+    /// message so peers learn it at once, and fail everything else that is pending. Returns
+    /// whether the engine may keep running (false after a second panic: then only
+    /// [`drain_after_panic`](Self::drain_after_panic) runs).
+    pub(crate) fn contain_panic(&mut self, message: &str) -> bool {
+        self.panics += 1;
+        let e = CommError::Backend {
+            backend: "shm",
+            source: format!("the worker of rank {} panicked: {message}", self.rank).into(),
+        };
+        self.phase = Phase::Idle;
+        self.poison_with(&e);
+        let poisoned = self.poison_error().unwrap_or(e);
+        if let Some(Parked { done: Some(done), .. }) = self.parked.take() {
+            done.complete(Err(poisoned));
+        }
+        if let Some((done, r)) = self.finished.take() {
+            done.complete(r);
+        }
+        self.panics == 1
+    }
+
+    /// The worker's loop once the engine cannot be trusted: every command fails with
+    /// `Poisoned`, a shutdown completes, and the loop ends with the channel or the shutdown.
+    pub(crate) fn drain_after_panic(&mut self) -> Flow {
+        let cause = self.poisoned.clone().unwrap_or_else(|| "the shm worker panicked".into());
+        match self.rx.recv_timeout(Duration::from_millis(10)) {
+            Ok(cmd) => {
+                self.pending.fetch_sub(1, SeqCst);
+                match cmd {
+                    Command::Shutdown(d) => {
+                        d.complete(Ok(()));
+                        for w in self.shutdown_waiters.drain(..) {
+                            w.complete(Ok(()));
+                        }
+                        Flow::Exit
+                    }
+                    other => {
+                        self.fail(other, CommError::Poisoned { cause });
+                        Flow::Busy
+                    }
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Flow::Busy,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Flow::Exit,
+        }
+    }
 
     fn poison_error(&self) -> Option<CommError> {
         self.poisoned.as_ref().map(|cause| CommError::Poisoned { cause: cause.clone() })
@@ -945,6 +1009,9 @@ impl Engine {
 
     fn run_op<T>(&mut self, name: &'static str, f: impl FnOnce(&mut Engine) -> Result<T>) -> Result<T> {
         self.op = name;
+        if self.params.panic_at == Some(name) {
+            panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", self.rank);
+        }
         let res = f(self);
         self.phase = Phase::Idle;
         if let Err(e) = &res {
@@ -1462,18 +1529,28 @@ impl Engine {
 /// The worker thread: runs [`Engine::work`] under the lock and sleeps on the doorbell,
 /// unlocked, whenever there is nothing to do.
 pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
+    let lock = || engine.lock().unwrap_or_else(|p| p.into_inner());
+    let mut broken = false;
     // A small op's caller is woken only once the lock is released: woken under it, the caller
     // would find the engine busy and queue its next op for the worker too, and the ranks would
     // keep handing small ops to their workers (a thread hop each) instead of running them inline.
-    let work = || {
-        let mut engine = engine.lock().unwrap_or_else(|p| p.into_inner());
-        let flow = engine.work();
-        let finished = engine.finished.take();
-        drop(engine);
-        if let Some((done, r)) = finished {
-            done.complete(r);
-        }
-        flow
+    let mut work = || {
+        let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut engine = lock();
+            let flow = if broken { engine.drain_after_panic() } else { engine.work() };
+            let finished = engine.finished.take();
+            drop(engine);
+            if let Some((done, r)) = finished {
+                done.complete(r);
+            }
+            flow
+        }));
+        turn.unwrap_or_else(|payload| {
+            // A bug, not a peer's fault: contain it so this rank fails cleanly (peers told,
+            // pending ops failed, shutdown answered) instead of going half-alive.
+            broken |= !lock().contain_panic(&panic_message(&*payload));
+            Flow::Busy
+        })
     };
     loop {
         let bell = me.u32_at(OFF_DOORBELL);
@@ -1496,6 +1573,15 @@ pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
             return;
         }
     }
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + std::marker::Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 #[cfg(test)]

@@ -108,6 +108,26 @@ impl ShmOptions {
     }
 }
 
+/// The test hook `COMM_FAULT_INJECT=panic:<op>` (e.g. `panic:all_reduce`): this rank's worker
+/// panics when it runs that op, so tests can check that a panic is contained. Unset, nothing
+/// changes.
+fn fault_injection() -> Result<Option<&'static str>, CommError> {
+    const OPS: [&str; 9] = [
+        "all_reduce",
+        "reduce",
+        "broadcast",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "scatter",
+        "gather",
+        "barrier",
+    ];
+    let Some(v) = config::env_var("COMM_FAULT_INJECT") else { return Ok(None) };
+    let op = v.trim().strip_prefix("panic:").and_then(|op| OPS.iter().find(|&&o| o == op));
+    op.map(|&o| Some(o)).ok_or_else(|| CommError::Config(format!("COMM_FAULT_INJECT={v:?}: expected panic:<op>")))
+}
+
 /// Handle to a shared-memory process group. Cheap to clone; the worker stops when the last
 /// clone is dropped (after finishing submitted ops) or on [`Group::shutdown`].
 #[derive(Clone)]
@@ -227,6 +247,7 @@ impl ShmBackend {
         let (segs, procs) = joined?;
 
         let params = Params {
+            panic_at: fault_injection()?,
             timeout: to,
             small_max,
             spin: opts.spin.unwrap_or_else(|| {
@@ -382,7 +403,20 @@ impl ShmBackend {
             Err(std::sync::TryLockError::WouldBlock) => None,
         };
         if let Some(mut engine) = guard.filter(|e| e.is_idle()) {
-            match engine.try_inline(op, inner.inline_budget) {
+            let budget = inner.inline_budget;
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.try_inline(op, budget)));
+            let ran = match ran {
+                Ok(ran) => ran,
+                Err(payload) => {
+                    let message = engine::panic_message(&*payload);
+                    engine.contain_panic(&message);
+                    drop(engine);
+                    self.ring_worker();
+                    let cause = inner.poison.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or(message);
+                    return Work::ready(Err(CommError::Poisoned { cause }));
+                }
+            };
+            match ran {
                 Inline::Done(r) => return Work::ready(r.map(R::Output::from_one_shot)),
                 Inline::Parked => {
                     let (done, work) = Work::pending();

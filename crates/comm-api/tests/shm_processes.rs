@@ -238,6 +238,73 @@ fn timeout_when_peer_never_joins() {
     );
 }
 
+/// A panic in rank 1's backend (injected through the `COMM_FAULT_INJECT` test hook) while it
+/// runs `op`: rank 1's op fails with `Poisoned` naming the panic, every later op too, and its
+/// shutdown completes; rank 0 gets `PeerLost` naming rank 1 and the panic, at once (not at the
+/// timeout). `len` elements decide the path: small ops run inline on the caller's thread,
+/// large ones on the worker.
+async fn panic_is_contained(op: &str, len: usize) -> Result<(), String> {
+    let pg = connect().await?;
+    pg.barrier().await.map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let r = match op {
+        "all_reduce" => pg.all_reduce(HostBuffer::zeroed(DType::F32, len), ReduceOp::Sum).await,
+        _ => pg.broadcast(HostBuffer::zeroed(DType::F32, len), 0).await,
+    };
+    let e = expect_err(r, "the op that panicked")?;
+    let msg = e.to_string();
+    if t.elapsed() > Duration::from_secs(10) {
+        return Err(format!("took {:?} to fail: {msg}", t.elapsed()));
+    }
+    match (pg.rank(), &e) {
+        (1, CommError::Poisoned { .. }) if msg.contains("injected panic") || msg.contains("panicked") => {}
+        (0, CommError::PeerLost { rank: 1, .. }) if msg.contains("panicked") => {}
+        _ => return Err(format!("rank {}: unexpected error {e:?}", pg.rank())),
+    }
+    println!("rank {}: {msg} after {:?}", pg.rank(), t.elapsed());
+    // Everything later fails fast, small (inline) and large (worker) alike...
+    for later in [4usize, 1 << 20] {
+        let r = pg.all_reduce(HostBuffer::zeroed(DType::F32, later), ReduceOp::Sum);
+        match tokio::time::timeout(Duration::from_secs(10), r).await {
+            Ok(Err(CommError::Poisoned { .. })) => {}
+            other => return Err(format!("rank {}: op after the panic: {other:?}", pg.rank())),
+        }
+    }
+    // ...and shutdown completes.
+    match tokio::time::timeout(Duration::from_secs(10), pg.shutdown()).await {
+        Ok(Ok(())) => {}
+        other => return Err(format!("rank {}: shutdown after the panic: {other:?}", pg.rank())),
+    }
+    if !leftovers(std::process::id()).is_empty() {
+        return Err("segments left in /dev/shm".into());
+    }
+    Ok(())
+}
+
+fn inject_on_rank_1(op: &'static str) -> impl Fn(u32) -> Vec<(String, String)> {
+    move |rank| {
+        let mut env = vec![("COMM_TIMEOUT".into(), "60".into())];
+        if rank == 1 {
+            env.push(("COMM_FAULT_INJECT".into(), format!("panic:{op}")));
+        }
+        env
+    }
+}
+
+#[test]
+fn worker_panic_is_contained() {
+    multiprocess::run_with_env(2, "worker_panic_is_contained", T, inject_on_rank_1("all_reduce"), || {
+        panic_is_contained("all_reduce", 4 << 20)
+    });
+}
+
+#[test]
+fn inline_panic_is_contained() {
+    multiprocess::run_with_env(2, "inline_panic_is_contained", T, inject_on_rank_1("broadcast"), || {
+        panic_is_contained("broadcast", 16)
+    });
+}
+
 /// Zero-copy buffers: a large all_reduce reads peers' buffers in place; results equal the
 /// copying path's; a rank mixing buffer kinds gets Mismatch; nothing is left in /dev/shm.
 #[test]

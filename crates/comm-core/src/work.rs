@@ -324,7 +324,14 @@ impl<T> Completer<T> {
 impl<T> Drop for Completer<T> {
     fn drop(&mut self) {
         if self.shared.is_some() {
-            self.finish(Err(CommError::Shutdown("the worker dropped the op before finishing it".into())));
+            let e = if std::thread::panicking() {
+                // The thread running the op panicked; the backend poisons the group with the
+                // panic's message.
+                CommError::Poisoned { cause: "the thread running this op panicked".into() }
+            } else {
+                CommError::Shutdown("the worker dropped the op before finishing it".into())
+            };
+            self.finish(Err(e));
         }
     }
 }
@@ -357,6 +364,17 @@ mod tests {
         drop(c);
         assert!(w.is_completed());
         assert!(matches!(w.wait(), Err(CommError::Shutdown(_))));
+    }
+
+    #[test]
+    fn completer_dropped_by_a_panic_reports_poisoned() {
+        let (c, w) = Work::<u8>::pending();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _held = c;
+            panic!("boom");
+        }));
+        assert!(r.is_err());
+        assert!(matches!(w.wait(), Err(CommError::Poisoned { .. })));
     }
 
     #[test]
