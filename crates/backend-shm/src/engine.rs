@@ -1454,8 +1454,18 @@ impl Engine {
         Ok(true)
     }
 
-    /// Copies the next available chunk from `peer` into the first queued receive.
+    /// Copies the next available chunk from `peer` into the first queued receive. A receive
+    /// that does not match what arrives fails with the `Mismatch` (the group is then poisoned
+    /// and only later ops see `Poisoned`).
     fn progress_recv(&mut self, peer: usize) -> Result<bool> {
+        self.progress_recv_front(peer).inspect_err(|e| {
+            if let Some(op) = self.recvs[peer].pop_front() {
+                op.done.complete(Err(e.duplicate()));
+            }
+        })
+    }
+
+    fn progress_recv_front(&mut self, peer: usize) -> Result<bool> {
         let Some(op) = self.recvs[peer].front_mut() else { return Ok(false) };
         let chunk = self.acked[peer];
         let src = &self.segs[peer];
@@ -1513,13 +1523,25 @@ impl Engine {
                 .chain(self.recvs[peer].front().map(|o| o.started))
                 .min();
             let Some(started) = oldest else { continue };
-            self.check_peer(peer, true)?;
-            if started.elapsed() >= self.params.timeout {
-                return Err(CommError::Timeout {
+            let timeout = self.params.timeout;
+            let r = self.check_peer(peer, true).and_then(|()| match started.elapsed() >= timeout {
+                true => Err(CommError::Timeout {
                     op: "send/recv".into(),
-                    after: self.params.timeout,
+                    after: timeout,
                     detail: format!("rank {peer} never posted the matching operation"),
-                });
+                }),
+                false => Ok(()),
+            });
+            if let Err(e) = r {
+                // Every send and recv waiting on this peer gets the real cause; the others
+                // see the group poisoned.
+                for op in self.sends[peer].drain(..) {
+                    op.done.complete(Err(e.duplicate()));
+                }
+                for op in self.recvs[peer].drain(..) {
+                    op.done.complete(Err(e.duplicate()));
+                }
+                return Err(e);
             }
         }
         Ok(())

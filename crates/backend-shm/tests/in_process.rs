@@ -120,3 +120,26 @@ async fn timeout_names_the_missing_rank() {
     assert!(e.to_string().contains("rank 2"), "{e}");
     let _ = b.await;
 }
+
+/// A recv that does not match the send fails with `Mismatch` (the truth), one that nobody
+/// sends to with `Timeout`; only ops after them see `Poisoned`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p2p_failures_carry_their_real_cause() {
+    let ranks = world(2, small_opts()).await;
+    let send = ranks[0].submit(Send { buf: HostBuffer::from_slice(&[1i32, 2, 3]), dst: 1, tag: 5 });
+    let recv = ranks[1].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::I32, 4), src: 0, tag: 5 });
+    let r = recv.await;
+    assert!(matches!(r, Err(CommError::Mismatch { .. })), "{r:?}");
+    let msg = r.unwrap_err().to_string();
+    assert!(msg.contains("12 bytes") && msg.contains("16 bytes"), "{msg}");
+    drop(send);
+    let later = ranks[1].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::I32, 3), src: 0, tag: 5 }).await;
+    assert!(matches!(later, Err(CommError::Poisoned { .. })), "{later:?}");
+
+    let opts = ShmOptions { timeout: Duration::from_millis(300), ..small_opts() };
+    let ranks = world(2, opts).await;
+    let r = ranks[1].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::U8, 1), src: 0, tag: 0 }).await;
+    assert!(matches!(r, Err(CommError::Timeout { .. })), "{r:?}");
+    let later = ranks[1].submit(Barrier).await;
+    assert!(matches!(later, Err(CommError::Poisoned { .. })), "{later:?}");
+}
