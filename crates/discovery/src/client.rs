@@ -14,6 +14,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use crate::auth;
 use crate::wire::{self, op, Dec, Enc, FrameError};
 
 /// How long a request that does not wait (`set`, `add`...) may go unanswered by default.
@@ -352,14 +353,16 @@ async fn connect_with_retry(
     )))
 }
 
-/// Sends the handshake and reads the answer.
+/// Runs the client's side of the handshake (see `wire`): the server proves it knows the job
+/// token before this rank proves it does.
 async fn hello(mut stream: TcpStream, token: &str, shown: &str) -> Result<TcpStream, Hello> {
+    let client_nonce = auth::nonce().map_err(Hello::Refused)?;
     let frame = Enc::new()
         .raw(&wire::MAGIC)
         .u32(wire::VERSION)
-        .raw(token.as_bytes())
+        .raw(&client_nonce)
         .finish(wire::HELLO_MAX)
-        .map_err(|_| Hello::Refused(CommError::Config("COMM_JOB_TOKEN is too long".into())))?;
+        .map_err(|_| Hello::Refused(CommError::Store("internal: handshake frame too large".into())))?;
     wire::write_frame(&mut stream, &frame)
         .await
         .map_err(|e| Hello::Retry(format!("sending the handshake failed: {e}")))?;
@@ -369,33 +372,67 @@ async fn hello(mut stream: TcpStream, token: &str, shown: &str) -> Result<TcpStr
              service?"
         )))
     };
-    let reply = match wire::read_frame(&mut stream, wire::HELLO_MAX).await {
-        Ok(Some(r)) => r,
-        Ok(None) => {
-            return Err(Hello::Retry(
-                "the peer closed the connection during the handshake (is something else listening on MASTER_PORT?)"
-                    .into(),
-            ));
-        }
-        Err(FrameError::TooLarge(_)) => return Err(not_a_store()),
-        Err(e) => return Err(Hello::Retry(format!("the handshake failed: {e}"))),
+    let another_job = || {
+        Hello::Refused(CommError::Store(format!(
+            "store at {shown} belongs to another job (job token mismatch); give every rank of a job the same \
+             COMM_JOB_TOKEN, or use another MASTER_PORT"
+        )))
     };
+    let reply = read_hello(&mut stream, shown).await?;
     let mut d = Dec(&reply);
-    match (d.take(wire::MAGIC.len()), d.u8(), d.u32()) {
-        (Ok(m), Ok(status), Ok(version)) if m == wire::MAGIC => match status {
-            wire::HELLO_OK => Ok(stream),
-            wire::HELLO_BAD_TOKEN => Err(Hello::Refused(CommError::Store(format!(
-                "store at {shown} belongs to another job (job token mismatch); give every rank of a job the same \
-                 COMM_JOB_TOKEN, or use another MASTER_PORT"
-            )))),
-            wire::HELLO_BAD_VERSION => Err(Hello::Refused(CommError::Store(format!(
+    let (Ok(m), Ok(status), Ok(version)) = (d.take(wire::MAGIC.len()), d.u8(), d.u32()) else {
+        return Err(not_a_store());
+    };
+    if m != wire::MAGIC {
+        return Err(not_a_store());
+    }
+    match status {
+        wire::HELLO_OK => {}
+        wire::HELLO_BAD_VERSION => {
+            return Err(Hello::Refused(CommError::Store(format!(
                 "store at {shown} speaks protocol version {version}, this rank speaks version {} (ranks built from \
                  different versions of the library?)",
                 wire::VERSION
-            )))),
-            _ => Err(not_a_store()),
-        },
+            ))));
+        }
+        _ => return Err(not_a_store()),
+    }
+    let (Ok(server_nonce), Ok(proof)) = (d.take(auth::NONCE), d.take(auth::PROOF)) else {
+        return Err(not_a_store());
+    };
+    // A server that cannot prove it knows the token is not this job's store, whatever it says:
+    // it gets no proof of ours and no request.
+    if !auth::verify(token.as_bytes(), auth::Role::Server, &client_nonce, server_nonce, proof) {
+        return Err(another_job());
+    }
+    let answer = auth::prove(token.as_bytes(), auth::Role::Client, &client_nonce, server_nonce);
+    let answer = Enc::new()
+        .raw(&answer)
+        .finish(wire::HELLO_MAX)
+        .map_err(|_| Hello::Refused(CommError::Store("internal: handshake frame too large".into())))?;
+    wire::write_frame(&mut stream, &answer)
+        .await
+        .map_err(|e| Hello::Retry(format!("sending the handshake failed: {e}")))?;
+    let verdict = read_hello(&mut stream, shown).await?;
+    let mut d = Dec(&verdict);
+    match (d.take(wire::MAGIC.len()), d.u8()) {
+        (Ok(m), Ok(wire::HELLO_OK)) if m == wire::MAGIC => Ok(stream),
+        (Ok(m), Ok(wire::HELLO_BAD_TOKEN)) if m == wire::MAGIC => Err(another_job()),
         _ => Err(not_a_store()),
+    }
+}
+
+async fn read_hello(stream: &mut TcpStream, shown: &str) -> Result<Vec<u8>, Hello> {
+    match wire::read_frame(stream, wire::HELLO_MAX).await {
+        Ok(Some(r)) => Ok(r),
+        Ok(None) => Err(Hello::Retry(
+            "the peer closed the connection during the handshake (is something else listening on MASTER_PORT?)".into(),
+        )),
+        Err(FrameError::TooLarge(_)) => Err(Hello::Refused(CommError::Store(format!(
+            "{shown} is not a comm rendezvous store (unexpected handshake reply); is MASTER_PORT used by another \
+             service?"
+        )))),
+        Err(e) => Err(Hello::Retry(format!("the handshake failed: {e}"))),
     }
 }
 

@@ -19,6 +19,7 @@
 //! current-thread runtime, `futures::executor`, another tokio runtime...).
 #![forbid(unsafe_code)]
 
+mod auth;
 mod client;
 mod env;
 mod net;

@@ -12,6 +12,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::auth;
 use crate::wire::{self, FrameError, Request};
 
 /// torch's VALIDATE command byte and the first bytes of its magic, read as our length prefix.
@@ -264,22 +265,28 @@ fn spawn_wait(
     });
 }
 
-/// Reads and checks the handshake; answers it. Whether to go on serving.
+/// Runs the server's side of the handshake (see `wire`): whether to go on serving.
 async fn handshake(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: SocketAddr, token: &[u8]) -> bool {
-    let hello = match tokio::time::timeout(HELLO_TIMEOUT, wire::read_frame(rd, wire::HELLO_MAX)).await {
+    match tokio::time::timeout(HELLO_TIMEOUT, authenticate(rd, wr, peer, token)).await {
+        Ok(ok) => ok,
         Err(_) => {
-            tracing::warn!("comm store: {peer} sent no handshake within {HELLO_TIMEOUT:?}; closing");
-            return false;
+            tracing::warn!("comm store: {peer} did not complete the handshake within {HELLO_TIMEOUT:?}; closing");
+            false
         }
-        Ok(Ok(Some(f))) => f,
-        Ok(Ok(None)) => return false,
+    }
+}
+
+async fn authenticate(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: SocketAddr, token: &[u8]) -> bool {
+    let hello = match wire::read_frame(rd, wire::HELLO_MAX).await {
+        Ok(Some(f)) => f,
+        Ok(None) => return false,
         // The first bytes of torch's VALIDATE read as a length: a rank probing whether this
         // port is a torch store (see `rendezvous`). Closing answers "no" at once.
-        Ok(Err(FrameError::TooLarge(n))) if n == TORCH_PROBE => {
+        Err(FrameError::TooLarge(n)) if n == TORCH_PROBE => {
             tracing::debug!("comm store: {peer} probed for a torch store; closing");
             return false;
         }
-        Ok(Err(e)) => {
+        Err(e) => {
             tracing::warn!("comm store: {peer} is not a store client ({e}); closing");
             return false;
         }
@@ -292,26 +299,38 @@ async fn handshake(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: Socket
             return false;
         }
     };
-    let status = if version != wire::VERSION {
+    let status = |s: u8| wire::Enc::new().raw(&wire::MAGIC).u8(s).u32(wire::VERSION);
+    let client_nonce = d.rest().to_vec();
+    if version != wire::VERSION || client_nonce.len() != auth::NONCE {
         tracing::warn!("comm store: refusing {peer}: protocol version {version}, this server speaks {}", wire::VERSION);
-        wire::HELLO_BAD_VERSION
-    } else if !same_token(d.rest(), token) {
-        tracing::warn!("comm store: refusing {peer}: job token mismatch (a client of another job?)");
-        wire::HELLO_BAD_TOKEN
-    } else {
-        wire::HELLO_OK
+        if let Ok(frame) = status(wire::HELLO_BAD_VERSION).finish(wire::HELLO_MAX) {
+            let _ = wire::write_frame(wr, &frame).await;
+        }
+        return false;
+    }
+    let Ok(server_nonce) = auth::nonce() else { return false };
+    let proof = auth::prove(token, auth::Role::Server, &client_nonce, &server_nonce);
+    let Ok(challenge) = status(wire::HELLO_OK).raw(&server_nonce).raw(&proof).finish(wire::HELLO_MAX) else {
+        return false;
     };
-    let reply = wire::Enc::new().raw(&wire::MAGIC).u8(status).u32(wire::VERSION).finish(wire::HELLO_MAX);
-    let sent = match reply {
+    if wire::write_frame(wr, &challenge).await.is_err() {
+        return false;
+    }
+    let answer = match wire::read_frame(rd, wire::HELLO_MAX).await {
+        Ok(Some(f)) => f,
+        // A client that found our proof wrong (another job's) hangs up here.
+        _ => return false,
+    };
+    let ok = auth::verify(token, auth::Role::Client, &client_nonce, &server_nonce, &answer);
+    if !ok {
+        tracing::warn!("comm store: refusing {peer}: job token mismatch (a client of another job?)");
+    }
+    let verdict = status(if ok { wire::HELLO_OK } else { wire::HELLO_BAD_TOKEN }).finish(wire::HELLO_MAX);
+    let sent = match verdict {
         Ok(frame) => wire::write_frame(wr, &frame).await.is_ok(),
         Err(_) => false,
     };
-    sent && status == wire::HELLO_OK
-}
-
-/// Compares tokens in time independent of where they differ.
-fn same_token(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    sent && ok
 }
 
 async fn write_responses(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Vec<u8>>) {

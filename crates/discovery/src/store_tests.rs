@@ -7,6 +7,7 @@ use comm_core::{CommError, Launcher, Store, StoreKind, WorldInfo, WorldSource};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use crate::auth;
 use crate::wire::{self, Enc};
 use crate::{rendezvous, StoreServer, TcpStore};
 
@@ -23,10 +24,17 @@ async fn client(s: &StoreServer, token: &str) -> TcpStore {
 /// A raw connection that has done the handshake (empty token).
 async fn raw_client(s: &StoreServer) -> TcpStream {
     let mut stream = TcpStream::connect(s.local_addr()).await.unwrap();
-    let hello = Enc::new().raw(&wire::MAGIC).u32(wire::VERSION).finish(wire::HELLO_MAX).unwrap();
+    let nonce = auth::nonce().unwrap();
+    let hello = Enc::new().raw(&wire::MAGIC).u32(wire::VERSION).raw(&nonce).finish(wire::HELLO_MAX).unwrap();
     stream.write_all(&hello).await.unwrap();
     let reply = wire::read_frame(&mut stream, wire::HELLO_MAX).await.unwrap().unwrap();
-    assert_eq!(reply[wire::MAGIC.len()], wire::HELLO_OK);
+    let m = wire::MAGIC.len();
+    assert_eq!(reply[m], wire::HELLO_OK);
+    let server_nonce = &reply[m + 5..m + 5 + auth::NONCE];
+    let proof = auth::prove(b"", auth::Role::Client, &nonce, server_nonce);
+    stream.write_all(&Enc::new().raw(&proof).finish(wire::HELLO_MAX).unwrap()).await.unwrap();
+    let verdict = wire::read_frame(&mut stream, wire::HELLO_MAX).await.unwrap().unwrap();
+    assert_eq!(verdict[m], wire::HELLO_OK);
     stream
 }
 

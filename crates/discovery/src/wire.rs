@@ -3,9 +3,11 @@
 //! Every message is a frame: a `u32` little-endian payload length, then the payload. Integers
 //! are little-endian; byte strings are a `u32` length then the bytes; keys are UTF-8.
 //!
-//! 1. Handshake. The client sends `MAGIC, version: u32, job token (rest of the frame)`; the
-//!    server answers `MAGIC, status: u8, version: u32` and closes the connection unless the
-//!    status is [`HELLO_OK`].
+//! 1. Handshake (mutual challenge–response, see `auth`; the job token never crosses the wire).
+//!    The client sends `MAGIC, version: u32, client nonce`; the server answers `MAGIC,
+//!    status: u8, version: u32` and, when the status is [`HELLO_OK`], `server nonce, server
+//!    proof`; the client checks the proof and sends its own; the server answers `MAGIC,
+//!    status, version` once more and closes the connection unless both statuses are OK.
 //! 2. Requests: `id: u64, opcode: u8, fields...`; responses: `id: u64, status: u8, body`.
 //!    A client may have several requests in flight; responses carry the request's id and may
 //!    come back in any order (waits are answered when they are satisfied).
@@ -16,20 +18,20 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// First bytes of both handshake frames: tells a store from any other service on the port.
 pub(crate) const MAGIC: [u8; 8] = *b"COMMSTOR";
-/// Protocol version; bumped on any incompatible change.
-pub(crate) const VERSION: u32 = 1;
+/// Protocol version; bumped on any incompatible change (2: authenticated handshake).
+pub(crate) const VERSION: u32 = 2;
 /// Largest frame payload accepted after the handshake (values are at most about this big).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// Longest job token.
 pub(crate) const MAX_TOKEN: usize = 1024;
 /// Largest frame accepted before the handshake: a stranger cannot make the server allocate more.
-pub(crate) const HELLO_MAX: usize = MAGIC.len() + 4 + MAX_TOKEN;
+pub(crate) const HELLO_MAX: usize = MAGIC.len() + 4 + 1 + crate::auth::NONCE + crate::auth::PROOF + 64;
 /// Longest wait a request may ask for; longer ones are clamped (tokio deadlines overflow).
 pub(crate) const MAX_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Handshake status: accepted.
 pub(crate) const HELLO_OK: u8 = 0;
-/// Handshake status: the job tokens differ.
+/// Handshake status: the job tokens differ (the client's proof is wrong).
 pub(crate) const HELLO_BAD_TOKEN: u8 = 1;
 /// Handshake status: the protocol versions differ.
 pub(crate) const HELLO_BAD_VERSION: u8 = 2;
