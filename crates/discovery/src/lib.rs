@@ -36,5 +36,5 @@ pub use client::{job_token, TcpStore};
 pub use env::{from_env, from_vars};
 pub use net::bind_addr;
 pub use rendezvous::rendezvous;
-pub use server::StoreServer;
+pub use server::{ServerLimits, StoreServer};
 pub use torch::TorchStore;

@@ -230,7 +230,7 @@ fn is_addr_in_use(e: &CommError) -> bool {
 /// [`StoreServer::bind`] without blocking the caller's executor while the server starts.
 async fn bind(addr: &str, port: u16, token: &str) -> Result<StoreServer, CommError> {
     let (tx, rx) = oneshot::channel();
-    let starting = server::start(addr, port, token, move |r| {
+    let starting = server::start(addr, port, token, server::ServerLimits::from_env()?, move |r| {
         let _ = tx.send(r);
     })?;
     let bound =

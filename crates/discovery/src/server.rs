@@ -1,5 +1,6 @@
 //! The TCP store server rank 0 runs.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -63,6 +64,31 @@ impl Starting {
     }
 }
 
+/// Bounds a [`StoreServer`] puts on its clients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// Once a request's first byte has arrived, the whole frame must follow within this; a
+    /// client that stalls in the middle of a frame is disconnected (idle connections are fine).
+    pub frame_deadline: Duration,
+    /// Most bytes of keys and values the store holds (one store per job); a request past it
+    /// fails with a [`CommError::Store`] naming the quota, and the server goes on serving.
+    pub quota: usize,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits { frame_deadline: Duration::from_secs(30), quota: 256 << 20 }
+    }
+}
+
+impl ServerLimits {
+    /// Defaults, with `COMM_STORE_QUOTA` (a size: `512MiB`) for the quota.
+    pub fn from_env() -> Result<Self, CommError> {
+        let quota = comm_core::config::env_parse("COMM_STORE_QUOTA", comm_core::config::parse_size)?;
+        Ok(ServerLimits { quota: quota.unwrap_or(ServerLimits::default().quota), ..ServerLimits::default() })
+    }
+}
+
 impl StoreServer {
     /// Starts a server listening on `addr:port` (a host name is resolved; port 0 picks a free
     /// port, see [`StoreServer::local_addr`]) that serves clients presenting `token`.
@@ -70,8 +96,13 @@ impl StoreServer {
     /// `SO_REUSEADDR` is set, so a server restarted right away on the same port can bind while
     /// the previous one's connections linger in `TIME_WAIT`.
     pub fn bind(addr: &str, port: u16, token: &str) -> Result<StoreServer, CommError> {
+        Self::bind_with(addr, port, token, ServerLimits::from_env()?)
+    }
+
+    /// [`StoreServer::bind`] with explicit limits.
+    pub fn bind_with(addr: &str, port: u16, token: &str, limits: ServerLimits) -> Result<StoreServer, CommError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        let starting = start(addr, port, token, move |r| {
+        let starting = start(addr, port, token, limits, move |r| {
             let _ = tx.send(r);
         })?;
         let bound =
@@ -109,6 +140,7 @@ pub(crate) fn start(
     addr: &str,
     port: u16,
     token: &str,
+    limits: ServerLimits,
     report: impl FnOnce(Result<SocketAddr, CommError>) + Send + 'static,
 ) -> Result<Starting, CommError> {
     if token.len() > wire::MAX_TOKEN {
@@ -136,7 +168,7 @@ pub(crate) fn start(
                     Ok(a) => report(Ok(a)),
                     Err(e) => return report(Err(CommError::io("reading the store's bound address", e))),
                 }
-                serve(listener, token, stop_rx).await;
+                serve(listener, token, limits, stop_rx).await;
             });
             // Dropping the runtime here cancels every connection task, closing their sockets.
         })
@@ -179,15 +211,15 @@ async fn listen(addr: &str, port: u16) -> Result<TcpListener, CommError> {
 }
 
 /// Accepts connections until told to stop.
-async fn serve(listener: TcpListener, token: Arc<[u8]>, mut stop: oneshot::Receiver<()>) {
-    let store = Arc::new(MemoryStore::new());
+async fn serve(listener: TcpListener, token: Arc<[u8]>, limits: ServerLimits, mut stop: oneshot::Receiver<()>) {
+    let store = Arc::new(Quota::new(MemoryStore::new(), limits.quota));
     loop {
         tokio::select! {
             _ = &mut stop => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     let _ = stream.set_nodelay(true);
-                    tokio::spawn(connection(stream, peer, token.clone(), store.clone()));
+                    tokio::spawn(connection(stream, peer, token.clone(), store.clone(), limits.frame_deadline));
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
@@ -200,7 +232,13 @@ async fn serve(listener: TcpListener, token: Arc<[u8]>, mut stop: oneshot::Recei
 }
 
 /// Serves one connection: the handshake, then requests until it closes or misbehaves.
-async fn connection(stream: TcpStream, peer: SocketAddr, token: Arc<[u8]>, store: Arc<MemoryStore>) {
+async fn connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    token: Arc<[u8]>,
+    store: Arc<Quota>,
+    frame_deadline: Duration,
+) {
     let (mut rd, mut wr) = stream.into_split();
     if !handshake(&mut rd, &mut wr, peer, &token).await {
         return;
@@ -210,7 +248,7 @@ async fn connection(stream: TcpStream, peer: SocketAddr, token: Arc<[u8]>, store
     let (tx, rx) = mpsc::unbounded_channel::<Vec<u8>>();
     let writer = tokio::spawn(write_responses(wr, rx));
     loop {
-        let frame = match wire::read_frame(&mut rd, wire::MAX_FRAME).await {
+        let frame = match wire::read_frame_within(&mut rd, wire::MAX_FRAME, frame_deadline).await {
             Ok(Some(f)) => f,
             Ok(None) => break,
             Err(FrameError::Io(e)) => {
@@ -233,15 +271,19 @@ async fn connection(stream: TcpStream, peer: SocketAddr, token: Arc<[u8]>, store
             // Waits get a task each, so a blocked wait holds up nothing else.
             Request::Get { key, timeout } => {
                 let store = store.clone();
-                spawn_wait(id, tx.clone(), async move { store.get(&key, timeout).await });
+                spawn_wait(id, tx.clone(), async move { store.store.get(&key, timeout).await });
             }
             Request::Wait { keys, timeout } => {
                 let store = store.clone();
-                spawn_wait(id, tx.clone(), async move { wait(&store, &keys, timeout).await.map(|()| Vec::new()) });
+                spawn_wait(
+                    id,
+                    tx.clone(),
+                    async move { wait(&store.store, &keys, timeout).await.map(|()| Vec::new()) },
+                );
             }
             // The rest complete at once, in the order they arrived.
             other => {
-                let _ = tx.send(immediate(&store, id, other).await);
+                let _ = tx.send(store.immediate(id, other).await);
             }
         }
     }
@@ -341,18 +383,76 @@ async fn write_responses(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver
     }
 }
 
-/// Serves a request that does not wait.
-async fn immediate(store: &MemoryStore, id: u64, req: Request) -> Vec<u8> {
-    let r = match req {
-        Request::Set { key, value } => store.set(&key, &value).await.map(|()| Vec::new()),
-        Request::Add { key, delta } => store.add(&key, delta).await.map(|n| n.to_le_bytes().to_vec()),
-        Request::CompareSet { key, expected, desired } => store.compare_set(&key, expected.as_deref(), &desired).await,
-        Request::Delete { key } => store.delete(&key).await.map(|b| vec![u8::from(b)]),
-        Request::Get { .. } | Request::Wait { .. } => {
-            Err(CommError::Store("internal: a wait served as immediate".into()))
+/// The job's store and what its keys and values take, bounded by a quota.
+struct Quota {
+    store: MemoryStore,
+    limit: usize,
+    /// Bytes per key (key + value) and their sum. Writes take this lock for their whole
+    /// duration, so the accounting matches the store.
+    sizes: tokio::sync::Mutex<(HashMap<String, usize>, usize)>,
+}
+
+impl Quota {
+    fn new(store: MemoryStore, limit: usize) -> Quota {
+        Quota { store, limit, sizes: tokio::sync::Mutex::new((HashMap::new(), 0)) }
+    }
+
+    /// Serves a request that does not wait.
+    async fn immediate(&self, id: u64, req: Request) -> Vec<u8> {
+        let mut sizes = self.sizes.lock().await;
+        let (map, used) = &mut *sizes;
+        let store = &self.store;
+        let size = |key: &str, value: usize| key.len().saturating_add(value);
+        let check = |key: &str, value: usize| -> Result<(), CommError> {
+            let after = (*used - map.get(key).copied().unwrap_or(0)).saturating_add(size(key, value));
+            if after > self.limit {
+                return Err(CommError::Store(format!(
+                    "the store's quota of {} bytes is exceeded: setting `{key}` ({value} bytes) would make it hold {after} \
+                     (raise COMM_STORE_QUOTA if the job really needs that much)",
+                    self.limit
+                )));
+            }
+            Ok(())
+        };
+        let r = match req {
+            Request::Set { key, value } => match check(&key, value.len()) {
+                Ok(()) => store.set(&key, &value).await.map(|()| Some((key, value.len()))),
+                Err(e) => Err(e),
+            }
+            .map(|k| (k, Vec::new())),
+            Request::Add { key, delta } => match check(&key, 8) {
+                Ok(()) => store.add(&key, delta).await.map(|n| (Some((key, 8)), n.to_le_bytes().to_vec())),
+                Err(e) => Err(e),
+            },
+            Request::CompareSet { key, expected, desired } => match check(&key, desired.len()) {
+                Ok(()) => store.compare_set(&key, expected.as_deref(), &desired).await.map(|now| {
+                    let len = now.len();
+                    (Some((key, len)), now)
+                }),
+                Err(e) => Err(e),
+            },
+            Request::Delete { key } => store.delete(&key).await.map(|gone| {
+                if let Some(old) = map.remove(&key) {
+                    *used -= old;
+                }
+                (None, vec![u8::from(gone)])
+            }),
+            Request::Get { .. } | Request::Wait { .. } => {
+                Err(CommError::Store("internal: a wait served as immediate".into()))
+            }
+        };
+        match r {
+            Ok((written, body)) => {
+                if let Some((key, value)) = written {
+                    let new = size(&key, value);
+                    let old = map.insert(key, new).unwrap_or(0);
+                    *used = *used - old + new;
+                }
+                wire::response(id, wire::STATUS_OK, &body)
+            }
+            Err(e) => error_response(id, e),
         }
-    };
-    r.map_or_else(|e| error_response(id, e), |body| wire::response(id, wire::STATUS_OK, &body))
+    }
 }
 
 /// Waits for `keys`; on timeout, names only the keys still missing.

@@ -211,6 +211,107 @@ async fn wrong_job_token_is_refused_at_once() {
     still_serves_with(&srv, "job-a").await;
 }
 
+/// An impostor listening on the port first (it answers like a store but does not know the
+/// token) is refused, and gets no proof from the client; a client's bytes on the wire never
+/// contain the token.
+#[tokio::test]
+async fn impostor_server_is_refused_and_the_token_never_crosses_the_wire() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let impostor = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let hello = wire::read_frame(&mut s, wire::HELLO_MAX).await.unwrap().unwrap();
+        let bogus = Enc::new()
+            .raw(&wire::MAGIC)
+            .u8(wire::HELLO_OK)
+            .u32(wire::VERSION)
+            .raw(&[7; auth::NONCE])
+            .raw(&[9; auth::PROOF])
+            .finish(wire::HELLO_MAX)
+            .unwrap();
+        s.write_all(&bogus).await.unwrap();
+        // Whatever the client sends next (nothing: it hangs up).
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+        (hello, rest)
+    });
+    let token = "the-secret-token-of-job-a";
+    let e = TcpStore::connect("127.0.0.1", port, token, T).await.unwrap_err();
+    assert!(e.to_string().contains("belongs to another job"), "{e}");
+    let (hello, rest) = impostor.await.unwrap();
+    assert!(rest.is_empty(), "the client sent {} more bytes to a server that failed its proof", rest.len());
+    assert!(!hello.windows(token.len()).any(|w| w == token.as_bytes()), "the token crossed the wire");
+
+    // A full, successful exchange through a recording proxy: no token either way.
+    let srv = server(token);
+    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy_port = proxy.local_addr().unwrap().port();
+    let target = srv.local_addr();
+    let (up, down) = (Arc::new(std::sync::Mutex::new(Vec::new())), Arc::new(std::sync::Mutex::new(Vec::new())));
+    let (up2, down2) = (up.clone(), down.clone());
+    tokio::spawn(async move {
+        let (a, _) = proxy.accept().await.unwrap();
+        let b = TcpStream::connect(target).await.unwrap();
+        let ((mut ar, mut aw), (mut br, mut bw)) = (a.into_split(), b.into_split());
+        let pump = |mut r: tokio::net::tcp::OwnedReadHalf,
+                    mut w: tokio::net::tcp::OwnedWriteHalf,
+                    log: Arc<std::sync::Mutex<Vec<u8>>>| async move {
+            let mut chunk = [0u8; 4096];
+            while let Ok(n @ 1..) = r.read(&mut chunk).await {
+                log.lock().unwrap().extend_from_slice(&chunk[..n]);
+                if w.write_all(&chunk[..n]).await.is_err() {
+                    break;
+                }
+            }
+        };
+        tokio::join!(pump(ar, bw, up2), pump(br, aw, down2));
+    });
+    let c = TcpStore::connect("127.0.0.1", proxy_port, token, T).await.unwrap();
+    c.set("k", b"v").await.unwrap();
+    let (up, down) = (up.lock().unwrap().clone(), down.lock().unwrap().clone());
+    for bytes in [&up, &down] {
+        assert!(!bytes.windows(token.len()).any(|w| w == token.as_bytes()), "the token crossed the wire");
+    }
+    assert!(up.len() > 2 * auth::PROOF && down.len() > auth::PROOF, "the handshake went through the proxy");
+}
+
+/// A holder of the token cannot grow rank 0's memory without bound: past the quota a write
+/// fails with a clear error, replacing or deleting values frees room, and the server serves on.
+#[tokio::test]
+async fn the_store_has_a_quota() {
+    let limits = crate::ServerLimits { quota: 1 << 20, ..Default::default() };
+    let srv = StoreServer::bind_with("127.0.0.1", 0, "", limits).unwrap();
+    let c = client(&srv, "").await;
+    let big = vec![7u8; 400 << 10];
+    c.set("a", &big).await.unwrap();
+    c.set("b", &big).await.unwrap();
+    let e = c.set("c", &big).await.unwrap_err();
+    assert!(matches!(e, CommError::Store(_)) && e.to_string().contains("quota of 1048576 bytes"), "{e}");
+    // Replacing a value counts the new size only; deleting frees it.
+    c.set("a", &big).await.unwrap();
+    assert!(c.delete("b").await.unwrap());
+    c.set("c", &big).await.unwrap();
+    assert!(c.compare_set("c", Some(&big), &vec![1u8; 900 << 10]).await.is_err());
+    assert_eq!(c.add("n", 1).await.unwrap(), 1);
+    still_serves(&srv).await;
+}
+
+/// A client that stops in the middle of a frame is disconnected after the frame deadline, while
+/// an idle client (between frames) is not.
+#[tokio::test]
+async fn a_stalled_frame_is_cut_off() {
+    let limits = crate::ServerLimits { frame_deadline: Duration::from_millis(300), ..Default::default() };
+    let srv = StoreServer::bind_with("127.0.0.1", 0, "", limits).unwrap();
+    let idle = client(&srv, "").await;
+    let mut stalled = raw_client(&srv).await;
+    stalled.write_all(&[200, 0, 0, 0, 1, 2]).await.unwrap(); // announces 200 bytes, sends 2
+    let t = Instant::now();
+    assert!(closed_by_server(&mut stalled).await, "a stalled frame kept its connection");
+    assert!(t.elapsed() < Duration::from_secs(3), "cut off after {:?}", t.elapsed());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    idle.set("still", b"here").await.unwrap();
+}
+
 async fn still_serves_with(s: &StoreServer, token: &str) {
     client(s, token).await.set("ok", b"1").await.unwrap();
 }

@@ -62,6 +62,8 @@ pub(crate) enum FrameError {
     Truncated,
     /// The socket failed.
     Io(std::io::Error),
+    /// A frame had begun but did not arrive whole within this deadline.
+    Stalled(Duration),
 }
 
 impl std::fmt::Display for FrameError {
@@ -70,6 +72,7 @@ impl std::fmt::Display for FrameError {
             FrameError::TooLarge(n) => write!(f, "frame length prefix {n} (0x{n:08x}) is over the limit"),
             FrameError::Truncated => f.write_str("connection closed in the middle of a frame"),
             FrameError::Io(e) => write!(f, "{e}"),
+            FrameError::Stalled(d) => write!(f, "a frame did not arrive whole within {d:?} of its first byte"),
         }
     }
 }
@@ -98,6 +101,28 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> R
         return Err(FrameError::Truncated);
     }
     Ok(Some(payload))
+}
+
+/// Like [`read_frame`], but once a frame's first byte has arrived the rest must follow within
+/// `deadline`: an idle connection may wait between frames as long as it likes, a client that
+/// stalls in the middle of one is cut off.
+pub(crate) async fn read_frame_within<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max: usize,
+    deadline: Duration,
+) -> Result<Option<Vec<u8>>, FrameError> {
+    let mut first = [0u8; 1];
+    if r.read(&mut first).await.map_err(FrameError::Io)? == 0 {
+        return Ok(None);
+    }
+    let rest = async {
+        let mut chained = (&first[..]).chain(&mut *r);
+        match read_frame(&mut chained, max).await? {
+            Some(f) => Ok(Some(f)),
+            None => Err(FrameError::Truncated),
+        }
+    };
+    tokio::time::timeout(deadline, rest).await.unwrap_or(Err(FrameError::Stalled(deadline)))
 }
 
 /// Writes a frame built by [`Enc`], whole.
