@@ -252,7 +252,7 @@ async fn impostor_server_is_refused_and_the_token_never_crosses_the_wire() {
     tokio::spawn(async move {
         let (a, _) = proxy.accept().await.unwrap();
         let b = TcpStream::connect(target).await.unwrap();
-        let ((mut ar, mut aw), (mut br, mut bw)) = (a.into_split(), b.into_split());
+        let ((ar, aw), (br, bw)) = (a.into_split(), b.into_split());
         let pump = |mut r: tokio::net::tcp::OwnedReadHalf,
                     mut w: tokio::net::tcp::OwnedWriteHalf,
                     log: Arc<std::sync::Mutex<Vec<u8>>>| async move {
