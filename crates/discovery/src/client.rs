@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use comm_core::{CommError, Store};
+use comm_core::{CommError, Launcher, Store, WorldInfo};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -26,29 +26,71 @@ const MIN_ATTEMPT: Duration = Duration::from_millis(100);
 /// First and largest pause between connection attempts.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
 
-/// The job token this process presents to (or expects from) the store: `COMM_JOB_TOKEN`;
-/// when unset, one derived from the job's id as the launcher exports it (`SLURM_JOB_ID`,
-/// `PMIX_NAMESPACE`, Open MPI's `OMPI_MCA_ess_base_jobid`), else the empty string.
+/// The job token this process presents to (or expects from) the store, which keeps the ranks of
+/// two jobs that use the same address and port from ever pairing:
 ///
-/// Every rank of a job reads it the same way, so a launcher that sets one random token for the
-/// whole job keeps the ranks of another job (or a stray client) off its store. The derived
-/// tokens do the same for two Slurm or MPI jobs that share a node and the default port.
-pub fn job_token() -> String {
-    job_token_from(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+/// 1. `COMM_JOB_TOKEN` when set (commrun sets a random one; set but empty means none).
+/// 2. The job's identity as the launcher exports it: Slurm's job **and step** id (two `srun`
+///    steps of one allocation are two jobs), PMIx's namespace, Open MPI's job id, torch
+///    elastic's run id.
+/// 3. For launchers that start every rank of a host from one process (MPICH/Hydra's proxy,
+///    the DeepSpeed launcher) and a job on one host: that parent process (pid and start time).
+/// 4. None when the port was chosen for this job (`MASTER_PORT` set, or an explicit config).
+/// 5. Otherwise an error naming the fix: nothing tells this job from another one on the
+///    default port.
+pub fn job_token(info: &WorldInfo) -> Result<String, CommError> {
+    job_token_from(info, |name| std::env::var(name).ok(), parent_process)
 }
 
-/// [`job_token`] with the variables from `var`.
-pub(crate) fn job_token_from(var: impl Fn(&str) -> Option<String>) -> String {
+/// [`job_token`] with the variables from `var` and the parent's identity from `parent`.
+pub(crate) fn job_token_from(
+    info: &WorldInfo,
+    var: impl Fn(&str) -> Option<String>,
+    parent: impl Fn() -> Option<String>,
+) -> Result<String, CommError> {
     if let Some(t) = var("COMM_JOB_TOKEN") {
-        return t;
+        return Ok(t);
     }
-    // The job, not the step: every rank of one job agrees even if started by several steps.
-    let derived = [("SLURM_JOB_ID", "slurm"), ("PMIX_NAMESPACE", "pmix"), ("OMPI_MCA_ess_base_jobid", "ompi")];
-    derived
-        .iter()
-        .find_map(|(name, kind)| var(name).filter(|v| !v.trim().is_empty()).map(|v| format!("{kind}:{}", v.trim())))
-        .map(|t| t.chars().take(wire::MAX_TOKEN).collect())
-        .unwrap_or_default()
+    let set = |name: &str| var(name).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
+    let bounded = |t: String| t.chars().take(wire::MAX_TOKEN).collect::<String>();
+    if let Some(job) = set("SLURM_JOB_ID") {
+        // The batch script itself (no step id) is a job of its own too.
+        let step = set("SLURM_STEP_ID").unwrap_or_else(|| "batch".into());
+        return Ok(bounded(format!("slurm:{job}.{step}")));
+    }
+    let ids =
+        [("PMIX_NAMESPACE", "pmix"), ("OMPI_MCA_ess_base_jobid", "ompi"), ("TORCHELASTIC_RUN_ID", "torchelastic")];
+    // torchrun's run id is "none" unless a rendezvous id was given.
+    if let Some((kind, id)) = ids.iter().find_map(|(name, kind)| set(name).filter(|v| v != "none").map(|v| (kind, v))) {
+        return Ok(bounded(format!("{kind}:{id}")));
+    }
+    let one_host = info.local_world_size == info.world_size;
+    let one_parent = matches!(info.source.launcher, Launcher::Mpich | Launcher::DeepSpeed);
+    if one_host && one_parent {
+        if let Some(p) = parent() {
+            return Ok(format!("parent:{p}"));
+        }
+    }
+    if info.source.launcher == Launcher::Explicit || set("MASTER_PORT").is_some() {
+        return Ok(String::new());
+    }
+    Err(CommError::Config(format!(
+        "cannot tell this job from another job on the same rendezvous port ({}:{}): the launcher ({:?}) exports \
+         no job id and MASTER_PORT is not set; set MASTER_PORT to a port of this job's own, or COMM_JOB_TOKEN to \
+         a value shared by its ranks only",
+        info.master_addr, info.master_port, info.source.launcher
+    )))
+}
+
+/// The parent process as `pid.start_time` (start time in clock ticks since boot, from
+/// `/proc`), so a reused pid is another parent.
+pub(crate) fn parent_process() -> Option<String> {
+    let ppid = std::os::unix::process::parent_id();
+    let stat = std::fs::read_to_string(format!("/proc/{ppid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces and parentheses): state is field
+    // 3, start time field 22.
+    let start = stat.get(stat.rfind(')')? + 1..)?.split_whitespace().nth(19)?;
+    Some(format!("{ppid}.{start}"))
 }
 
 /// `addr:port`, with brackets around an IPv6 address.

@@ -76,12 +76,16 @@ pub async fn rendezvous(
             (Arc::new(torch_store(info, &shown, timeout, bind).await?), None)
         }
         StoreKind::Rank0 if info.rank == 0 => {
-            let token = job_token();
-            let server = match bind_rank0(&info.master_addr, info.master_port, &token).await {
-                Ok(server) => server,
+            // Without a job identity our store must not be served; torch's may already be there.
+            let bound = match job_token(info) {
+                Ok(token) => bind_rank0(&info.master_addr, info.master_port, &token).await.map(|s| (s, token)),
+                Err(e) => Err(e),
+            };
+            let (server, token) = match bound {
+                Ok(bound) => bound,
                 // torch may already serve its store there (torch.distributed initialised by this
                 // job, a launcher's agent): then that is the job's store, for every rank.
-                Err(e) if is_addr_in_use(&e) => {
+                Err(e) if is_addr_in_use(&e) || matches!(e, CommError::Config(_)) => {
                     let addr = &info.master_addr;
                     match probe(addr, info.master_port, bind, PROBE_LIMIT).await {
                         Probe::Torch => {
@@ -149,7 +153,7 @@ async fn connect_ours_or_torch(
             }
             // Ours, something else, or out of time: our client retries and reports as usual.
             _ => {
-                let store = TcpStore::connect_from(&info.master_addr, info.master_port, &job_token(), left, bind)
+                let store = TcpStore::connect_from(&info.master_addr, info.master_port, &job_token(info)?, left, bind)
                     .await?
                     .with_request_timeout(timeout);
                 tracing::debug!(addr = %shown, local = ?store.local_addr(), "comm: connected to the store");

@@ -335,14 +335,48 @@ fn job_tokens_come_from_the_launcher_when_unset() {
     let env = |pairs: &'static [(&'static str, &'static str)]| {
         move |name: &str| pairs.iter().find(|(k, _)| *k == name).map(|(_, v)| (*v).to_owned())
     };
-    assert_eq!(job_token_from(env(&[("COMM_JOB_TOKEN", "abc"), ("SLURM_JOB_ID", "7")])), "abc");
+    let parent = || Some("4242.99".to_owned());
+    let on = |launcher: Launcher, local: u32| WorldInfo {
+        local_world_size: local,
+        source: WorldSource { launcher, variables: Vec::new() },
+        ..world(0, 4, 29500)
+    };
+    let tok = |launcher, local, vars| job_token_from(&on(launcher, local), vars, parent);
+    assert_eq!(tok(Launcher::Slurm, 4, env(&[("COMM_JOB_TOKEN", "abc"), ("SLURM_JOB_ID", "7")])).unwrap(), "abc");
     // Set but empty is a choice too: no token.
-    assert_eq!(job_token_from(env(&[("COMM_JOB_TOKEN", ""), ("SLURM_JOB_ID", "7")])), "");
-    assert_eq!(job_token_from(env(&[("SLURM_JOB_ID", "123456"), ("PMIX_NAMESPACE", "x")])), "slurm:123456");
-    assert_eq!(job_token_from(env(&[("PMIX_NAMESPACE", "prterun-host-1234@1")])), "pmix:prterun-host-1234@1");
-    assert_eq!(job_token_from(env(&[("OMPI_MCA_ess_base_jobid", "2812870657")])), "ompi:2812870657");
-    assert_eq!(job_token_from(env(&[("SLURM_JOB_ID", " ")])), "");
-    assert_eq!(job_token_from(env(&[])), "");
+    assert_eq!(tok(Launcher::Slurm, 4, env(&[("COMM_JOB_TOKEN", ""), ("SLURM_JOB_ID", "7")])).unwrap(), "");
+    // Two steps of one Slurm job are two jobs.
+    let step0 = tok(Launcher::Slurm, 4, env(&[("SLURM_JOB_ID", "123456"), ("SLURM_STEP_ID", "0")])).unwrap();
+    let step1 = tok(Launcher::Slurm, 4, env(&[("SLURM_JOB_ID", "123456"), ("SLURM_STEP_ID", "1")])).unwrap();
+    assert_eq!((step0.as_str(), step1.as_str()), ("slurm:123456.0", "slurm:123456.1"));
+    assert_eq!(tok(Launcher::Slurm, 4, env(&[("SLURM_JOB_ID", "9")])).unwrap(), "slurm:9.batch");
+    assert_eq!(
+        tok(Launcher::Pmix, 2, env(&[("PMIX_NAMESPACE", "prterun-host-1234@1")])).unwrap(),
+        "pmix:prterun-host-1234@1"
+    );
+    assert_eq!(
+        tok(Launcher::OpenMpi, 2, env(&[("OMPI_MCA_ess_base_jobid", "2812870657")])).unwrap(),
+        "ompi:2812870657"
+    );
+    assert_eq!(
+        tok(Launcher::Torchrun, 4, env(&[("TORCHELASTIC_RUN_ID", "r1"), ("MASTER_PORT", "1")])).unwrap(),
+        "torchelastic:r1"
+    );
+    // MPICH's Hydra and the DeepSpeed launcher export no job id: their per-host parent process
+    // is the job's, when the job is on one host...
+    assert_eq!(tok(Launcher::Mpich, 4, env(&[])).unwrap(), "parent:4242.99");
+    assert_eq!(tok(Launcher::DeepSpeed, 4, env(&[("MASTER_PORT", "29500")])).unwrap(), "parent:4242.99");
+    // ...across hosts it is not: only a port or token chosen for the job will do.
+    let e = tok(Launcher::Mpich, 2, env(&[])).unwrap_err().to_string();
+    assert!(e.contains("MASTER_PORT") && e.contains("COMM_JOB_TOKEN") && e.contains("Mpich"), "{e}");
+    assert_eq!(tok(Launcher::Mpich, 2, env(&[("MASTER_PORT", "6000")])).unwrap(), "");
+    // Ranks started by hand: the port they were given is the job's; none given is an error.
+    assert_eq!(tok(Launcher::Torchrun, 4, env(&[("MASTER_PORT", "6000")])).unwrap(), "");
+    assert!(tok(Launcher::Torchrun, 4, env(&[("SLURM_JOB_ID", " ")])).is_err());
+    assert_eq!(tok(Launcher::Explicit, 4, env(&[])).unwrap(), "");
+    // The real parent process can be read.
+    let real = job_token_from(&on(Launcher::Mpich, 4), env(&[]), crate::client::parent_process).unwrap();
+    assert!(real.starts_with(&format!("parent:{}.", std::os::unix::process::parent_id())), "{real}");
 }
 
 #[tokio::test]
