@@ -438,8 +438,10 @@ fn resolve(kind: BackendKind, world: &WorldInfo, have: Available) -> Result<(Bac
             // Likewise shm, had every rank been on this host.
             no.push(if have.shm {
                 format!(
-                    "shm: {hosts}; if they really are all on this host, set LOCAL_WORLD_SIZE=WORLD_SIZE or \
-                     COMM_BACKEND=shm"
+                    "shm: {hosts}; if they really are all on this host, set COMM_BACKEND=shm (it checks that \
+                     the ranks share a host) or start them as one node (torchrun --nnodes 1 --nproc-per-node \
+                     {}: torchrun sets LOCAL_WORLD_SIZE itself); across hosts use the mpi backend",
+                    world.world_size
                 )
             } else {
                 "shm: not compiled in (feature `shm`)".to_owned()
@@ -544,6 +546,8 @@ mod tests {
         // Across hosts with shm only: every candidate and why not.
         let e = resolve(BackendKind::Auto, &ompi, SHM_ONLY).unwrap_err().to_string();
         assert!(e.contains("nccl: not compiled in") && e.contains("mpi: not compiled in"), "{e}");
+        // torchrun overwrites LOCAL_WORLD_SIZE: the advice is one it cannot undo.
+        assert!(!e.contains("set LOCAL_WORLD_SIZE") && e.contains("--nnodes 1 --nproc-per-node 4"), "{e}");
         assert!(e.contains("local world size 2 < world size 4") && e.contains("COMM_BACKEND=shm"), "{e}");
         let e = resolve(BackendKind::Auto, &world(Launcher::Torchrun, 4, 2), no_gpu).unwrap_err().to_string();
         assert!(e.contains("nccl: no usable GPU") && e.contains("not launched by an MPI launcher"), "{e}");
