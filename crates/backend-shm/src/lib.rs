@@ -108,10 +108,18 @@ impl ShmOptions {
     }
 }
 
-/// The test hook `COMM_FAULT_INJECT=panic:<op>` (e.g. `panic:all_reduce`): this rank's worker
-/// panics when it runs that op, so tests can check that a panic is contained. Unset, nothing
-/// changes.
-fn fault_injection() -> Result<Option<&'static str>, CommError> {
+/// Test hooks, from `COMM_FAULT_INJECT` (unset: nothing changes): `panic:<op>` (e.g.
+/// `panic:all_reduce`) makes this rank's backend panic when it runs that op, so tests can check
+/// that a panic is contained; `kill:rendezvous` makes the process kill itself with SIGKILL
+/// after publishing its segment and before unlinking it, so tests can check that peers notice
+/// at once and that the segment does not stay in `/dev/shm`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Faults {
+    panic_at: Option<&'static str>,
+    kill_in_rendezvous: bool,
+}
+
+fn fault_injection() -> Result<Faults, CommError> {
     const OPS: [&str; 9] = [
         "all_reduce",
         "reduce",
@@ -123,9 +131,14 @@ fn fault_injection() -> Result<Option<&'static str>, CommError> {
         "gather",
         "barrier",
     ];
-    let Some(v) = config::env_var("COMM_FAULT_INJECT") else { return Ok(None) };
-    let op = v.trim().strip_prefix("panic:").and_then(|op| OPS.iter().find(|&&o| o == op));
-    op.map(|&o| Some(o)).ok_or_else(|| CommError::Config(format!("COMM_FAULT_INJECT={v:?}: expected panic:<op>")))
+    let Some(v) = config::env_var("COMM_FAULT_INJECT") else { return Ok(Faults::default()) };
+    let v = v.trim();
+    if v == "kill:rendezvous" {
+        return Ok(Faults { kill_in_rendezvous: true, ..Faults::default() });
+    }
+    let op = v.strip_prefix("panic:").and_then(|op| OPS.iter().find(|&&o| o == op));
+    op.map(|&o| Faults { panic_at: Some(o), ..Faults::default() })
+        .ok_or_else(|| CommError::Config(format!("COMM_FAULT_INJECT={v:?}: expected panic:<op> or kill:rendezvous")))
 }
 
 /// Handle to a shared-memory process group. Cheap to clone; the worker stops when the last
@@ -240,14 +253,23 @@ impl ShmBackend {
         me.u32_at(OFF_STATE).store(STATE_READY, SeqCst);
         me.u64_at(OFF_MAGIC).store(MAGIC, SeqCst);
 
-        let joined = Self::join_peers(&*store, &prefix, rank, world, &lay, &me, me_id, to).await;
+        let faults = fault_injection()?;
+        let joined = Self::join_peers(&*store, &prefix, rank, world, &lay, &me, me_id, to, faults).await;
+        if let Err(e) = &joined {
+            // Tell the others why this rank gives up before its segment goes away.
+            let _ = store.set(&format!("{prefix}/abort"), format!("rank {rank}: {e}").as_bytes()).await;
+        }
         // Unlink as soon as every rank mapped it (or at once on failure): nothing is left in
         // /dev/shm whatever happens to the processes later.
         let _ = me.unlink();
+        if joined.is_err() {
+            // What a peer that died before unlinking its segment left behind.
+            reap_stale_segments();
+        }
         let (segs, procs) = joined?;
 
         let params = Params {
-            panic_at: fault_injection()?,
+            panic_at: faults.panic_at,
             timeout: to,
             small_max,
             spin: opts.spin.unwrap_or_else(|| {
@@ -300,9 +322,13 @@ impl ShmBackend {
         me: &Arc<Segment>,
         me_id: ProcId,
         to: Duration,
+        faults: Faults,
     ) -> Result<(Vec<Arc<Segment>>, Vec<Option<ProcId>>), CommError> {
         let info = format!("{} {} {}", me.name(), me_id.pid, me_id.start);
         store.set(&format!("{prefix}/seg/{rank}"), info.as_bytes()).await?;
+        if faults.kill_in_rendezvous {
+            let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+        }
         let mut segs = Vec::with_capacity(world as usize);
         let mut procs = Vec::with_capacity(world as usize);
         for r in 0..world {
@@ -316,8 +342,26 @@ impl ShmBackend {
             let (Some(name), Some(pid), Some(start)) = (it.next(), it.next(), it.next()) else {
                 return Err(CommError::Store(format!("malformed segment record `{raw}` for rank {r}")));
             };
-            let seg =
-                Segment::open(name, lay.total).map_err(io_err(format!("mapping rank {r}'s shared memory `{name}`")))?;
+            let id = ProcId { pid: pid.parse().unwrap_or(0), start: start.parse().unwrap_or(0) };
+            // A pid we cannot see (another pid namespace) is not checked; timeouts still apply.
+            let alive = || if id.pid == 0 { None } else { id.alive() };
+            let lost = || CommError::PeerLost {
+                rank: r,
+                detail: format!("its process {} exited during the rendezvous", id.pid),
+            };
+            if alive() == Some(false) {
+                return Err(lost());
+            }
+            let seg = match Segment::open(name, lay.total) {
+                Ok(seg) => seg,
+                // Gone because its creator died (and a survivor removed it), or gave up: say so.
+                Err(_) if alive() == Some(false) => return Err(lost()),
+                Err(e) => {
+                    return Err(Self::gave_up(store, prefix)
+                        .await
+                        .unwrap_or_else(|| io_err(format!("mapping rank {r}'s shared memory `{name}`"))(e)))
+                }
+            };
             let ok = seg.u64_at(OFF_MAGIC).load(SeqCst) == MAGIC
                 && seg.read::<u32>(OFF_VERSION) == VERSION
                 && seg.read::<u32>(OFF_WORLD) == world
@@ -329,16 +373,43 @@ impl ShmBackend {
                     detail: format!("rank {r}'s segment `{name}` has a different layout (another job or version?)"),
                 });
             }
-            let id = ProcId { pid: pid.parse().unwrap_or(0), start: start.parse().unwrap_or(0) };
             segs.push(Arc::new(seg));
-            // A pid we cannot see (another pid namespace) is not checked; timeouts still apply.
-            procs.push((id.pid != 0 && id.alive() == Some(true)).then_some(id));
+            procs.push(alive().map(|_| id));
         }
         store.set(&format!("{prefix}/mapped/{rank}"), b"1").await?;
         let keys: Vec<String> = (0..world).map(|r| format!("{prefix}/mapped/{r}")).collect();
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        store.wait(&keys, to).await?;
+        // Wait in slices, checking the peers' processes between them: a peer killed now fails
+        // the rendezvous at once instead of at the timeout.
+        let start = std::time::Instant::now();
+        loop {
+            let left = to.saturating_sub(start.elapsed());
+            match store.wait(&keys, left.min(Duration::from_millis(100))).await {
+                Ok(()) => break,
+                Err(CommError::Timeout { .. }) if !left.is_zero() => {}
+                Err(e) => return Err(e),
+            }
+            if let Some((r, p)) =
+                procs.iter().enumerate().find_map(|(r, p)| p.filter(|p| p.alive() == Some(false)).map(|p| (r, p)))
+            {
+                return Err(CommError::PeerLost {
+                    rank: r as Rank,
+                    detail: format!("its process {} exited during the rendezvous", p.pid),
+                });
+            }
+            if let Some(e) = Self::gave_up(store, prefix).await {
+                return Err(e);
+            }
+        }
         Ok((segs, procs))
+    }
+
+    /// The reason a rank gave up this group's rendezvous, if one did.
+    async fn gave_up(store: &dyn Store, prefix: &str) -> Option<CommError> {
+        let reason = store.get(&format!("{prefix}/abort"), Duration::ZERO).await.ok()?;
+        let reason = String::from_utf8_lossy(&reason).into_owned();
+        let rank = reason.strip_prefix("rank ").and_then(|r| r.split(':').next()).and_then(|r| r.parse().ok());
+        Some(CommError::PeerLost { rank: rank.unwrap_or(0), detail: format!("it gave up the rendezvous: {reason}") })
     }
 
     /// Checks that apply to every op before it is issued.

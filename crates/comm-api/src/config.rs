@@ -304,7 +304,21 @@ impl Builder {
             }
             other => Err(not_compiled(other)),
         };
-        let backend = started.map_err(|e| startup_context(e, &world))?;
+        let backend = match started {
+            Ok(b) => b,
+            Err(e) => {
+                // Rank 0 serves the store: keep it a moment, so the peers read why this rank
+                // gave up (the backend's rendezvous leaves a reason there) instead of only
+                // seeing the store vanish. Nothing waits for it; process exit ends it too.
+                if let Some(server) = server {
+                    std::thread::spawn(move || {
+                        std::thread::sleep(Duration::from_secs(3));
+                        drop(server);
+                    });
+                }
+                return Err(startup_context(e, &world));
+            }
+        };
         tracing::debug!(backend = backend.backend_name(), "comm: backend ready");
         Ok(ProcessGroup::new(layers.apply(backend), world, server.map(Arc::new), why))
     }

@@ -305,6 +305,65 @@ fn inline_panic_is_contained() {
     });
 }
 
+/// Segments in /dev/shm whose creating process is gone.
+fn orphaned_segments() -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return Vec::new() };
+    dir.flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| {
+            let pid = n.strip_prefix("commshm-").and_then(|r| r.split('-').next()).and_then(|p| p.parse::<u32>().ok());
+            pid.is_some_and(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .map_or(true, |s| s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')))
+            })
+        })
+        .collect()
+}
+
+/// A rank killed (SIGKILL) during the rendezvous, after creating and publishing its segment and
+/// before unlinking it: the survivors fail at once with PeerLost naming it (not at the timeout)
+/// and remove the segment it left in /dev/shm.
+#[test]
+fn peer_killed_during_rendezvous() {
+    multiprocess::run_with_env(
+        3,
+        "peer_killed_during_rendezvous",
+        T,
+        |rank| {
+            let mut env = vec![("COMM_TIMEOUT".into(), "60".into())];
+            if rank == 2 {
+                env.push(("COMM_FAULT_INJECT".into(), "kill:rendezvous".into()));
+            }
+            env
+        },
+        || async {
+            if pg_rank() == 2 {
+                multiprocess::dying_on_purpose();
+            }
+            let t = Instant::now();
+            let e = match connect().await {
+                Ok(_) => return Err("the rendezvous succeeded without rank 2".into()),
+                Err(e) => e,
+            };
+            // Either rank 2's death itself, or another survivor that saw it first and gave up.
+            let named =
+                e.contains("peer rank 2 lost") || (e.contains("gave up the rendezvous") && e.contains("rank 2"));
+            if !named || t.elapsed() > Duration::from_secs(10) {
+                return Err(format!("expected PeerLost naming rank 2 within 10 s, got after {:?}: {e}", t.elapsed()));
+            }
+            println!("rank {}: {e} after {:?}", pg_rank(), t.elapsed());
+            // Rank 0 serves the store: it stays a moment so the others see the same failure
+            // rather than the store going away.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            let left = orphaned_segments();
+            if !left.is_empty() {
+                return Err(format!("segments of dead processes left in /dev/shm: {left:?}"));
+            }
+            Ok(())
+        },
+    );
+}
+
 /// Zero-copy buffers: a large all_reduce reads peers' buffers in place; results equal the
 /// copying path's; a rank mixing buffer kinds gets Mismatch; nothing is left in /dev/shm.
 #[test]
