@@ -38,6 +38,8 @@ pub(crate) struct Params {
     pub(crate) small_max: usize,
     pub(crate) chunk: usize,
     pub(crate) spin: Option<Duration>,
+    /// Test hook (`COMM_FAULT_INJECT=panic:<op>`): the actor panics when it starts this op.
+    pub(crate) panic_at: Option<&'static str>,
 }
 
 /// What a handle needs to know about its group.
@@ -756,6 +758,15 @@ impl Group {
     }
 }
 
+/// The message of a caught panic.
+fn panic_message(payload: &(dyn std::any::Any + std::marker::Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
 /// Keeps an unfinished request (and its buffers) until MPI completes it, if ever.
 fn bury(req: Request, graveyard: &mut Vec<Request>) {
     if !req.is_done() {
@@ -844,22 +855,52 @@ impl Actor {
     }
 
     pub(crate) fn run(mut self) {
+        let mut panics = 0;
         loop {
-            let mut progressed = self.drain();
-            progressed |= self.progress();
-            self.reap();
-            if self.ending.as_ref().is_some_and(|e| {
-                self.groups.values().all(Group::idle) && self.dups.is_empty() || Instant::now() >= e.deadline
-            }) {
-                break;
-            }
-            if progressed {
-                self.last_progress = Instant::now();
-            } else {
-                self.idle();
+            // A panic here (with `abort_on_panic` off; on, the hook ends the job first) is
+            // contained: every group is poisoned with its message, so pending and later ops
+            // fail and shutdown completes. A second one ends the actor as at finalisation.
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.turn())) {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(payload) => {
+                    panics += 1;
+                    self.contain_panic(&panic_message(&*payload));
+                    if panics > 1 {
+                        break;
+                    }
+                }
             }
         }
         self.finish();
+    }
+
+    /// One turn of the loop; whether the actor is done.
+    fn turn(&mut self) -> bool {
+        let mut progressed = self.drain();
+        progressed |= self.progress();
+        self.reap();
+        if self.ending.as_ref().is_some_and(|e| {
+            self.groups.values().all(Group::idle) && self.dups.is_empty() || Instant::now() >= e.deadline
+        }) {
+            return true;
+        }
+        if progressed {
+            self.last_progress = Instant::now();
+        } else {
+            self.idle();
+        }
+        false
+    }
+
+    fn contain_panic(&mut self, message: &str) {
+        let e = CommError::Backend {
+            backend: "mpi",
+            source: format!("the MPI actor of rank {} panicked: {message}", self.world.rank).into(),
+        };
+        for g in self.groups.values_mut() {
+            g.poison(&e, &mut self.graveyard);
+        }
     }
 
     fn drain(&mut self) -> bool {
@@ -1279,6 +1320,9 @@ fn start_collective(
     born: &mut Born,
 ) {
     let Plan { name, header, start, reply } = plan(cmd);
+    if g.params.panic_at == Some(name) {
+        panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", g.info.rank);
+    }
     let what = format!("{name} #{}", g.seq);
     let exchange = g.info.size > 1 && (g.params.check || header.op == OP_NEW_GROUP);
     let env = g.env(half, pool);

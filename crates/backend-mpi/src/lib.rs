@@ -161,6 +161,7 @@ impl MpiOptions {
 
     fn params(&self) -> Params {
         Params {
+            panic_at: config::fault_injection().unwrap_or_default().panic_at,
             timeout: config::clamp_timeout(self.timeout),
             reduction: self.reduction,
             check: self.check,

@@ -161,6 +161,14 @@ fn a_panic_aborts_the_job_at_once() {
     assert!(job.elapsed < Duration::from_secs(30), "ended quickly: {job}");
 }
 
+#[test]
+fn a_panic_is_contained_without_abort_on_panic() {
+    let envs = [("COMM_MPI_ABORT_ON_PANIC", "0"), ("COMM_FAULT_INJECT", "panic:all_reduce")];
+    let Some(job) = job(2, "contained", &envs, Duration::from_secs(120)) else { return };
+    assert_eq!(job.code, Some(0), "every rank contained its panic and shut down: {job}");
+    assert_eq!(lines(&job, "CONTAINED-OK").len(), 2, "{job}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Child side (one process per rank)
 
@@ -176,6 +184,7 @@ fn child() {
             "timeout" => timeout().await,
             "kill" => kill().await,
             "panic" => panic().await,
+            "contained" => contained().await,
             other => {
                 eprintln!("unknown scenario {other}");
                 2
@@ -207,6 +216,25 @@ async fn suite() -> i32 {
     };
     world.shutdown().await.expect("shutdown");
     code
+}
+
+/// Every rank's actor panics when it starts an all_reduce (`COMM_FAULT_INJECT`), with
+/// `abort_on_panic` off: the op fails with `Poisoned`, later ops too, and shutdown completes.
+async fn contained() -> i32 {
+    let world = MpiBackend::init(opts(Duration::from_secs(20))).await.expect("init");
+    let me = world.rank();
+    let r = world.submit(AllReduce { buf: f32s(&[1.0; 8]), op: ReduceOp::Sum }).await;
+    let ok1 = matches!(&r, Err(CommError::Poisoned { cause }) if cause.contains("panicked"));
+    let later = world.submit(Barrier).await;
+    let ok2 = matches!(&later, Err(CommError::Poisoned { cause }) if cause.contains("panicked"));
+    let shut = tokio::time::timeout(Duration::from_secs(20), world.shutdown()).await;
+    if ok1 && ok2 && matches!(shut, Ok(Ok(()))) {
+        println!("CONTAINED-OK rank {me}");
+        0
+    } else {
+        eprintln!("CONTAINED-FAILED rank {me}: {r:?} / {later:?} / {shut:?}");
+        1
+    }
 }
 
 fn f32s(v: &[f32]) -> HostBuffer {

@@ -344,23 +344,49 @@ const MAX_BATCH: usize = 1024;
 impl Actor {
     fn run(mut self) {
         let mut idle = 0u32;
+        let mut panics = 0;
         loop {
-            if self.reap() {
-                idle = 0;
-            }
-            if self.in_flight.is_empty() && (self.shutdown.is_some() || self.disconnected) {
-                break;
-            }
-            match self.next(idle) {
-                Some(Command::Op(r)) => {
-                    idle = 0;
-                    self.handle(r);
+            // A panic is contained: the group is poisoned with its message (the op that
+            // panicked reports `Poisoned`, later ones fail fast) and shutdown still completes;
+            // a second one ends the loop as a shutdown would.
+            let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.turn(&mut idle)));
+            match turn {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(payload) => {
+                    let message = payload
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| payload.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic without a message".into());
+                    self.poison(format!("backend `nccl`: the actor panicked: {message}"));
+                    panics += 1;
+                    if panics > 1 {
+                        break;
+                    }
                 }
-                Some(Command::Shutdown(done)) => self.shutdown.get_or_insert_with(Vec::new).push(done),
-                None => idle = idle.saturating_add(1),
             }
         }
         self.close();
+    }
+
+    /// One turn of the loop; whether the actor is done.
+    fn turn(&mut self, idle: &mut u32) -> bool {
+        if self.reap() {
+            *idle = 0;
+        }
+        if self.in_flight.is_empty() && (self.shutdown.is_some() || self.disconnected) {
+            return true;
+        }
+        match self.next(*idle) {
+            Some(Command::Op(r)) => {
+                *idle = 0;
+                self.handle(r);
+            }
+            Some(Command::Shutdown(done)) => self.shutdown.get_or_insert_with(Vec::new).push(done),
+            None => *idle = idle.saturating_add(1),
+        }
+        false
     }
 
     /// The next command; while ops are in flight, waits at most a backoff step (events are

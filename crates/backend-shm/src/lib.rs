@@ -108,39 +108,6 @@ impl ShmOptions {
     }
 }
 
-/// Test hooks, from `COMM_FAULT_INJECT` (unset: nothing changes): `panic:<op>` (e.g.
-/// `panic:all_reduce`) makes this rank's backend panic when it runs that op, so tests can check
-/// that a panic is contained; `kill:rendezvous` makes the process kill itself with SIGKILL
-/// after publishing its segment and before unlinking it, so tests can check that peers notice
-/// at once and that the segment does not stay in `/dev/shm`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-struct Faults {
-    panic_at: Option<&'static str>,
-    kill_in_rendezvous: bool,
-}
-
-fn fault_injection() -> Result<Faults, CommError> {
-    const OPS: [&str; 9] = [
-        "all_reduce",
-        "reduce",
-        "broadcast",
-        "all_gather",
-        "reduce_scatter",
-        "all_to_all",
-        "scatter",
-        "gather",
-        "barrier",
-    ];
-    let Some(v) = config::env_var("COMM_FAULT_INJECT") else { return Ok(Faults::default()) };
-    let v = v.trim();
-    if v == "kill:rendezvous" {
-        return Ok(Faults { kill_in_rendezvous: true, ..Faults::default() });
-    }
-    let op = v.strip_prefix("panic:").and_then(|op| OPS.iter().find(|&&o| o == op));
-    op.map(|&o| Faults { panic_at: Some(o), ..Faults::default() })
-        .ok_or_else(|| CommError::Config(format!("COMM_FAULT_INJECT={v:?}: expected panic:<op> or kill:rendezvous")))
-}
-
 /// Handle to a shared-memory process group. Cheap to clone; the worker stops when the last
 /// clone is dropped (after finishing submitted ops) or on [`Group::shutdown`].
 #[derive(Clone)]
@@ -253,7 +220,7 @@ impl ShmBackend {
         me.u32_at(OFF_STATE).store(STATE_READY, SeqCst);
         me.u64_at(OFF_MAGIC).store(MAGIC, SeqCst);
 
-        let faults = fault_injection()?;
+        let faults = config::fault_injection()?;
         let joined = Self::join_peers(&*store, &prefix, rank, world, &lay, &me, me_id, to, faults).await;
         if let Err(e) = &joined {
             // Tell the others why this rank gives up before its segment goes away.
@@ -322,7 +289,7 @@ impl ShmBackend {
         me: &Arc<Segment>,
         me_id: ProcId,
         to: Duration,
-        faults: Faults,
+        faults: config::Faults,
     ) -> Result<(Vec<Arc<Segment>>, Vec<Option<ProcId>>), CommError> {
         let info = format!("{} {} {}", me.name(), me_id.pid, me_id.start);
         store.set(&format!("{prefix}/seg/{rank}"), info.as_bytes()).await?;

@@ -82,6 +82,43 @@ pub fn env_parse<T>(name: &str, parse: impl FnOnce(&str) -> Result<T, String>) -
     env_var(name).map(|v| parse(&v).map_err(|why| CommError::Config(format!("{name}={v:?}: {why}")))).transpose()
 }
 
+/// Test hooks, from `COMM_FAULT_INJECT` (unset: none, and nothing changes). Backends read it
+/// once when a group starts; tests use it to check that faults are contained.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// `panic:<op>` (`panic:all_reduce`): the backend panics when it runs that op.
+    pub panic_at: Option<&'static str>,
+    /// `kill:rendezvous`: the process kills itself (SIGKILL) in the middle of the backend's
+    /// rendezvous (shm: after publishing its segment, before unlinking it).
+    pub kill_in_rendezvous: bool,
+}
+
+#[doc(hidden)]
+pub fn fault_injection() -> Result<Faults, CommError> {
+    const OPS: [&str; 11] = [
+        "all_reduce",
+        "reduce",
+        "broadcast",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "scatter",
+        "gather",
+        "barrier",
+        "send",
+        "recv",
+    ];
+    let Some(v) = env_var("COMM_FAULT_INJECT") else { return Ok(Faults::default()) };
+    let v = v.trim();
+    if v == "kill:rendezvous" {
+        return Ok(Faults { kill_in_rendezvous: true, ..Faults::default() });
+    }
+    let op = v.strip_prefix("panic:").and_then(|op| OPS.iter().find(|&&o| o == op));
+    op.map(|&o| Faults { panic_at: Some(o), ..Faults::default() })
+        .ok_or_else(|| CommError::Config(format!("COMM_FAULT_INJECT={v:?}: expected panic:<op> or kill:rendezvous")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
