@@ -145,3 +145,45 @@ fn two_slurm_steps_never_pair() {
     });
     check(&lines);
 }
+
+#[test]
+fn two_open_mpi_jobs_never_pair() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        return child();
+    }
+    // Each mpirun has its own job id.
+    let p = port();
+    let lines = two_jobs("two_open_mpi_jobs_never_pair", |job, rank| {
+        vec![
+            ("OMPI_COMM_WORLD_RANK", rank.to_string()),
+            ("OMPI_COMM_WORLD_SIZE", "2".into()),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", rank.to_string()),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
+            ("OMPI_MCA_ess_base_jobid", format!("{}", 1000 + job)),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", p.clone()),
+        ]
+    });
+    check(&lines);
+}
+
+#[test]
+fn two_deepspeed_jobs_never_pair() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        return child();
+    }
+    // The DeepSpeed launcher exports torchrun's variables plus LOCAL_SIZE, with MASTER_PORT
+    // 29500 for every job unless told otherwise, and no job id.
+    let p = port();
+    let lines = two_jobs("two_deepspeed_jobs_never_pair", |_, rank| {
+        vec![
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "2".into()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("LOCAL_SIZE", "2".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            ("MASTER_PORT", p.clone()),
+        ]
+    });
+    check(&lines);
+}
