@@ -266,6 +266,87 @@ impl ProcessGroup {
         })
     }
 
+    /// All-reduces several buffers with one collective per dtype (DeepSpeed's and torch's
+    /// `all_reduce_coalesced`): each dtype's buffers are packed into one, reduced, and handed
+    /// back in the order given, as `all_reduce` of each would. Every rank passes the same
+    /// shapes.
+    pub fn all_reduce_coalesced(&self, bufs: Vec<HostBuffer>, op: ReduceOp) -> Work<Vec<HostBuffer>> {
+        let groups = by_dtype(&bufs);
+        let works = groups
+            .iter()
+            .map(|(dtype, members)| {
+                let total = members.iter().map(|&i| bufs[i].byte_len()).sum();
+                let mut packed = HostBuffer::zeroed(DType::U8, total);
+                let mut at = 0;
+                for &i in members {
+                    packed.as_bytes_mut()[at..at + bufs[i].byte_len()].copy_from_slice(bufs[i].as_bytes());
+                    at += bufs[i].byte_len();
+                }
+                packed.reshape(*dtype, total / dtype.size());
+                self.all_reduce(packed, op)
+            })
+            .collect();
+        Work::join_all(works).and_then(move |reduced| {
+            let mut bufs = bufs;
+            for ((_, members), packed) in groups.iter().zip(reduced) {
+                let mut at = 0;
+                for &i in members {
+                    let n = bufs[i].byte_len();
+                    bufs[i].as_bytes_mut().copy_from_slice(&packed.as_bytes()[at..at + n]);
+                    at += n;
+                }
+            }
+            Ok(bufs)
+        })
+    }
+
+    /// Reduce-scatters several buffers with one collective per dtype (`reduce_scatter_coalesced`):
+    /// buffer `i` (`world_size × kᵢ` elements) is reduced across ranks and this rank gets its
+    /// block `rank` (`kᵢ` elements), as `reduce_scatter` of each would.
+    pub fn reduce_scatter_coalesced(&self, inputs: Vec<HostBuffer>, op: ReduceOp) -> Work<Vec<HostBuffer>> {
+        let n = self.world_size() as usize;
+        if let Some(b) = inputs.iter().find(|b| !b.len().is_multiple_of(n)) {
+            return Work::ready(Err(CommError::invalid(
+                "reduce_scatter_coalesced",
+                format!("a buffer of {} elements is not divisible by the group size {n}", b.len()),
+            )));
+        }
+        let groups = by_dtype(&inputs);
+        // Rank-major packing: block r of the packed buffer is block r of every member, so the
+        // packed reduce_scatter hands each rank exactly its blocks.
+        let works = groups
+            .iter()
+            .map(|(dtype, members)| {
+                let block: usize = members.iter().map(|&i| inputs[i].byte_len() / n).sum();
+                let mut packed = HostBuffer::zeroed(DType::U8, block * n);
+                let mut at = 0;
+                for r in 0..n {
+                    for &i in members {
+                        let k = inputs[i].byte_len() / n;
+                        packed.as_bytes_mut()[at..at + k].copy_from_slice(&inputs[i].as_bytes()[r * k..(r + 1) * k]);
+                        at += k;
+                    }
+                }
+                packed.reshape(*dtype, block * n / dtype.size());
+                self.reduce_scatter(packed, op)
+            })
+            .collect();
+        let shapes: Vec<(DType, usize)> = inputs.iter().map(|b| (b.dtype(), b.len() / n)).collect();
+        Work::join_all(works).and_then(move |blocks| {
+            let mut out: Vec<Option<HostBuffer>> = shapes.iter().map(|_| None).collect();
+            for ((_, members), block) in groups.iter().zip(blocks) {
+                let mut at = 0;
+                for &i in members {
+                    let (dtype, k) = shapes[i];
+                    let bytes = k * dtype.size();
+                    out[i] = Some(HostBuffer::from_bytes(dtype, &block.as_bytes()[at..at + bytes])?);
+                    at += bytes;
+                }
+            }
+            Ok(out.into_iter().flatten().collect())
+        })
+    }
+
     /// `input` (`world_size × k` elements) reduced across ranks; rank `r` gets block `r`.
     pub fn reduce_scatter(&self, input: HostBuffer, op: ReduceOp) -> Work<HostBuffer> {
         self.submit(ReduceScatter { input, op, output: None })
@@ -419,4 +500,17 @@ impl ProcessGroup {
     pub async fn shutdown(&self) -> Result<(), CommError> {
         self.backend.shutdown().await
     }
+}
+
+/// The indices of `bufs` grouped by dtype, groups in order of first appearance (the same on
+/// every rank that passes the same shapes, so the collectives line up).
+fn by_dtype(bufs: &[HostBuffer]) -> Vec<(DType, Vec<usize>)> {
+    let mut groups: Vec<(DType, Vec<usize>)> = Vec::new();
+    for (i, b) in bufs.iter().enumerate() {
+        match groups.iter_mut().find(|(d, _)| *d == b.dtype()) {
+            Some((_, members)) => members.push(i),
+            None => groups.push((b.dtype(), vec![i])),
+        }
+    }
+    groups
 }

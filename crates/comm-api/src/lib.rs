@@ -47,9 +47,12 @@
 //! `COMM_BACKEND` (`auto`, `shm`, `mpi`, `nccl`); `COMM_SHM_WINDOW` and friends tune shm;
 //! `COMM_MPI_REDUCTION` (`exact`, `native`) and friends tune mpi (see `backend_mpi::MpiOptions`).
 
+mod barrier;
 mod config;
 mod group;
+mod objects;
 
+pub use barrier::MONITORED_BARRIER_TAG;
 pub use comm_core::{
     bf16, f16, ops, Backend, Collective, CommError, DType, Element, Group, HostBuffer, Launcher, Rank, ReduceOp, Store,
     StoreKind, Work, WorldInfo, WorldSource,

@@ -198,6 +198,22 @@ impl<T: Send + 'static> Work<T> {
         self.and_then(move |t| Ok(f(t)))
     }
 
+    /// One handle for several ops (issued already, like every op): its result is every
+    /// result in order, or the first error in order. A hook on it runs once all have ended.
+    ///
+    /// ```
+    /// use comm_core::Work;
+    /// let (a, wa) = Work::<u8>::pending();
+    /// let both = Work::join_all(vec![wa, Work::ready(Ok(2))]);
+    /// assert!(!both.is_completed());
+    /// a.complete(Ok(1));
+    /// assert_eq!(both.wait().unwrap(), vec![1, 2]);
+    /// ```
+    pub fn join_all(works: Vec<Work<T>>) -> Work<Vec<T>> {
+        let results = works.iter().map(|_| None).collect();
+        Work { inner: Inner::Boxed(Box::new(Join { works, results })) }
+    }
+
     /// A handle whose result is `f` applied to this one's successful result.
     pub fn and_then<U: Send + 'static>(self, f: impl FnOnce(T) -> Result<U, CommError> + Send + 'static) -> Work<U> {
         match self.inner {
@@ -278,6 +294,73 @@ impl<T, U, F: FnOnce(T) -> Result<U, CommError>> Map<T, F> {
         match self.f.take() {
             Some(f) => r.and_then(f),
             None => Err(CommError::invalid("Work", "polled after completion")),
+        }
+    }
+}
+
+struct Join<T> {
+    works: Vec<Work<T>>,
+    /// Results taken so far (index = work).
+    results: Vec<Option<Result<T, CommError>>>,
+}
+
+impl<T: Send + 'static> Join<T> {
+    fn collect(&mut self) -> Result<Vec<T>, CommError> {
+        let mut out = Vec::with_capacity(self.results.len());
+        for r in self.results.drain(..) {
+            out.push(r.unwrap_or_else(|| Err(CommError::invalid("Work", "polled after completion")))?);
+        }
+        Ok(out)
+    }
+}
+
+impl<T: Send + 'static> Source<Vec<T>> for Join<T> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Vec<T>, CommError>> {
+        let mut pending = false;
+        for (w, r) in self.works.iter_mut().zip(self.results.iter_mut()) {
+            if r.is_none() {
+                match Pin::new(w).poll(cx) {
+                    Poll::Ready(x) => *r = Some(x),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(self.collect())
+        }
+    }
+    fn is_completed(&self) -> bool {
+        self.works.iter().zip(&self.results).all(|(w, r)| r.is_some() || w.is_completed())
+    }
+    fn wait(&mut self) -> Result<Vec<T>, CommError> {
+        let works = std::mem::take(&mut self.works);
+        for (w, r) in works.into_iter().zip(self.results.iter_mut()) {
+            if r.is_none() {
+                *r = Some(w.wait());
+            }
+        }
+        self.collect()
+    }
+    fn add_hook(&mut self, hook: Hook) {
+        // Runs when the last op ends, with that op's outcome (errors are in the result).
+        let left = Arc::new(std::sync::atomic::AtomicUsize::new(self.works.len()));
+        let hook = Arc::new(Mutex::new(Some(hook)));
+        if self.works.is_empty() {
+            if let Some(h) = hook.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                h(Completion { error: None, detached: false });
+            }
+        }
+        for w in &mut self.works {
+            let (left, hook) = (left.clone(), hook.clone());
+            w.add_hook(Box::new(move |c| {
+                if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    if let Some(h) = hook.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                        h(c);
+                    }
+                }
+            }));
         }
     }
 }
@@ -375,6 +458,28 @@ mod tests {
         }));
         assert!(r.is_err());
         assert!(matches!(w.wait(), Err(CommError::Poisoned { .. })));
+    }
+
+    #[tokio::test]
+    async fn join_all_waits_for_every_op_and_keeps_order() {
+        let (a, wa) = Work::<u8>::pending();
+        let (b, wb) = Work::<u8>::pending();
+        let joined = Work::join_all(vec![wa, wb]);
+        let seen = Arc::new(Mutex::new(0));
+        let s = seen.clone();
+        let joined = joined.on_complete(move |_| *s.lock().unwrap() += 1);
+        b.complete(Ok(2));
+        assert!(!joined.is_completed());
+        assert_eq!(*seen.lock().unwrap(), 0, "the hook waits for the last op");
+        a.complete(Ok(1));
+        assert!(joined.is_completed());
+        assert_eq!(*seen.lock().unwrap(), 1);
+        assert_eq!(joined.await.unwrap(), vec![1, 2]);
+        let (c, wc) = Work::<u8>::pending();
+        let failed = Work::join_all(vec![Work::ready(Err(CommError::Shutdown("x".into()))), wc]);
+        c.complete(Ok(3));
+        assert!(matches!(failed.wait(), Err(CommError::Shutdown(_))));
+        assert_eq!(Work::<u8>::join_all(Vec::new()).wait().unwrap(), Vec::<u8>::new());
     }
 
     #[test]
