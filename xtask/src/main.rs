@@ -73,6 +73,8 @@ const BACKENDS: [&str; 3] = ["shm", "mpi", "nccl"];
 /// Wall-clock bound of one launched job (examples, smoke bench).
 const JOB_TIMEOUT: Duration = Duration::from_secs(300);
 /// The features that build the mpi backend into comm-api and comm-bench.
+/// Sizes that keep the examples quick in `test` (the tensor-parallel MLP defaults to hidden 4096).
+const EXAMPLE_ENV: [(&str, &str); 2] = [("TP_MLP_HIDDEN", "256"), ("TP_MLP_TOKENS", "5")];
 const MPI_FEATURES: &str = "comm-api/mpi,comm-bench/mpi";
 /// The feature that builds the nccl backend into comm-api (builds without CUDA).
 const NCCL_FEATURES: &str = "comm-api/nccl";
@@ -379,7 +381,7 @@ fn test(args: &[String]) -> Result {
         for np in [2, 3] {
             step(&format!("example {example}, {np} ranks"), || {
                 let mut c = Command::new(&commrun);
-                c.current_dir(root()).env("COMM_TIMEOUT", "120");
+                c.current_dir(root()).env("COMM_TIMEOUT", "120").envs(EXAMPLE_ENV);
                 c.arg("-n").arg(np.to_string()).arg("--").arg(target.join("examples").join(example));
                 run_bounded(c, JOB_TIMEOUT)
             })?;
@@ -395,7 +397,7 @@ fn test(args: &[String]) -> Result {
         for example in &examples {
             step(&format!("example {example} under mpirun -np 2 (backend auto: mpi)"), || {
                 let mut c = mpi::mpirun(2);
-                c.current_dir(root()).env("COMM_TIMEOUT", "120").env_remove("COMM_BACKEND");
+                c.current_dir(root()).env("COMM_TIMEOUT", "120").env_remove("COMM_BACKEND").envs(EXAMPLE_ENV);
                 c.arg(target.join("examples").join(example));
                 run_bounded(c, JOB_TIMEOUT)
             })?;
