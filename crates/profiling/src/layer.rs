@@ -9,7 +9,8 @@ use comm_core::{Backend, Collective, CommError, Completion, DType, Group, HostBu
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
-use crate::{CommsLogger, TARGET};
+use crate::timeline::{Meta, Seq};
+use crate::{CommsLogger, Timeline, TARGET};
 
 /// Wraps a backend (or any [`Collective`]) in [`Profiling`], tower-style: `layer.layer(inner)`.
 ///
@@ -24,6 +25,7 @@ use crate::{CommsLogger, TARGET};
 pub struct ProfilingLayer {
     world: Option<(Rank, u32)>,
     logger: Option<CommsLogger>,
+    timeline: Option<Timeline>,
 }
 
 /// Equal when they record the same way: same world and the same logger (clones included).
@@ -31,6 +33,7 @@ impl PartialEq for ProfilingLayer {
     fn eq(&self, other: &Self) -> bool {
         self.world == other.world
             && self.logger.as_ref().map(CommsLogger::id) == other.logger.as_ref().map(CommsLogger::id)
+            && self.timeline.as_ref().map(Timeline::id) == other.timeline.as_ref().map(Timeline::id)
     }
 }
 
@@ -38,7 +41,7 @@ impl ProfilingLayer {
     /// A layer whose spans take `comm.rank` / `comm.world_size` from the group it wraps
     /// (wrap the world group, as `comm-api` does, and they are the global values).
     pub const fn new() -> Self {
-        ProfilingLayer { world: None, logger: None }
+        ProfilingLayer { world: None, logger: None, timeline: None }
     }
 
     /// Sets the process's global rank and world size recorded on every span (for a layer that
@@ -71,11 +74,19 @@ impl ProfilingLayer {
         self
     }
 
+    /// Records every op (of this group and the groups made from it) into `timeline`: its
+    /// submission and completion times, for a per-rank trace (see [`Timeline`]).
+    pub fn with_timeline(mut self, timeline: Timeline) -> Self {
+        self.timeline = Some(timeline);
+        self
+    }
+
     /// Wraps `inner`.
     pub fn layer<C: Group>(&self, inner: C) -> Profiling<C> {
         let (rank, world_size) = self.world.unwrap_or_else(|| (inner.rank(), inner.world_size()));
         let group_size = inner.world_size();
-        Profiling { inner, rank, world_size, group_size, logger: self.logger.clone() }
+        let timeline = self.timeline.clone().map(|t| (t, Arc::new(Seq::default())));
+        Profiling { inner, rank, world_size, group_size, logger: self.logger.clone(), timeline }
     }
 }
 
@@ -116,6 +127,8 @@ pub struct Profiling<C> {
     /// `inner.world_size()`, kept: asking costs a dynamic call on every op.
     group_size: u32,
     logger: Option<CommsLogger>,
+    /// The timeline and this group's op counter.
+    timeline: Option<(Timeline, Arc<Seq>)>,
 }
 
 impl<C> Profiling<C> {
@@ -305,6 +318,26 @@ impl<R: Op, C: Collective<R>> Collective<R> for Profiling<C> {
         if SUPPRESSED.with(Cell::get) {
             return self.inner.submit(req);
         }
+        let Some((timeline, seq)) = &self.timeline else { return self.submit_profiled(req) };
+        let meta = Meta {
+            op: R::NAME,
+            bytes: req.bytes() as u64,
+            dtype: req.dtype(),
+            group_size: self.group_size,
+            group_rank: self.inner.rank(),
+            seq: seq.next(),
+        };
+        let start = timeline.start();
+        let work = self.submit_profiled(req);
+        timeline.record(start, meta, work)
+    }
+}
+
+impl<C> Profiling<C> {
+    fn submit_profiled<R: Op>(&self, req: R) -> Work<R::Output>
+    where
+        C: Collective<R>,
+    {
         let span = self.span_for(&req);
         let logged = self
             .logger
@@ -367,7 +400,9 @@ impl<C: Group> Group for Profiling<C> {
         Ok(sub.map(|g| {
             let group_size = g.world_size();
             let logger = self.logger.clone();
-            Arc::new(Profiling { inner: g, rank: self.rank, world_size: self.world_size, group_size, logger })
+            // The sub-group has ops numbered from 1 of its own, on the same timeline.
+            let timeline = self.timeline.as_ref().map(|(t, _)| (t.clone(), Arc::new(Seq::default())));
+            Arc::new(Profiling { inner: g, rank: self.rank, world_size: self.world_size, group_size, logger, timeline })
                 as Arc<dyn Backend>
         }))
     }

@@ -11,6 +11,9 @@
 //!   factors, see [`bandwidth`]); [`CommsLogger::log_summary`] prints the table and returns
 //!   a `serde` [`Summary`]; [`CommsLogger::log_summary_with_stragglers`] adds the per-rank
 //!   view, gathered through a group.
+//! - [`Timeline`]: every op as a slice of its rank's track in Chrome's trace-event format
+//!   (Perfetto, `chrome://tracing`), clocks aligned across ranks, merged on rank 0
+//!   ([`ProfilingLayer::with_timeline`]).
 //! - `otel` (feature): [`otel::OtelConfig`] builds a `tracing-opentelemetry` layer exporting
 //!   to an OTLP/HTTP endpoint (`OTEL_EXPORTER_OTLP_ENDPOINT`) or stdout, with the resource
 //!   attributes `service.name` and `rank`.
@@ -39,10 +42,12 @@ mod logger;
 #[cfg_attr(docsrs, doc(cfg(feature = "otel")))]
 pub mod otel;
 mod summary;
+mod timeline;
 
 pub use layer::{without_profiling, Profiling, ProfilingLayer};
 pub use logger::{CommsConfig, CommsLogger, ManualClock};
 pub use summary::{human_size, Row, StragglerRow, Stragglers, Summary};
+pub use timeline::{chrome_trace, Timeline, TraceEvent};
 
 /// The `tracing` target of every span this crate opens (`comm.<op>`, `comm.new_group`):
 /// filter on it (`RUST_LOG=comm=info`, `Targets::new().with_target(TARGET, Level::INFO)`).
