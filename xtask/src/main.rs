@@ -61,6 +61,8 @@ commands:
                        else a line every 10 s of a longer run)
       --profile        profile every op and print the CommsLogger summary (with the per-rank
                        straggler view) after the bench (builds comm-bench/profiling)
+      --trace PATH     write every rank's ops as one Chrome trace-event JSON file (Perfetto,
+                       chrome://tracing): a track per rank, clocks aligned (one backend)
       --profile-overhead
                        instead of the table: the same ops with profiling off, with the layer
                        but no subscriber, and with a CommsLogger, in interleaved rounds, and
@@ -387,11 +389,22 @@ fn test(args: &[String]) -> Result {
             })?;
         }
     }
-    step("bench smoke (comm-bench, 2 ranks)", || {
+    step("bench smoke (comm-bench, 2 ranks, with --profile and --trace)", || {
+        let trace = target.join("smoke-trace.json");
+        let _ = std::fs::remove_file(&trace);
         let mut c = Command::new(&commrun);
         c.current_dir(root()).env("COMM_TIMEOUT", "120");
         c.args(["-n", "2", "--"]).arg(target.join("comm-bench")).args(SMOKE_BENCH).arg("--profile");
-        run_bounded(c, JOB_TIMEOUT)
+        c.arg("--trace").arg(&trace);
+        run_bounded(c, JOB_TIMEOUT)?;
+        // xtask has no JSON parser: the shape is checked here, the format by comm-api's tests.
+        let text = std::fs::read_to_string(&trace)
+            .map_err(|e| Failure { code: 1, msg: format!("{}: {e}", trace.display()) })?;
+        let ok = text.starts_with("{\"") && text.contains("\"traceEvents\":[") && text.contains("\"ph\":\"X\"");
+        if !ok || !text.contains("\"rank 1\"") {
+            return Err(Failure { code: 1, msg: format!("{} is not a two-rank trace", trace.display()) });
+        }
+        Ok(())
     })?;
     if with_mpi {
         for example in &examples {
@@ -483,7 +496,8 @@ struct BenchArgs {
 }
 
 fn parse_bench(args: &[String]) -> Result<BenchArgs> {
-    const FORWARDED: [&str; 8] = ["--op", "--dtype", "--sizes", "--iters", "--warmup", "--redop", "--root", "--json"];
+    const FORWARDED: [&str; 9] =
+        ["--op", "--dtype", "--sizes", "--iters", "--warmup", "--redop", "--root", "--json", "--trace"];
     let mut b = BenchArgs {
         backends: vec!["shm".into()],
         np: 2,
@@ -571,8 +585,11 @@ fn backend_features(backends: &[String], bench_manifest: &str) -> Result<Vec<Str
 fn profiling_options(b: &mut BenchArgs, features: &mut Vec<String>) -> Result {
     let has = |flag: &str| b.forward.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
     let overhead = has("--profile-overhead");
-    if overhead || has("--profile") {
+    if overhead || has("--profile") || has("--trace") {
         features.push("comm-bench/profiling".into());
+    }
+    if has("--trace") && b.backends.len() > 1 {
+        return Err(Failure::usage("--trace records one backend at a time"));
     }
     if overhead {
         if b.backends.len() > 1 {
@@ -817,6 +834,17 @@ mod tests {
         assert_eq!(b.json, Some(PathBuf::from("out.json")));
         assert_eq!(b.forward, args("--op all_reduce,all_gather --dtype bf16 --sizes 8B..1MiB:x8 --no-check --root 1"));
         assert_eq!(parse_bench(&args("--backend SHM,mpi")).unwrap().backends, ["shm", "mpi"]);
+    }
+
+    #[test]
+    fn trace_is_forwarded_with_the_profiling_feature() {
+        let mut b = parse_bench(&args("--trace /tmp/t.json --sizes 1KiB")).unwrap();
+        assert!(b.forward.windows(2).any(|w| w == ["--trace", "/tmp/t.json"]), "{:?}", b.forward);
+        let mut features = Vec::new();
+        profiling_options(&mut b, &mut features).unwrap();
+        assert_eq!(features, ["comm-bench/profiling"]);
+        let mut two = parse_bench(&args("--trace t.json --backend shm,mpi")).unwrap();
+        assert!(profiling_options(&mut two, &mut Vec::new()).is_err());
     }
 
     #[test]

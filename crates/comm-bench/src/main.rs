@@ -166,6 +166,11 @@ struct Cli {
     /// with a CommsLogger, interleaved, and print the overhead (feature `profiling`).
     #[arg(long)]
     profile_overhead: bool,
+    /// Write a per-rank timeline of every benchmarked op to PATH as Chrome trace-event JSON
+    /// (opens in Perfetto or chrome://tracing), one track per rank, clocks aligned across
+    /// ranks; rank 0 writes the merged file (feature `profiling`).
+    #[arg(long, value_name = "PATH", conflicts_with = "profile_overhead")]
+    trace: Option<PathBuf>,
 }
 
 /// What comm-bench does other than benchmarking.
@@ -196,6 +201,8 @@ struct Plan {
     profile: bool,
     #[cfg_attr(not(feature = "profiling"), allow(dead_code))]
     profile_overhead: bool,
+    #[cfg_attr(not(feature = "profiling"), allow(dead_code))]
+    trace: Option<PathBuf>,
 }
 
 impl Plan {
@@ -227,9 +234,9 @@ impl Plan {
                 return Err(format!("--redop {redop} is not defined for {d}"));
             }
         }
-        if (cli.profile || cli.profile_overhead) && !cfg!(feature = "profiling") {
-            return Err("--profile and --profile-overhead need comm-bench built with the `profiling` feature \
-                 (cargo build -p comm-bench --features profiling; `cargo xtask bench --profile` does it)"
+        if (cli.profile || cli.profile_overhead || cli.trace.is_some()) && !cfg!(feature = "profiling") {
+            return Err("--profile, --profile-overhead and --trace need comm-bench built with the `profiling` \
+                 feature (cargo build -p comm-bench --features profiling; `cargo xtask bench --profile` does it)"
                 .into());
         }
         let baseline = if cli.baseline.is_empty() { None } else { Some(Baseline::load(&cli.baseline)?) };
@@ -248,6 +255,7 @@ impl Plan {
             check: !cli.no_check,
             profile: cli.profile,
             profile_overhead: cli.profile_overhead,
+            trace: cli.trace,
             zero_copy: cli.zero_copy,
         })
     }
@@ -315,14 +323,25 @@ fn main() -> ExitCode {
 async fn run(plan: &Plan) -> Result<u64, CommError> {
     let builder = comm_api::builder(Config::from_env()?);
     #[cfg(feature = "profiling")]
-    let (builder, logger) = if plan.profile {
-        use comm_api::profiling::{CommsConfig, CommsLogger, ProfilingLayer};
-        let logger = CommsLogger::new(CommsConfig::default());
-        (builder.profiling(ProfilingLayer::new().with_logger(logger.clone())), Some(logger))
-    } else {
-        (builder, None)
+    let (builder, logger, timeline) = {
+        use comm_api::profiling::{CommsConfig, CommsLogger, ProfilingLayer, Timeline};
+        let logger = plan.profile.then(|| CommsLogger::new(CommsConfig::default()));
+        let timeline = plan.trace.as_ref().map(|_| Timeline::new());
+        let mut layer = ProfilingLayer::new();
+        if let Some(l) = &logger {
+            layer = layer.with_logger(l.clone());
+        }
+        if let Some(t) = &timeline {
+            layer = layer.with_timeline(t.clone());
+        }
+        let builder = if logger.is_some() || timeline.is_some() { builder.profiling(layer) } else { builder };
+        (builder, logger, timeline)
     };
     let pg = builder.init().await?;
+    #[cfg(feature = "profiling")]
+    if let Some(t) = &timeline {
+        t.align(pg.backend()).await?;
+    }
     #[cfg(feature = "profiling")]
     if plan.profile_overhead {
         overhead::run(&pg, plan).await?;
@@ -410,6 +429,14 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
     if let Some(logger) = logger {
         // Collective: every rank takes part; rank 0 prints.
         logger.log_summary_with_stragglers(pg.backend()).await?;
+    }
+    #[cfg(feature = "profiling")]
+    if let (Some(t), Some(path)) = (&timeline, &plan.trace) {
+        // Collective too: rank 0 gets every rank's events and writes the file.
+        if let Some(json) = t.gather(pg.backend()).await? {
+            std::fs::write(path, json).map_err(|e| CommError::io(format!("writing {}", path.display()), e))?;
+            println!("# trace written to {} (open it in Perfetto or chrome://tracing)", path.display());
+        }
     }
     quiet(|| pg.barrier()).await?;
     pg.shutdown().await?;

@@ -47,7 +47,7 @@ mod timeline;
 pub use layer::{without_profiling, Profiling, ProfilingLayer};
 pub use logger::{CommsConfig, CommsLogger, ManualClock};
 pub use summary::{human_size, Row, StragglerRow, Stragglers, Summary};
-pub use timeline::{chrome_trace, Timeline, TraceEvent};
+pub use timeline::{chrome_trace, Timeline, TraceEvent, MAX_EVENTS};
 
 /// The `tracing` target of every span this crate opens (`comm.<op>`, `comm.new_group`):
 /// filter on it (`RUST_LOG=comm=info`, `Targets::new().with_target(TARGET, Level::INFO)`).

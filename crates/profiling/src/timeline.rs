@@ -70,6 +70,9 @@ impl Default for Timeline {
     }
 }
 
+/// Most events a timeline keeps (about 20 MiB of JSON per rank).
+pub const MAX_EVENTS: usize = 100_000;
+
 /// Rounds of the clock alignment; the median offset is kept.
 const ALIGN_ROUNDS: usize = 7;
 
@@ -120,7 +123,11 @@ impl Timeline {
                 end_ns,
                 failed: c.error.is_some(),
             };
-            timeline.inner.events.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+            let mut events = timeline.inner.events.lock().unwrap_or_else(|p| p.into_inner());
+            // A bounded record: a long run keeps its first MAX_EVENTS ops.
+            if events.len() < MAX_EVENTS {
+                events.push(e);
+            }
         })
     }
 
