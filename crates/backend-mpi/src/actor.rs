@@ -758,15 +758,6 @@ impl Group {
     }
 }
 
-/// The message of a caught panic.
-fn panic_message(payload: &(dyn std::any::Any + std::marker::Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".into())
-}
-
 /// Keeps an unfinished request (and its buffers) until MPI completes it, if ever.
 fn bury(req: Request, graveyard: &mut Vec<Request>) {
     if !req.is_done() {
@@ -865,7 +856,7 @@ impl Actor {
                 Ok(false) => {}
                 Err(payload) => {
                     panics += 1;
-                    self.contain_panic(&panic_message(&*payload));
+                    self.contain_panic(&comm_core::panic_message(&*payload));
                     if panics > 1 {
                         break;
                     }

@@ -354,11 +354,7 @@ impl Actor {
                 Ok(true) => break,
                 Ok(false) => {}
                 Err(payload) => {
-                    let message = payload
-                        .downcast_ref::<&str>()
-                        .map(|s| (*s).to_owned())
-                        .or_else(|| payload.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "a panic without a message".into());
+                    let message = comm_core::panic_message(&*payload);
                     self.poison(format!("backend `nccl`: the actor panicked: {message}"));
                     panics += 1;
                     if panics > 1 {

@@ -1570,7 +1570,7 @@ pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
         turn.unwrap_or_else(|payload| {
             // A bug, not a peer's fault: contain it so this rank fails cleanly (peers told,
             // pending ops failed, shutdown answered) instead of going half-alive.
-            broken |= !lock().contain_panic(&panic_message(&*payload));
+            broken |= !lock().contain_panic(&comm_core::panic_message(&*payload));
             Flow::Busy
         })
     };
@@ -1595,15 +1595,6 @@ pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
             return;
         }
     }
-}
-
-/// The message of a caught panic.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + std::marker::Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 #[cfg(test)]

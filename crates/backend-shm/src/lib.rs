@@ -446,7 +446,7 @@ impl ShmBackend {
             let ran = match ran {
                 Ok(ran) => ran,
                 Err(payload) => {
-                    let message = engine::panic_message(&*payload);
+                    let message = comm_core::panic_message(&*payload);
                     engine.contain_panic(&message);
                     drop(engine);
                     self.ring_worker();

@@ -28,7 +28,7 @@ mod world;
 pub use buffer::{ExternalStorage, HostBuffer};
 pub use collective::{Backend, Collective, Group};
 pub use dtype::{DType, Element, ReduceOp};
-pub use error::CommError;
+pub use error::{panic_message, CommError};
 pub use ops::Op;
 pub use store::{MemoryStore, Store};
 pub use work::{Completer, Completion, Work};

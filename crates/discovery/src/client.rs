@@ -408,12 +408,7 @@ async fn hello(mut stream: TcpStream, token: &str, shown: &str) -> Result<TcpStr
     wire::write_frame(&mut stream, &frame)
         .await
         .map_err(|e| Hello::Retry(format!("sending the handshake failed: {e}")))?;
-    let not_a_store = || {
-        Hello::Refused(CommError::Store(format!(
-            "{shown} is not a comm rendezvous store (unexpected handshake reply); is MASTER_PORT used by another \
-             service?"
-        )))
-    };
+    let not_a_store = || not_a_store(shown);
     let another_job = || {
         Hello::Refused(CommError::Store(format!(
             "store at {shown} belongs to another job (job token mismatch); give every rank of a job the same \
@@ -464,16 +459,19 @@ async fn hello(mut stream: TcpStream, token: &str, shown: &str) -> Result<TcpStr
     }
 }
 
+fn not_a_store(shown: &str) -> Hello {
+    Hello::Refused(CommError::Store(format!(
+        "{shown} is not a comm rendezvous store (unexpected handshake reply); is MASTER_PORT used by another service?"
+    )))
+}
+
 async fn read_hello(stream: &mut TcpStream, shown: &str) -> Result<Vec<u8>, Hello> {
     match wire::read_frame(stream, wire::HELLO_MAX).await {
         Ok(Some(r)) => Ok(r),
         Ok(None) => Err(Hello::Retry(
             "the peer closed the connection during the handshake (is something else listening on MASTER_PORT?)".into(),
         )),
-        Err(FrameError::TooLarge(_)) => Err(Hello::Refused(CommError::Store(format!(
-            "{shown} is not a comm rendezvous store (unexpected handshake reply); is MASTER_PORT used by another \
-             service?"
-        )))),
+        Err(FrameError::TooLarge(_)) => Err(not_a_store(shown)),
         Err(e) => Err(Hello::Retry(format!("the handshake failed: {e}"))),
     }
 }
