@@ -43,8 +43,10 @@ commands:
                    comm-bench ...` for mpi); with several backends, a side-by-side table with
                    the time ratio of each to the first follows.
       --backend LIST   comma list of backends (default shm; compiled-in ones only); `all`:
-                       shm, mpi where MPI is installed (or installable: apt, as root), nccl
-                       where `nvidia-smi -L` (or /dev/nvidiaN) shows NP GPUs
+                       shm, mpi and mpi-raw where MPI is installed (or installable: apt, as
+                       root), nccl where `nvidia-smi -L` (or /dev/nvidiaN) shows NP GPUs;
+                       mpi-raw: the system MPI's own collectives called directly (the
+                       osu_allreduce baseline), under mpirun
       --np N           ranks (default 2)
       --op LIST        all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,reduce or all
                        (default all_reduce)
@@ -71,13 +73,13 @@ commands:
                        (see `target/release/comm-bench --help`)";
 
 /// Backends `--backend` knows about; each must be a feature of comm-bench to be usable.
-const BACKENDS: [&str; 3] = ["shm", "mpi", "nccl"];
+const BACKENDS: [&str; 4] = ["shm", "mpi", "mpi-raw", "nccl"];
 /// Wall-clock bound of one launched job (examples, smoke bench).
 const JOB_TIMEOUT: Duration = Duration::from_secs(300);
 /// The features that build the mpi backend into comm-api and comm-bench.
 /// Sizes that keep the examples quick in `test` (the tensor-parallel MLP defaults to hidden 4096).
 const EXAMPLE_ENV: [(&str, &str); 2] = [("TP_MLP_HIDDEN", "256"), ("TP_MLP_TOKENS", "5")];
-const MPI_FEATURES: &str = "comm-api/mpi,comm-bench/mpi";
+const MPI_FEATURES: &str = "comm-api/mpi,comm-bench/mpi,comm-bench/mpi-raw";
 /// The feature that builds the nccl backend into comm-api (builds without CUDA).
 const NCCL_FEATURES: &str = "comm-api/nccl";
 /// The features of the profiling layer, its OpenTelemetry export and comm-bench's --profile.
@@ -415,12 +417,14 @@ fn test(args: &[String]) -> Result {
                 run_bounded(c, JOB_TIMEOUT)
             })?;
         }
-        step("bench smoke (comm-bench, mpi, mpirun -np 2)", || {
-            let mut c = mpi::mpirun(2);
-            c.current_dir(root()).env("COMM_TIMEOUT", "120").env("COMM_BACKEND", "mpi");
-            c.arg(target.join("comm-bench")).args(SMOKE_BENCH);
-            run_bounded(c, JOB_TIMEOUT)
-        })?;
+        for backend in ["mpi", "mpi-raw"] {
+            step(&format!("bench smoke (comm-bench, {backend}, mpirun -np 2)"), || {
+                let mut c = mpi::mpirun(2);
+                c.current_dir(root()).env("COMM_TIMEOUT", "120").env("COMM_BACKEND", backend);
+                c.arg(target.join("comm-bench")).args(SMOKE_BENCH);
+                run_bounded(c, JOB_TIMEOUT)
+            })?;
+        }
     }
     println!("\n== all steps passed in {:.1}s ==", total.elapsed().as_secs_f64());
     Ok(())
@@ -614,6 +618,7 @@ fn expand_backends(
 ) -> Result<Vec<String>> {
     let mut out: Vec<String> = Vec::new();
     let mut mpi_ok = Some(mpi_ok);
+    let mut mpi_known = None;
     let mut gpus = Some(gpus);
     for r in requested {
         let picked: Vec<String> = if r == "all" {
@@ -624,7 +629,12 @@ fn expand_backends(
                     continue;
                 }
                 let usable = match k {
-                    "mpi" => mpi_ok.take().map_or(Ok(false), |f| f())?,
+                    "mpi" | "mpi-raw" => {
+                        if mpi_ok.is_some() {
+                            mpi_known = Some(mpi_ok.take().map_or(Ok(false), |f| f())?);
+                        }
+                        mpi_known.unwrap_or(false)
+                    }
                     "nccl" => {
                         let n = gpus.take().map_or(0, |f| f());
                         if n < np as usize {
@@ -636,8 +646,8 @@ fn expand_backends(
                 };
                 if usable {
                     v.push(k.to_owned());
-                } else if k == "mpi" {
-                    println!("note: --backend all: MPI is not installed here, skipping mpi");
+                } else if k.starts_with("mpi") {
+                    println!("note: --backend all: MPI is not installed here, skipping {k}");
                 }
             }
             v
@@ -739,7 +749,7 @@ fn bench(args: &[String]) -> Result {
     }
     let baseline = baseline_files(&b.baseline)?;
     let progress = b.progress && !b.forward.iter().any(|a| a == "--progress" || a.starts_with("--progress="));
-    if b.backends.iter().any(|x| x == "mpi") && !mpi::ensure_packages()? {
+    if b.backends.iter().any(|x| x.starts_with("mpi")) && !mpi::ensure_packages()? {
         return Err(Failure { code: 2, msg: "the mpi backend needs MPI installed (see the note above)".into() });
     }
     step("build (release)", || {
@@ -760,7 +770,7 @@ fn bench(args: &[String]) -> Result {
             None => None,
         };
         let r = step(&format!("bench {backend}, {} ranks", b.np), || {
-            let mut c = if backend == "mpi" {
+            let mut c = if backend.starts_with("mpi") {
                 mpi::mpirun(b.np)
             } else {
                 let mut c = Command::new(target.join("commrun"));
@@ -893,15 +903,15 @@ mod tests {
 
     #[test]
     fn backend_all_is_what_can_run_here() {
-        let features: Vec<String> = ["default", "shm", "mpi", "nccl", "profiling"].map(String::from).into();
+        let features: Vec<String> = ["default", "shm", "mpi", "mpi-raw", "nccl", "profiling"].map(String::from).into();
         let all = |req: &str, np: u32, mpi: bool, gpus: usize| {
             let req: Vec<String> = req.split(',').map(String::from).collect();
             expand_backends(&req, &features, np, || Ok(mpi), || gpus).unwrap()
         };
-        assert_eq!(all("all", 2, true, 2), ["shm", "mpi", "nccl"]);
+        assert_eq!(all("all", 2, true, 2), ["shm", "mpi", "mpi-raw", "nccl"]);
         assert_eq!(all("all", 2, false, 0), ["shm"]);
-        assert_eq!(all("all", 4, true, 2), ["shm", "mpi"], "fewer GPUs than ranks");
-        assert_eq!(all("mpi,all", 2, true, 0), ["mpi", "shm"], "no duplicates, given order first");
+        assert_eq!(all("all", 4, true, 2), ["shm", "mpi", "mpi-raw"], "fewer GPUs than ranks");
+        assert_eq!(all("mpi,all", 2, true, 0), ["mpi", "shm", "mpi-raw"], "no duplicates, given order first");
         assert_eq!(all("shm,mpi", 2, false, 0), ["shm", "mpi"], "named backends are kept (and checked later)");
         let shm_only: Vec<String> = vec!["shm".into()];
         let r = expand_backends(&["all".into()], &shm_only, 2, || panic!("mpi not asked"), || panic!("gpus")).unwrap();

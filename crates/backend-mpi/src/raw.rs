@@ -714,8 +714,9 @@ pub(crate) fn ireduce_scatter_block(
 
 /// MPI ops combining f16/bf16 elements (carried as `uint16_t`) through f32: Sum, Prod, Min,
 /// Max for each type. Each combination rounds back to 16 bits, so results depend on MPI's
-/// reduction order; the default (exact) mode does not use them.
-pub(crate) struct HalfOps {
+/// reduction order; the default (exact) mode does not use them. (Also what comm-bench's
+/// `mpi-raw` baseline reduces f16/bf16 with.)
+pub struct HalfOps {
     /// f16 Sum, Prod, Min, Max, then the same for bf16 (only those created so far).
     ops: Vec<ffi::MPI_Op>,
 }
@@ -756,6 +757,11 @@ half_op!(bf16_max, bf16, |a, b| if a > b { a } else { b });
 type UserFn = unsafe extern "C" fn(*mut c_void, *mut c_void, *mut c_int, *mut ffi::MPI_Datatype);
 
 impl HalfOps {
+    /// [`HalfOps::create`] for users outside this crate (MPI must be initialised).
+    pub fn new() -> Result<HalfOps, CommError> {
+        Self::create().map_err(MpiError::into_comm)
+    }
+
     /// Registers the eight ops with MPI (`MPI_Op_create`, commutative).
     pub(crate) fn create() -> Result<HalfOps, MpiError> {
         let fns: [UserFn; 8] = [f16_sum, f16_prod, f16_min, f16_max, bf16_sum, bf16_prod, bf16_min, bf16_max];
@@ -772,7 +778,7 @@ impl HalfOps {
     }
 
     /// The op for `dtype` (f16 or bf16) and `op` (Sum, Prod, Min, Max; Avg uses Sum).
-    pub(crate) fn get(&self, dtype: DType, op: ReduceOp) -> Option<ffi::MPI_Op> {
+    pub fn get(&self, dtype: DType, op: ReduceOp) -> Option<ffi::MPI_Op> {
         let base = match dtype {
             DType::F16 => 0,
             DType::BF16 => 4,

@@ -13,6 +13,8 @@ mod heap;
 mod overhead;
 mod plot;
 mod progress;
+#[cfg(feature = "mpi-raw")]
+mod rawmpi;
 mod report;
 mod saved;
 mod sizes;
@@ -321,6 +323,27 @@ fn main() -> ExitCode {
 
 /// Runs the whole plan; returns the number of wrong elements over every row and rank.
 async fn run(plan: &Plan) -> Result<u64, CommError> {
+    if std::env::var("COMM_BACKEND").is_ok_and(|b| b.trim() == "mpi-raw") {
+        if plan.profile || plan.profile_overhead || plan.trace.is_some() || plan.zero_copy {
+            return Err(CommError::Config(
+                "mpi-raw is MPI called directly: --profile, --profile-overhead, --trace and --zero-copy do not apply"
+                    .into(),
+            ));
+        }
+        #[cfg(feature = "mpi-raw")]
+        {
+            let pg = rawmpi::init()?;
+            let wrong = bench(plan, &pg).await?;
+            pg.barrier().await?;
+            return Ok(wrong);
+        }
+        #[cfg(not(feature = "mpi-raw"))]
+        return Err(CommError::Unavailable {
+            backend: "mpi-raw",
+            why: "comm-bench was built without the `mpi-raw` feature (`cargo xtask bench --backend mpi-raw` builds it)"
+                .into(),
+        });
+    }
     let builder = comm_api::builder(Config::from_env()?);
     #[cfg(feature = "profiling")]
     let (builder, logger, timeline) = {
@@ -349,6 +372,28 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
         pg.shutdown().await?;
         return Ok(0);
     }
+    let wrong = bench(plan, &pg).await?;
+    #[cfg(feature = "profiling")]
+    if let Some(logger) = logger {
+        // Collective: every rank takes part; rank 0 prints.
+        logger.log_summary_with_stragglers(pg.backend()).await?;
+    }
+    #[cfg(feature = "profiling")]
+    if let (Some(t), Some(path)) = (&timeline, &plan.trace) {
+        // Collective too: rank 0 gets every rank's events and writes the file.
+        if let Some(json) = t.gather(pg.backend()).await? {
+            std::fs::write(path, json).map_err(|e| CommError::io(format!("writing {}", path.display()), e))?;
+            println!("# trace written to {} (open it in Perfetto or chrome://tracing)", path.display());
+        }
+    }
+    quiet(|| pg.barrier()).await?;
+    pg.shutdown().await?;
+    Ok(wrong)
+}
+
+/// Benchmarks every row of the plan on `pg` and prints (rank 0) the table and its footer;
+/// returns the number of wrong elements over every row and rank.
+async fn bench(plan: &Plan, pg: &ProcessGroup) -> Result<u64, CommError> {
     let (rank, n) = (pg.rank(), pg.world_size());
     if plan.root >= n && plan.colls.iter().any(|c| c.rooted()) {
         return Err(CommError::Config(format!("--root {} is out of range for {n} ranks", plan.root)));
@@ -360,7 +405,7 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
         None
     };
     if leader {
-        print_preamble(plan, &pg, git_rev.as_deref());
+        print_preamble(plan, pg, git_rev.as_deref());
     }
     let start = report::timestamp();
     let total = plan
@@ -383,7 +428,7 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
                 let Some(shape) = shape(coll, dtype, size, n) else { continue };
                 let case = Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n };
                 progress.start_row(&format!("{coll} {dtype} {}", sizes::format_size(shape.bytes)));
-                let row = bench_row(&pg, plan, case).await?;
+                let row = bench_row(pg, plan, case).await?;
                 progress.row_done();
                 if leader {
                     let extra = plan.baseline.as_ref().map(|b| b.cells(&row)).unwrap_or_default();
@@ -425,21 +470,6 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
             println!("# JSON written to {}", path.display());
         }
     }
-    #[cfg(feature = "profiling")]
-    if let Some(logger) = logger {
-        // Collective: every rank takes part; rank 0 prints.
-        logger.log_summary_with_stragglers(pg.backend()).await?;
-    }
-    #[cfg(feature = "profiling")]
-    if let (Some(t), Some(path)) = (&timeline, &plan.trace) {
-        // Collective too: rank 0 gets every rank's events and writes the file.
-        if let Some(json) = t.gather(pg.backend()).await? {
-            std::fs::write(path, json).map_err(|e| CommError::io(format!("writing {}", path.display()), e))?;
-            println!("# trace written to {} (open it in Perfetto or chrome://tracing)", path.display());
-        }
-    }
-    quiet(|| pg.barrier()).await?;
-    pg.shutdown().await?;
     Ok(wrong)
 }
 

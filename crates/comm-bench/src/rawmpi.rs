@@ -1,0 +1,326 @@
+//! `--backend mpi-raw` (`COMM_BACKEND=mpi-raw` under `mpirun`): the system MPI's own
+//! collectives called directly on the bench's thread — `MPI_Allreduce`, `MPI_Allgather`,
+//! `MPI_Reduce_scatter_block`, `MPI_Bcast`, `MPI_Alltoall(v)`, `MPI_Reduce`, `MPI_Barrier`, as
+//! `osu_allreduce` calls them (separate send and receive buffers; f16/bf16 through
+//! user-defined ops that add in f32) — with no actor, no header exchange and no checks. It is
+//! the reference every performance claim is stated against.
+//!
+//! It is a `comm_core` backend only so the bench drives it like any other: each `submit` makes
+//! the blocking MPI call and returns a completed `Work`. Scatter, gather and point-to-point,
+//! which the bench does not time, are `Unsupported`.
+
+use std::ffi::{c_int, c_void};
+use std::ptr;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use comm_api::ops::{
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, Recv, Reduce, ReduceScatter, Scatter, Send,
+};
+use comm_api::{
+    Backend, Collective, CommError, DType, Group, HostBuffer, Launcher, ProcessGroup, Rank, ReduceOp, Work, WorldInfo,
+    WorldSource,
+};
+use mpi::ffi;
+
+const NAME: &str = "mpi-raw";
+
+/// The world communicator of an MPI initialised here; finalised when the last handle goes.
+struct Mpi {
+    rank: Rank,
+    size: u32,
+    /// Freed before MPI is finalised (see `Drop`).
+    half: Option<backend_mpi::HalfOps>,
+    /// The receive buffer of the next all_reduce/reduce: results land there and the caller's
+    /// buffer becomes the next one, so nothing is copied (osu's send/receive buffer pair).
+    spare: Mutex<Option<HostBuffer>>,
+}
+
+// SAFETY: the MPI handles inside (the f16/bf16 op handles) are immutable identifiers, and MPI
+// runs at MPI_THREAD_SERIALIZED: the bench makes one blocking call at a time, from whichever
+// thread its task is on.
+unsafe impl std::marker::Send for Mpi {}
+// SAFETY: as above; nothing is mutated through `&Mpi` but the `Mutex`-guarded spare buffer.
+unsafe impl Sync for Mpi {}
+
+impl Drop for Mpi {
+    fn drop(&mut self) {
+        drop(self.half.take());
+        // SAFETY: MPI was initialised by `init` and every call has returned (they block).
+        unsafe {
+            ffi::MPI_Finalize();
+        }
+    }
+}
+
+fn check(what: &str, rc: c_int) -> Result<(), CommError> {
+    // SAFETY: reading a constant of the MPI library.
+    if rc == ffi::MPI_SUCCESS as c_int {
+        Ok(())
+    } else {
+        Err(CommError::Backend { backend: NAME, source: format!("{what} failed with MPI error {rc}").into() })
+    }
+}
+
+/// A handle to the raw MPI "backend" (cheap to clone).
+#[derive(Clone)]
+pub(crate) struct RawMpi(Arc<Mpi>);
+
+/// Initialises MPI and returns the world as a process group.
+pub(crate) fn init() -> Result<ProcessGroup, CommError> {
+    let (mut rank, mut size, mut provided) = (0, 0, 0);
+    // SAFETY: called once per process, before any other MPI call; out-pointers are valid.
+    unsafe {
+        check(
+            "MPI_Init_thread",
+            ffi::MPI_Init_thread(ptr::null_mut(), ptr::null_mut(), ffi::MPI_THREAD_SERIALIZED as c_int, &mut provided),
+        )?;
+        check("MPI_Comm_rank", ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank))?;
+        check("MPI_Comm_size", ffi::MPI_Comm_size(ffi::RSMPI_COMM_WORLD, &mut size))?;
+    }
+    let half = backend_mpi::HalfOps::new()?;
+    let mpi = Mpi { rank: rank as Rank, size: size as u32, half: Some(half), spare: Mutex::new(None) };
+    let mut world = WorldInfo::single();
+    world.rank = mpi.rank;
+    world.world_size = mpi.size;
+    world.source = WorldSource { launcher: Launcher::Explicit, variables: Vec::new() };
+    Ok(ProcessGroup::from_backend(Arc::new(RawMpi(Arc::new(mpi))), world))
+}
+
+fn datatype(d: DType) -> ffi::MPI_Datatype {
+    // SAFETY: reading constants of the MPI library.
+    unsafe {
+        match d {
+            DType::U8 => ffi::RSMPI_UINT8_T,
+            DType::I8 => ffi::RSMPI_INT8_T,
+            DType::I32 => ffi::RSMPI_INT32_T,
+            DType::I64 => ffi::RSMPI_INT64_T,
+            DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,
+            DType::F32 => ffi::RSMPI_FLOAT,
+            _ => ffi::RSMPI_DOUBLE,
+        }
+    }
+}
+
+fn count(n: usize) -> Result<c_int, CommError> {
+    c_int::try_from(n).map_err(|_| CommError::invalid(NAME, format!("{n} elements do not fit MPI's int count")))
+}
+
+impl RawMpi {
+    fn op(&self, name: &'static str, dtype: DType, op: ReduceOp) -> Result<ffi::MPI_Op, CommError> {
+        let unsupported = || CommError::Unsupported { op: name, dtype: Some(dtype), backend: NAME };
+        if matches!(dtype, DType::F16 | DType::BF16) {
+            return match op {
+                ReduceOp::Avg => Err(unsupported()),
+                _ => self.0.half.as_ref().and_then(|h| h.get(dtype, op)).ok_or_else(unsupported),
+            };
+        }
+        // SAFETY: reading constants of the MPI library.
+        Ok(unsafe {
+            match op {
+                ReduceOp::Sum => ffi::RSMPI_SUM,
+                ReduceOp::Prod => ffi::RSMPI_PROD,
+                ReduceOp::Min => ffi::RSMPI_MIN,
+                ReduceOp::Max => ffi::RSMPI_MAX,
+                ReduceOp::BAnd => ffi::RSMPI_BAND,
+                ReduceOp::BOr => ffi::RSMPI_BOR,
+                ReduceOp::BXor => ffi::RSMPI_BXOR,
+                _ => return Err(unsupported()),
+            }
+        })
+    }
+
+    /// The receive buffer for a reduction of `like`'s shape.
+    fn spare(&self, like: &HostBuffer) -> HostBuffer {
+        let mut spare = self.0.spare.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or_else(|| like.clone());
+        if spare.dtype() != like.dtype() || spare.len() != like.len() {
+            spare.reshape(like.dtype(), like.len());
+        }
+        spare
+    }
+
+    fn keep_spare(&self, b: HostBuffer) {
+        *self.0.spare.lock().unwrap_or_else(|p| p.into_inner()) = Some(b);
+    }
+
+    fn all_reduce(&self, r: AllReduce) -> Result<HostBuffer, CommError> {
+        let op = self.op(AllReduce::NAME, r.buf.dtype(), r.op)?;
+        let mut recv = self.spare(&r.buf);
+        let send = r.buf;
+        let n = count(send.len())?;
+        // SAFETY: both buffers hold `n` elements of the datatype; the call blocks until done.
+        check("MPI_Allreduce", unsafe {
+            ffi::MPI_Allreduce(
+                send.as_bytes().as_ptr().cast(),
+                recv.as_bytes_mut().as_mut_ptr().cast(),
+                n,
+                datatype(send.dtype()),
+                op,
+                ffi::RSMPI_COMM_WORLD,
+            )
+        })?;
+        self.keep_spare(send);
+        Ok(recv)
+    }
+
+    fn reduce(&self, r: Reduce) -> Result<HostBuffer, CommError> {
+        let op = self.op(Reduce::NAME, r.buf.dtype(), r.op)?;
+        let mut recv = self.spare(&r.buf);
+        let send = r.buf;
+        let n = count(send.len())?;
+        // SAFETY: as for MPI_Allreduce; the receive buffer is only written on the root.
+        check("MPI_Reduce", unsafe {
+            ffi::MPI_Reduce(
+                send.as_bytes().as_ptr().cast(),
+                recv.as_bytes_mut().as_mut_ptr().cast(),
+                n,
+                datatype(send.dtype()),
+                op,
+                r.root as c_int,
+                ffi::RSMPI_COMM_WORLD,
+            )
+        })?;
+        if r.root == self.0.rank {
+            self.keep_spare(send);
+            Ok(recv)
+        } else {
+            self.keep_spare(recv);
+            Ok(send)
+        }
+    }
+
+    fn broadcast(&self, mut r: Broadcast) -> Result<HostBuffer, CommError> {
+        let n = count(r.buf.len())?;
+        let dt = datatype(r.buf.dtype());
+        // SAFETY: the buffer holds `n` elements; in place is MPI_Bcast's own form.
+        check("MPI_Bcast", unsafe {
+            ffi::MPI_Bcast(r.buf.as_bytes_mut().as_mut_ptr().cast(), n, dt, r.root as c_int, ffi::RSMPI_COMM_WORLD)
+        })?;
+        Ok(r.buf)
+    }
+
+    fn all_gather(&self, r: AllGather) -> Result<HostBuffer, CommError> {
+        let total = r.input.len() * self.0.size as usize;
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(r.input.dtype(), total));
+        let (n, dt) = (count(r.input.len())?, datatype(r.input.dtype()));
+        // SAFETY: `out` holds size × n elements (checked by the request's validation).
+        check("MPI_Allgather", unsafe {
+            ffi::MPI_Allgather(
+                r.input.as_bytes().as_ptr().cast(),
+                n,
+                dt,
+                out.as_bytes_mut().as_mut_ptr().cast(),
+                n,
+                dt,
+                ffi::RSMPI_COMM_WORLD,
+            )
+        })?;
+        Ok(out)
+    }
+
+    fn reduce_scatter(&self, r: ReduceScatter) -> Result<HostBuffer, CommError> {
+        let op = self.op(ReduceScatter::NAME, r.input.dtype(), r.op)?;
+        let k = r.input.len() / self.0.size as usize;
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(r.input.dtype(), k));
+        // SAFETY: the input holds size × k elements and `out` k (validated).
+        check("MPI_Reduce_scatter_block", unsafe {
+            ffi::MPI_Reduce_scatter_block(
+                r.input.as_bytes().as_ptr().cast(),
+                out.as_bytes_mut().as_mut_ptr().cast(),
+                count(k)?,
+                datatype(r.input.dtype()),
+                op,
+                ffi::RSMPI_COMM_WORLD,
+            )
+        })?;
+        Ok(out)
+    }
+
+    fn all_to_all(&self, r: AllToAll) -> Result<HostBuffer, CommError> {
+        let (ins, outs) = r.splits(self.0.size);
+        let dt = datatype(r.input.dtype());
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(r.input.dtype(), outs.iter().sum()));
+        let (send, recv): (*const c_void, *mut c_void) =
+            (r.input.as_bytes().as_ptr().cast(), out.as_bytes_mut().as_mut_ptr().cast());
+        if r.input_splits.is_none() && r.output_splits.is_none() {
+            let n = count(ins[0])?;
+            // SAFETY: both buffers hold size × n elements (validated: equal lengths).
+            return check("MPI_Alltoall", unsafe {
+                ffi::MPI_Alltoall(send, n, dt, recv, n, dt, ffi::RSMPI_COMM_WORLD)
+            })
+            .map(|()| out);
+        }
+        let displs = |v: &[usize]| v.iter().scan(0, |a, &c| Some(std::mem::replace(a, *a + c))).collect::<Vec<_>>();
+        let ints = |v: Vec<usize>| v.into_iter().map(count).collect::<Result<Vec<c_int>, _>>();
+        let (sd, rd) = (ints(displs(&ins))?, ints(displs(&outs))?);
+        let (sc, rc) = (ints(ins)?, ints(outs)?);
+        // SAFETY: counts and displacements describe the validated splits of both buffers.
+        check("MPI_Alltoallv", unsafe {
+            ffi::MPI_Alltoallv(
+                send,
+                sc.as_ptr(),
+                sd.as_ptr(),
+                dt,
+                recv,
+                rc.as_ptr(),
+                rd.as_ptr(),
+                dt,
+                ffi::RSMPI_COMM_WORLD,
+            )
+        })
+        .map(|()| out)
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        // SAFETY: the world communicator of an initialised MPI.
+        check("MPI_Barrier", unsafe { ffi::MPI_Barrier(ffi::RSMPI_COMM_WORLD) })
+    }
+}
+
+/// Validates like every backend, then runs `f`.
+fn run<R: Op>(b: &RawMpi, req: R, f: impl FnOnce(&RawMpi, R) -> Result<R::Output, CommError>) -> Work<R::Output> {
+    Work::ready(req.validate(b.0.rank, b.0.size).and_then(|()| f(b, req)))
+}
+
+macro_rules! ops {
+    ($($req:ident => $f:expr),* $(,)?) => {$(
+        impl Collective<$req> for RawMpi {
+            fn submit(&self, req: $req) -> Work<<$req as Op>::Output> {
+                run(self, req, $f)
+            }
+        }
+    )*};
+}
+
+ops! {
+    AllReduce => RawMpi::all_reduce,
+    Reduce => RawMpi::reduce,
+    Broadcast => RawMpi::broadcast,
+    AllGather => RawMpi::all_gather,
+    ReduceScatter => RawMpi::reduce_scatter,
+    AllToAll => RawMpi::all_to_all,
+    Barrier => |b: &RawMpi, _| b.barrier(),
+    Scatter => |_: &RawMpi, _| Err(CommError::Unsupported { op: Scatter::NAME, dtype: None, backend: NAME }),
+    Gather => |_: &RawMpi, _| Err(CommError::Unsupported { op: Gather::NAME, dtype: None, backend: NAME }),
+    Send => |_: &RawMpi, _| Err(CommError::Unsupported { op: Send::NAME, dtype: None, backend: NAME }),
+    Recv => |_: &RawMpi, _| Err(CommError::Unsupported { op: Recv::NAME, dtype: None, backend: NAME }),
+}
+
+#[async_trait]
+impl Group for RawMpi {
+    fn rank(&self) -> Rank {
+        self.0.rank
+    }
+    fn world_size(&self) -> u32 {
+        self.0.size
+    }
+    fn backend_name(&self) -> &'static str {
+        NAME
+    }
+    async fn new_group(&self, _: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
+        Err(CommError::Unsupported { op: "new_group", dtype: None, backend: NAME })
+    }
+    async fn shutdown(&self) -> Result<(), CommError> {
+        Ok(())
+    }
+}
