@@ -53,6 +53,7 @@ commands:
       --dtype LIST     f32,bf16,f16,f64,i32,i64,i8,u8 or all (default f32)
       --sizes SPEC     8B..64MiB (default), 8B..64MiB:x8, 8B,1KiB,1MiB
       --iters N, --warmup N, --redop OP, --root R, --check, --no-check
+      --percentiles    p50 and p99 of the per-op time (slowest rank) per row
       --json PATH      write the JSON report (PATH.<backend>.json per backend when several)
       --svg PATH       plot busbw against size (log2 axis) as an SVG, one line per backend and
                        dtype (`comm-bench plot` on the runs' JSON reports)
@@ -517,7 +518,7 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
             b.forward.extend(it.by_ref().cloned());
             break;
         }
-        if ["--check", "--no-check", "--profile", "--profile-overhead"].contains(&arg.as_str()) {
+        if ["--check", "--no-check", "--profile", "--profile-overhead", "--percentiles"].contains(&arg.as_str()) {
             b.forward.push(arg.clone());
             continue;
         }
@@ -848,6 +849,7 @@ mod tests {
 
     #[test]
     fn trace_is_forwarded_with_the_profiling_feature() {
+        assert!(parse_bench(&args("--percentiles")).unwrap().forward.contains(&"--percentiles".to_owned()));
         let mut b = parse_bench(&args("--trace /tmp/t.json --sizes 1KiB")).unwrap();
         assert!(b.forward.windows(2).any(|w| w == ["--trace", "/tmp/t.json"]), "{:?}", b.forward);
         let mut features = Vec::new();

@@ -150,6 +150,8 @@ mod tests {
             wrong: Some(0),
             backend,
             np,
+            p50_us: None,
+            p99_us: None,
         }
     }
 
@@ -197,7 +199,7 @@ mod tests {
         let cells = b.cells(&row("shm", "f32", 4096, 2, 3.0));
         assert_eq!(cells.split_whitespace().collect::<Vec<_>>(), ["0.00", "-"]);
         // The extra columns line up with the header's.
-        let h = format!("{}{}", column_header(), Baseline::header());
+        let h = format!("{}{}", column_header(false), Baseline::header());
         let line = format!("{}{}", format_row(&row("shm", "f32", 1024, 2, 3.0)), cells);
         assert_eq!(h.len(), line.len(), "\n{h}\n{line}");
         let rows = [

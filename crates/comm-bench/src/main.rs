@@ -84,7 +84,8 @@ JSON (--json PATH, written by rank 0; schema 1):
   args        comm-bench's arguments
   rows        one object per table line: op, dtype, bytes (size(B)), count, redop (\"none\" for
               data movement), root (-1: none), iters, warmup, time_us, algbw_gbps, busbw_gbps
-              (GB/s = 1e9 B/s), wrong (null with --no-check), backend, np
+              (GB/s = 1e9 B/s), wrong (null with --no-check), backend, np, and with --percentiles
+              p50_us / p99_us (per-op time of the slowest rank)
   Readers (--baseline, comm-bench plot) ignore unknown fields, and rows without backend / np
   take the document's.
 
@@ -168,6 +169,11 @@ struct Cli {
     /// with a CommsLogger, interleaved, and print the overhead (feature `profiling`).
     #[arg(long)]
     profile_overhead: bool,
+    /// Also time every op on its own and report the median and the 99th percentile of the
+    /// per-op time (each op's slowest rank) in p50(us) / p99(us) columns: the tail that
+    /// latency-bound users (inference) care about.
+    #[arg(long)]
+    percentiles: bool,
     /// Write a per-rank timeline of every benchmarked op to PATH as Chrome trace-event JSON
     /// (opens in Perfetto or chrome://tracing), one track per rank, clocks aligned across
     /// ranks; rank 0 writes the merged file (feature `profiling`).
@@ -205,6 +211,7 @@ struct Plan {
     profile_overhead: bool,
     #[cfg_attr(not(feature = "profiling"), allow(dead_code))]
     trace: Option<PathBuf>,
+    percentiles: bool,
 }
 
 impl Plan {
@@ -258,6 +265,7 @@ impl Plan {
             profile: cli.profile,
             profile_overhead: cli.profile_overhead,
             trace: cli.trace,
+            percentiles: cli.percentiles,
             zero_copy: cli.zero_copy,
         })
     }
@@ -421,7 +429,7 @@ async fn bench(plan: &Plan, pg: &ProcessGroup) -> Result<u64, CommError> {
             progress.println("#");
             progress.println(&format!("# {coll}: busbw factor {:.3} ({n} ranks)", coll.bus_factor(n)));
             let extra = if plan.baseline.is_some() { Baseline::header() } else { String::new() };
-            progress.println(&format!("{}{extra}", report::column_header()));
+            progress.println(&format!("{}{extra}", report::column_header(plan.percentiles)));
         }
         for &dtype in &plan.dtypes {
             for &size in &plan.sizes {
@@ -538,8 +546,9 @@ async fn bench_row(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<Row, Co
     } else {
         case.sentinel_output()?
     });
-    run_iters(pg, &case, warmup, &template, &mut slot).await?;
-    let elapsed = run_iters(pg, &case, iters, &template, &mut slot).await?;
+    run_iters(pg, &case, warmup, &template, &mut slot, None).await?;
+    let mut per_op = plan.percentiles.then(|| Vec::with_capacity(iters));
+    let elapsed = run_iters(pg, &case, iters, &template, &mut slot, per_op.as_mut()).await?;
     drop(slot);
 
     let wrong = if plan.check {
@@ -560,6 +569,16 @@ async fn bench_row(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<Row, Co
         }
         None => None,
     };
+    // Each op's time is its slowest rank's (ops are matched by index across ranks).
+    let (p50_us, p99_us) = match per_op {
+        Some(v) => {
+            let all = quiet(|| pg.all_reduce(HostBuffer::from_slice(&v), ReduceOp::Max)).await?;
+            let mut v = all.to_vec::<f64>()?;
+            v.sort_by(f64::total_cmp);
+            (Some(report::quantile(&v, 0.5) * 1e6), Some(report::quantile(&v, 0.99) * 1e6))
+        }
+        None => (None, None),
+    };
     let algbw = if time > 0.0 { case.shape.bytes as f64 / time / 1e9 } else { 0.0 };
     Ok(Row {
         op: case.coll.name(),
@@ -576,6 +595,8 @@ async fn bench_row(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<Row, Co
         wrong,
         backend: pg.backend_name(),
         np: case.n,
+        p50_us,
+        p99_us,
     })
 }
 
@@ -588,6 +609,7 @@ async fn run_iters(
     iters: usize,
     template: &HostBuffer,
     slot: &mut Option<HostBuffer>,
+    mut per_op: Option<&mut Vec<f64>>,
 ) -> Result<Duration, CommError> {
     let in_place = case.coll.in_place();
     let mut total = Duration::ZERO;
@@ -602,7 +624,11 @@ async fn run_iters(
             let taken = slot.take();
             let (input, output) = if in_place { (taken, None) } else { (pool.pop(), taken) };
             let input = input.ok_or_else(|| CommError::invalid("comm-bench", "lost a buffer"))?;
+            let op_start = per_op.is_some().then(Instant::now);
             *slot = Some(issue(pg, case, input, output).await?);
+            if let (Some(v), Some(t)) = (per_op.as_deref_mut(), op_start) {
+                v.push(t.elapsed().as_secs_f64());
+            }
         }
         total += start.elapsed();
         done += batch;

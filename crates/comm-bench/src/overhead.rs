@@ -81,9 +81,9 @@ async fn measure(
             let mut slot = Some(if case.coll.in_place() { template.clone() } else { case.sentinel_output()? });
             let _scope = tracing::dispatcher::set_default(dispatch);
             if round == 0 {
-                run_iters(group, case, warmup, &template, &mut slot).await?;
+                run_iters(group, case, warmup, &template, &mut slot, None).await?;
             }
-            let t = run_iters(group, case, iters, &template, &mut slot).await?;
+            let t = run_iters(group, case, iters, &template, &mut slot, None).await?;
             let mean = t.as_secs_f64() / iters as f64;
             let max = without_profiling(|| pg.all_reduce(HostBuffer::from_slice(&[mean]), ReduceOp::Max));
             samples[m].push(max.await?.to_vec::<f64>()?[0] * 1e6);

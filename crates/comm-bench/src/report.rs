@@ -28,6 +28,12 @@ pub(crate) struct Row {
     pub(crate) wrong: Option<u64>,
     pub(crate) backend: &'static str,
     pub(crate) np: u32,
+    /// With `--percentiles`: the median and 99th percentile of the per-op time, each op's
+    /// time being the slowest rank's (µs); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) p99_us: Option<f64>,
 }
 
 /// The version of the JSON layout (`schema`); raised when a field changes meaning or goes.
@@ -58,15 +64,33 @@ const HEAD: [&str; 9] =
     ["size(B)", "count", "type", "redop", "root", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"];
 const WIDTH: [usize; 9] = [12, 12, 6, 6, 5, 11, 12, 12, 7];
 
-/// The two-line column header.
-pub(crate) fn column_header() -> String {
+/// Headers and width of the `--percentiles` columns.
+const PCT_HEAD: [&str; 2] = ["p50(us)", "p99(us)"];
+const PCT_WIDTH: usize = 10;
+
+/// The column header (with the percentile columns when asked for).
+pub(crate) fn column_header(percentiles: bool) -> String {
     let mut s = String::from("#");
     for (i, (h, w)) in HEAD.iter().zip(WIDTH).enumerate() {
         // The leading '#' takes one column of the first field.
         let w = if i == 0 { w - 1 } else { w };
         s.push_str(&format!("{h:>w$} "));
     }
+    if percentiles {
+        for h in PCT_HEAD {
+            s.push_str(&format!("{h:>PCT_WIDTH$} "));
+        }
+    }
     s.trim_end().to_owned()
+}
+
+/// The `q`-quantile (0..=1) of `sorted` (nearest rank).
+pub(crate) fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
 }
 
 /// `x` with 2 decimals, or fewer (then exponent notation) when that does not fit `width`,
@@ -98,6 +122,9 @@ pub(crate) fn format_row(r: &Row) -> String {
     let mut s = String::new();
     for (c, w) in cells.iter().zip(WIDTH) {
         s.push_str(&format!("{c:>w$} "));
+    }
+    for p in [r.p50_us, r.p99_us].into_iter().flatten() {
+        s.push_str(&format!("{:>PCT_WIDTH$} ", num(p, PCT_WIDTH)));
     }
     s.trim_end().to_owned()
 }
@@ -218,17 +245,31 @@ mod tests {
             wrong,
             backend: "shm",
             np: 2,
+            p50_us: None,
+            p99_us: None,
         }
     }
 
     #[test]
     fn rows_line_up_with_the_header() {
-        let h = column_header();
+        let h = column_header(false);
         let r = format_row(&row(1.5, Some(0)));
         assert_eq!(h.len(), r.len(), "\n{h}\n{r}");
         assert!(r.ends_with(" 0"));
         assert!(r.contains("12.35"));
         assert!(format_row(&row(1.5, None)).ends_with("N/A"));
+        let h = column_header(true);
+        let r = format_row(&Row { p50_us: Some(11.5), p99_us: Some(140.25), ..row(1.5, Some(0)) });
+        assert_eq!(h.len(), r.len(), "\n{h}\n{r}");
+        assert!(h.ends_with("p99(us)") && r.ends_with("11.50     140.25"), "{r}");
+    }
+
+    #[test]
+    fn quantiles_by_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!((quantile(&v, 0.5), quantile(&v, 0.99), quantile(&v, 1.0)), (50.0, 99.0, 100.0));
+        assert_eq!(quantile(&[7.0], 0.99), 7.0);
+        assert_eq!(quantile(&[], 0.5), 0.0);
     }
 
     #[test]
