@@ -47,7 +47,8 @@ commands:
                        root), nccl where `nvidia-smi -L` (or /dev/nvidiaN) shows NP GPUs;
                        mpi-raw: the system MPI's own collectives called directly (the
                        osu_allreduce baseline), under mpirun
-      --np N           ranks (default 2)
+      --np N[,N...]    ranks (default 2); several: the whole run once per count (JSON reports
+                       PATH.npN...), a side-by-side table per count
       --op LIST        all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,reduce or all
                        (default all_reduce)
       --dtype LIST     f32,bf16,f16,f64,i32,i64,i8,u8 or all (default f32)
@@ -488,7 +489,10 @@ fn examples(dir: &Path) -> Result<Vec<String>> {
 #[derive(Debug, PartialEq)]
 struct BenchArgs {
     backends: Vec<String>,
+    /// `--np`: the largest of `nps` (what the backends must be able to run).
     np: u32,
+    /// `--np 2,4,8`: every count of ranks to run, in order.
+    nps: Vec<u32>,
     json: Option<PathBuf>,
     /// `--svg`: where the plot goes.
     svg: Option<PathBuf>,
@@ -506,6 +510,7 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
     let mut b = BenchArgs {
         backends: vec!["shm".into()],
         np: 2,
+        nps: vec![2],
         json: None,
         svg: None,
         baseline: Vec::new(),
@@ -543,11 +548,15 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
                     value.split(',').map(|s| s.trim().to_ascii_lowercase()).filter(|s| !s.is_empty()).collect();
             }
             "--np" => {
-                b.np = value
-                    .parse()
-                    .ok()
-                    .filter(|&n| n >= 1)
-                    .ok_or_else(|| Failure::usage(format!("--np {value}: expected a number of ranks ≥ 1")))?;
+                b.nps = value
+                    .split(',')
+                    .map(|n| n.trim().parse().ok().filter(|&n: &u32| n >= 1))
+                    .collect::<Option<Vec<u32>>>()
+                    .filter(|v| !v.is_empty())
+                    .ok_or_else(|| {
+                        Failure::usage(format!("--np {value}: expected numbers of ranks ≥ 1 (e.g. 2 or 2,4,8)"))
+                    })?;
+                b.np = b.nps.iter().copied().max().unwrap_or(2);
             }
             "--json" => b.json = Some(PathBuf::from(value)),
             "--svg" => b.svg = Some(PathBuf::from(value)),
@@ -740,6 +749,9 @@ fn bench(args: &[String]) -> Result {
     }
     let mut features = backend_features(&b.backends, &manifest)?;
     profiling_options(&mut b, &mut features)?;
+    if b.svg.is_some() && b.nps.len() > 1 {
+        return Err(Failure::usage("--svg plots one rank count: give --np a single number"));
+    }
     if (b.svg.is_some() || !b.baseline.is_empty()) && b.forward.iter().any(|a| a == "--profile-overhead") {
         return Err(Failure::usage("--svg and --baseline need the table: they do not go with --profile-overhead"));
     }
@@ -764,52 +776,61 @@ fn bench(args: &[String]) -> Result {
     let several = b.backends.len() > 1;
     let mut first_failure = None;
     let mut reports = Vec::new();
-    for backend in &b.backends {
-        let json = match &b.json {
-            Some(p) => Some(json_path(p, backend, several)),
-            None if several || b.svg.is_some() => Some(compare::scratch(&target_root, backend)),
-            None => None,
-        };
-        let r = step(&format!("bench {backend}, {} ranks", b.np), || {
-            let mut c = if backend.starts_with("mpi") {
-                mpi::mpirun(b.np)
-            } else {
-                let mut c = Command::new(target.join("commrun"));
-                c.arg("-n").arg(b.np.to_string()).arg("--");
-                c
+    for &np in &b.nps {
+        let mut np_reports = Vec::new();
+        for backend in &b.backends {
+            // With several rank counts each gets its own report (`PATH.npN...`).
+            let json_base = b.json.as_ref().map(|p| match b.nps.len() {
+                1 => p.clone(),
+                _ => PathBuf::from(format!("{}.np{np}", p.display())),
+            });
+            let json = match &json_base {
+                Some(p) => Some(json_path(p, backend, several)),
+                None if several || b.svg.is_some() => Some(compare::scratch(&target_root, backend)),
+                None => None,
             };
-            c.current_dir(root()).env("COMM_BACKEND", backend).env("COMM_BENCH_GIT_REV", &rev);
-            c.arg(target.join("comm-bench"));
-            if progress {
-                c.args(["--progress", "lines"]);
-            }
-            for p in &baseline {
-                c.arg("--baseline").arg(p);
-            }
-            c.args(&b.forward);
-            if let Some(p) = &json {
-                if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-                    let _ = std::fs::create_dir_all(dir);
+            let r = step(&format!("bench {backend}, {np} ranks"), || {
+                let mut c = if backend.starts_with("mpi") {
+                    mpi::mpirun(np)
+                } else {
+                    let mut c = Command::new(target.join("commrun"));
+                    c.arg("-n").arg(np.to_string()).arg("--");
+                    c
+                };
+                c.current_dir(root()).env("COMM_BACKEND", backend).env("COMM_BENCH_GIT_REV", &rev);
+                c.arg(target.join("comm-bench"));
+                if progress {
+                    c.args(["--progress", "lines"]);
                 }
-                c.arg("--json").arg(p);
-            }
-            if progress {
-                progress::run_relayed(c, &format!("bench {backend}"))
-            } else {
-                run(c)
-            }
-        });
-        match r {
-            Ok(()) => reports.extend(json.map(|p| (backend.clone(), p))),
-            Err(e) => {
-                eprintln!("xtask: {}", e.msg);
-                first_failure.get_or_insert(e);
+                for p in &baseline {
+                    c.arg("--baseline").arg(p);
+                }
+                c.args(&b.forward);
+                if let Some(p) = &json {
+                    if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+                        let _ = std::fs::create_dir_all(dir);
+                    }
+                    c.arg("--json").arg(p);
+                }
+                if progress {
+                    progress::run_relayed(c, &format!("bench {backend}"))
+                } else {
+                    run(c)
+                }
+            });
+            match r {
+                Ok(()) => np_reports.extend(json.map(|p| (backend.clone(), p))),
+                Err(e) => {
+                    eprintln!("xtask: {}", e.msg);
+                    first_failure.get_or_insert(e);
+                }
             }
         }
-    }
-    if several && reports.len() > 1 {
-        println!("\n== {} side by side ==", b.backends.join(" vs "));
-        print!("{}", compare::table(&compare::load(&reports)?, b.np));
+        if several && np_reports.len() > 1 {
+            println!("\n== {} side by side, {np} ranks ==", b.backends.join(" vs "));
+            print!("{}", compare::table(&compare::load(&np_reports)?, np));
+        }
+        reports.extend(np_reports);
     }
     if let (Some(svg), false) = (&b.svg, reports.is_empty()) {
         step("plot", || {
@@ -842,6 +863,9 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(b.np, 4);
+        let sweep = parse_bench(&args("--np 2,8,4")).unwrap();
+        assert_eq!((sweep.nps, sweep.np), (vec![2, 8, 4], 8));
+        assert!(parse_bench(&args("--np 2,x")).is_err() && parse_bench(&args("--np 0")).is_err());
         assert_eq!(b.json, Some(PathBuf::from("out.json")));
         assert_eq!(b.forward, args("--op all_reduce,all_gather --dtype bf16 --sizes 8B..1MiB:x8 --no-check --root 1"));
         assert_eq!(parse_bench(&args("--backend SHM,mpi")).unwrap().backends, ["shm", "mpi"]);
