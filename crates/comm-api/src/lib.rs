@@ -64,3 +64,30 @@ pub use group::{P2POp, ProcessGroup};
 #[cfg(feature = "profiling")]
 #[cfg_attr(docsrs, doc(cfg(feature = "profiling")))]
 pub use profiling;
+
+// Compile-time guarantees users rely on: handles move across tasks and threads, futures of
+// ops can be spawned on a multi-threaded runtime.
+#[cfg(test)]
+mod auto_traits {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+
+    #[test]
+    fn handles_are_send_and_sync() {
+        send_sync::<crate::ProcessGroup>();
+        send_sync::<crate::HostBuffer>();
+        send_sync::<crate::CommError>();
+        send_sync::<crate::Config>();
+        send::<crate::Work<crate::HostBuffer>>();
+        send::<crate::Work<()>>();
+    }
+
+    #[allow(dead_code)]
+    fn facade_futures_are_send(pg: &crate::ProcessGroup) {
+        fn is_send<T: Send>(_: &T) {}
+        is_send(&pg.all_gather_object(&1u32));
+        is_send(&pg.monitored_barrier(std::time::Duration::from_secs(1), true));
+        is_send(&pg.new_group(&[0]));
+        is_send(&pg.shutdown());
+    }
+}
