@@ -184,6 +184,24 @@ fn class(bytes: usize) -> usize {
     bytes.next_power_of_two().max(4096)
 }
 
+/// Keeps `item` (of size class `c`) for reuse. When that would pass `limit`, buffers of other
+/// classes go first, the largest first: the sizes in use now are the ones worth keeping (a
+/// large op after many smaller ones would otherwise allocate pinned memory on every call).
+fn keep<T>(map: &mut HashMap<usize, Vec<T>>, kept: &mut usize, limit: usize, c: usize, item: T) {
+    if c > limit {
+        return;
+    }
+    while *kept + c > limit {
+        let Some(other) = map.iter().filter(|(&k, v)| k != c && !v.is_empty()).map(|(&k, _)| k).max() else {
+            return;
+        };
+        map.get_mut(&other).and_then(Vec::pop);
+        *kept -= other;
+    }
+    *kept += c;
+    map.entry(c).or_default().push(item);
+}
+
 impl Pool {
     fn device(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<CudaSlice<u8>, CommError> {
         let c = class(bytes);
@@ -207,17 +225,11 @@ impl Pool {
         for s in staged {
             if let Some(d) = s.dev {
                 let c = d.len();
-                if self.kept_dev + c <= self.limit {
-                    self.kept_dev += c;
-                    self.dev.entry(c).or_default().push(d);
-                }
+                keep(&mut self.dev, &mut self.kept_dev, self.limit, c, d);
             }
             if let Some(h) = s.host {
                 let c = h.cap();
-                if self.kept_host + c <= self.limit {
-                    self.kept_host += c;
-                    self.host.entry(c).or_default().push(h);
-                }
+                keep(&mut self.host, &mut self.kept_host, self.limit, c, h);
             }
         }
     }
@@ -315,6 +327,7 @@ pub(crate) fn main(setup: Setup, ready: Once<Ready>, init: Receiver<InitRequest>
         rx,
         stash: None,
         in_flight: VecDeque::new(),
+        events: Vec::new(),
         graveyard: Vec::new(),
         setup,
         shutdown: None,
@@ -330,6 +343,8 @@ struct Actor {
     /// A command taken while collecting a p2p batch, to run next.
     stash: Option<Command>,
     in_flight: VecDeque<InFlight>,
+    /// Fired completion events, reused (creating one per op costs a driver call each way).
+    events: Vec<CudaEvent>,
     /// Staging memory of failed ops: the stream may still use it, so it is neither reused nor
     /// freed before the stream drained.
     graveyard: Vec<Vec<Staged>>,
@@ -340,16 +355,37 @@ struct Actor {
 
 /// Most p2p ops batched into one NCCL group.
 const MAX_BATCH: usize = 1024;
+/// Most fired events kept for reuse.
+const MAX_EVENTS: usize = 64;
+/// How long after its last progress (an op submitted or completed) the actor polls without
+/// giving up its core: about one small op's round trip through the device.
+const SPIN: Duration = Duration::from_micros(50);
+/// Turns that yield after the spinning, before sleeps (ops still in flight).
+const YIELD_TURNS: u32 = 32;
+
+/// The actor's waiting state between progress.
+struct Wait {
+    /// Turns without progress since the spinning ended.
+    idle: u32,
+    spin_until: Instant,
+}
+
+impl Wait {
+    fn progress(&mut self) {
+        self.idle = 0;
+        self.spin_until = Instant::now() + SPIN;
+    }
+}
 
 impl Actor {
     fn run(mut self) {
-        let mut idle = 0u32;
+        let mut wait = Wait { idle: 0, spin_until: Instant::now() };
         let mut panics = 0;
         loop {
             // A panic is contained: the group is poisoned with its message (the op that
             // panicked reports `Poisoned`, later ones fail fast) and shutdown still completes;
             // a second one ends the loop as a shutdown would.
-            let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.turn(&mut idle)));
+            let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.turn(&mut wait)));
             match turn {
                 Ok(true) => break,
                 Ok(false) => {}
@@ -367,31 +403,37 @@ impl Actor {
     }
 
     /// One turn of the loop; whether the actor is done.
-    fn turn(&mut self, idle: &mut u32) -> bool {
+    fn turn(&mut self, wait: &mut Wait) -> bool {
         if self.reap() {
-            *idle = 0;
+            wait.progress();
         }
         if self.in_flight.is_empty() && (self.shutdown.is_some() || self.disconnected) {
             return true;
         }
-        match self.next(*idle) {
+        match self.next(wait) {
             Some(Command::Op(r)) => {
-                *idle = 0;
+                wait.progress();
                 self.handle(r);
             }
             Some(Command::Shutdown(done)) => self.shutdown.get_or_insert_with(Vec::new).push(done),
-            None => *idle = idle.saturating_add(1),
+            None => {}
         }
         false
     }
 
-    /// The next command; while ops are in flight, waits at most a backoff step (events are
-    /// polled: a few yields first, then sleeps growing from 20 µs to 1 ms).
-    fn next(&mut self, idle: u32) -> Option<Command> {
+    /// The next command. For [`SPIN`] after the last progress the channel (and, by the loop,
+    /// the oldest op's event) is polled without giving up the core: a caller that waits for each
+    /// op submits its next one within that, and a small op completes within it. After that,
+    /// with ops in flight, a few yields and then sleeps growing from 20 µs to 1 ms; with none,
+    /// a blocking receive.
+    fn next(&mut self, wait: &mut Wait) -> Option<Command> {
         if let Some(c) = self.stash.take() {
             return Some(c);
         }
-        if self.in_flight.is_empty() {
+        let pause = if Instant::now() < wait.spin_until {
+            std::hint::spin_loop();
+            None
+        } else if self.in_flight.is_empty() {
             if self.disconnected {
                 return None;
             }
@@ -402,9 +444,17 @@ impl Actor {
                     None
                 }
             };
-        }
-        if idle < 32 {
-            std::thread::yield_now();
+        } else {
+            wait.idle = wait.idle.saturating_add(1);
+            match wait.idle {
+                i if i < YIELD_TURNS => {
+                    std::thread::yield_now();
+                    None
+                }
+                i => Some(Duration::from_micros(20u64 << (i - YIELD_TURNS).min(6)).min(Duration::from_millis(1))),
+            }
+        };
+        let Some(step) = pause else {
             return match self.rx.try_recv() {
                 Ok(c) => Some(c),
                 Err(TryRecvError::Empty) => None,
@@ -413,8 +463,7 @@ impl Actor {
                     None
                 }
             };
-        }
-        let step = Duration::from_micros(20u64 << (idle - 32).min(6)).min(Duration::from_millis(1));
+        };
         if self.disconnected {
             std::thread::sleep(step);
             return None;
@@ -524,7 +573,10 @@ impl Actor {
             Ok(())
         });
         let event = downloaded.map_err(|e| self.call_failure(e, name)).and_then(|()| {
-            let ev = self.cx.ctx.new_event(None).map_err(|e| cuda_error("cuEventCreate", &e))?;
+            let ev = match self.events.pop() {
+                Some(ev) => ev,
+                None => self.cx.ctx.new_event(None).map_err(|e| cuda_error("cuEventCreate", &e))?,
+            };
             ev.record(&self.cx.stream).map_err(|e| cuda_error("cuEventRecord", &e))?;
             Ok(Arc::new(ev))
         });
@@ -577,6 +629,12 @@ impl Actor {
                     let f = self.in_flight.pop_front().expect("front exists");
                     (f.finish)(Ok(&f.staged));
                     self.cx.pool.recycle(f.staged);
+                    // The last op of a batch gives the (fired) event back for reuse.
+                    if let Ok(ev) = Arc::try_unwrap(f.event) {
+                        if self.events.len() < MAX_EVENTS {
+                            self.events.push(ev);
+                        }
+                    }
                     progress = true;
                 }
                 Ok(false) if self.comm.state().is_gone() => {
@@ -741,6 +799,27 @@ mod tests {
         assert_eq!(class(1), 4096);
         assert_eq!(class(4097), 8192);
         assert_eq!(class(1 << 20), 1 << 20);
+    }
+
+    #[test]
+    fn the_pool_keeps_the_sizes_in_use_now() {
+        let (mut map, mut kept, limit) = (HashMap::<usize, Vec<u32>>::new(), 0, 256);
+        for (c, id) in [(128, 1), (64, 2), (32, 3), (16, 4)] {
+            keep(&mut map, &mut kept, limit, c, id);
+        }
+        assert_eq!(kept, 240);
+        // A buffer as large as the whole pool evicts the others, the largest first.
+        keep(&mut map, &mut kept, limit, 256, 5);
+        assert_eq!((kept, map[&256].as_slice()), (256, &[5][..]));
+        assert!(map.iter().all(|(&c, v)| c == 256 || v.is_empty()));
+        // A second one of the same class does not evict the first; one over the limit is dropped.
+        keep(&mut map, &mut kept, limit, 256, 6);
+        keep(&mut map, &mut kept, limit, 512, 7);
+        assert_eq!((kept, map[&256].as_slice()), (256, &[5][..]));
+        assert!(!map.contains_key(&512));
+        // Smaller ones evict it only as far as needed.
+        keep(&mut map, &mut kept, limit, 64, 8);
+        assert_eq!((kept, map[&64].as_slice()), (64, &[8][..]));
     }
 
     #[test]

@@ -235,3 +235,30 @@ async fn abort_on_timeout_poisons_the_group() {
     assert_eq!(ok.to_vec::<i64>().unwrap(), [3]);
     b.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_that_does_not_exist_is_refused() {
+    let Some(info) = gpu(1) else { return };
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let o = NcclOptions { device: Some(info.devices), ..opts(Duration::from_secs(30)) };
+    let e = NcclBackend::new(store, 0, 1, o).await.map(|_| ()).unwrap_err();
+    assert!(matches!(e, CommError::Unavailable { .. }), "{e:?}");
+    assert!(e.to_string().contains(&format!("device {}", info.devices)), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffer_on_another_device_is_refused() {
+    if gpu(2).is_none() {
+        return;
+    }
+    let b = one_rank(Duration::from_secs(30)).await;
+    let other = backend_nccl::cudarc::driver::CudaContext::new(1 - b.device()).unwrap();
+    let x = other.default_stream().clone_htod(&[1.0f32; 8]).unwrap();
+    let e = b.submit(DeviceAllReduce { buf: x, op: ReduceOp::Sum }).await.unwrap_err();
+    assert!(matches!(e, CommError::InvalidArgument { .. }), "{e:?}");
+    assert!(e.to_string().contains("lives on CUDA device"), "{e}");
+    // The group is still usable.
+    let ok = b.submit(AllReduce { buf: HostBuffer::from_slice(&[2.0f32]), op: ReduceOp::Sum }).await.unwrap();
+    assert_eq!(ok.to_vec::<f32>().unwrap(), [2.0]);
+    b.shutdown().await.unwrap();
+}
