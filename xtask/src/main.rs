@@ -11,7 +11,6 @@ use std::process::{Child, Command, ExitCode, ExitStatus};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-mod compare;
 mod mpi;
 mod progress;
 
@@ -49,6 +48,10 @@ commands:
                        osu_allreduce baseline), under mpirun
       --np N[,N...]    ranks (default 2); several: the whole run once per count (JSON reports
                        PATH.npN...), a side-by-side table per count
+      --rounds N       run every backend N times, interleaved (shm, mpi-raw, shm, ...; JSON
+                       reports PATH...rK...); the table shows each row's median round and its
+                       spread (slowest / fastest round), so a machine that changes speed
+                       during the run shows as spread, not as a false ratio
       --op LIST        all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,reduce or all
                        (default all_reduce)
       --dtype LIST     f32,bf16,f16,f64,i32,i64,i8,u8 or all (default f32)
@@ -500,6 +503,8 @@ struct BenchArgs {
     baseline: Vec<PathBuf>,
     /// Show the progress (not `--no-progress`).
     progress: bool,
+    /// `--rounds`: how many times each backend runs, interleaved with the others.
+    rounds: u32,
     /// Flags passed through to comm-bench.
     forward: Vec<String>,
 }
@@ -515,6 +520,7 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
         svg: None,
         baseline: Vec::new(),
         progress: true,
+        rounds: 1,
         forward: Vec::new(),
     };
     let mut it = args.iter();
@@ -535,7 +541,7 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
             Some((f, v)) if f.starts_with("--") => (f, Some(v.to_owned())),
             _ => (arg.as_str(), None),
         };
-        if !["--backend", "--np", "--svg", "--baseline"].contains(&flag) && !FORWARDED.contains(&flag) {
+        if !["--backend", "--np", "--svg", "--baseline", "--rounds"].contains(&flag) && !FORWARDED.contains(&flag) {
             return Err(Failure::usage(format!("`bench` does not take `{arg}`")));
         }
         let value = match inline {
@@ -557,6 +563,14 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
                         Failure::usage(format!("--np {value}: expected numbers of ranks ≥ 1 (e.g. 2 or 2,4,8)"))
                     })?;
                 b.np = b.nps.iter().copied().max().unwrap_or(2);
+            }
+            "--rounds" => {
+                b.rounds = value
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|&n: &u32| n >= 1)
+                    .ok_or_else(|| Failure::usage(format!("--rounds {value}: expected a number of rounds ≥ 1")))?;
             }
             "--json" => b.json = Some(PathBuf::from(value)),
             "--svg" => b.svg = Some(PathBuf::from(value)),
@@ -713,6 +727,21 @@ fn baseline_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
+/// Where a backend's report goes when the user gave no `--json`.
+fn scratch(target: &Path, backend: &str) -> PathBuf {
+    target.join("xtask-bench").join(format!("{backend}.json"))
+}
+
+/// `PATH` with `.rN` before the extension: round N of `--rounds`.
+fn round_path(path: &Path, round: u32) -> PathBuf {
+    let stem = path.file_stem().map_or_else(|| "bench".into(), |s| s.to_string_lossy().into_owned());
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.r{round}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.r{round}"),
+    };
+    path.with_file_name(name)
+}
+
 /// `PATH` for one backend, `PATH` with `.<backend>` before the extension for several.
 fn json_path(path: &Path, backend: &str, several: bool) -> PathBuf {
     if !several {
@@ -777,8 +806,9 @@ fn bench(args: &[String]) -> Result {
     let mut first_failure = None;
     let mut reports = Vec::new();
     for &np in &b.nps {
-        let mut np_reports = Vec::new();
-        for backend in &b.backends {
+        let mut np_reports: Vec<(String, PathBuf, u32)> = Vec::new();
+        let runs = (1..=b.rounds).flat_map(|round| b.backends.iter().map(move |k| (round, k)));
+        for (round, backend) in runs {
             // With several rank counts each gets its own report (`PATH.npN...`).
             let json_base = b.json.as_ref().map(|p| match b.nps.len() {
                 1 => p.clone(),
@@ -786,10 +816,15 @@ fn bench(args: &[String]) -> Result {
             });
             let json = match &json_base {
                 Some(p) => Some(json_path(p, backend, several)),
-                None if several || b.svg.is_some() => Some(compare::scratch(&target_root, backend)),
+                None if several || b.rounds > 1 || b.svg.is_some() => Some(scratch(&target_root, backend)),
                 None => None,
+            }
+            .map(|p| if b.rounds > 1 { round_path(&p, round) } else { p });
+            let label = match b.rounds {
+                1 => format!("bench {backend}, {np} ranks"),
+                n => format!("bench {backend}, {np} ranks, round {round} of {n}"),
             };
-            let r = step(&format!("bench {backend}, {np} ranks"), || {
+            let r = step(&label, || {
                 let mut c = if backend.starts_with("mpi") {
                     mpi::mpirun(np)
                 } else {
@@ -819,18 +854,30 @@ fn bench(args: &[String]) -> Result {
                 }
             });
             match r {
-                Ok(()) => np_reports.extend(json.map(|p| (backend.clone(), p))),
+                Ok(()) => np_reports.extend(json.map(|p| (backend.clone(), p, round))),
                 Err(e) => {
                     eprintln!("xtask: {}", e.msg);
                     first_failure.get_or_insert(e);
                 }
             }
         }
-        if several && np_reports.len() > 1 {
+        if np_reports.len() > 1 {
             println!("\n== {} side by side, {np} ranks ==", b.backends.join(" vs "));
-            print!("{}", compare::table(&compare::load(&np_reports)?, np));
+            let mut c = Command::new(target.join("comm-bench"));
+            c.current_dir(root()).arg("compare");
+            for k in &b.backends {
+                let paths: Vec<String> =
+                    np_reports.iter().filter(|(x, ..)| x == k).map(|(_, p, _)| p.display().to_string()).collect();
+                if !paths.is_empty() {
+                    c.arg(format!("{k}={}", paths.join(",")));
+                }
+            }
+            if let Err(e) = run(c) {
+                first_failure.get_or_insert(e);
+            }
         }
-        reports.extend(np_reports);
+        // The plot draws one line per backend and dtype: the first round's.
+        reports.extend(np_reports.into_iter().filter(|r| r.2 == 1).map(|(k, p, _)| (k, p)));
     }
     if let (Some(svg), false) = (&b.svg, reports.is_empty()) {
         step("plot", || {
@@ -866,6 +913,9 @@ mod tests {
         let sweep = parse_bench(&args("--np 2,8,4")).unwrap();
         assert_eq!((sweep.nps, sweep.np), (vec![2, 8, 4], 8));
         assert!(parse_bench(&args("--np 2,x")).is_err() && parse_bench(&args("--np 0")).is_err());
+        assert_eq!(parse_bench(&args("--rounds 3")).unwrap().rounds, 3);
+        assert!(parse_bench(&args("--rounds 0")).is_err() && parse_bench(&args("--rounds x")).is_err());
+        assert_eq!(round_path(Path::new("a/b.json"), 2), PathBuf::from("a/b.r2.json"));
         assert_eq!(b.json, Some(PathBuf::from("out.json")));
         assert_eq!(b.forward, args("--op all_reduce,all_gather --dtype bf16 --sizes 8B..1MiB:x8 --no-check --root 1"));
         assert_eq!(parse_bench(&args("--backend SHM,mpi")).unwrap().backends, ["shm", "mpi"]);

@@ -8,6 +8,7 @@
 
 mod baseline;
 mod cases;
+mod compare;
 mod heap;
 #[cfg(feature = "profiling")]
 mod overhead;
@@ -186,6 +187,9 @@ struct Cli {
 enum Command {
     /// Plot saved --json reports as an SVG (see PLOT in `comm-bench --help`).
     Plot(plot::PlotArgs),
+    /// Saved --json reports side by side (`BACKEND=REPORT[,REPORT...]`, several reports being
+    /// rounds of one backend: median and spread per row), with time ratios to the first.
+    Compare(compare::CompareArgs),
 }
 
 /// The parsed, validated request.
@@ -290,11 +294,16 @@ fn dedup<T: PartialEq + Copy>(v: &mut Vec<T>) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Some(Command::Plot(args)) = &cli.command {
-        return match plot::main(args) {
+    let sub = match &cli.command {
+        Some(Command::Plot(args)) => Some(("plot", plot::main(args))),
+        Some(Command::Compare(args)) => Some(("compare", compare::main(args))),
+        None => None,
+    };
+    if let Some((name, result)) = sub {
+        return match result {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                eprintln!("comm-bench plot: {e}");
+                eprintln!("comm-bench {name}: {e}");
                 ExitCode::FAILURE
             }
         };

@@ -1,4 +1,5 @@
-//! Reading back the JSON reports that `--json` writes, for `--baseline` and `comm-bench plot`.
+//! Reading back the JSON reports that `--json` writes, for `--baseline`, `comm-bench plot` and
+//! `comm-bench compare`.
 //!
 //! The reader is lenient: unknown fields are ignored, and a row without its own `backend` or
 //! `np` takes the document's (reports written before those fields were per row).
@@ -20,6 +21,9 @@ pub(crate) struct SavedRow {
     pub(crate) backend: String,
     #[serde(default)]
     pub(crate) np: u32,
+    /// Wrong elements (`None`: not checked).
+    #[serde(default)]
+    pub(crate) wrong: Option<u64>,
 }
 
 /// A saved report: its machine description and rows.
