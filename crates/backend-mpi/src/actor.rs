@@ -10,10 +10,11 @@
 //!
 //! A collective is a chain of steps: each step is one nonblocking call plus a continuation that
 //! runs when it completes (and may issue the next call). With checking on (the default), step
-//! one gathers a 32-byte header from every rank (op, dtype, count, root, reduce op); all ranks
-//! see the same headers, so they all detect a mismatch alike and fail with
-//! [`CommError::Mismatch`] instead of feeding MPI mismatched calls (which MPI does not detect:
-//! it hangs, corrupts or aborts).
+//! one gathers a fixed-size slot from every rank: a 32-byte header (op, dtype, count, root,
+//! reduce op) and, for a small op, its data; all ranks see the same headers, so they all detect
+//! a mismatch alike and fail with [`CommError::Mismatch`] instead of feeding MPI mismatched
+//! calls (which MPI does not detect: it hangs, corrupts or aborts), and a small op finishes from
+//! the slots without a second call.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
@@ -265,8 +266,35 @@ impl Env<'_> {
 
 type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError>>;
 
-/// How a planned collective starts, once every rank agreed on its header.
-type Start = Box<dyn FnOnce(&Env<'_>) -> Result<Step, CommError>>;
+/// How a planned collective starts, once every rank agreed on its header; given the gathered
+/// exchange when it carried every rank's [`Plan::payload`] (then a small op finishes from it).
+type Start = Box<dyn FnOnce(&Env<'_>, Option<&Exchange>) -> Result<Step, CommError>>;
+
+/// Bytes per rank of the exchange before every collective: the 32-byte header, then up to
+/// [`INLINE`] bytes of data. One fixed size, so the first MPI call of every op has the same
+/// count on every rank whatever the ranks called (MPI cannot detect mismatched counts).
+const EXCHANGE_SLOT: usize = 256;
+/// The most data a small op ships inside the exchange (and then needs no other MPI call).
+const INLINE: usize = EXCHANGE_SLOT - 32;
+
+/// Every rank's exchange slot, gathered.
+struct Exchange {
+    all: HostBuffer,
+}
+
+impl Exchange {
+    /// The first `len` bytes of rank `p`'s data.
+    fn data(&self, p: usize, len: usize) -> &[u8] {
+        let at = p * EXCHANGE_SLOT + 32;
+        &self.all.as_bytes()[at..at + len]
+    }
+
+    /// Rank `p`'s header.
+    fn header(&self, p: usize) -> Option<Header> {
+        let words: &[u64] = bytemuck::cast_slice(&self.all.as_bytes()[p * EXCHANGE_SLOT..p * EXCHANGE_SLOT + 32]);
+        Header::decode(words)
+    }
+}
 
 enum Step {
     /// Wait for the request, then continue.
@@ -330,8 +358,16 @@ struct Active {
 struct Plan {
     name: &'static str,
     header: Header,
+    /// What this rank ships in the exchange for an op small enough to finish from it (every
+    /// rank of an op with a matching header has one, possibly empty).
+    payload: Option<Vec<u8>>,
     start: Start,
     reply: Reply,
+}
+
+/// The payload of an op whose data (`bytes` on every rank, by the header) fits the exchange.
+fn inline(bytes: usize, data: impl FnOnce() -> Vec<u8>) -> Option<Vec<u8>> {
+    (bytes <= INLINE).then(data)
 }
 
 /// Slice `i` of `len` elements cut in `parts`, boundaries on 16 elements: `(offset, len)`.
@@ -370,10 +406,21 @@ fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) 
     let (dtype, len) = (buf.dtype(), buf.len());
     let (name, code) = if root.is_some() { ("reduce", OP_REDUCE) } else { ("all_reduce", OP_ALL_REDUCE) };
     let header = Header::new(code, Some(dtype), len, root, Some(op));
-    let start = move |env: &Env<'_>| -> Result<Step, CommError> {
+    let payload = inline(buf.byte_len(), || buf.as_bytes().to_vec());
+    let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
         let (me, n) = (env.rank, env.size);
         let root = root.map(|r| r as usize);
         let keep = root.is_none_or(|r| r == me);
+        if let (Some(ex), true) = (ex, local_reduction(env.params, dtype)) {
+            // Every input came with the headers: reduce them in rank order, no other call.
+            let mut buf = buf;
+            if keep {
+                let bytes = buf.byte_len();
+                let ins: Vec<&[u8]> = (0..n).map(|p| ex.data(p, bytes)).collect();
+                kernels::reduce(dtype, op, &ins, buf.as_bytes_mut());
+            }
+            return done(buf);
+        }
         if !local_reduction(env.params, dtype) {
             let mpi = mpi_op(env, dtype, op)?;
             let recv = keep.then(|| env.buffer(dtype, len));
@@ -417,7 +464,7 @@ fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) 
         let per = (env.params.chunk / es).max(16 * n);
         large_reduce(env, buf, 0, Chunks { dtype, op, len, root, per })
     };
-    Plan { name, header, start: Box::new(start), reply }
+    Plan { name, header, payload, start: Box::new(start), reply }
 }
 
 /// A large exact all_reduce / reduce, processed `per` elements at a time.
@@ -485,7 +532,7 @@ fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks) -> Result
 fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
     let (dtype, len, op) = (r.input.dtype(), r.input.len(), r.op);
     let header = Header::new(OP_REDUCE_SCATTER, Some(dtype), len, None, Some(op));
-    let start = move |env: &Env<'_>| -> Result<Step, CommError> {
+    let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
         let n = env.size;
         let block = len / n;
         let out = r.output.unwrap_or_else(|| env.buffer(dtype, block));
@@ -507,7 +554,7 @@ fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
         let per = (env.params.chunk / n / dtype.size()).max(16);
         scatter_reduce(env, r.input, out, 0, Chunks { dtype, op, len: block, root: None, per })
     };
-    Plan { name: "reduce_scatter", header, start: Box::new(start), reply }
+    Plan { name: "reduce_scatter", header, payload: None, start: Box::new(start), reply }
 }
 
 /// Chunk `[off, off + per)` of every block of a large exact reduce_scatter into `out`, then
@@ -534,7 +581,7 @@ fn scatter_reduce(env: &Env<'_>, input: HostBuffer, out: HostBuffer, off: usize,
 fn plan_all_to_all(r: AllToAll, reply: Reply) -> Plan {
     let dtype = r.input.dtype();
     let header = Header::new(OP_ALL_TO_ALL, Some(dtype), 0, None, None);
-    let start = move |env: &Env<'_>| -> Result<Step, CommError> {
+    let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
         let n = env.size;
         let (ins, outs) = r.splits(n as u32);
         let offsets = |v: &[usize]| -> Vec<(usize, usize)> {
@@ -576,7 +623,7 @@ fn plan_all_to_all(r: AllToAll, reply: Reply) -> Plan {
             exchange(env)
         }))
     };
-    Plan { name: "all_to_all", header, start: Box::new(start), reply }
+    Plan { name: "all_to_all", header, payload: None, start: Box::new(start), reply }
 }
 
 /// The plan of a collective command.
@@ -588,28 +635,43 @@ fn plan(cmd: Cmd) -> Plan {
         Cmd::AllToAll(r, d) => plan_all_to_all(r, Reply::Buf(d)),
         Cmd::Broadcast(r, d) => {
             let header = Header::new(OP_BROADCAST, Some(r.buf.dtype()), r.buf.len(), Some(r.root), None);
-            let start = move |env: &Env<'_>| -> Result<Step, CommError> {
-                let req = raw::ibcast(env.comm, r.buf, r.root as i32)?;
+            let payload = inline(r.buf.byte_len(), || r.buf.as_bytes().to_vec());
+            let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+                let mut buf = r.buf;
+                if let Some(ex) = ex {
+                    let bytes = buf.byte_len();
+                    buf.as_bytes_mut().copy_from_slice(ex.data(r.root as usize, bytes));
+                    return done(buf);
+                }
+                let req = raw::ibcast(env.comm, buf, r.root as i32)?;
                 Ok(wait(req, |_, b| done(take(b.recv)?)))
             };
-            Plan { name: "broadcast", header, start: Box::new(start), reply: Reply::Buf(d) }
+            Plan { name: "broadcast", header, payload, start: Box::new(start), reply: Reply::Buf(d) }
         }
         Cmd::AllGather(r, d) => {
             let (dtype, len) = (r.input.dtype(), r.input.len());
             let header = Header::new(OP_ALL_GATHER, Some(dtype), len, None, None);
-            let start = move |env: &Env<'_>| -> Result<Step, CommError> {
-                let out = r.output.unwrap_or_else(|| env.buffer(dtype, len * env.size));
+            let payload = inline(r.input.byte_len(), || r.input.as_bytes().to_vec());
+            let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+                let mut out = r.output.unwrap_or_else(|| env.buffer(dtype, len * env.size));
+                if let Some(ex) = ex {
+                    let b = r.input.byte_len();
+                    for p in 0..env.size {
+                        out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(ex.data(p, b));
+                    }
+                    return done(out);
+                }
                 let req = raw::iallgather(env.comm, r.input, out)?;
                 Ok(wait(req, |env, b| {
                     env.recycle(b.send);
                     done(take(b.recv)?)
                 }))
             };
-            Plan { name: "all_gather", header, start: Box::new(start), reply: Reply::Buf(d) }
+            Plan { name: "all_gather", header, payload, start: Box::new(start), reply: Reply::Buf(d) }
         }
         Cmd::Scatter(r, d) => {
             let header = Header::new(OP_SCATTER, Some(r.output.dtype()), r.output.len(), Some(r.root), None);
-            let start = move |env: &Env<'_>| -> Result<Step, CommError> {
+            let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
                 let input = r.input.filter(|_| env.rank == r.root as usize);
                 let req = raw::iscatter(env.comm, input, r.output, r.root as i32)?;
                 Ok(wait(req, |env, b| {
@@ -617,12 +679,12 @@ fn plan(cmd: Cmd) -> Plan {
                     done(take(b.recv)?)
                 }))
             };
-            Plan { name: "scatter", header, start: Box::new(start), reply: Reply::Buf(d) }
+            Plan { name: "scatter", header, payload: None, start: Box::new(start), reply: Reply::Buf(d) }
         }
         Cmd::Gather(r, d) => {
             let (dtype, len) = (r.input.dtype(), r.input.len());
             let header = Header::new(OP_GATHER, Some(dtype), len, Some(r.root), None);
-            let start = move |env: &Env<'_>| -> Result<Step, CommError> {
+            let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
                 let is_root = env.rank == r.root as usize;
                 let out = is_root.then(|| r.output.unwrap_or_else(|| env.buffer(dtype, len * env.size)));
                 let req = raw::igather(env.comm, r.input, out, r.root as i32)?;
@@ -634,10 +696,10 @@ fn plan(cmd: Cmd) -> Plan {
                     done(take(b.recv)?)
                 }))
             };
-            Plan { name: "gather", header, start: Box::new(start), reply: Reply::Buf(d) }
+            Plan { name: "gather", header, payload: None, start: Box::new(start), reply: Reply::Buf(d) }
         }
         Cmd::Barrier(d) => {
-            let start = |env: &Env<'_>| -> Result<Step, CommError> {
+            let start = |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
                 // With checking on, the header exchange already was a barrier.
                 if env.params.check || env.size == 1 {
                     return Ok(Step::Done(Out::Unit));
@@ -647,6 +709,7 @@ fn plan(cmd: Cmd) -> Plan {
             Plan {
                 name: "barrier",
                 header: Header::new(OP_BARRIER, None, 0, None, None),
+                payload: None,
                 start: Box::new(start),
                 reply: Reply::Unit(d),
             }
@@ -654,14 +717,14 @@ fn plan(cmd: Cmd) -> Plan {
         Cmd::NewGroup(ranks, d) => {
             let mut header = Header::new(OP_NEW_GROUP, None, ranks.len(), None, None);
             header.extra = hash_ranks(&ranks);
-            let start = move |env: &Env<'_>| -> Result<Step, CommError> {
+            let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
                 // Every rank of the parent passed the header exchange, so all of them are
                 // about to call the (blocking) split: it cannot hang on a missing rank.
                 let key = ranks.iter().position(|&r| r as usize == env.rank).map(|p| p as i32);
                 let comm = env.comm.split(key).map_err(raw::MpiError::into_comm)?;
                 Ok(Step::Done(Out::Comm(comm)))
             };
-            Plan { name: "new_group", header, start: Box::new(start), reply: Reply::Group(d) }
+            Plan { name: "new_group", header, payload: None, start: Box::new(start), reply: Reply::Group(d) }
         }
         Cmd::Send(..) | Cmd::Recv(..) => unreachable!("point-to-point commands are never planned as collectives"),
     }
@@ -1310,7 +1373,7 @@ fn start_collective(
     graveyard: &mut Vec<Request>,
     born: &mut Born,
 ) {
-    let Plan { name, header, start, reply } = plan(cmd);
+    let Plan { name, header, payload, start, reply } = plan(cmd);
     if g.params.panic_at == Some(name) {
         panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", g.info.rank);
     }
@@ -1318,19 +1381,23 @@ fn start_collective(
     let exchange = g.info.size > 1 && (g.params.check || header.op == OP_NEW_GROUP);
     let env = g.env(half, pool);
     let first = if exchange {
-        // u64 words travel as i64: same bits.
-        let mine = HostBuffer::from_bytes(DType::I64, bytemuck::cast_slice(&header.encode())).expect("whole words");
-        let all = HostBuffer::zeroed(DType::I64, 4 * env.size);
+        // The header (and a small op's data) of every rank, one fixed-size slot each.
+        let mut mine = HostBuffer::zeroed(DType::U8, EXCHANGE_SLOT);
+        mine.as_bytes_mut()[..32].copy_from_slice(bytemuck::cast_slice(&header.encode()));
+        if let Some(p) = &payload {
+            mine.as_bytes_mut()[32..32 + p.len()].copy_from_slice(p);
+        }
+        let all = HostBuffer::zeroed(DType::U8, EXCHANGE_SLOT * env.size);
         let what2 = what.clone();
         raw::iallgather(env.comm, mine, all).map(|req| {
             wait(req, move |env, b| {
-                let all = take(b.recv)?;
-                verify(&all, &header, env.rank, &what2)?;
-                start(env)
+                let ex = Exchange { all: take(b.recv)? };
+                verify(&ex, env.size, &header, env.rank, &what2)?;
+                start(env, payload.is_some().then_some(&ex))
             })
         })
     } else {
-        start(&env)
+        start(&env, None)
     };
     match first {
         Ok(Step::Wait(req, cont)) => g.active = Some(Active { what, started: Instant::now(), req, cont, reply }),
@@ -1350,9 +1417,8 @@ fn start_collective(
 }
 
 /// Compares every rank's header with rank 0's (so every rank reaches the same verdict).
-fn verify(all: &HostBuffer, mine: &Header, me: usize, what: &str) -> Result<(), CommError> {
-    let words: &[u64] = bytemuck::cast_slice(all.as_bytes());
-    let headers: Vec<Option<Header>> = words.chunks(4).map(Header::decode).collect();
+fn verify(ex: &Exchange, n: usize, mine: &Header, me: usize, what: &str) -> Result<(), CommError> {
+    let headers: Vec<Option<Header>> = (0..n).map(|p| ex.header(p)).collect();
     let op = op_name(mine.op);
     let Some(first) = headers[0] else {
         return Err(CommError::Mismatch {

@@ -128,7 +128,7 @@ fn an_isend_does_not_block_collectives() {
 fn mismatched_calls_are_errors_not_aborts() {
     let Some(job) = job(2, "mismatch", &[], Duration::from_secs(120)) else { return };
     assert_eq!(job.code, Some(0), "mismatches must not abort the job: {job}");
-    for want in ["size", "op", "splits", "truncated", "short", "dtype", "poisoned"] {
+    for want in ["size", "inline", "op", "splits", "truncated", "short", "dtype", "poisoned"] {
         let seen = lines(&job, &format!("MISMATCH-OK {want}"));
         let expect = if matches!(want, "truncated" | "short" | "dtype") { 1 } else { 2 };
         assert_eq!(seen.len(), expect, "`{want}` reported by {expect} rank(s): {job}");
@@ -287,6 +287,13 @@ async fn mismatch() -> i32 {
         Err(CommError::Poisoned { .. }) => println!("MISMATCH-OK poisoned rank {me}"),
         other => panic!("expected Poisoned after a mismatch, got {other:?}"),
     }
+
+    // One rank's data fits the header exchange, the other's does not: the exchange is the
+    // same call on both, so both see the mismatch (neither hangs in a second call).
+    let w = MpiBackend::init(short.clone()).await.unwrap();
+    let len = if me == 0 { 2 } else { 1 << 16 };
+    let got = w.submit(AllReduce { buf: f32s(&vec![1.0; len]), op: ReduceOp::Sum }).await;
+    expect_mismatch("inline", me, got, &["f32 × 65536", "f32 × 2"]);
 
     // Different ops.
     let w = MpiBackend::init(short.clone()).await.unwrap();

@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicUsize;
-use std::sync::atomic::Ordering::{Acquire, SeqCst};
+use std::sync::atomic::Ordering::{Acquire, Release, SeqCst};
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -505,13 +505,12 @@ impl Engine {
         self.seq += 1;
         self.op = op.name();
         let hdr = op.header(self);
-        // SAFETY: every peer published `k - 1` (checked above): see `begin`.
-        unsafe { self.me().write(self.lay.step_header(k), StepHeader { step: k, ..hdr }) };
+        self.write_header(k, &hdr);
         self.phase = Phase::Writable(k);
         op.io(self.rank, Io::Write(self.window_mut(k)));
         self.announce(k);
         let t0 = Instant::now();
-        while !self.reached(k) {
+        while !self.headers_reached(k) {
             let waited = t0.elapsed();
             if waited >= budget + INLINE_YIELD {
                 self.parked = Some(Parked { op, k, hdr, done: None });
@@ -882,11 +881,26 @@ impl Engine {
     fn begin(&mut self, hdr: &StepHeader) -> Result<u64> {
         let k = self.step + 1;
         self.wait_all(k - 1)?;
-        // SAFETY: every peer published `k - 1`, so all reads of this buffer from step `k - 2`
-        // are finished, and we publish `k` only after writing.
-        unsafe { self.me().write(self.lay.step_header(k), StepHeader { step: k, ..*hdr }) };
+        self.write_header(k, hdr);
         self.phase = Phase::Writable(k);
         Ok(k)
+    }
+
+    /// Writes our header of step `k` but its step word, which [`announce`](Self::announce)
+    /// sets. Only once every peer published `k - 1`.
+    fn write_header(&self, k: u64, hdr: &StepHeader) {
+        // SAFETY: every peer published `k - 1`, so all reads of this header from step `k - 2`
+        // are finished; peers read it again only after `announce(k)` sets its step word, and
+        // the step word (the first 8 bytes, atomic only) is not written here.
+        unsafe { self.me().write(self.lay.step_header(k) + 8, hdr.body()) };
+    }
+
+    /// Whether every peer's header of step `k` is published: the inline path's wait, which
+    /// finds the step and the header in one cache line (the worker waits on the step counter,
+    /// which its sleeping protocol is built on).
+    fn headers_reached(&self, k: u64) -> bool {
+        let at = self.lay.step_header(k);
+        (0..self.world).all(|p| p == self.rank || self.segs[p].u64_at(at).load(Acquire) >= k)
     }
 
     /// Our buffer for step `k`, while writable.
@@ -906,6 +920,8 @@ impl Engine {
 
     /// Publishes step `k` (release) and wakes sleeping peers.
     fn announce(&mut self, k: u64) {
+        // The header's step word first: a peer that sees it reads the header and data.
+        self.me().u64_at(self.lay.step_header(k)).store(k, Release);
         self.me().u64_at(OFF_STEP).store(k, SeqCst);
         self.step = k;
         self.phase = Phase::Idle;

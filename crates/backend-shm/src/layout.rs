@@ -6,7 +6,7 @@
 //! 128   doorbell + sleeping flag: futex word peers ring               (line 2)
 //! 192   abort reason (256 bytes of UTF-8)
 //! 512   p2p counters, one cache line each: sent[peer]..., acked[peer]...
-//! coll  2 × (64-byte step header + 64-byte zero-copy name + window)   double-buffered window
+//! coll  2 × (64-byte step header + window + 64-byte zero-copy name)   double-buffered window
 //! p2p   world × SLOTS × (64-byte msg header + slot)   one mailbox per destination
 //! ```
 //! Every rank writes only its own segment; peers read it.
@@ -40,8 +40,9 @@ pub(crate) const REASON_LEN: usize = 256;
 const OFF_P2P_COUNTERS: usize = 512;
 const LINE: usize = 64;
 const HDR: usize = 64;
-/// A collective buffer's header: the step header, then the name of the rank's zero-copy
-/// buffer for that step (NUL-padded) when it uses one.
+/// A collective buffer's overhead: the step header before the data (so a small op's data is
+/// the line next to the one a waiting peer polls), the name of the rank's zero-copy buffer for
+/// that step (NUL-padded) after it.
 const COLL_HDR: usize = 2 * HDR;
 pub(crate) const NAME_LEN: usize = HDR;
 
@@ -88,19 +89,21 @@ impl Layout {
         OFF_P2P_COUNTERS + (self.world + peer) * LINE
     }
 
-    /// Header of the collective buffer used by step `k`.
+    /// Header of the collective buffer used by step `k`. Its first word is the header's
+    /// step, written last (atomically, release) when the step is published: a peer waiting
+    /// for the step polls this line and finds the header with it.
     pub(crate) fn step_header(&self, k: u64) -> usize {
         self.coll + (k % 2) as usize * (COLL_HDR + self.window)
     }
 
-    /// Zero-copy buffer name of step `k` (`NAME_LEN` bytes).
-    pub(crate) fn step_name(&self, k: u64) -> usize {
+    /// Data of the collective buffer used by step `k` (`window` bytes).
+    pub(crate) fn step_data(&self, k: u64) -> usize {
         self.step_header(k) + HDR
     }
 
-    /// Data of the collective buffer used by step `k` (`window` bytes).
-    pub(crate) fn step_data(&self, k: u64) -> usize {
-        self.step_header(k) + COLL_HDR
+    /// Zero-copy buffer name of step `k` (`NAME_LEN` bytes).
+    pub(crate) fn step_name(&self, k: u64) -> usize {
+        self.step_data(k) + self.window
     }
 
     /// Header of the mailbox slot for chunk number `chunk` to `peer`.
@@ -119,6 +122,7 @@ impl Layout {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub(crate) struct StepHeader {
+    /// Only ever accessed atomically in the segment (see [`Layout::step_header`]).
     pub(crate) step: u64,
     pub(crate) seq: u64,
     pub(crate) count: u64,
@@ -145,6 +149,16 @@ pub(crate) struct MsgHeader {
 
 const _: () = assert!(size_of::<StepHeader>() == HDR && size_of::<MsgHeader>() == HDR);
 
+impl StepHeader {
+    /// The header's bytes after `step` (which is written separately, atomically).
+    pub(crate) fn body(&self) -> [u64; HDR / 8 - 1] {
+        let all: [u64; HDR / 8] = bytemuck::cast(*self);
+        let mut body = [0; HDR / 8 - 1];
+        body.copy_from_slice(&all[1..]);
+        body
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,8 +168,9 @@ mod tests {
         for world in 1..=16 {
             let l = Layout::new(world, 1 << 16, 1 << 13).unwrap();
             assert!(l.acked(world - 1) + 8 <= l.step_header(0));
-            assert_eq!(l.step_data(0) + l.window, l.step_header(1));
-            assert!(l.step_data(1) + l.window <= l.msg_header(0, 0));
+            assert_eq!(l.step_data(0), l.step_header(0) + 64);
+            assert_eq!(l.step_name(0) + NAME_LEN, l.step_header(1));
+            assert!(l.step_name(1) + NAME_LEN <= l.msg_header(0, 0));
             assert!(l.msg_data(world - 1, 1) + l.slot <= l.total);
             assert_eq!(l.step_header(0) % 64, 0);
             assert_eq!(l.msg_data(1 % world, 1) % 64, 0);
