@@ -172,6 +172,10 @@ mod avx512 {
             // SAFETY: this tier runs only where the CPU has AVX-512 F.
             return unsafe { half_simd::x86::reduce_avx512(op, inputs, out, copy) };
         }
+        if dtype == DType::BF16 && out.len() / 2 > SMALL {
+            // SAFETY: as above.
+            return unsafe { half_simd::x86::reduce_bf16_avx512(op, inputs, out, copy) };
+        }
         reduce_generic(dtype, op, inputs, out, copy)
     }
 }
@@ -426,6 +430,95 @@ mod half_simd {
             max2,
             set1x2
         );
+
+        // bf16 on AVX-512: the AVX2 kernel's even/odd scheme on 32 lanes. The compiler's
+        // widening (`vpmovzxwd`) and narrowing (`vpmovdw`) are cross-lane moves, slow on CPUs
+        // that run 512-bit operations as two 256-bit halves (Zen 4).
+        fused!(
+            reduce_bf16_avx512,
+            DType::BF16,
+            "avx512f",
+            32,
+            __m512i,
+            _mm512_loadu_si512,
+            _mm512_storeu_si512,
+            bf16x32_to_w2,
+            bf16x32_to_w2_raw,
+            w2_to_bf16x32,
+            0,
+            addw,
+            mulw,
+            divw,
+            minw,
+            maxw,
+            set1w
+        );
+
+        /// 32 f32 lanes as two AVX-512 registers (even lanes, odd lanes).
+        #[derive(Clone, Copy)]
+        struct W2(__m512, __m512);
+
+        macro_rules! pairwise512 {
+            ($($name:ident => $f:ident),*) => {$(
+                #[target_feature(enable = "avx512f")]
+                fn $name(a: W2, b: W2) -> W2 {
+                    W2($f(a.0, b.0), $f(a.1, b.1))
+                }
+            )*};
+        }
+        pairwise512!(addw => _mm512_add_ps, mulw => _mm512_mul_ps, divw => _mm512_div_ps, minw => _mm512_min_ps,
+            maxw => _mm512_max_ps);
+
+        #[target_feature(enable = "avx512f")]
+        fn set1w(x: f32) -> W2 {
+            W2(_mm512_set1_ps(x), _mm512_set1_ps(x))
+        }
+
+        /// [`bf16_bits_to_f32`] on 32 lanes, as (even lanes, odd lanes): widen, quiet the NaNs.
+        #[target_feature(enable = "avx512f")]
+        fn bf16x32_to_w2(h: __m512i) -> W2 {
+            let quiet = |x: __m512i| {
+                let abs = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFF_FFFF));
+                let nan = _mm512_cmpgt_epi32_mask(abs, _mm512_set1_epi32(0x7F80_0000));
+                _mm512_castsi512_ps(_mm512_mask_or_epi32(x, nan, x, _mm512_set1_epi32(0x0040_0000)))
+            };
+            let W2(even, odd) = bf16x32_to_w2_raw(h);
+            W2(quiet(_mm512_castps_si512(even)), quiet(_mm512_castps_si512(odd)))
+        }
+
+        /// Widen only (see [`bf16x16_to_x2_raw`]).
+        #[target_feature(enable = "avx512f")]
+        fn bf16x32_to_w2_raw(h: __m512i) -> W2 {
+            let even = _mm512_slli_epi32::<16>(h);
+            let odd = _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF_0000_u32 as i32));
+            W2(_mm512_castsi512_ps(even), _mm512_castsi512_ps(odd))
+        }
+
+        /// [`f32_to_bf16_bits`] on (even lanes, odd lanes), as [`x2_to_bf16x16`].
+        #[target_feature(enable = "avx512f")]
+        fn w2_to_bf16x32<const R: i32>(v: W2) -> __m512i {
+            let rounded = |x: __m512i| {
+                let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+                _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)))
+            };
+            let (x0, x1) = (_mm512_castps_si512(v.0), _mm512_castps_si512(v.1));
+            let nan0 = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v.0, v.0);
+            let nan1 = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v.1, v.1);
+            let (r0, r1) = if nan0 | nan1 == 0 {
+                (rounded(x0), rounded(x1))
+            } else {
+                // A NaN keeps its high half, quieted (the rounding add could carry out of it).
+                let quiet = |x: __m512i| _mm512_or_si512(x, _mm512_set1_epi32(0x0040_0000));
+                (
+                    _mm512_mask_blend_epi32(nan0, rounded(x0), quiet(x0)),
+                    _mm512_mask_blend_epi32(nan1, rounded(x1), quiet(x1)),
+                )
+            };
+            _mm512_or_si512(
+                _mm512_srli_epi32::<16>(r0),
+                _mm512_and_si512(r1, _mm512_set1_epi32(0xFFFF_0000_u32 as i32)),
+            )
+        }
 
         /// 16 f32 lanes as two AVX2 registers: the bf16 AVX2 kernel works 16 elements at a
         /// time (two independent chains per iteration, one 256-bit store).
@@ -900,6 +993,17 @@ mod tests {
                     // SAFETY: AVX2 was detected just above.
                     unsafe { avx2::reduce(dtype, op, &views, out.as_bytes_mut(), None) };
                     got.push(("avx2", out));
+                }
+                #[cfg(target_arch = "x86_64")]
+                if std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512bw")
+                    && std::is_x86_feature_detected!("avx512vl")
+                {
+                    let mut out = HostBuffer::zeroed(dtype, ins[0].len());
+                    let views: Vec<Src<'_>> = ins.iter().map(|b| Src::Buf(b.as_bytes())).collect();
+                    // SAFETY: AVX-512 F/BW/VL were detected just above.
+                    unsafe { avx512::reduce(dtype, op, &views, out.as_bytes_mut(), None) };
+                    got.push(("avx512", out));
                 }
                 let want: &[u16] = bytemuck::cast_slice(want.as_bytes());
                 for (tier, out) in &got {

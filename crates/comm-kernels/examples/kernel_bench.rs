@@ -1,0 +1,32 @@
+//! Throughput of the reduction kernels in cache: a two-input sum per dtype and size, in GB/s
+//! of output. `COMM_SIMD=avx2` (or `portable`) forces a lower tier.
+//!
+//! ```text
+//! cargo run --release -p comm-kernels --example kernel_bench
+//! ```
+
+use std::time::Instant;
+
+use comm_core::{DType, HostBuffer, ReduceOp};
+
+fn main() {
+    println!("{:>6} {:>9} {:>10}", "dtype", "bytes", "GB/s");
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for bytes in [4usize << 10, 64 << 10, 256 << 10, 1 << 20] {
+            let len = bytes / dtype.size();
+            let a = HostBuffer::zeroed(dtype, len);
+            let b = HostBuffer::zeroed(dtype, len);
+            let mut out = HostBuffer::zeroed(dtype, len);
+            let iters = (256 << 20) / bytes;
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    comm_kernels::reduce(dtype, ReduceOp::Sum, &[a.as_bytes(), b.as_bytes()], out.as_bytes_mut());
+                }
+                best = best.min(t.elapsed().as_secs_f64() / iters as f64);
+            }
+            println!("{:>6} {:>9} {:>10.2}", dtype.to_string(), bytes, bytes as f64 / best / 1e9);
+        }
+    }
+}
