@@ -56,12 +56,203 @@ pub(crate) struct GroupInfo {
     pub(crate) world: bool,
     pub(crate) local_rank: Rank,
     pub(crate) local_size: u32,
+    /// Where callers may run small collectives themselves (MPI provides
+    /// `MPI_THREAD_MULTIPLE`).
+    pub(crate) lane: Option<Arc<Lane>>,
+}
+
+/// A group's collectives, shared by its handles and the actor: a caller runs a small one on
+/// its own thread (no hand-off to the actor and back) when the actor has none of this group's
+/// collectives queued or running; otherwise it queues it behind them. Either way the group's
+/// collectives are issued one at a time, in submission order.
+pub(crate) struct Lane {
+    state: Mutex<LaneState>,
+    params: Params,
+    /// How long a direct op polls before yielding between polls (zero when ranks outnumber
+    /// cores).
+    spin: Duration,
+}
+
+struct LaneState {
+    /// Collectives handed to the actor and not finished.
+    queued: usize,
+    /// The communicator, until the actor frees it.
+    comm: Option<raw::SharedComm>,
+    /// Direct ops so far (for messages).
+    seq: u64,
+}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane").finish_non_exhaustive()
+    }
+}
+
+impl Lane {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LaneState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A collective handed to the actor: counted in its lane until the actor is done with it.
+pub(crate) struct Ticket(Arc<Lane>);
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.queued = st.queued.saturating_sub(1);
+    }
+}
+
+/// Runs `cmd` on the caller's thread when it is a small collective and the group's lane is
+/// free (`None`); else hands it back for the actor, with the ticket that counts it in the lane
+/// when it is a collective (point-to-point ops never wait for collectives).
+pub(crate) fn submit_direct(
+    lane: &Arc<Lane>,
+    info: &GroupInfo,
+    tx: &std::sync::mpsc::Sender<Msg>,
+    cmd: Cmd,
+) -> Option<(Cmd, Option<Ticket>)> {
+    if matches!(cmd, Cmd::Send(..) | Cmd::Recv(..)) {
+        return Some((cmd, None));
+    }
+    let mut st = lane.lock();
+    let small = cmd.inline_bytes(&lane.params).is_some_and(|b| b <= inline_max(info.size as usize));
+    if st.comm.is_none() || st.queued > 0 || !small || !lane.params.check || info.size < 2 {
+        st.queued += 1;
+        return Some((cmd, Some(Ticket(lane.clone()))));
+    }
+    st.seq += 1;
+    let what = format!("{} (direct #{})", cmd.name(), st.seq);
+    let Some(comm) = &st.comm else { unreachable!("checked above") };
+    let Plan { header, payload, start, reply, .. } = plan(cmd);
+    let r = match comm.with(|comm| run_direct(comm, lane, info, header, payload, start, &what)) {
+        Direct::Done(r) => r,
+        Direct::Waiting(req, cont, started) => {
+            // Peers are late: the actor polls it from here on (this thread must not block for
+            // them: a task it would run may be what they wait for). Counted in the lane like
+            // any collective the actor runs, and sent under the lock, so it runs first.
+            st.queued += 1;
+            let active = Active { ticket: Some(Ticket(lane.clone())), what, started, req, cont, reply };
+            if let Err(std::sync::mpsc::SendError(msg)) = tx.send(Msg::Adopt(info.gid, Box::new(active))) {
+                // The actor is gone (MPI finalised): the request stays with MPI.
+                drop(st);
+                if let Msg::Adopt(_, a) = msg {
+                    let Active { req, reply, .. } = *a;
+                    reply.fail(CommError::Shutdown("the MPI actor is gone".into()));
+                    std::mem::forget(req);
+                }
+            }
+            return None;
+        }
+    };
+    if let Err(e) = &r {
+        if e.poisons_group() {
+            let mut p = info.poison.lock().unwrap_or_else(|p| p.into_inner());
+            p.get_or_insert_with(|| e.to_string());
+        }
+    }
+    // Completion hooks run unlocked (one may submit the next op).
+    drop(st);
+    match r {
+        Ok(out) => match (reply, out) {
+            (Reply::Buf(d), Out::Buf(b)) => d.complete(Ok(b)),
+            (Reply::Unit(d), Out::Unit) => d.complete(Ok(())),
+            (r, _) => r.fail(internal("a direct op finished with the wrong kind of output")),
+        },
+        Err(e) => reply.fail(e),
+    }
+    None
+}
+
+/// How far a direct op got on the caller's thread.
+enum Direct {
+    Done(Result<Out, CommError>),
+    /// The exchange is still in flight after the wait budget: its request and what follows.
+    Waiting(Request, Cont, Instant),
+}
+
+/// Yields a direct op's caller makes after its spin budget before handing the op to the actor.
+const DIRECT_YIELDS: u32 = 16;
+
+/// The exchange of a small op and its result, polled on this thread for the lane's spin
+/// budget and a few yields.
+fn run_direct(
+    comm: &Comm,
+    lane: &Lane,
+    info: &GroupInfo,
+    header: Header,
+    payload: Option<Vec<u8>>,
+    start: Start,
+    what: &str,
+) -> Direct {
+    match exchange_direct(comm, lane, info, header, payload, start, what) {
+        Ok(d) => d,
+        Err(e) => Direct::Done(Err(e)),
+    }
+}
+
+fn exchange_direct(
+    comm: &Comm,
+    lane: &Lane,
+    info: &GroupInfo,
+    header: Header,
+    payload: Option<Vec<u8>>,
+    start: Start,
+    what: &str,
+) -> Result<Direct, CommError> {
+    let size = info.size as usize;
+    let slot = exchange_slot_bytes(size);
+    let payload = payload.filter(|p| p.len() <= inline_max(size));
+    let mine = exchange_slot(slot, &header, payload.as_deref());
+    let mut req = raw::iallgather(comm, mine, HostBuffer::zeroed(DType::U8, slot * size))?;
+    let started = Instant::now();
+    let inline = payload.is_some();
+    let (rank, what2) = (info.rank as usize, what.to_owned());
+    let finish = move |env: &Env<'_>, bufs: Bufs| -> Result<Step, CommError> {
+        let ex = Exchange { all: take(bufs.recv)?, slot };
+        verify(&ex, env.size, &header, rank, &what2)?;
+        start(env, inline.then_some(&ex))
+    };
+    let mut yields = 0;
+    let bufs = loop {
+        match req.test() {
+            Polled::Done(_) => {
+                break req.into_bufs().ok_or_else(|| internal("a completed request kept its buffers"))?
+            }
+            Polled::Failed { err, .. } => return Err(err.into_comm()),
+            Polled::Pending if started.elapsed() < lane.spin => std::hint::spin_loop(),
+            Polled::Pending if yields < DIRECT_YIELDS => {
+                yields += 1;
+                std::thread::yield_now();
+            }
+            Polled::Pending => return Ok(Direct::Waiting(req, Box::new(finish), started)),
+        }
+    };
+    let pool = Pool::default();
+    let env = Env { comm, rank, size, params: &lane.params, half: None, pool: &pool };
+    Ok(Direct::Done(match finish(&env, bufs)? {
+        Step::Done(out) => Ok(out),
+        Step::Wait(..) => Err(internal("a direct op needed a second call")),
+    }))
+}
+
+/// This rank's slot of the exchange before a collective: the header, then a small op's data.
+fn exchange_slot(slot: usize, header: &Header, payload: Option<&[u8]>) -> HostBuffer {
+    let mut mine = HostBuffer::zeroed(DType::U8, slot);
+    mine.as_bytes_mut()[..32].copy_from_slice(bytemuck::cast_slice(&header.encode()));
+    if let Some(p) = payload {
+        mine.as_bytes_mut()[32..32 + p.len()].copy_from_slice(p);
+    }
+    mine
 }
 
 /// A message to the actor.
 pub(crate) enum Msg {
-    /// An op on a group.
-    Op(Gid, Cmd),
+    /// An op on a group (with its lane ticket when it is a collective).
+    Op(Gid, Cmd, Option<Ticket>),
+    /// A caller's direct op whose exchange did not complete at once: the actor finishes it.
+    Adopt(Gid, Box<Active>),
     /// A new world group (a duplicate of MPI_COMM_WORLD).
     World(Params, Completer<GroupInfo>),
     /// Shut a group down (a world group: end MPI) after its submitted ops.
@@ -89,6 +280,36 @@ pub(crate) enum Cmd {
 }
 
 impl Cmd {
+    /// The bytes a small op ships in the header exchange (and then needs no other call), for
+    /// the ops that can; which ones do is the plans' rule (`Plan::payload`).
+    fn inline_bytes(&self, params: &Params) -> Option<usize> {
+        match self {
+            Cmd::AllReduce(r, _) => local_reduction(params, r.buf.dtype()).then(|| r.buf.byte_len()),
+            Cmd::Reduce(r, _) => local_reduction(params, r.buf.dtype()).then(|| r.buf.byte_len()),
+            Cmd::Broadcast(r, _) => Some(r.buf.byte_len()),
+            Cmd::AllGather(r, _) => Some(r.input.byte_len()),
+            Cmd::Barrier(_) => Some(0),
+            _ => None,
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Cmd::AllReduce(..) => "all_reduce",
+            Cmd::Broadcast(..) => "broadcast",
+            Cmd::Reduce(..) => "reduce",
+            Cmd::AllGather(..) => "all_gather",
+            Cmd::ReduceScatter(..) => "reduce_scatter",
+            Cmd::AllToAll(..) => "all_to_all",
+            Cmd::Scatter(..) => "scatter",
+            Cmd::Gather(..) => "gather",
+            Cmd::Barrier(..) => "barrier",
+            Cmd::Send(..) => "send",
+            Cmd::Recv(..) => "recv",
+            Cmd::NewGroup(..) => "new_group",
+        }
+    }
+
     fn fail(self, e: CommError) {
         match self {
             Cmd::AllReduce(_, d)
@@ -264,35 +485,44 @@ impl Env<'_> {
     }
 }
 
-type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError>>;
+type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + std::marker::Send>;
 
 /// How a planned collective starts, once every rank agreed on its header; given the gathered
 /// exchange when it carried every rank's [`Plan::payload`] (then a small op finishes from it).
-type Start = Box<dyn FnOnce(&Env<'_>, Option<&Exchange>) -> Result<Step, CommError>>;
+type Start = Box<dyn FnOnce(&Env<'_>, Option<&Exchange>) -> Result<Step, CommError> + std::marker::Send>;
 
-/// Bytes per rank of the exchange before every collective: the 32-byte header, then up to
-/// [`INLINE`] bytes of data. One fixed size, so the first MPI call of every op has the same
-/// count on every rank whatever the ranks called (MPI cannot detect mismatched counts).
-const EXCHANGE_SLOT: usize = 256;
+/// Bytes per rank of the exchange before every collective in a group of `n`: the 32-byte
+/// header, then up to [`inline_max`] bytes of data. One size per group, so the first MPI call
+/// of every op has the same count on every rank whatever the ranks called (MPI cannot detect
+/// mismatched counts): 4 KiB up to 4 ranks, halving with more (16 KiB gathered in all), at
+/// least 256 bytes.
+fn exchange_slot_bytes(n: usize) -> usize {
+    let x = ((16 << 10) / n.max(1)).clamp(256, 4 << 10);
+    1 << (usize::BITS - 1 - x.leading_zeros())
+}
+
 /// The most data a small op ships inside the exchange (and then needs no other MPI call).
-const INLINE: usize = EXCHANGE_SLOT - 32;
+fn inline_max(n: usize) -> usize {
+    exchange_slot_bytes(n) - 32
+}
 
 /// Every rank's exchange slot, gathered.
 struct Exchange {
     all: HostBuffer,
+    slot: usize,
 }
 
 impl Exchange {
     /// The first `len` bytes of rank `p`'s data.
     fn data(&self, p: usize, len: usize) -> &[u8] {
-        let at = p * EXCHANGE_SLOT + 32;
+        let at = p * self.slot + 32;
         &self.all.as_bytes()[at..at + len]
     }
 
     /// Rank `p`'s header.
     fn header(&self, p: usize) -> Option<Header> {
-        let words: &[u64] = bytemuck::cast_slice(&self.all.as_bytes()[p * EXCHANGE_SLOT..p * EXCHANGE_SLOT + 32]);
-        Header::decode(words)
+        let at = p * self.slot;
+        Header::decode(bytemuck::cast_slice(&self.all.as_bytes()[at..at + 32]))
     }
 }
 
@@ -309,7 +539,10 @@ enum Out {
     Comm(Option<Comm>),
 }
 
-fn wait(req: Request, cont: impl FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + 'static) -> Step {
+fn wait(
+    req: Request,
+    cont: impl FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + std::marker::Send + 'static,
+) -> Step {
     Step::Wait(req, Box::new(cont))
 }
 
@@ -346,7 +579,9 @@ impl Reply {
 }
 
 /// The running collective of a group.
-struct Active {
+pub(crate) struct Active {
+    /// Keeps the op counted in its group's lane until it is done.
+    ticket: Option<Ticket>,
     what: String,
     started: Instant,
     req: Request,
@@ -365,9 +600,10 @@ struct Plan {
     reply: Reply,
 }
 
-/// The payload of an op whose data (`bytes` on every rank, by the header) fits the exchange.
+/// The payload of an op whose data (`bytes` on every rank, by the header) may fit the exchange
+/// (whether it does depends on the group's size: [`inline_max`]).
 fn inline(bytes: usize, data: impl FnOnce() -> Vec<u8>) -> Option<Vec<u8>> {
-    (bytes <= INLINE).then(data)
+    (bytes <= inline_max(1)).then(data)
 }
 
 /// Slice `i` of `len` elements cut in `parts`, boundaries on 16 elements: `(offset, len)`.
@@ -765,12 +1001,22 @@ struct Group {
     comm: Comm,
     params: Params,
     poisoned: Option<String>,
-    queue: VecDeque<Cmd>,
+    queue: VecDeque<(Cmd, Option<Ticket>)>,
     active: Option<Active>,
     p2p: Vec<P2p>,
     seq: u64,
     closing: bool,
     waiters: Vec<Completer<()>>,
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // Callers stop using the communicator (waiting for a direct op that runs) before it
+        // is freed with the group.
+        if let Some(lane) = &self.info.lane {
+            lane.lock().comm = None;
+        }
+    }
 }
 
 impl Group {
@@ -815,7 +1061,7 @@ impl Group {
             p.done.complete(Err(err()));
             bury(p.req, graveyard);
         }
-        for cmd in self.queue.drain(..) {
+        for (cmd, _) in self.queue.drain(..) {
             cmd.fail(err());
         }
     }
@@ -859,6 +1105,8 @@ pub(crate) struct Actor {
     ending: Option<Ending>,
     last_progress: Instant,
     spin: Duration,
+    /// MPI provides `MPI_THREAD_MULTIPLE`: groups get a lane for direct ops.
+    multiple: bool,
 }
 
 /// How long the actor waits for ops still running when the process exits.
@@ -905,6 +1153,7 @@ impl Actor {
             ending: None,
             last_progress: Instant::now(),
             spin,
+            multiple: provided >= mpi::Threading::Multiple,
         })
     }
 
@@ -1002,7 +1251,7 @@ impl Actor {
 
     fn accept(&mut self, m: Msg) {
         match m {
-            Msg::Op(gid, cmd) => {
+            Msg::Op(gid, cmd, ticket) => {
                 if self.ending.is_some() {
                     return cmd.fail(CommError::Shutdown("MPI is being finalised".into()));
                 }
@@ -1018,9 +1267,24 @@ impl Actor {
                 match cmd {
                     Cmd::Send(req, done) => self.start_p2p(gid, false, req.buf, req.dst, req.tag, done),
                     Cmd::Recv(req, done) => self.start_p2p(gid, true, req.buf, req.src, req.tag, done),
-                    other => g.queue.push_back(other),
+                    other => g.queue.push_back((other, ticket)),
                 }
             }
+            Msg::Adopt(gid, a) => match self.groups.get_mut(&gid) {
+                Some(g) if g.active.is_none() && g.poisoned.is_none() => g.active = Some(*a),
+                Some(g) => {
+                    let e =
+                        g.poison_error().unwrap_or_else(|| internal("a direct op was handed over while another ran"));
+                    let Active { req, reply, .. } = *a;
+                    reply.fail(e);
+                    bury(req, &mut self.graveyard);
+                }
+                None => {
+                    let Active { req, reply, .. } = *a;
+                    reply.fail(CommError::Shutdown("the group was shut down".into()));
+                    std::mem::forget(req);
+                }
+            },
             Msg::World(params, done) => {
                 if self.ending.is_some() {
                     return done.complete(Err(CommError::Shutdown("MPI is being finalised".into())));
@@ -1105,10 +1369,10 @@ impl Actor {
             any |= progress_p2p(g, &mut self.graveyard, now);
             loop {
                 if g.active.is_none() {
-                    let Some(cmd) = g.queue.pop_front() else { break };
+                    let Some((cmd, ticket)) = g.queue.pop_front() else { break };
                     any = true;
                     g.seq += 1;
-                    start_collective(g, cmd, half, pool, &mut self.graveyard, &mut born);
+                    start_collective(g, cmd, ticket, half, pool, &mut self.graveyard, &mut born);
                 }
                 let Some(a) = g.active.as_mut() else { continue };
                 match a.req.test() {
@@ -1149,7 +1413,8 @@ impl Actor {
                     }
                     Polled::Done(_) => {
                         any = true;
-                        let Active { what, started, req, cont, reply } = g.active.take().expect("active checked above");
+                        let Active { ticket, what, started, req, cont, reply } =
+                            g.active.take().expect("active checked above");
                         let Some(bufs) = req.into_bufs() else {
                             reply.fail(internal("a completed request kept its buffers"));
                             break;
@@ -1159,7 +1424,9 @@ impl Actor {
                             cont(&env, bufs)
                         };
                         match next {
-                            Ok(Step::Wait(req, cont)) => g.active = Some(Active { what, started, req, cont, reply }),
+                            Ok(Step::Wait(req, cont)) => {
+                                g.active = Some(Active { ticket, what, started, req, cont, reply })
+                            }
                             Ok(Step::Done(out)) => match (reply, out) {
                                 (Reply::Buf(d), Out::Buf(b)) => d.complete(Ok(b)),
                                 (Reply::Unit(d), Out::Unit) => d.complete(Ok(())),
@@ -1229,6 +1496,14 @@ impl Actor {
     fn register(&mut self, comm: Comm, params: Params, world: bool) -> GroupInfo {
         let gid = self.next_gid;
         self.next_gid += 1;
+        if let Some(s) = params.spin {
+            self.spin = s;
+        }
+        // Fault injection targets the actor: its groups keep every op there.
+        let lane = (self.multiple && params.panic_at.is_none()).then(|| {
+            let state = LaneState { queued: 0, comm: Some(comm.share()), seq: 0 };
+            Arc::new(Lane { state: Mutex::new(state), params: params.clone(), spin: self.spin })
+        });
         let info = GroupInfo {
             gid,
             rank: comm.rank() as Rank,
@@ -1238,10 +1513,8 @@ impl Actor {
             world,
             local_rank: self.world.local_rank as Rank,
             local_size: self.world.local_size as u32,
+            lane,
         };
-        if let Some(s) = params.spin {
-            self.spin = s;
-        }
         self.groups.insert(
             gid,
             Group {
@@ -1291,7 +1564,7 @@ impl Actor {
                 p.done.complete(Err(cause.duplicate()));
                 bury(p.req, &mut self.graveyard);
             }
-            for cmd in g.queue.drain(..) {
+            for (cmd, _) in g.queue.drain(..) {
                 cmd.fail(cause.duplicate());
             }
         }
@@ -1356,7 +1629,12 @@ pub(crate) fn reject(m: Msg) {
 pub(crate) fn reject_with(m: Msg, why: &str) {
     let e = || CommError::Unavailable { backend: "mpi", why: why.to_owned() };
     match m {
-        Msg::Op(_, cmd) => cmd.fail(e()),
+        Msg::Op(_, cmd, _) => cmd.fail(e()),
+        Msg::Adopt(_, a) => {
+            let Active { req, reply, .. } = *a;
+            reply.fail(e());
+            std::mem::forget(req);
+        }
         Msg::World(_, d) => d.complete(Err(e())),
         Msg::Shutdown(_, d) => d.complete(Ok(())),
         Msg::Release(_) | Msg::Exit => {}
@@ -1368,6 +1646,7 @@ pub(crate) fn reject_with(m: Msg, why: &str) {
 fn start_collective(
     g: &mut Group,
     cmd: Cmd,
+    ticket: Option<Ticket>,
     half: Option<&raw::HalfOps>,
     pool: &Pool,
     graveyard: &mut Vec<Request>,
@@ -1382,16 +1661,14 @@ fn start_collective(
     let env = g.env(half, pool);
     let first = if exchange {
         // The header (and a small op's data) of every rank, one fixed-size slot each.
-        let mut mine = HostBuffer::zeroed(DType::U8, EXCHANGE_SLOT);
-        mine.as_bytes_mut()[..32].copy_from_slice(bytemuck::cast_slice(&header.encode()));
-        if let Some(p) = &payload {
-            mine.as_bytes_mut()[32..32 + p.len()].copy_from_slice(p);
-        }
-        let all = HostBuffer::zeroed(DType::U8, EXCHANGE_SLOT * env.size);
+        let slot = exchange_slot_bytes(env.size);
+        let payload = payload.filter(|p| p.len() <= inline_max(env.size));
+        let mine = exchange_slot(slot, &header, payload.as_deref());
+        let all = HostBuffer::zeroed(DType::U8, slot * env.size);
         let what2 = what.clone();
         raw::iallgather(env.comm, mine, all).map(|req| {
             wait(req, move |env, b| {
-                let ex = Exchange { all: take(b.recv)? };
+                let ex = Exchange { all: take(b.recv)?, slot };
                 verify(&ex, env.size, &header, env.rank, &what2)?;
                 start(env, payload.is_some().then_some(&ex))
             })
@@ -1400,7 +1677,9 @@ fn start_collective(
         start(&env, None)
     };
     match first {
-        Ok(Step::Wait(req, cont)) => g.active = Some(Active { what, started: Instant::now(), req, cont, reply }),
+        Ok(Step::Wait(req, cont)) => {
+            g.active = Some(Active { ticket, what, started: Instant::now(), req, cont, reply })
+        }
         Ok(Step::Done(out)) => match (reply, out) {
             (Reply::Buf(d), Out::Buf(b)) => d.complete(Ok(b)),
             (Reply::Unit(d), Out::Unit) => d.complete(Ok(())),
@@ -1570,6 +1849,13 @@ fn launcher_disagrees(size: i32) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_exchange_slot_follows_the_group_size() {
+        let slots: Vec<usize> = [1, 2, 4, 5, 8, 16, 64, 1000].iter().map(|&n| exchange_slot_bytes(n)).collect();
+        assert_eq!(slots, [4096, 4096, 4096, 2048, 2048, 1024, 256, 256]);
+        assert_eq!(inline_max(2), 4064);
+    }
 
     #[test]
     fn headers_round_trip_and_describe() {

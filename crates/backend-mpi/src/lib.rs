@@ -403,10 +403,24 @@ impl MpiBackend {
             return Work::ready(Err(CommError::Shutdown(String::new())));
         }
         let (done, work) = Work::pending();
+        self.send(wrap(req, done));
+        work
+    }
+
+    /// Runs `cmd` on this thread when it is a small collective and the group has none in the
+    /// actor (see `actor::Lane`), else hands it to the actor.
+    fn send(&self, cmd: Cmd) {
+        let inner = &*self.inner;
+        let (cmd, ticket) = match &inner.info.lane {
+            Some(lane) => match actor::submit_direct(lane, &inner.info, &inner.tx, cmd) {
+                None => return,
+                Some(back) => back,
+            },
+            None => (cmd, None),
+        };
         // If the actor is gone the message (and its Completer) is dropped, which completes the
         // Work with `Shutdown`.
-        let _ = inner.tx.send(Msg::Op(inner.info.gid, wrap(req, done)));
-        work
+        let _ = inner.tx.send(Msg::Op(inner.info.gid, cmd, ticket));
     }
 
     fn check_tag(&self, op: &'static str, tag: u32) -> Result<(), CommError> {
@@ -503,7 +517,7 @@ impl Group for MpiBackend {
             return Err(CommError::Shutdown(String::new()));
         }
         let (done, work) = Work::pending();
-        let _ = inner.tx.send(Msg::Op(inner.info.gid, Cmd::NewGroup(sorted, done)));
+        self.send(Cmd::NewGroup(sorted, done));
         Ok(work.await?.map(|info| Arc::new(MpiBackend::from_info(info, inner.tx.clone())) as Arc<dyn Backend>))
     }
 

@@ -5,7 +5,12 @@
 //!
 //! 1. **One thread.** Everything here except [`abort`] is called only from the actor thread,
 //!    the thread that initialised MPI (Open MPI's handles are not thread-safe; the types are
-//!    `!Send`, which the compiler enforces for [`Comm`] and [`Request`]).
+//!    `!Send`, which the compiler enforces for [`Comm`] and [`Request`]). The one exception is
+//!    a [`SharedComm`]: where MPI provides `MPI_THREAD_MULTIPLE`, a caller's thread runs a
+//!    small collective on a group's communicator itself, holding the group's lane lock, which
+//!    the actor also takes before it starts a collective on that group or frees the
+//!    communicator; a request of such an op that does not complete at once moves to the actor
+//!    (then [`Request`] crosses threads, as `MPI_THREAD_MULTIPLE` allows).
 //! 2. **Owned buffers.** A nonblocking call takes its buffers *by value* and moves them into the
 //!    returned [`Request`]; they come back only from [`Request::into_bufs`] after MPI reported the
 //!    request complete. Heap storage of a [`HostBuffer`] does not move when the struct moves, so
@@ -262,6 +267,36 @@ impl Comm {
     }
 }
 
+/// A communicator's handle for the callers' threads (rule 1): not owned, never freed through
+/// it. The lane that holds it drops it before the actor frees the communicator.
+pub(crate) struct SharedComm {
+    raw: ffi::MPI_Comm,
+    rank: i32,
+    size: i32,
+}
+
+// SAFETY: an MPI communicator handle may be used from any thread once MPI provides
+// MPI_THREAD_MULTIPLE (the actor shares one only then); the lane lock keeps collectives on it
+// from two threads apart and its lifetime inside the communicator's.
+unsafe impl Send for SharedComm {}
+// SAFETY: as above; it is only ever used through the lane lock.
+unsafe impl Sync for SharedComm {}
+
+impl Comm {
+    /// A handle for direct calls from callers' threads (see [`SharedComm`]).
+    pub(crate) fn share(&self) -> SharedComm {
+        SharedComm { raw: self.raw, rank: self.rank, size: self.size }
+    }
+}
+
+impl SharedComm {
+    /// Runs `f` with the communicator as a [`Comm`] that is not freed afterwards.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&Comm) -> R) -> R {
+        let comm = std::mem::ManuallyDrop::new(Comm { raw: self.raw, rank: self.rank, size: self.size });
+        f(&comm)
+    }
+}
+
 impl Drop for Comm {
     fn drop(&mut self) {
         // SAFETY: we own the communicator; the actor drops every Comm before MPI_Finalize and
@@ -359,6 +394,11 @@ pub(crate) struct Request {
     datatype: ffi::MPI_Datatype,
     done: bool,
 }
+
+// SAFETY: a request moves to another thread only where MPI provides MPI_THREAD_MULTIPLE (a
+// caller's direct op that did not finish at once is handed to the actor, see `SharedComm`),
+// and MPI request handles are then valid on any thread; its buffers are owned (rule 2).
+unsafe impl Send for Request {}
 
 impl std::fmt::Debug for Request {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -136,6 +136,20 @@ fn mismatched_calls_are_errors_not_aborts() {
 }
 
 #[test]
+fn small_ops_on_the_callers_thread_keep_their_order() {
+    let Some(job) = job(3, "lanes", &[], Duration::from_secs(120)) else { return };
+    assert_eq!(job.code, Some(0), "{job}");
+    assert_eq!(lines(&job, "LANES-OK").len(), 3, "{job}");
+}
+
+#[test]
+fn a_small_op_waiting_for_a_late_peer_does_not_block_its_caller() {
+    let Some(job) = job(2, "late", &[], Duration::from_secs(120)) else { return };
+    assert_eq!(job.code, Some(0), "{job}");
+    assert_eq!(lines(&job, "LATE-OK").len(), 2, "{job}");
+}
+
+#[test]
 fn a_rank_that_never_joins_times_out() {
     let Some(job) = job(2, "timeout", &[], Duration::from_secs(120)) else { return };
     let ok = lines(&job, "TIMEOUT-OK");
@@ -180,6 +194,8 @@ fn child() {
         match scenario.as_str() {
             "suite" => suite().await,
             "mismatch" => mismatch().await,
+            "lanes" => lanes().await,
+            "late" => late().await,
             "overlap" => overlap().await,
             "timeout" => timeout().await,
             "kill" => kill().await,
@@ -235,6 +251,70 @@ async fn contained() -> i32 {
         eprintln!("CONTAINED-FAILED rank {me}: {r:?} / {later:?} / {shut:?}");
         1
     }
+}
+
+/// Small collectives (which a caller runs on its own thread when the group has none queued in
+/// the actor) interleaved with large ones (which go to the actor) and with point-to-point
+/// messages in flight, submitted without waiting: every result must be the one of the op in
+/// its submission order.
+async fn lanes() -> i32 {
+    let w = MpiBackend::init(opts(Duration::from_secs(60))).await.unwrap();
+    let (me, n) = (w.rank(), w.world_size());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    for i in 0..40u32 {
+        let big = w.submit(AllReduce { buf: f32s(&vec![me as f32; 1 << 16]), op: ReduceOp::Sum });
+        let recv = w.submit(Recv { buf: f32s(&[0.0; 3]), src: prev, tag: i });
+        let small = w.submit(AllReduce { buf: f32s(&[(me * 100 + i) as f32; 4]), op: ReduceOp::Sum });
+        let send = w.submit(Send { buf: f32s(&[i as f32; 3]), dst: next, tag: i });
+        let bcast = w.submit(Broadcast { buf: f32s(&[me as f32 + i as f32; 8]), root: i % n });
+        let gathered = w.submit(AllGather { input: f32s(&[me as f32, i as f32]), output: None });
+        let sum: f32 = (0..n).map(|r| r as f32).sum();
+        assert!(big.await.unwrap().to_vec::<f32>().unwrap().iter().all(|&x| x == sum), "big #{i}");
+        let want = (0..n).map(|r| (r * 100 + i) as f32).sum::<f32>();
+        assert_eq!(small.await.unwrap().to_vec::<f32>().unwrap(), [want; 4], "small #{i}");
+        assert_eq!(bcast.await.unwrap().to_vec::<f32>().unwrap(), [(i % n + i) as f32; 8], "broadcast #{i}");
+        let g: Vec<f32> = (0..n).flat_map(|r| [r as f32, i as f32]).collect();
+        assert_eq!(gathered.await.unwrap().to_vec::<f32>().unwrap(), g, "all_gather #{i}");
+        send.await.unwrap();
+        assert_eq!(recv.await.unwrap().to_vec::<f32>().unwrap(), [i as f32; 3], "recv #{i}");
+    }
+    // Then small ops alone, each awaited (the direct path every time), and a barrier.
+    for i in 0..200u32 {
+        let got = w.submit(AllReduce { buf: f32s(&[i as f32]), op: ReduceOp::Max }).await.unwrap();
+        assert_eq!(got.to_vec::<f32>().unwrap(), [i as f32]);
+    }
+    Collective::<Barrier>::submit(&w, Barrier).await.unwrap();
+    println!("LANES-OK rank {me}");
+    w.shutdown().await.unwrap();
+    0
+}
+
+/// Rank 1 joins a small all_reduce only after a message that rank 0 sends after submitting
+/// it: the submit must return while the peer is missing (the op is handed to the actor), or
+/// rank 0 would never send and both would wait for the timeout.
+async fn late() -> i32 {
+    let w = MpiBackend::init(opts(Duration::from_secs(20))).await.unwrap();
+    let me = w.rank();
+    let sum = if me == 0 {
+        let t = Instant::now();
+        let sum = w.submit(AllReduce { buf: f32s(&[1.0; 4]), op: ReduceOp::Sum });
+        let took = t.elapsed();
+        assert!(took < Duration::from_millis(500), "the submit waited {took:?} for the peer");
+        std::thread::sleep(Duration::from_millis(50));
+        w.submit(Send { buf: f32s(&[5.0]), dst: 1, tag: 1 }).await.unwrap();
+        sum.await.unwrap()
+    } else {
+        let got = w.submit(Recv { buf: f32s(&[0.0]), src: 0, tag: 1 }).await.unwrap();
+        assert_eq!(got.to_vec::<f32>().unwrap(), [5.0]);
+        w.submit(AllReduce { buf: f32s(&[1.0; 4]), op: ReduceOp::Sum }).await.unwrap()
+    };
+    assert_eq!(sum.to_vec::<f32>().unwrap(), [2.0; 4]);
+    // The group goes on: a direct op again, then one queued behind a handed-over one.
+    let again = w.submit(AllReduce { buf: f32s(&[me as f32]), op: ReduceOp::Max }).await.unwrap();
+    assert_eq!(again.to_vec::<f32>().unwrap(), [1.0]);
+    println!("LATE-OK rank {me}");
+    w.shutdown().await.unwrap();
+    0
 }
 
 fn f32s(v: &[f32]) -> HostBuffer {
