@@ -494,10 +494,10 @@ type Start = Box<dyn FnOnce(&Env<'_>, Option<&Exchange>) -> Result<Step, CommErr
 /// Bytes per rank of the exchange before every collective in a group of `n`: the 32-byte
 /// header, then up to [`inline_max`] bytes of data. One size per group, so the first MPI call
 /// of every op has the same count on every rank whatever the ranks called (MPI cannot detect
-/// mismatched counts): 4 KiB up to 4 ranks, halving with more (16 KiB gathered in all), at
-/// least 256 bytes.
+/// mismatched counts): 1 KiB up to 16 ranks, halving with more (16 KiB gathered in all), at
+////// least 256 bytes (a larger slot makes every op's exchange slower).
 fn exchange_slot_bytes(n: usize) -> usize {
-    let x = ((16 << 10) / n.max(1)).clamp(256, 4 << 10);
+    let x = ((16 << 10) / n.max(1)).clamp(256, 1 << 10);
     1 << (usize::BITS - 1 - x.leading_zeros())
 }
 
@@ -1853,8 +1853,9 @@ mod tests {
     #[test]
     fn the_exchange_slot_follows_the_group_size() {
         let slots: Vec<usize> = [1, 2, 4, 5, 8, 16, 64, 1000].iter().map(|&n| exchange_slot_bytes(n)).collect();
-        assert_eq!(slots, [4096, 4096, 4096, 2048, 2048, 1024, 256, 256]);
-        assert_eq!(inline_max(2), 4064);
+        assert_eq!(slots, [1024, 1024, 1024, 1024, 1024, 1024, 256, 256]);
+        assert_eq!(exchange_slot_bytes(32), 512);
+        assert_eq!(inline_max(2), 992);
     }
 
     #[test]
