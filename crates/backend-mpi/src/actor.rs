@@ -80,6 +80,8 @@ struct LaneState {
     comm: Option<raw::SharedComm>,
     /// Direct ops so far (for messages).
     seq: u64,
+    /// Output buffers of direct ops, reused.
+    pool: Pool,
 }
 
 impl std::fmt::Debug for Lane {
@@ -117,8 +119,10 @@ pub(crate) fn submit_direct(
         return Some((cmd, None));
     }
     let mut st = lane.lock();
-    let small = cmd.inline_bytes(&lane.params).is_some_and(|b| b <= inline_max(info.size as usize));
-    if st.comm.is_none() || st.queued > 0 || !small || !lane.params.check || info.size < 2 {
+    let small = cmd.inline_bytes().is_some_and(|b| b <= inline_max(info.size as usize));
+    // A native all_reduce runs as MPI's own blocking call once the exchange completed.
+    let native = matches!(&cmd, Cmd::AllReduce(r, _) if blocking_native(&lane.params, r.buf.dtype()));
+    if st.comm.is_none() || st.queued > 0 || !(small || native) || !lane.params.check || info.size < 2 {
         st.queued += 1;
         return Some((cmd, Some(Ticket(lane.clone()))));
     }
@@ -126,7 +130,7 @@ pub(crate) fn submit_direct(
     let what = format!("{} (direct #{})", cmd.name(), st.seq);
     let Some(comm) = &st.comm else { unreachable!("checked above") };
     let Plan { header, payload, start, reply, .. } = plan(cmd);
-    let r = match comm.with(|comm| run_direct(comm, lane, info, header, payload, start, &what)) {
+    let r = match comm.with(|comm| run_direct(comm, &st.pool, lane, info, header, payload, start, &what)) {
         Direct::Done(r) => r,
         Direct::Waiting(req, cont, started) => {
             // Peers are late: the actor polls it from here on (this thread must not block for
@@ -177,8 +181,10 @@ const DIRECT_YIELDS: u32 = 16;
 
 /// The exchange of a small op and its result, polled on this thread for the lane's spin
 /// budget and a few yields.
+#[allow(clippy::too_many_arguments)]
 fn run_direct(
     comm: &Comm,
+    pool: &Pool,
     lane: &Lane,
     info: &GroupInfo,
     header: Header,
@@ -186,14 +192,16 @@ fn run_direct(
     start: Start,
     what: &str,
 ) -> Direct {
-    match exchange_direct(comm, lane, info, header, payload, start, what) {
+    match exchange_direct(comm, pool, lane, info, header, payload, start, what) {
         Ok(d) => d,
         Err(e) => Direct::Done(Err(e)),
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn exchange_direct(
     comm: &Comm,
+    pool: &Pool,
     lane: &Lane,
     info: &GroupInfo,
     header: Header,
@@ -229,8 +237,7 @@ fn exchange_direct(
             Polled::Pending => return Ok(Direct::Waiting(req, Box::new(finish), started)),
         }
     };
-    let pool = Pool::default();
-    let env = Env { comm, rank, size, params: &lane.params, half: None, pool: &pool };
+    let env = Env { comm, rank, size, params: &lane.params, half: None, pool };
     Ok(Direct::Done(match finish(&env, bufs)? {
         Step::Done(out) => Ok(out),
         Step::Wait(..) => Err(internal("a direct op needed a second call")),
@@ -282,10 +289,10 @@ pub(crate) enum Cmd {
 impl Cmd {
     /// The bytes a small op ships in the header exchange (and then needs no other call), for
     /// the ops that can; which ones do is the plans' rule (`Plan::payload`).
-    fn inline_bytes(&self, params: &Params) -> Option<usize> {
+    fn inline_bytes(&self) -> Option<usize> {
         match self {
-            Cmd::AllReduce(r, _) => local_reduction(params, r.buf.dtype()).then(|| r.buf.byte_len()),
-            Cmd::Reduce(r, _) => local_reduction(params, r.buf.dtype()).then(|| r.buf.byte_len()),
+            Cmd::AllReduce(r, _) => Some(r.buf.byte_len()),
+            Cmd::Reduce(r, _) => Some(r.buf.byte_len()),
             Cmd::Broadcast(r, _) => Some(r.buf.byte_len()),
             Cmd::AllGather(r, _) => Some(r.input.byte_len()),
             Cmd::Barrier(_) => Some(0),
@@ -621,6 +628,13 @@ fn local_reduction(params: &Params, dtype: DType) -> bool {
     params.reduction == Reduction::Exact || matches!(dtype, DType::U8 | DType::I8)
 }
 
+/// Whether a native all_reduce of `dtype` may run as a blocking `MPI_Allreduce` on a caller's
+/// thread: MPI reduces it with a built-in op (f16/bf16 take our user ops, which live on the
+/// actor).
+fn blocking_native(params: &Params, dtype: DType) -> bool {
+    !local_reduction(params, dtype) && !matches!(dtype, DType::F16 | DType::BF16)
+}
+
 /// The MPI op for a reduction MPI performs: built-in for integers and (native mode) f32/f64,
 /// our user-defined ops for f16/bf16 (native mode). `Avg` sums; the caller divides.
 fn mpi_op(env: &Env<'_>, dtype: DType, op: ReduceOp) -> Result<mpi::ffi::MPI_Op, CommError> {
@@ -647,8 +661,9 @@ fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) 
         let (me, n) = (env.rank, env.size);
         let root = root.map(|r| r as usize);
         let keep = root.is_none_or(|r| r == me);
-        if let (Some(ex), true) = (ex, local_reduction(env.params, dtype)) {
-            // Every input came with the headers: reduce them in rank order, no other call.
+        if let Some(ex) = ex {
+            // Every input came with the headers: reduce them in rank order, no other call (in
+            // native mode too: as fast, and exact).
             let mut buf = buf;
             if keep {
                 let bytes = buf.byte_len();
@@ -656,6 +671,19 @@ fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) 
                 kernels::reduce(dtype, op, &ins, buf.as_bytes_mut());
             }
             return done(buf);
+        }
+        if root.is_none() && env.params.check && blocking_native(env.params, dtype) {
+            // Every rank completed the header exchange, so every rank is in this all_reduce
+            // and MPI's blocking call (its fastest algorithms) cannot wait on a missing one.
+            // Wherever it runs (a caller's thread or the actor): blocking and nonblocking
+            // collectives do not match each other in MPI, so all ranks must make the same call.
+            let mut out = env.buffer(dtype, len);
+            raw::allreduce(env.comm, &buf, &mut out, mpi_op(env, dtype, op)?)?;
+            env.recycle(Some(buf));
+            if op == ReduceOp::Avg {
+                kernels::divide(&mut out, n);
+            }
+            return done(out);
         }
         if !local_reduction(env.params, dtype) {
             let mpi = mpi_op(env, dtype, op)?;
@@ -1501,7 +1529,7 @@ impl Actor {
         }
         // Fault injection targets the actor: its groups keep every op there.
         let lane = (self.multiple && params.panic_at.is_none()).then(|| {
-            let state = LaneState { queued: 0, comm: Some(comm.share()), seq: 0 };
+            let state = LaneState { queued: 0, comm: Some(comm.share()), seq: 0, pool: Pool::default() };
             Arc::new(Lane { state: Mutex::new(state), params: params.clone(), spin: self.spin })
         });
         let info = GroupInfo {

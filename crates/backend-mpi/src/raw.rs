@@ -710,6 +710,22 @@ pub(crate) fn iallreduce(
     })
 }
 
+/// `MPI_Allreduce` of `send` into `recv` (same length) with `op`, blocking: only where every
+/// rank is known to be in this same call (after the header exchange), as for [`Comm::split`].
+pub(crate) fn allreduce(
+    comm: &Comm,
+    send: &HostBuffer,
+    recv: &mut HostBuffer,
+    op: ffi::MPI_Op,
+) -> Result<(), CommError> {
+    let dt = datatype(send.dtype());
+    let n = count("all_reduce", send.len())?;
+    assert_eq!(send.byte_len(), recv.byte_len(), "allreduce: buffers of different sizes");
+    let (s, r) = (send.as_bytes().as_ptr().cast::<c_void>(), recv.as_bytes_mut().as_mut_ptr().cast::<c_void>());
+    // SAFETY: both buffers hold `n` elements of `dt` and outlive the (blocking) call.
+    check("MPI_Allreduce", unsafe { ffi::MPI_Allreduce(s, r, n, dt, op, comm.raw) }).map_err(MpiError::into_comm)
+}
+
 /// `MPI_Ireduce` of `send` into the root's `recv` with `op`.
 pub(crate) fn ireduce(
     comm: &Comm,

@@ -142,6 +142,15 @@ fn small_ops_on_the_callers_thread_keep_their_order() {
     assert_eq!(lines(&job, "LANES-OK").len(), 3, "{job}");
 }
 
+/// Native mode: large all_reduces are MPI's blocking call after the exchange, on whichever
+/// thread runs them; every rank must make the same call whatever thread that is.
+#[test]
+fn small_ops_on_the_callers_thread_keep_their_order_in_native_mode() {
+    let Some(job) = job(3, "lanes", &[("COMM_MPI_REDUCTION", "native")], Duration::from_secs(120)) else { return };
+    assert_eq!(job.code, Some(0), "{job}");
+    assert_eq!(lines(&job, "LANES-OK").len(), 3, "{job}");
+}
+
 #[test]
 fn a_small_op_waiting_for_a_late_peer_does_not_block_its_caller() {
     let Some(job) = job(2, "late", &[], Duration::from_secs(120)) else { return };
