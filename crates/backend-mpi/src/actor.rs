@@ -120,9 +120,11 @@ pub(crate) fn submit_direct(
     }
     let mut st = lane.lock();
     let small = cmd.inline_bytes().is_some_and(|b| b <= inline_max(info.size as usize));
-    // A native all_reduce runs as MPI's own blocking call once the exchange completed.
-    let native = matches!(&cmd, Cmd::AllReduce(r, _) if blocking_native(&lane.params, r.buf.dtype()));
-    if st.comm.is_none() || st.queued > 0 || !(small || native) || !lane.params.check || info.size < 2 {
+    // An all_reduce of any size continues on this thread once the exchange completed: every
+    // rank is in it then, so it waits for the transfer, not for peers.
+    let all_reduce = matches!(&cmd, Cmd::AllReduce(r, _)
+        if local_reduction(&lane.params, r.buf.dtype()) || blocking_native(&lane.params, r.buf.dtype()));
+    if st.comm.is_none() || st.queued > 0 || !(small || all_reduce) || !lane.params.check || info.size < 2 {
         st.queued += 1;
         return Some((cmd, Some(Ticket(lane.clone()))));
     }
@@ -238,10 +240,32 @@ fn exchange_direct(
         }
     };
     let env = Env { comm, rank, size, params: &lane.params, half: None, pool };
-    Ok(Direct::Done(match finish(&env, bufs)? {
-        Step::Done(out) => Ok(out),
-        Step::Wait(..) => Err(internal("a direct op needed a second call")),
-    }))
+    // Every rank is in the op now: its further steps (a large exact reduction) run here too.
+    let mut step = finish(&env, bufs)?;
+    loop {
+        let (mut req, cont) = match step {
+            Step::Done(out) => return Ok(Direct::Done(Ok(out))),
+            Step::Wait(req, cont) => (req, cont),
+        };
+        let bufs = loop {
+            match req.test() {
+                Polled::Done(_) => {
+                    break req.into_bufs().ok_or_else(|| internal("a completed request kept its buffers"))?
+                }
+                Polled::Failed { err, .. } => return Err(err.into_comm()),
+                Polled::Pending if started.elapsed() >= lane.params.timeout => {
+                    // The request stays with MPI: dropping it leaks its buffers (raw rule 3).
+                    return Err(CommError::Timeout {
+                        op: what.to_owned(),
+                        after: lane.params.timeout,
+                        detail: format!("a rank of the group of {size} stopped in the middle of it (died, or hangs)"),
+                    });
+                }
+                Polled::Pending => std::hint::spin_loop(),
+            }
+        };
+        step = cont(&env, bufs)?;
+    }
 }
 
 /// This rank's slot of the exchange before a collective: the header, then a small op's data.
@@ -628,9 +652,9 @@ fn local_reduction(params: &Params, dtype: DType) -> bool {
     params.reduction == Reduction::Exact || matches!(dtype, DType::U8 | DType::I8)
 }
 
-/// Whether a native all_reduce of `dtype` may run as a blocking `MPI_Allreduce` on a caller's
-/// thread: MPI reduces it with a built-in op (f16/bf16 take our user ops, which live on the
-/// actor).
+/// Whether a native all_reduce of `dtype` runs as a blocking `MPI_Allreduce` after the
+/// exchange: MPI reduces it with a built-in op (f16/bf16 take our user ops, which live on the
+/// actor: a caller's thread cannot reach them, so these stay nonblocking everywhere).
 fn blocking_native(params: &Params, dtype: DType) -> bool {
     !local_reduction(params, dtype) && !matches!(dtype, DType::F16 | DType::BF16)
 }
@@ -707,6 +731,15 @@ fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) 
         let es = dtype.size();
         if len * es * (n - 1) <= env.params.small_max {
             // Small: gather every input, reduce all of them in rank order.
+            if root.is_none() && env.params.check {
+                // After a completed exchange: MPI's blocking call (see the native case).
+                let mut all = env.buffer(dtype, n * len);
+                raw::allgather(env.comm, &buf, &mut all)?;
+                let mut buf = buf;
+                kernels::reduce(dtype, op, &blocks(&all, n, len), buf.as_bytes_mut());
+                env.recycle(Some(all));
+                return done(buf);
+            }
             let all = keep.then(|| env.buffer(dtype, n * len));
             let req = match root {
                 None => raw::iallgather(env.comm, buf, take(all)?)?,
