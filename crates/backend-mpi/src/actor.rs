@@ -261,7 +261,9 @@ fn exchange_direct(
                         detail: format!("a rank of the group of {size} stopped in the middle of it (died, or hangs)"),
                     });
                 }
-                Polled::Pending => std::hint::spin_loop(),
+                // Yield between polls, as the actor does while a collective is in flight: on
+                // a busy machine the transport (TCP's kernel work, a peer) needs the core.
+                Polled::Pending => std::thread::yield_now(),
             }
         };
         step = cont(&env, bufs)?;
