@@ -106,9 +106,10 @@ impl Drop for Ticket {
     }
 }
 
-/// Runs `cmd` on the caller's thread when it is a small collective and the group's lane is
-/// free (`None`); else hands it back for the actor, with the ticket that counts it in the lane
-/// when it is a collective (point-to-point ops never wait for collectives).
+/// Runs `cmd` on the caller's thread when it is a small collective or an all_reduce and the
+/// group's lane is free (`None`; see ARCHITECTURE.md, "The path of a small op"); else hands it
+/// back for the actor, with the ticket that counts it in the lane when it is a collective
+/// (point-to-point ops never wait for collectives).
 pub(crate) fn submit_direct(
     lane: &Arc<Lane>,
     info: &GroupInfo,
@@ -132,9 +133,10 @@ pub(crate) fn submit_direct(
     let what = format!("{} (direct #{})", cmd.name(), st.seq);
     let Some(comm) = &st.comm else { unreachable!("checked above") };
     let Plan { header, payload, start, reply, .. } = plan(cmd);
-    let r = match comm.with(|comm| run_direct(comm, &st.pool, lane, info, header, payload, start, &what)) {
-        Direct::Done(r) => r,
-        Direct::Waiting(req, cont, started) => {
+    let r = match comm.with(|comm| exchange_direct(comm, &st.pool, lane, info, header, payload, start, &what)) {
+        Ok(Direct::Done(out)) => Ok(out),
+        Err(e) => Err(e),
+        Ok(Direct::Waiting(req, cont, started)) => {
             // Peers are late: the actor polls it from here on (this thread must not block for
             // them: a task it would run may be what they wait for). Counted in the lane like
             // any collective the actor runs, and sent under the lock, so it runs first.
@@ -173,7 +175,7 @@ pub(crate) fn submit_direct(
 
 /// How far a direct op got on the caller's thread.
 enum Direct {
-    Done(Result<Out, CommError>),
+    Done(Out),
     /// The exchange is still in flight after the wait budget: its request and what follows.
     Waiting(Request, Cont, Instant),
 }
@@ -181,25 +183,8 @@ enum Direct {
 /// Yields a direct op's caller makes after its spin budget before handing the op to the actor.
 const DIRECT_YIELDS: u32 = 16;
 
-/// The exchange of a small op and its result, polled on this thread for the lane's spin
-/// budget and a few yields.
-#[allow(clippy::too_many_arguments)]
-fn run_direct(
-    comm: &Comm,
-    pool: &Pool,
-    lane: &Lane,
-    info: &GroupInfo,
-    header: Header,
-    payload: Option<Vec<u8>>,
-    start: Start,
-    what: &str,
-) -> Direct {
-    match exchange_direct(comm, pool, lane, info, header, payload, start, what) {
-        Ok(d) => d,
-        Err(e) => Direct::Done(Err(e)),
-    }
-}
-
+/// The exchange of a direct op, polled on this thread for the lane's spin budget and a few
+/// yields, then the rest of the op.
 #[allow(clippy::too_many_arguments)]
 fn exchange_direct(
     comm: &Comm,
@@ -244,7 +229,7 @@ fn exchange_direct(
     let mut step = finish(&env, bufs)?;
     loop {
         let (mut req, cont) = match step {
-            Step::Done(out) => return Ok(Direct::Done(Ok(out))),
+            Step::Done(out) => return Ok(Direct::Done(out)),
             Step::Wait(req, cont) => (req, cont),
         };
         let bufs = loop {
