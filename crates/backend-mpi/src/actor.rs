@@ -21,7 +21,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use comm_core::ops::{AllGather, AllReduce, AllToAll, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send};
+use comm_core::ops::{
+    AllGather, AllReduce, AllToAll, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
+};
 use comm_core::{CommError, Completer, DType, HostBuffer, Rank, ReduceOp};
 
 use crate::raw::{self, Bufs, Comm, PendingDup, Polled, Request};
@@ -292,8 +294,8 @@ pub(crate) enum Cmd {
     Scatter(Scatter, Completer<HostBuffer>),
     Gather(Gather, Completer<HostBuffer>),
     Barrier(Completer<()>),
-    Send(Send, Completer<HostBuffer>),
-    Recv(Recv, Completer<HostBuffer>),
+    Send(SendTo, Completer<HostBuffer>),
+    Recv(RecvFrom, Completer<HostBuffer>),
     NewGroup(Vec<Rank>, Completer<Option<GroupInfo>>),
 }
 
@@ -503,11 +505,11 @@ impl Env<'_> {
     }
 }
 
-type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + std::marker::Send>;
+type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + Send>;
 
 /// How a planned collective starts, once every rank agreed on its header; given the gathered
 /// exchange when it carried every rank's [`Plan::payload`] (then a small op finishes from it).
-type Start = Box<dyn FnOnce(&Env<'_>, Option<&Exchange>) -> Result<Step, CommError> + std::marker::Send>;
+type Start = Box<dyn FnOnce(&Env<'_>, Option<&Exchange>) -> Result<Step, CommError> + Send>;
 
 /// Bytes per rank of the exchange before every collective in a group of `n`: the 32-byte
 /// header, then up to [`inline_max`] bytes of data. One size per group, so the first MPI call
@@ -557,10 +559,7 @@ enum Out {
     Comm(Option<Comm>),
 }
 
-fn wait(
-    req: Request,
-    cont: impl FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + std::marker::Send + 'static,
-) -> Step {
+fn wait(req: Request, cont: impl FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + Send + 'static) -> Step {
     Step::Wait(req, Box::new(cont))
 }
 

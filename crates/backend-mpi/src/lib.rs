@@ -458,8 +458,8 @@ collectives! {
     Gather => Gather,
 }
 
-impl Collective<ops::Send> for MpiBackend {
-    fn submit(&self, req: ops::Send) -> Work<comm_core::HostBuffer> {
+impl Collective<ops::SendTo> for MpiBackend {
+    fn submit(&self, req: ops::SendTo) -> Work<comm_core::HostBuffer> {
         if let Err(e) = self.check_tag("send", req.tag) {
             return Work::ready(Err(e));
         }
@@ -467,8 +467,8 @@ impl Collective<ops::Send> for MpiBackend {
     }
 }
 
-impl Collective<ops::Recv> for MpiBackend {
-    fn submit(&self, req: ops::Recv) -> Work<comm_core::HostBuffer> {
+impl Collective<ops::RecvFrom> for MpiBackend {
+    fn submit(&self, req: ops::RecvFrom) -> Work<comm_core::HostBuffer> {
         if let Err(e) = self.check_tag("recv", req.tag) {
             return Work::ready(Err(e));
         }

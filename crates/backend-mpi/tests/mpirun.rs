@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use backend_mpi::{MpiBackend, MpiOptions};
-use comm_core::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, Recv, Send};
+use comm_core::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, RecvFrom, SendTo};
 use comm_core::{Backend, Collective, CommError, Group, HostBuffer, ReduceOp};
 
 const CHILD: &str = "COMM_MPI_CHILD";
@@ -272,9 +272,9 @@ async fn lanes() -> i32 {
     let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
     for i in 0..40u32 {
         let big = w.submit(AllReduce { buf: f32s(&vec![me as f32; 1 << 16]), op: ReduceOp::Sum });
-        let recv = w.submit(Recv { buf: f32s(&[0.0; 3]), src: prev, tag: i });
+        let recv = w.submit(RecvFrom { buf: f32s(&[0.0; 3]), src: prev, tag: i });
         let small = w.submit(AllReduce { buf: f32s(&[(me * 100 + i) as f32; 4]), op: ReduceOp::Sum });
-        let send = w.submit(Send { buf: f32s(&[i as f32; 3]), dst: next, tag: i });
+        let send = w.submit(SendTo { buf: f32s(&[i as f32; 3]), dst: next, tag: i });
         let bcast = w.submit(Broadcast { buf: f32s(&[me as f32 + i as f32; 8]), root: i % n });
         let gathered = w.submit(AllGather { input: f32s(&[me as f32, i as f32]), output: None });
         let sum: f32 = (0..n).map(|r| r as f32).sum();
@@ -310,10 +310,10 @@ async fn late() -> i32 {
         let took = t.elapsed();
         assert!(took < Duration::from_millis(500), "the submit waited {took:?} for the peer");
         std::thread::sleep(Duration::from_millis(50));
-        w.submit(Send { buf: f32s(&[5.0]), dst: 1, tag: 1 }).await.unwrap();
+        w.submit(SendTo { buf: f32s(&[5.0]), dst: 1, tag: 1 }).await.unwrap();
         sum.await.unwrap()
     } else {
-        let got = w.submit(Recv { buf: f32s(&[0.0]), src: 0, tag: 1 }).await.unwrap();
+        let got = w.submit(RecvFrom { buf: f32s(&[0.0]), src: 0, tag: 1 }).await.unwrap();
         assert_eq!(got.to_vec::<f32>().unwrap(), [5.0]);
         w.submit(AllReduce { buf: f32s(&[1.0; 4]), op: ReduceOp::Sum }).await.unwrap()
     };
@@ -345,7 +345,7 @@ async fn overlap() -> i32 {
     let big = 2 << 20; // 8 MiB of f32: far above every eager limit
     let data: Vec<f32> = (0..big).map(|i| i as f32).collect();
     let t = Instant::now();
-    let send = (me == 0).then(|| w.submit(Send { buf: f32s(&data), dst: 1, tag: 9 }));
+    let send = (me == 0).then(|| w.submit(SendTo { buf: f32s(&data), dst: 1, tag: 9 }));
     for _ in 0..3 {
         let sum = w.submit(AllReduce { buf: f32s(&[1.0; 1000]), op: ReduceOp::Sum }).await.unwrap();
         assert_eq!(sum.to_vec::<f32>().unwrap(), vec![2.0; 1000]);
@@ -354,7 +354,8 @@ async fn overlap() -> i32 {
     if let Some(s) = send {
         s.await.unwrap();
     } else {
-        let got = w.submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::F32, big), src: 0, tag: 9 }).await.unwrap();
+        let got =
+            w.submit(RecvFrom { buf: HostBuffer::zeroed(comm_core::DType::F32, big), src: 0, tag: 9 }).await.unwrap();
         assert_eq!(got.to_vec::<f32>().unwrap(), data);
     }
     println!("OVERLAP-OK rank {me} in {:.1?}", t.elapsed());
@@ -402,27 +403,27 @@ async fn mismatch() -> i32 {
     // A receive shorter than the message (MPI's truncation error).
     let w = MpiBackend::init(short.clone()).await.unwrap();
     if me == 0 {
-        w.submit(Send { buf: f32s(&[2.0; 10]), dst: 1, tag: 3 }).await.unwrap();
+        w.submit(SendTo { buf: f32s(&[2.0; 10]), dst: 1, tag: 3 }).await.unwrap();
     } else {
-        let got = w.submit(Recv { buf: f32s(&[0.0; 5]), src: 0, tag: 3 }).await;
+        let got = w.submit(RecvFrom { buf: f32s(&[0.0; 5]), src: 0, tag: 3 }).await;
         expect_mismatch("truncated", me, got, &["more than the 5 elements"]);
     }
 
     // A receive longer than the message.
     let w = MpiBackend::init(short.clone()).await.unwrap();
     if me == 0 {
-        w.submit(Send { buf: f32s(&[2.0; 3]), dst: 1, tag: 4 }).await.unwrap();
+        w.submit(SendTo { buf: f32s(&[2.0; 3]), dst: 1, tag: 4 }).await.unwrap();
     } else {
-        let got = w.submit(Recv { buf: f32s(&[0.0; 5]), src: 0, tag: 4 }).await;
+        let got = w.submit(RecvFrom { buf: f32s(&[0.0; 5]), src: 0, tag: 4 }).await;
         expect_mismatch("short", me, got, &["sent 3 elements", "recv of 5"]);
     }
 
     // Another dtype: the tags do not match; after the timeout the waiting message is named.
     let w = MpiBackend::init(short.clone()).await.unwrap();
     if me == 0 {
-        w.submit(Send { buf: f32s(&[2.0; 4]), dst: 1, tag: 5 }).await.unwrap();
+        w.submit(SendTo { buf: f32s(&[2.0; 4]), dst: 1, tag: 5 }).await.unwrap();
     } else {
-        let got = w.submit(Recv { buf: HostBuffer::from_slice(&[0i32; 4]), src: 0, tag: 5 }).await;
+        let got = w.submit(RecvFrom { buf: HostBuffer::from_slice(&[0i32; 4]), src: 0, tag: 5 }).await;
         expect_mismatch("dtype", me, got, &["4 elements of f32 with tag 5", "of i32 with tag 5"]);
     }
 

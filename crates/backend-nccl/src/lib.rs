@@ -387,8 +387,8 @@ collectives!(
     ops::AllToAll,
     ops::Scatter,
     ops::Gather,
-    ops::Send,
-    ops::Recv,
+    ops::SendTo,
+    ops::RecvFrom,
     ops::Barrier,
     Stall,
 );

@@ -6,7 +6,7 @@
 //! all_reduce. Zero-length transfers are never issued (every rank skips them alike).
 
 use comm_core::ops::{
-    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send,
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
 use comm_core::{CommError, Completer, DType, HostBuffer, Op, ReduceOp};
 use cudarc::nccl::sys::{ncclDataType_t, ncclRedOp_t};
@@ -26,7 +26,7 @@ pub(crate) fn redop(op: &'static str, r: ReduceOp, d: DType) -> Result<ncclRedOp
 }
 
 /// A plan whose output is computed by `output` from the downloaded staging buffers.
-pub(crate) fn prepared<O: std::marker::Send + 'static>(
+pub(crate) fn prepared<O: Send + 'static>(
     done: Completer<O>,
     body: Result<Body, CommError>,
     output: impl FnOnce(&[Staged]) -> Result<O, CommError> + 'static,
@@ -276,10 +276,10 @@ impl Plan for Gather {
     }
 }
 
-impl Plan for Send {
+impl Plan for SendTo {
     const P2P: bool = true;
     fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
-        let Send { buf, dst, .. } = self;
+        let SendTo { buf, dst, .. } = self;
         let b = (|| {
             let dt = dt(Self::NAME, buf.dtype())?;
             let s = cx.stage_in(buf.as_bytes(), false)?;
@@ -289,10 +289,10 @@ impl Plan for Send {
     }
 }
 
-impl Plan for Recv {
+impl Plan for RecvFrom {
     const P2P: bool = true;
     fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
-        let Recv { mut buf, src, .. } = self;
+        let RecvFrom { mut buf, src, .. } = self;
         let b = (|| {
             let dt = dt(Self::NAME, buf.dtype())?;
             let s = cx.stage_out(buf.byte_len())?;

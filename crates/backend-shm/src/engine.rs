@@ -16,7 +16,9 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use comm_core::ops::{AllGather, AllReduce, AllToAll, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send};
+use comm_core::ops::{
+    AllGather, AllReduce, AllToAll, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
+};
 use comm_core::{CommError, Completer, DType, HostBuffer, Rank, ReduceOp};
 
 use crate::layout::*;
@@ -35,8 +37,8 @@ pub(crate) enum Command {
     AllToAll(AllToAll, Completer<HostBuffer>),
     Scatter(Scatter, Completer<HostBuffer>),
     Gather(Gather, Completer<HostBuffer>),
-    Send(Send, Completer<HostBuffer>),
-    Recv(Recv, Completer<HostBuffer>),
+    Send(SendTo, Completer<HostBuffer>),
+    Recv(RecvFrom, Completer<HostBuffer>),
     Shutdown(Completer<()>),
     /// A small collective the caller could not finish inline.
     OneShot(OneShot, Done),
@@ -325,14 +327,14 @@ enum Phase {
 }
 
 struct SendOp {
-    req: Send,
+    req: SendTo,
     done: Completer<HostBuffer>,
     offset: usize,
     started: Instant,
 }
 
 struct RecvOp {
-    req: Recv,
+    req: RecvFrom,
     done: Completer<HostBuffer>,
     offset: usize,
     started: Instant,

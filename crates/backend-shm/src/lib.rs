@@ -632,8 +632,8 @@ inline_collectives!(AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, AllT
 collectives! {
     Scatter => Scatter,
     Gather => Gather,
-    Send => Send,
-    Recv => Recv,
+    SendTo => Send,
+    RecvFrom => Recv,
 }
 
 #[async_trait]

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backend_shm::{ShmBackend, ShmOptions};
-use comm_core::ops::{AllGather, AllReduce, Barrier, Recv, Send};
+use comm_core::ops::{AllGather, AllReduce, Barrier, RecvFrom, SendTo};
 use comm_core::{Collective, CommError, Group, HostBuffer, MemoryStore, ReduceOp, Store};
 
 async fn world(n: u32, opts: ShmOptions) -> Vec<ShmBackend> {
@@ -71,10 +71,10 @@ async fn p2p_large_both_directions() {
     let ranks = world(2, small_opts()).await;
     let n = 20_000usize;
     let a = HostBuffer::from_slice(&(0..n as i32).collect::<Vec<_>>());
-    let s0 = ranks[0].submit(Send { buf: a.clone(), dst: 1, tag: 3 });
-    let s1 = ranks[1].submit(Send { buf: a.clone(), dst: 0, tag: 3 });
-    let r0 = ranks[0].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::I32, n), src: 1, tag: 3 });
-    let r1 = ranks[1].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::I32, n), src: 0, tag: 3 });
+    let s0 = ranks[0].submit(SendTo { buf: a.clone(), dst: 1, tag: 3 });
+    let s1 = ranks[1].submit(SendTo { buf: a.clone(), dst: 0, tag: 3 });
+    let r0 = ranks[0].submit(RecvFrom { buf: HostBuffer::zeroed(comm_core::DType::I32, n), src: 1, tag: 3 });
+    let r1 = ranks[1].submit(RecvFrom { buf: HostBuffer::zeroed(comm_core::DType::I32, n), src: 0, tag: 3 });
     s0.await.unwrap();
     s1.await.unwrap();
     assert_eq!(r0.await.unwrap(), a);
@@ -89,7 +89,7 @@ async fn recv_posted_late_after_quiet_collectives() {
     let ranks = world(2, small_opts()).await;
     let n = 20_000usize; // 80 KB: 20 mailbox slots of 4 KiB
     let a = HostBuffer::from_slice(&(0..n as i32).map(|x| x * 7).collect::<Vec<_>>());
-    let sent = ranks[0].submit(Send { buf: a.clone(), dst: 1, tag: 9 });
+    let sent = ranks[0].submit(SendTo { buf: a.clone(), dst: 1, tag: 9 });
     for _ in 0..50 {
         let x = ranks[0].submit(AllReduce { buf: HostBuffer::from_slice(&[1.0f32]), op: ReduceOp::Sum });
         let y = ranks[1].submit(AllReduce { buf: HostBuffer::from_slice(&[2.0f32]), op: ReduceOp::Sum });
@@ -99,7 +99,7 @@ async fn recv_posted_late_after_quiet_collectives() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let got = tokio::time::timeout(
         Duration::from_secs(5),
-        ranks[1].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::I32, n), src: 0, tag: 9 }),
+        ranks[1].submit(RecvFrom { buf: HostBuffer::zeroed(comm_core::DType::I32, n), src: 0, tag: 9 }),
     )
     .await
     .expect("the late recv completes");
@@ -126,19 +126,19 @@ async fn timeout_names_the_missing_rank() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn p2p_failures_carry_their_real_cause() {
     let ranks = world(2, small_opts()).await;
-    let send = ranks[0].submit(Send { buf: HostBuffer::from_slice(&[1i32, 2, 3]), dst: 1, tag: 5 });
-    let recv = ranks[1].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::I32, 4), src: 0, tag: 5 });
+    let send = ranks[0].submit(SendTo { buf: HostBuffer::from_slice(&[1i32, 2, 3]), dst: 1, tag: 5 });
+    let recv = ranks[1].submit(RecvFrom { buf: HostBuffer::zeroed(comm_core::DType::I32, 4), src: 0, tag: 5 });
     let r = recv.await;
     assert!(matches!(r, Err(CommError::Mismatch { .. })), "{r:?}");
     let msg = r.unwrap_err().to_string();
     assert!(msg.contains("12 bytes") && msg.contains("16 bytes"), "{msg}");
     drop(send);
-    let later = ranks[1].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::I32, 3), src: 0, tag: 5 }).await;
+    let later = ranks[1].submit(RecvFrom { buf: HostBuffer::zeroed(comm_core::DType::I32, 3), src: 0, tag: 5 }).await;
     assert!(matches!(later, Err(CommError::Poisoned { .. })), "{later:?}");
 
     let opts = ShmOptions { timeout: Duration::from_millis(300), ..small_opts() };
     let ranks = world(2, opts).await;
-    let r = ranks[1].submit(Recv { buf: HostBuffer::zeroed(comm_core::DType::U8, 1), src: 0, tag: 0 }).await;
+    let r = ranks[1].submit(RecvFrom { buf: HostBuffer::zeroed(comm_core::DType::U8, 1), src: 0, tag: 0 }).await;
     assert!(matches!(r, Err(CommError::Timeout { .. })), "{r:?}");
     let later = ranks[1].submit(Barrier).await;
     assert!(matches!(later, Err(CommError::Poisoned { .. })), "{later:?}");

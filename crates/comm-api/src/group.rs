@@ -2,7 +2,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use comm_core::ops::{
-    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send,
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
 use comm_core::{Backend, Collective, CommError, DType, HostBuffer, Op, Rank, ReduceOp, StoreKind, Work, WorldInfo};
 
@@ -422,12 +422,12 @@ impl ProcessGroup {
     /// Tagged send. Messages between two ranks arrive in order; a receive whose tag, dtype
     /// or size differs from the next message is a [`CommError::Mismatch`].
     pub fn isend(&self, buf: HostBuffer, dst: Rank, tag: u32) -> Work<HostBuffer> {
-        self.submit(Send { buf, dst, tag })
+        self.submit(SendTo { buf, dst, tag })
     }
 
     /// Tagged receive.
     pub fn irecv(&self, buf: HostBuffer, src: Rank, tag: u32) -> Work<HostBuffer> {
-        self.submit(Recv { buf, src, tag })
+        self.submit(RecvFrom { buf, src, tag })
     }
 
     /// Issues every op of `ops` at once (sends and receives progress concurrently, so any

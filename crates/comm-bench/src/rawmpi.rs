@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use comm_api::ops::{
-    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, Recv, Reduce, ReduceScatter, Scatter, Send,
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
 use comm_api::{
     Backend, Collective, CommError, DType, Group, HostBuffer, Launcher, ProcessGroup, Rank, ReduceOp, Work, WorldInfo,
@@ -39,7 +39,7 @@ struct Mpi {
 // SAFETY: the MPI handles inside (the f16/bf16 op handles) are immutable identifiers, and MPI
 // runs at MPI_THREAD_SERIALIZED: the bench makes one blocking call at a time, from whichever
 // thread its task is on.
-unsafe impl std::marker::Send for Mpi {}
+unsafe impl Send for Mpi {}
 // SAFETY: as above; nothing is mutated through `&Mpi` but the `Mutex`-guarded spare buffer.
 unsafe impl Sync for Mpi {}
 
@@ -302,8 +302,8 @@ ops! {
     Barrier => |b: &RawMpi, _| b.barrier(),
     Scatter => |_: &RawMpi, _| Err(CommError::Unsupported { op: Scatter::NAME, dtype: None, backend: NAME }),
     Gather => |_: &RawMpi, _| Err(CommError::Unsupported { op: Gather::NAME, dtype: None, backend: NAME }),
-    Send => |_: &RawMpi, _| Err(CommError::Unsupported { op: Send::NAME, dtype: None, backend: NAME }),
-    Recv => |_: &RawMpi, _| Err(CommError::Unsupported { op: Recv::NAME, dtype: None, backend: NAME }),
+    SendTo => |_: &RawMpi, _| Err(CommError::Unsupported { op: SendTo::NAME, dtype: None, backend: NAME }),
+    RecvFrom => |_: &RawMpi, _| Err(CommError::Unsupported { op: RecvFrom::NAME, dtype: None, backend: NAME }),
 }
 
 #[async_trait]

@@ -3,13 +3,13 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 use crate::ops::{
-    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send,
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
 use crate::{CommError, DType, HostBuffer, Op, Rank, Work};
 
 /// Membership of a group of ranks, and the group-level operations.
 #[async_trait]
-pub trait Group: std::marker::Send + Sync {
+pub trait Group: Send + Sync {
     /// This process's rank in the group.
     fn rank(&self) -> Rank;
     /// Number of ranks in the group.
@@ -94,8 +94,8 @@ pub trait Backend:
     + Collective<AllToAll>
     + Collective<Scatter>
     + Collective<Gather>
-    + Collective<Send>
-    + Collective<Recv>
+    + Collective<SendTo>
+    + Collective<RecvFrom>
     + Collective<Barrier>
 {
 }
@@ -109,8 +109,8 @@ impl<T> Backend for T where
         + Collective<AllToAll>
         + Collective<Scatter>
         + Collective<Gather>
-        + Collective<Send>
-        + Collective<Recv>
+        + Collective<SendTo>
+        + Collective<RecvFrom>
         + Collective<Barrier>
         + ?Sized
 {

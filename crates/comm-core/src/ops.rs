@@ -7,9 +7,9 @@
 use crate::{CommError, DType, HostBuffer, Rank, ReduceOp};
 
 /// A request for one op.
-pub trait Op: std::marker::Send + 'static {
+pub trait Op: Send + 'static {
     /// What the op's [`Work`](crate::Work) resolves to.
-    type Output: std::marker::Send + 'static;
+    type Output: Send + 'static;
     /// The op's name as torch spells it (`"all_reduce"`); also its span name suffix.
     const NAME: &'static str;
     /// Message size in bytes: what this rank hands in (the input buffer; for reduce_scatter
@@ -407,7 +407,7 @@ impl Op for Gather {
 /// `send`: point-to-point to `dst`. Resolves (handing `buf` back) once the data is out of
 /// `buf`. Messages between two ranks are delivered in order; the receiver's `tag` must match.
 #[derive(Debug)]
-pub struct Send {
+pub struct SendTo {
     /// The data.
     pub buf: HostBuffer,
     /// Destination rank.
@@ -416,7 +416,7 @@ pub struct Send {
     pub tag: u32,
 }
 
-impl Op for Send {
+impl Op for SendTo {
     type Output = HostBuffer;
     const NAME: &'static str = "send";
     fn bytes(&self) -> usize {
@@ -432,7 +432,7 @@ impl Op for Send {
 
 /// `recv`: point-to-point from `src` into `buf` (its dtype and length must match the send).
 #[derive(Debug)]
-pub struct Recv {
+pub struct RecvFrom {
     /// Receives the data.
     pub buf: HostBuffer,
     /// Source rank.
@@ -441,7 +441,7 @@ pub struct Recv {
     pub tag: u32,
 }
 
-impl Op for Recv {
+impl Op for RecvFrom {
     type Output = HostBuffer;
     const NAME: &'static str = "recv";
     fn bytes(&self) -> usize {
@@ -494,9 +494,9 @@ mod tests {
                 .validate(0, 2)
                 .unwrap_err();
         assert!(e.to_string().contains("input_splits sum to 3"), "{e}");
-        let e = Send { buf: f32s(1), dst: 1, tag: 0 }.validate(1, 2).unwrap_err();
+        let e = SendTo { buf: f32s(1), dst: 1, tag: 0 }.validate(1, 2).unwrap_err();
         assert!(e.to_string().contains("itself"), "{e}");
-        let e = Recv { buf: f32s(1), src: 9, tag: 0 }.validate(1, 2).unwrap_err();
+        let e = RecvFrom { buf: f32s(1), src: 9, tag: 0 }.validate(1, 2).unwrap_err();
         assert!(e.to_string().contains("out of range"), "{e}");
         let e =
             AllGather { input: f32s(2), output: Some(HostBuffer::zeroed(DType::F64, 4)) }.validate(0, 2).unwrap_err();

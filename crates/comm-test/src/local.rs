@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use comm_core::ops::{
-    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send as SendOp,
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter,
+    SendTo as SendOp,
 };
 use comm_core::{Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Op, Rank, ReduceOp, Work};
 
@@ -101,7 +102,7 @@ impl LocalWorld {
     }
 }
 
-type Payload = Box<dyn Any + std::marker::Send>;
+type Payload = Box<dyn Any + Send>;
 type FailFn = fn(Payload, CommError);
 type FinishFn = fn(Vec<Payload>, &GroupCtx);
 /// Completions to run after the lock is released (waking a waiter must not happen under it).
@@ -233,7 +234,7 @@ struct Entry {
 #[derive(Default)]
 struct Channel {
     sends: VecDeque<Posted<SendOp>>,
-    recvs: VecDeque<Posted<Recv>>,
+    recvs: VecDeque<Posted<RecvFrom>>,
 }
 
 struct Posted<R: Op> {
@@ -681,7 +682,7 @@ impl LocalRank {
         work
     }
 
-    fn recv(&self, req: Recv) -> Work<HostBuffer> {
+    fn recv(&self, req: RecvFrom) -> Work<HostBuffer> {
         if let Err(e) = self.precheck(&req) {
             return Work::ready(Err(e));
         }
@@ -698,7 +699,7 @@ impl LocalRank {
     }
 
     /// Runs `post` on the (src, dst) channel; when it returns a matched pair, delivers it.
-    fn p2p(&self, key: (Rank, Rank), post: impl FnOnce(&mut Channel) -> Option<(Posted<SendOp>, Posted<Recv>)>) {
+    fn p2p(&self, key: (Rank, Rank), post: impl FnOnce(&mut Channel) -> Option<(Posted<SendOp>, Posted<RecvFrom>)>) {
         let mut deferred = Deferred::new();
         self.p2p_locked(key, post, &mut deferred);
         deferred.into_iter().for_each(|d| d());
@@ -707,7 +708,7 @@ impl LocalRank {
     fn p2p_locked(
         &self,
         key: (Rank, Rank),
-        post: impl FnOnce(&mut Channel) -> Option<(Posted<SendOp>, Posted<Recv>)>,
+        post: impl FnOnce(&mut Channel) -> Option<(Posted<SendOp>, Posted<RecvFrom>)>,
         deferred: &mut Deferred,
     ) {
         let mut st = self.world.lock();
@@ -752,7 +753,7 @@ impl LocalRank {
         let d = detail.clone();
         deferred.push(Box::new(move || {
             s.done.complete(Err(CommError::Mismatch { op: SendOp::NAME, detail: d.clone() }));
-            r.done.complete(Err(CommError::Mismatch { op: Recv::NAME, detail: d }));
+            r.done.complete(Err(CommError::Mismatch { op: RecvFrom::NAME, detail: d }));
         }));
         g.poison(&format!("point-to-point mismatch: {detail}"), deferred);
     }
@@ -835,7 +836,7 @@ fn expire(st: &mut State, now: Instant, timeout: Duration, deferred: &mut Deferr
                     p.req.buf.len()
                 );
                 causes.push(format!("recv timed out: {detail}"));
-                let err = CommError::Timeout { op: Recv::NAME.to_owned(), after: timeout, detail };
+                let err = CommError::Timeout { op: RecvFrom::NAME.to_owned(), after: timeout, detail };
                 deferred.push(Box::new(move || p.done.complete(Err(err))));
             }
         }
@@ -869,8 +870,8 @@ impl Collective<SendOp> for LocalRank {
     }
 }
 
-impl Collective<Recv> for LocalRank {
-    fn submit(&self, req: Recv) -> Work<HostBuffer> {
+impl Collective<RecvFrom> for LocalRank {
+    fn submit(&self, req: RecvFrom) -> Work<HostBuffer> {
         self.recv(req)
     }
 }

@@ -279,7 +279,7 @@ fn parent(n: u32, test_name: &str, timeout: Duration, env: &dyn Fn(Rank) -> Vec<
 
 /// Collects `src` line by line into `out` (each line prefixed).
 fn reader(
-    src: impl Read + std::marker::Send + 'static,
+    src: impl Read + Send + 'static,
     out: Arc<Mutex<Vec<String>>>,
     prefix: &'static str,
 ) -> std::thread::JoinHandle<()> {

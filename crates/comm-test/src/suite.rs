@@ -35,7 +35,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm_core::ops::{
-    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Recv, Reduce, ReduceScatter, Scatter, Send as SendOp,
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter,
+    SendTo as SendOp,
 };
 use comm_core::{Backend, Collective, CommError, DType, HostBuffer, Op, Rank, ReduceOp, Work};
 use futures::future::join_all;
@@ -542,7 +543,7 @@ impl<'a> Runner<'a> {
         let mine = reference::input(d, len, self.members[me as usize], salt);
         let from_prev = reference::input(d, len, self.members[prev as usize], salt);
         let s = submit(&self.b, SendOp { buf: mine.clone(), dst: next, tag });
-        let r = submit(&self.b, Recv { buf: junk(d, len), src: prev, tag });
+        let r = submit(&self.b, RecvFrom { buf: junk(d, len), src: prev, tag });
         let (s, r) = futures::future::join(s, r).await;
         self.check(&format!("ring send to rank {next} (buffer handed back) {d} × {len}"), s, &mine);
         self.check(&format!("ring recv from rank {prev} {d} × {len}"), r, &from_prev);
@@ -562,7 +563,7 @@ impl<'a> Runner<'a> {
                 let sent = msg(me, peer, k);
                 let s = submit(&self.b, SendOp { buf: sent.clone(), dst: peer, tag: 100 + k });
                 works.push((format!("batched send #{k} to rank {peer} {d}"), s, sent));
-                let r = submit(&self.b, Recv { buf: junk(d, len + 3 * k as usize), src: peer, tag: 100 + k });
+                let r = submit(&self.b, RecvFrom { buf: junk(d, len + 3 * k as usize), src: peer, tag: 100 + k });
                 works.push((format!("batched recv #{k} from rank {peer} {d}"), r, msg(peer, me, k)));
             }
         }
@@ -705,9 +706,9 @@ impl<'a> Runner<'a> {
         self.check_invalid("send to itself", got);
         let got = submit(&b, SendOp { buf: f32s(2), dst: n, tag: 0 }).await;
         self.check_invalid("send to a rank out of range", got);
-        let got = submit(&b, Recv { buf: f32s(2), src: me, tag: 0 }).await;
+        let got = submit(&b, RecvFrom { buf: f32s(2), src: me, tag: 0 }).await;
         self.check_invalid("recv from itself", got);
-        let got = submit(&b, Recv { buf: f32s(2), src: n + 1, tag: 0 }).await;
+        let got = submit(&b, RecvFrom { buf: f32s(2), src: n + 1, tag: 0 }).await;
         self.check_invalid("recv from a rank out of range", got);
         let got = submit(&b, AllGather { input: f32s(3), output: Some(junk(DType::F64, 3 * nu)) }).await;
         self.check_invalid("all_gather_into an output of the wrong dtype", got);

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use comm_core::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, Recv, Reduce, Send as SendOp};
+use comm_core::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, RecvFrom, Reduce, SendTo as SendOp};
 use comm_core::{Backend, Collective, CommError, DType, Group, HostBuffer, Op, ReduceOp, Work};
 use comm_test::{suite, LocalWorld, SuiteConfig};
 
@@ -133,12 +133,12 @@ async fn inconsistent_all_to_all_splits_and_p2p_tags_mismatch() {
 
     let w = LocalWorld::new(2);
     let s = submit(&w[0], SendOp { buf: f32s(&[1.0]), dst: 1, tag: 7 });
-    let r = submit(&w[1], Recv { buf: HostBuffer::zeroed(DType::F32, 1), src: 0, tag: 8 });
+    let r = submit(&w[1], RecvFrom { buf: HostBuffer::zeroed(DType::F32, 1), src: 0, tag: 8 });
     expect_mismatch(s.await, "tag 7");
     expect_mismatch(r.await, "expects tag 8");
 
     let w = LocalWorld::new(2);
-    let r = submit(&w[1], Recv { buf: HostBuffer::zeroed(DType::F32, 2), src: 0, tag: 0 });
+    let r = submit(&w[1], RecvFrom { buf: HostBuffer::zeroed(DType::F32, 2), src: 0, tag: 0 });
     let s = submit(&w[0], SendOp { buf: f32s(&[1.0]), dst: 1, tag: 0 });
     expect_mismatch(s.await, "f32 × 1 but the matching recv expects tag 0, f32 × 2");
     expect_mismatch(r.await, "f32 × 2");
@@ -274,7 +274,7 @@ delegate!(
     comm_core::ops::Scatter,
     comm_core::ops::Gather,
     SendOp,
-    Recv,
+    RecvFrom,
     Barrier
 );
 

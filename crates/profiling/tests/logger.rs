@@ -7,7 +7,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use comm_core::ops::{AllGather, AllReduce, Barrier, Broadcast, ReduceScatter, Send as SendOp};
+use comm_core::ops::{AllGather, AllReduce, Barrier, Broadcast, ReduceScatter, SendTo as SendOp};
 use comm_core::{Collective, CommError, DType, HostBuffer, ReduceOp};
 use common::{Fancy, Mock};
 use profiling::{CommsConfig, CommsLogger, ManualClock, ProfilingLayer, Summary};

@@ -7,7 +7,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use comm_core::ops::{AllGather, AllReduce, Barrier, Broadcast, ReduceScatter, Send as SendOp};
+use comm_core::ops::{AllGather, AllReduce, Barrier, Broadcast, ReduceScatter, SendTo as SendOp};
 use comm_core::{Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Op, Rank, Work};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
@@ -53,7 +53,7 @@ impl Mock {
         f(Some(e));
     }
 
-    fn run<T: std::marker::Send + 'static>(&self, out: T) -> Work<T> {
+    fn run<T: Send + 'static>(&self, out: T) -> Work<T> {
         if self.inline {
             return Work::ready(match self.inline_error.lock().unwrap().take() {
                 None => Ok(out),
