@@ -4,10 +4,12 @@
 //! `--oversubscribe` for more ranks than cores); [`MpiBackend::init`] returns the world group.
 //!
 //! # Design
-//! - **One actor thread** initialises MPI (`MPI_THREAD_MULTIPLE`, so the panic hook may call
-//!   `MPI_Abort` from any thread) and is the only thread that touches MPI: Open MPI's
-//!   communicators and requests must stay on one thread. Handles are `Send + Sync` and talk to
-//!   it over a channel. See `actor.rs`.
+//! - **One actor thread** initialises MPI (asking for `MPI_THREAD_MULTIPLE`, so the panic hook
+//!   may call `MPI_Abort` from any thread), owns every communicator and request, and runs the
+//!   ops handed to it. Handles are `Send + Sync` and talk to it over a channel. Where MPI
+//!   provides `MPI_THREAD_MULTIPLE`, a small collective or an all_reduce submitted while the
+//!   actor holds none of its group's collectives runs on the caller's thread instead, under
+//!   the group's lane lock (no hand-off; handed to the actor if peers are late). See `actor.rs`.
 //! - **Nonblocking everything.** Every op is an `MPI_I*` call completed by polling
 //!   (`MPI_Test`), so point-to-point ops and collectives of different groups are in flight
 //!   together: an `isend` never blocks a collective. A group's collectives run one at a time in
