@@ -15,7 +15,7 @@
 //!   staging memory and events. Ops go to it over a channel in submission order; it issues them
 //!   on its stream and completes each [`Work`] when the CUDA event recorded after the op fires,
 //!   so `is_completed()` is an atomic load and `.await` never blocks a runtime thread.
-//! - **Host buffers** ([`HostBuffer`]) are copied through pinned memory into device staging
+//! - **Host buffers** ([`HostBuffer`](comm_core::HostBuffer)) are copied through pinned memory into device staging
 //!   buffers (pooled) and back. **Device buffers** (`CudaSlice<T>`) go to NCCL as they are,
 //!   through the request types of [`device`] (e.g. [`DeviceAllReduce`]) on the same
 //!   [`Collective`] trait, on a [`NcclBackend`] handle.

@@ -14,7 +14,7 @@ pub enum DType {
     I32,
     /// `i64`
     I64,
-    /// IEEE 754 half precision ([`f16`]).
+    /// IEEE 754 half precision ([`struct@f16`]).
     F16,
     /// bfloat16 ([`bf16`]).
     BF16,
