@@ -165,11 +165,8 @@ pub(crate) fn submit_direct(
     // Completion hooks run unlocked (one may submit the next op).
     drop(st);
     match r {
-        Ok(out) => match (reply, out) {
-            (Reply::Buf(d), Out::Buf(b)) => d.complete(Ok(b)),
-            (Reply::Unit(d), Out::Unit) => d.complete(Ok(())),
-            (r, _) => r.fail(internal("a direct op finished with the wrong kind of output")),
-        },
+        // Not new_group (never direct): no communicator to register.
+        Ok(out) => drop(reply.complete(out)),
         Err(e) => reply.fail(e),
     }
     None
@@ -198,19 +195,9 @@ fn exchange_direct(
     start: Start,
     what: &str,
 ) -> Result<Direct, CommError> {
-    let size = info.size as usize;
-    let slot = exchange_slot_bytes(size);
-    let payload = payload.filter(|p| p.len() <= inline_max(size));
-    let mine = exchange_slot(slot, &header, payload.as_deref());
-    let mut req = raw::iallgather(comm, mine, HostBuffer::zeroed(DType::U8, slot * size))?;
+    let (size, rank) = (info.size as usize, info.rank as usize);
+    let (mut req, finish) = exchange(comm, size, header, payload, start, what.to_owned())?;
     let started = Instant::now();
-    let inline = payload.is_some();
-    let (rank, what2) = (info.rank as usize, what.to_owned());
-    let finish = move |env: &Env<'_>, bufs: Bufs| -> Result<Step, CommError> {
-        let ex = Exchange { all: take(bufs.recv)?, slot };
-        verify(&ex, env.size, &header, rank, &what2)?;
-        start(env, inline.then_some(&ex))
-    };
     let mut yields = 0;
     let bufs = loop {
         match req.test() {
@@ -223,7 +210,7 @@ fn exchange_direct(
                 yields += 1;
                 std::thread::yield_now();
             }
-            Polled::Pending => return Ok(Direct::Waiting(req, Box::new(finish), started)),
+            Polled::Pending => return Ok(Direct::Waiting(req, finish, started)),
         }
     };
     let env = Env { comm, rank, size, params: &lane.params, half: None, pool };
@@ -255,6 +242,30 @@ fn exchange_direct(
         };
         step = cont(&env, bufs)?;
     }
+}
+
+/// Issues the exchange before a collective (the header, and a small op's data, of every rank in
+/// one fixed-size slot each); the continuation checks the headers and starts the op, from the
+/// slots when they carry its data. The same on the actor and on a caller's thread.
+fn exchange(
+    comm: &Comm,
+    size: usize,
+    header: Header,
+    payload: Option<Vec<u8>>,
+    start: Start,
+    what: String,
+) -> Result<(Request, Cont), CommError> {
+    let slot = exchange_slot_bytes(size);
+    let payload = payload.filter(|p| p.len() <= inline_max(size));
+    let mine = exchange_slot(slot, &header, payload.as_deref());
+    let req = raw::iallgather(comm, mine, HostBuffer::zeroed(DType::U8, slot * size))?;
+    let inline = payload.is_some();
+    let cont: Cont = Box::new(move |env: &Env<'_>, bufs: Bufs| {
+        let ex = Exchange { all: take(bufs.recv)?, slot };
+        verify(&ex, env.size, &header, env.rank, &what)?;
+        start(env, inline.then_some(&ex))
+    });
+    Ok((req, cont))
 }
 
 /// This rank's slot of the exchange before a collective: the header, then a small op's data.
@@ -586,6 +597,17 @@ enum Reply {
 }
 
 impl Reply {
+    /// Completes with `out`; a new group's communicator comes back for the actor to register.
+    fn complete(self, out: Out) -> Option<(Option<Comm>, Completer<Option<GroupInfo>>)> {
+        match (self, out) {
+            (Reply::Buf(d), Out::Buf(b)) => d.complete(Ok(b)),
+            (Reply::Unit(d), Out::Unit) => d.complete(Ok(())),
+            (Reply::Group(d), Out::Comm(c)) => return Some((c, d)),
+            (r, _) => r.fail(internal("an op finished with the wrong kind of output")),
+        }
+        None
+    }
+
     fn fail(self, e: CommError) {
         match self {
             Reply::Buf(d) => d.complete(Err(e)),
@@ -1474,12 +1496,9 @@ impl Actor {
                             Ok(Step::Wait(req, cont)) => {
                                 g.active = Some(Active { ticket, what, started, req, cont, reply })
                             }
-                            Ok(Step::Done(out)) => match (reply, out) {
-                                (Reply::Buf(d), Out::Buf(b)) => d.complete(Ok(b)),
-                                (Reply::Unit(d), Out::Unit) => d.complete(Ok(())),
-                                (Reply::Group(d), Out::Comm(c)) => born.push((gid, c, d)),
-                                (r, _) => r.fail(internal("an op finished with the wrong kind of output")),
-                            },
+                            Ok(Step::Done(out)) => {
+                                born.extend(reply.complete(out).map(|(c, d)| (gid, c, d)));
+                            }
                             Err(e) => {
                                 if e.poisons_group() {
                                     g.poison(&e, &mut self.graveyard);
@@ -1704,22 +1723,10 @@ fn start_collective(
         panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", g.info.rank);
     }
     let what = format!("{name} #{}", g.seq);
-    let exchange = g.info.size > 1 && (g.params.check || header.op == OP_NEW_GROUP);
+    let checked = g.info.size > 1 && (g.params.check || header.op == OP_NEW_GROUP);
     let env = g.env(half, pool);
-    let first = if exchange {
-        // The header (and a small op's data) of every rank, one fixed-size slot each.
-        let slot = exchange_slot_bytes(env.size);
-        let payload = payload.filter(|p| p.len() <= inline_max(env.size));
-        let mine = exchange_slot(slot, &header, payload.as_deref());
-        let all = HostBuffer::zeroed(DType::U8, slot * env.size);
-        let what2 = what.clone();
-        raw::iallgather(env.comm, mine, all).map(|req| {
-            wait(req, move |env, b| {
-                let ex = Exchange { all: take(b.recv)?, slot };
-                verify(&ex, env.size, &header, env.rank, &what2)?;
-                start(env, payload.is_some().then_some(&ex))
-            })
-        })
+    let first = if checked {
+        exchange(env.comm, env.size, header, payload, start, what.clone()).map(|(req, cont)| Step::Wait(req, cont))
     } else {
         start(&env, None)
     };
@@ -1727,12 +1734,7 @@ fn start_collective(
         Ok(Step::Wait(req, cont)) => {
             g.active = Some(Active { ticket, what, started: Instant::now(), req, cont, reply })
         }
-        Ok(Step::Done(out)) => match (reply, out) {
-            (Reply::Buf(d), Out::Buf(b)) => d.complete(Ok(b)),
-            (Reply::Unit(d), Out::Unit) => d.complete(Ok(())),
-            (Reply::Group(d), Out::Comm(c)) => born.push((g.info.gid, c, d)),
-            (r, _) => r.fail(internal("an op finished at once with the wrong kind of output")),
-        },
+        Ok(Step::Done(out)) => born.extend(reply.complete(out).map(|(c, d)| (g.info.gid, c, d))),
         Err(e) => {
             if e.poisons_group() {
                 g.poison(&e, graveyard);
