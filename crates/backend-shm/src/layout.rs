@@ -14,7 +14,9 @@
 use bytemuck::{Pod, Zeroable};
 
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"commshm1");
-pub(crate) const VERSION: u32 = 2;
+/// Raised when the segment layout or the step protocol changes (3: header step word written
+/// last, data right after the header).
+pub(crate) const VERSION: u32 = 3;
 
 pub(crate) const OFF_MAGIC: usize = 0;
 pub(crate) const OFF_VERSION: usize = 8;
