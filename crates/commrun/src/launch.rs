@@ -15,10 +15,12 @@ use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use rustix::process::{Pid, Signal, WaitId, WaitIdOptions, WaitOptions};
+
 use crate::cli::Options;
 use crate::job::Job;
 use crate::output::{prefix_lines, rank_prefix, MAX_LINE};
-use crate::signals::{self, signal_name};
+use crate::signals::{signal_name, Incoming};
 
 /// How often the wait loop checks the ranks and the signals.
 const POLL: Duration = Duration::from_millis(10);
@@ -26,6 +28,9 @@ const POLL: Duration = Duration::from_millis(10);
 /// before commrun stops waiting for them (a pipe can be held open by a process the rank left
 /// behind).
 const OUTPUT_IDLE: Duration = Duration::from_secs(2);
+
+/// The "core dumped" bit of a wait status (`WCOREDUMP`), which rustix does not decode.
+const WCOREFLAG: i32 = 0x80;
 
 /// How a rank ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,7 +95,7 @@ impl Stop {
 /// One started rank.
 struct Rank {
     rank: u32,
-    pid: libc::pid_t,
+    pid: Pid,
     /// Set once its exit was observed (it is a zombie until [`Rank::reap`]).
     exit: Option<Exit>,
 }
@@ -101,70 +106,46 @@ impl Rank {
         if self.exit.is_some() {
             return Ok(self.exit);
         }
-        loop {
-            // SAFETY: zeroed siginfo_t is a valid out-parameter for waitid.
-            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-            // SAFETY: waitid on our own child; WNOWAIT leaves it waitable.
-            let rc = unsafe {
-                libc::waitid(
-                    libc::P_PID,
-                    self.pid as libc::id_t,
-                    &mut info,
-                    libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
-                )
-            };
-            if rc == -1 {
-                let err = io::Error::last_os_error();
-                if err.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(err);
+        // WNOWAIT leaves the rank waitable, so its pid stays ours until `reap`.
+        let options = WaitIdOptions::EXITED | WaitIdOptions::NOHANG | WaitIdOptions::NOWAIT;
+        let status = loop {
+            match rustix::process::waitid(WaitId::Pid(self.pid), options) {
+                Err(rustix::io::Errno::INTR) => continue,
+                result => break result?,
             }
-            // SAFETY: waitid filled (or left zeroed) the SIGCHLD fields of `info`.
-            let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
-            if pid == 0 {
-                return Ok(None);
-            }
-            self.exit = match info.si_code {
-                libc::CLD_EXITED => Some(Exit::Code(status)),
-                libc::CLD_KILLED => Some(Exit::Signal(status, false)),
-                libc::CLD_DUMPED => Some(Exit::Signal(status, true)),
-                _ => None,
-            };
-            return Ok(self.exit);
-        }
+        };
+        let Some(status) = status else { return Ok(None) };
+        self.exit = if let Some(code) = status.exit_status() {
+            Some(Exit::Code(code))
+        } else {
+            status.terminating_signal().map(|signo| Exit::Signal(signo, status.dumped()))
+        };
+        Ok(self.exit)
     }
 
-    /// Sends `signo` to the rank's process group (the rank and whatever it started). Only
+    /// Sends `signal` to the rank's process group (the rank and whatever it started). Only
     /// called before [`Rank::reap`], while the pid cannot have been reused.
-    fn signal(&self, signo: i32) {
-        // SAFETY: kill has no memory-safety preconditions.
-        unsafe {
-            if libc::kill(-self.pid, signo) == -1 {
-                libc::kill(self.pid, signo);
-            }
+    fn signal(&self, signal: Signal) {
+        if rustix::process::kill_process_group(self.pid, signal).is_err() {
+            let _ = rustix::process::kill_process(self.pid, signal);
         }
     }
 
     /// Waits for the rank (blocking) and releases its process-table entry.
     fn reap(&mut self) -> Exit {
-        let mut status = 0;
         loop {
-            // SAFETY: waitpid on our own child with a valid status pointer.
-            let rc = unsafe { libc::waitpid(self.pid, &mut status, 0) };
-            if rc == self.pid {
-                let exit = if libc::WIFSIGNALED(status) {
-                    Exit::Signal(libc::WTERMSIG(status), libc::WCOREDUMP(status))
-                } else {
-                    Exit::Code(libc::WEXITSTATUS(status))
-                };
-                return *self.exit.get_or_insert(exit);
+            match rustix::process::waitpid(Some(self.pid), WaitOptions::empty()) {
+                Ok(Some((pid, status))) if pid == self.pid => {
+                    let exit = match status.terminating_signal() {
+                        Some(signo) => Exit::Signal(signo, status.as_raw() & WCOREFLAG != 0),
+                        None => Exit::Code(status.exit_status().unwrap_or(0)),
+                    };
+                    return *self.exit.get_or_insert(exit);
+                }
+                Err(rustix::io::Errno::INTR) => continue,
+                // ECHILD: somebody else reaped it; keep what we saw.
+                _ => return *self.exit.get_or_insert(Exit::Code(0)),
             }
-            if rc == -1 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            // ECHILD: somebody else reaped it; keep what we saw.
-            return *self.exit.get_or_insert(Exit::Code(0));
         }
     }
 }
@@ -213,17 +194,17 @@ fn build_command(opts: &Options, job: &Job, rank: u32) -> Command {
     cmd.process_group(0);
     #[cfg(target_os = "linux")]
     {
-        let parent = std::process::id() as libc::pid_t;
+        let parent = rustix::process::getpid();
+        // `pre_exec` has no safe counterpart; it is the crate's only unsafe code.
+        #[allow(unsafe_code)]
         // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
-        // calls (prctl, getppid) and builds errors without allocating.
+        // calls (rustix's raw prctl and getppid syscalls) and builds errors without allocating.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) == -1 {
-                    return Err(io::Error::last_os_error());
-                }
-                if libc::getppid() != parent {
+                rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+                if rustix::process::getppid() != Some(parent) {
                     // commrun died before prctl took effect.
-                    return Err(io::Error::from_raw_os_error(libc::ESRCH));
+                    return Err(rustix::io::Errno::SRCH.into());
                 }
                 Ok(())
             });
@@ -244,10 +225,13 @@ pub fn run(opts: &Options) -> i32 {
             return 2;
         }
     };
-    if let Err(err) = signals::install() {
-        eprintln!("commrun: cannot install signal handlers: {}", os_message(&err));
-        return 1;
-    }
+    let mut incoming = match Incoming::install() {
+        Ok(incoming) => incoming,
+        Err(err) => {
+            eprintln!("commrun: cannot install signal handlers: {}", os_message(&err));
+            return 1;
+        }
+    };
 
     let lines = Arc::new(AtomicU64::new(0));
     let (done_tx, done_rx) = mpsc::channel();
@@ -256,7 +240,7 @@ pub fn run(opts: &Options) -> i32 {
     let mut stop: Option<Stop> = None;
 
     for rank in 0..job.world_size {
-        if signals::received().is_some() {
+        if incoming.received().is_some() {
             break; // handled by the wait loop
         }
         let mut child = match build_command(opts, &job, rank).spawn() {
@@ -269,7 +253,7 @@ pub fn run(opts: &Options) -> i32 {
                 break;
             }
         };
-        ranks.push(Rank { rank, pid: child.id() as libc::pid_t, exit: None });
+        ranks.push(Rank { rank, pid: Pid::from_child(&child), exit: None });
         let pipes: [(Option<Box<dyn Read + Send>>, bool); 2] = [
             (child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>), false),
             (child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>), true),
@@ -286,41 +270,44 @@ pub fn run(opts: &Options) -> i32 {
     }
     drop(done_tx);
 
-    let code = supervise(&mut ranks, stop, opts.timeout_kill);
+    let code = supervise(&mut ranks, &mut incoming, stop, opts.timeout_kill);
     wait_for_output(&done_rx, pumps, &lines);
     code
 }
 
 /// Signals every rank whose process group is still ours.
-fn signal_all(ranks: &[Rank], signo: i32) {
+fn signal_all(ranks: &[Rank], signal: Signal) {
     for r in ranks {
-        r.signal(signo);
+        r.signal(signal);
     }
 }
 
 /// The wait loop: watches exits and signals, stops the job on the first failure, then kills
 /// stragglers and reaps every rank. Returns the exit code.
-fn supervise(ranks: &mut [Rank], mut stop: Option<Stop>, grace: Duration) -> i32 {
+fn supervise(ranks: &mut [Rank], incoming: &mut Incoming, mut stop: Option<Stop>, grace: Duration) -> i32 {
     let mut deadline = stop.map(|_| {
-        signal_all(ranks, libc::SIGTERM);
+        signal_all(ranks, Signal::TERM);
         Instant::now() + grace
     });
     let mut killed = false;
     let mut signals_seen = 0;
 
     loop {
-        if let Some((signo, count)) = signals::received() {
+        if let Some((signo, count)) = incoming.received() {
             if count > signals_seen {
                 if stop.is_none() {
                     // Forward the signal itself, then the usual grace period and SIGKILL.
                     eprintln!("commrun: received {}; stopping all ranks", signal_name(signo));
                     stop = Some(Stop::Signal(signo));
-                    signal_all(ranks, signo);
+                    // Only SIGINT/SIGTERM/SIGHUP are received, all of them named.
+                    if let Some(signal) = Signal::from_named_raw(signo) {
+                        signal_all(ranks, signal);
+                    }
                     deadline = Some(Instant::now() + grace);
                 } else if !killed {
                     // A signal while already stopping (a second Ctrl-C): no more grace.
                     eprintln!("commrun: received a signal while stopping; killing all ranks");
-                    signal_all(ranks, libc::SIGKILL);
+                    signal_all(ranks, Signal::KILL);
                     killed = true;
                 }
                 signals_seen = count;
@@ -346,7 +333,7 @@ fn supervise(ranks: &mut [Rank], mut stop: Option<Stop>, grace: Duration) -> i32
                 let tail = if others { "; stopping the other ranks" } else { "" };
                 eprintln!("commrun: rank {} {exit}{tail}", ranks[i].rank);
                 stop = Some(Stop::RankFailed(exit));
-                signal_all(ranks, libc::SIGTERM);
+                signal_all(ranks, Signal::TERM);
                 deadline = Some(Instant::now() + grace);
             }
         }
@@ -358,7 +345,7 @@ fn supervise(ranks: &mut [Rank], mut stop: Option<Stop>, grace: Duration) -> i32
                 for r in ranks.iter().filter(|r| r.exit.is_none()) {
                     eprintln!("commrun: rank {} did not stop within {:?}; sending SIGKILL", r.rank, grace);
                 }
-                signal_all(ranks, libc::SIGKILL);
+                signal_all(ranks, Signal::KILL);
                 killed = true;
             }
         }
@@ -367,7 +354,7 @@ fn supervise(ranks: &mut [Rank], mut stop: Option<Stop>, grace: Duration) -> i32
 
     if stop.is_some() {
         // Every rank has exited; kill what they left behind in their process groups.
-        signal_all(ranks, libc::SIGKILL);
+        signal_all(ranks, Signal::KILL);
     }
     for r in ranks.iter_mut() {
         r.reap();
@@ -406,17 +393,17 @@ mod tests {
         assert!(Exit::Code(0).success());
         assert!(!Exit::Code(3).success());
         assert_eq!(Exit::Code(3).shell_code(), 3);
-        assert_eq!(Exit::Signal(libc::SIGKILL, false).shell_code(), 137);
+        assert_eq!(Exit::Signal(Signal::KILL.as_raw(), false).shell_code(), 137);
         assert_eq!(Exit::Code(3).to_string(), "exited with code 3");
         assert_eq!(Exit::Signal(9, false).to_string(), "was killed by signal 9 (SIGKILL)");
         assert_eq!(Exit::Signal(11, true).to_string(), "was killed by signal 11 (SIGSEGV) (core dumped)");
-        assert_eq!(Stop::Signal(libc::SIGINT).exit_code(), 130);
+        assert_eq!(Stop::Signal(Signal::INT.as_raw()).exit_code(), 130);
         assert_eq!(Stop::SpawnFailed(127).exit_code(), 127);
     }
 
     #[test]
     fn os_messages() {
-        assert_eq!(os_message(&io::Error::from_raw_os_error(libc::ENOENT)), "No such file or directory");
+        assert_eq!(os_message(&io::Error::from(rustix::io::Errno::NOENT)), "No such file or directory");
         assert_eq!(os_message(&io::Error::other("plain")), "plain");
     }
 }

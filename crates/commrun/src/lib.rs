@@ -14,6 +14,9 @@
 //! The binary is a thin wrapper over [`cli::parse`] and [`launch::run`]; the pieces are public
 //! so that they can be tested on their own.
 
+// The one exception, `pre_exec`, is allowed where it is used.
+#![deny(unsafe_code)]
+
 pub mod cli;
 pub mod job;
 pub mod launch;
