@@ -1,7 +1,6 @@
 //! [`CommsLogger`]: DeepSpeed's comms logger as a `tracing_subscriber::Layer` over the op spans.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
@@ -9,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, Weak};
 use std::time::Duration;
 
 use comm_core::Completion;
-
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
@@ -302,38 +301,6 @@ impl Ticket {
     }
 }
 
-/// FxHash (rustc's): the keys are a few short strings and integers, hashed once per op on
-/// the recording path, where SipHash's DoS resistance buys nothing.
-#[derive(Default, Clone, Copy)]
-pub(crate) struct FxHasher(u64);
-
-impl std::hash::Hasher for FxHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(word));
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-    fn write_u32(&mut self, n: u32) {
-        self.write_u64(u64::from(n));
-    }
-    fn write_usize(&mut self, n: usize) {
-        self.write_u64(n as u64);
-    }
-    fn write_u8(&mut self, n: u8) {
-        self.write_u64(u64::from(n));
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-type FxBuild = std::hash::BuildHasherDefault<FxHasher>;
-
 /// Kept in the span's extensions from open to close.
 struct Pending {
     key: Key,
@@ -355,8 +322,9 @@ struct Inner {
     prof_ops: RwLock<Vec<String>>,
     clock: Clock,
     /// Every row ever recorded; `reset` clears the cells but keeps them, so cached handles
-    /// stay valid.
-    cells: Mutex<HashMap<Key, Arc<Cell>, FxBuild>>,
+    /// stay valid. FxHash: short keys hashed on the recording path, where SipHash's DoS
+    /// resistance buys nothing.
+    cells: Mutex<FxHashMap<Key, Arc<Cell>>>,
     /// The same cells by row number (minus one), for tickets whose row is not in the
     /// completing thread's cache.
     rows: RwLock<Vec<Arc<Cell>>>,
@@ -457,7 +425,7 @@ impl CommsLogger {
                 time_all_from: AtomicU64::new(0),
                 prof_ops: RwLock::new(Vec::new()),
                 clock,
-                cells: Mutex::new(HashMap::default()),
+                cells: Mutex::new(FxHashMap::default()),
                 rows: RwLock::new(Vec::new()),
                 rank: OnceLock::new(),
                 output,
@@ -505,7 +473,7 @@ impl CommsLogger {
         self.inner.id
     }
 
-    fn cells(&self) -> MutexGuard<'_, HashMap<Key, Arc<Cell>, FxBuild>> {
+    fn cells(&self) -> MutexGuard<'_, FxHashMap<Key, Arc<Cell>>> {
         self.inner.cells.lock().unwrap_or_else(|e| e.into_inner())
     }
 
