@@ -45,7 +45,7 @@ mod summary;
 mod timeline;
 
 pub use layer::{without_profiling, Profiling, ProfilingLayer};
-pub use logger::{CommsConfig, CommsLogger, ManualClock};
+pub use logger::{CommsConfig, CommsLogger};
 pub use summary::{human_size, Row, StragglerRow, Stragglers, Summary};
 pub use timeline::{chrome_trace, Timeline, TraceEvent, MAX_EVENTS};
 

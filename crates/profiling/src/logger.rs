@@ -5,7 +5,6 @@ use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, Weak};
-use std::time::Duration;
 
 use comm_core::Completion;
 use rustc_hash::FxHashMap;
@@ -88,54 +87,6 @@ fn canonical_op(name: &str) -> &str {
         "irecv" => "recv",
         "inference_all_reduce" => "all_reduce",
         other => other,
-    }
-}
-
-/// A clock the test drives by hand, for exact latencies (see [`CommsLogger::with_clock`]).
-#[derive(Clone, Debug, Default)]
-pub struct ManualClock {
-    ns: Arc<AtomicU64>,
-}
-
-impl ManualClock {
-    /// A clock at time zero.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Moves the clock forward by `d`.
-    pub fn advance(&self, d: Duration) {
-        self.ns.fetch_add(d.as_nanos() as u64, Ordering::SeqCst);
-    }
-
-    /// The time since the clock was created.
-    pub fn now(&self) -> Duration {
-        Duration::from_nanos(self.ns.load(Ordering::SeqCst))
-    }
-}
-
-#[derive(Clone, Debug)]
-enum Clock {
-    /// Raw TSC ticks through `quanta` (monotonic, calibrated against the OS clock).
-    Tsc(quanta::Clock),
-    Manual(ManualClock),
-}
-
-impl Clock {
-    /// A timestamp in the clock's own ticks.
-    fn now(&self) -> u64 {
-        match self {
-            Clock::Tsc(c) => c.raw(),
-            Clock::Manual(c) => c.ns.load(Ordering::SeqCst),
-        }
-    }
-
-    /// Nanoseconds since the timestamp `start`.
-    fn elapsed_ns(&self, start: u64) -> u64 {
-        match self {
-            Clock::Tsc(c) => c.delta_as_nanos(start, c.raw()),
-            Clock::Manual(c) => c.ns.load(Ordering::SeqCst).saturating_sub(start),
-        }
     }
 }
 
@@ -320,7 +271,8 @@ struct Inner {
     sample_below: AtomicU64,
     time_all_from: AtomicU64,
     prof_ops: RwLock<Vec<String>>,
-    clock: Clock,
+    /// Raw TSC ticks (calibrated against the OS clock), or a mock in tests.
+    clock: quanta::Clock,
     /// Every row ever recorded; `reset` clears the cells but keeps them, so cached handles
     /// stay valid. FxHash: short keys hashed on the recording path, where SipHash's DoS
     /// resistance buys nothing.
@@ -342,6 +294,13 @@ fn registry() -> &'static Mutex<Registry> {
 }
 
 type Registry = Vec<(u64, Weak<Inner>)>;
+
+impl Inner {
+    /// Nanoseconds since the raw timestamp `start`.
+    fn elapsed_ns(&self, start: u64) -> u64 {
+        self.clock.delta_as_nanos(start, self.clock.raw())
+    }
+}
 
 impl Drop for Inner {
     fn drop(&mut self) {
@@ -395,12 +354,13 @@ impl Default for CommsLogger {
 impl CommsLogger {
     /// A logger with `config`, timing spans with the monotonic clock.
     pub fn new(config: CommsConfig) -> Self {
-        Self::build(config, Clock::Tsc(quanta::Clock::new()), None)
+        Self::build(config, quanta::Clock::new(), None)
     }
 
-    /// A logger whose latencies come from `clock` (tests: exact numbers).
-    pub fn with_clock(config: CommsConfig, clock: ManualClock) -> Self {
-        Self::build(config, Clock::Manual(clock), None)
+    /// A logger whose latencies come from `clock`; with [`quanta::Clock::mock`], a clock the
+    /// test drives by hand, for exact numbers.
+    pub fn with_clock(config: CommsConfig, clock: quanta::Clock) -> Self {
+        Self::build(config, clock, None)
     }
 
     /// Sends the `verbose` lines to `out` (every rank) instead of standard output (rank 0).
@@ -414,7 +374,7 @@ impl CommsLogger {
         Self::build(self.config(), self.inner.clock.clone(), Some(Arc::new(out)))
     }
 
-    fn build(config: CommsConfig, clock: Clock, output: Option<Output>) -> Self {
+    fn build(config: CommsConfig, clock: quanta::Clock, output: Option<Output>) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let logger = CommsLogger {
             inner: Arc::new(Inner {
@@ -545,7 +505,7 @@ impl CommsLogger {
             || flags & VERBOSE != 0
             || bytes >= self.inner.time_all_from.load(Ordering::Relaxed)
             || mix(index) < self.inner.sample_below.load(Ordering::Relaxed);
-        let start = if timed { self.inner.clock.now() } else { UNTIMED };
+        let start = if timed { self.inner.clock.raw() } else { UNTIMED };
         Some(Ticket { row, start })
     }
 
@@ -582,7 +542,7 @@ impl CommsLogger {
     /// has nothing left to do: see [`needs_end`](Self::needs_end).
     pub(crate) fn end(&self, key: &Key, t: Ticket, c: Completion<'_>) {
         let failed = c.error.is_some();
-        let latency = t.is_timed().then(|| self.inner.clock.elapsed_ns(t.start));
+        let latency = t.is_timed().then(|| self.inner.elapsed_ns(t.start));
         let rank = self.inner.rank.get().copied().unwrap_or(0);
         self.with_cached(key, rank, |e| {
             if failed {
@@ -808,7 +768,7 @@ where
         let caller = if flags & DEBUG != 0 { span.parent().map(|p| p.name()) } else { None };
         let key = Key { op, caller, group_size: f.group_size as u32, bytes: f.bytes.max(0) as u64 };
         let pending =
-            Pending { key, rank: f.rank as u32, start: self.inner.clock.now(), failed: false, detached: false };
+            Pending { key, rank: f.rank as u32, start: self.inner.clock.raw(), failed: false, detached: false };
         span.extensions_mut().insert(pending);
     }
 
@@ -823,7 +783,7 @@ where
     fn on_close(&self, id: Id, ctx: Context<'_, S>) {
         let Some(span) = ctx.span(&id) else { return };
         let Some(p) = span.extensions_mut().remove::<Pending>() else { return };
-        let latency = self.inner.clock.elapsed_ns(p.start);
+        let latency = self.inner.elapsed_ns(p.start);
         self.record(&p.key, p.rank, p.failed, p.detached, Some(latency));
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use comm_core::ops::{AllGather, AllReduce, Barrier, Broadcast, ReduceScatter, SendTo as SendOp};
 use comm_core::{Collective, CommError, DType, HostBuffer, ReduceOp};
 use common::{Fancy, Mock};
-use profiling::{CommsConfig, CommsLogger, ManualClock, ProfilingLayer, Summary};
+use profiling::{CommsConfig, CommsLogger, ProfilingLayer, Summary};
 use tracing_subscriber::layer::SubscriberExt;
 
 fn us(n: u64) -> Duration {
@@ -23,7 +23,8 @@ fn bytes(n: usize) -> HostBuffer {
 
 struct Rig {
     logger: CommsLogger,
-    clock: ManualClock,
+    /// Drives the logger's clock.
+    time: Arc<quanta::Mock>,
     /// What the test wraps its backends in.
     layer: ProfilingLayer,
     _guard: tracing::subscriber::DefaultGuard,
@@ -43,8 +44,8 @@ const WAYS: [Way; 2] = [Way::Spans, Way::Direct];
 /// A logger on a manual clock, recording `way`. Direct recording times every call
 /// (`sample_every: 1`) so the numbers are exact.
 fn rig_with(config: CommsConfig, way: Way) -> Rig {
-    let clock = ManualClock::new();
-    let logger = CommsLogger::with_clock(CommsConfig { sample_every: 1, ..config }, clock.clone());
+    let (clock, time) = quanta::Clock::mock();
+    let logger = CommsLogger::with_clock(CommsConfig { sample_every: 1, ..config }, clock);
     let (layer, _guard) = match way {
         Way::Spans => (
             ProfilingLayer::new(),
@@ -57,13 +58,13 @@ fn rig_with(config: CommsConfig, way: Way) -> Rig {
             ),
         ),
     };
-    Rig { logger, clock, layer, _guard }
+    Rig { logger, time, layer, _guard }
 }
 
 /// Submits with `submit`, lets `lat` pass, completes: one op of exactly `lat`.
 fn timed<W>(r: &Rig, mock: &Mock, lat: Duration, submit: impl FnOnce() -> W) -> W {
     let w = submit();
-    r.clock.advance(lat);
+    r.time.increment(lat);
     mock.complete_next();
     w
 }
@@ -86,7 +87,7 @@ fn scripted_sequence(way: Way) {
     timed(&r, &m4, us(1), || p4.submit(AllGather { input: bytes(1000), output: None })).wait().unwrap();
     // Failed op: counted apart, not in the latencies.
     let w = p4.submit(AllReduce { buf: bytes(1_000_000), op: ReduceOp::Sum });
-    r.clock.advance(us(999));
+    r.time.increment(us(999));
     m4.fail_next(CommError::Shutdown("test".into()));
     assert!(w.wait().is_err());
 
@@ -102,7 +103,7 @@ fn scripted_sequence(way: Way) {
     timed(&r, &m2, us(3), || p2.submit(Fancy(64))).wait().unwrap();
     // Detached: measured to completion.
     drop(p2.submit(Broadcast { buf: bytes(500), root: 0 }));
-    r.clock.advance(us(50));
+    r.time.increment(us(50));
     m2.complete_next();
 
     let s = r.logger.summary();
@@ -209,8 +210,8 @@ fn verbose_prints_one_line_per_op() {
     for way in WAYS {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let l = lines.clone();
-        let clock = ManualClock::new();
-        let logger = CommsLogger::with_clock(CommsConfig { verbose: true, ..Default::default() }, clock.clone())
+        let (clock, time) = quanta::Clock::mock();
+        let logger = CommsLogger::with_clock(CommsConfig { verbose: true, ..Default::default() }, clock)
             .with_output(move |s| l.lock().unwrap().push(s.to_owned()));
         let (layer, subscriber) = match way {
             Way::Spans => {
@@ -224,7 +225,7 @@ fn verbose_prints_one_line_per_op() {
         // Verbose times every call, whatever the sampling.
         for _ in 0..2 {
             let w = p.submit(AllReduce { buf: bytes(2048), op: ReduceOp::Sum });
-            clock.advance(us(2));
+            time.increment(us(2));
             m.complete_next();
             w.wait().unwrap();
         }
@@ -237,11 +238,9 @@ fn verbose_prints_one_line_per_op() {
 /// detached or sampled out, from any number of threads; spans of its ops are left to it.
 #[test]
 fn direct_recording_counts_every_op_and_times_a_sample() {
-    let clock = ManualClock::new();
-    let logger = CommsLogger::with_clock(
-        CommsConfig { sample_every: 4, time_all_from: 1 << 20, ..Default::default() },
-        clock.clone(),
-    );
+    let (clock, _) = quanta::Clock::mock();
+    let logger =
+        CommsLogger::with_clock(CommsConfig { sample_every: 4, time_all_from: 1 << 20, ..Default::default() }, clock);
     // Also installed as a subscriber layer: it must not count these ops twice.
     let _g = tracing::subscriber::set_default(tracing_subscriber::registry().with(logger.clone()));
     let layer = ProfilingLayer::new().with_logger(logger.clone());
@@ -302,13 +301,13 @@ fn direct_recording_counts_every_op_and_times_a_sample() {
 /// is the mean times the count.
 #[test]
 fn sampled_latencies_come_from_the_timed_calls() {
-    let clock = ManualClock::new();
-    let logger = CommsLogger::with_clock(CommsConfig { sample_every: 8, ..Default::default() }, clock.clone());
+    let (clock, time) = quanta::Clock::mock();
+    let logger = CommsLogger::with_clock(CommsConfig { sample_every: 8, ..Default::default() }, clock);
     let m = Mock::new(0, 2, false);
     let p = ProfilingLayer::new().with_logger(logger.clone()).layer(m.clone());
     for _ in 0..400 {
         let w = p.submit(AllReduce { buf: bytes(64), op: ReduceOp::Sum });
-        clock.advance(us(3));
+        time.increment(us(3));
         m.complete_next();
         w.wait().unwrap();
     }

@@ -7,21 +7,21 @@ use std::time::Duration;
 use comm_core::ops::{AllReduce, Barrier};
 use comm_core::{Collective, DType, HostBuffer, ReduceOp};
 use common::Mock;
-use profiling::{CommsConfig, CommsLogger, ManualClock, ProfilingLayer, Summary};
+use profiling::{CommsConfig, CommsLogger, ProfilingLayer, Summary};
 use tracing_subscriber::layer::SubscriberExt;
 
 /// Rank `rank` records all_reduces of 1 KiB taking `lats` µs (and a barrier if `barrier`),
 /// then gathers the straggler view over a LocalWorld group.
 fn rank_main(group: std::sync::Arc<dyn comm_core::Backend>, lats: Vec<u64>, barrier: bool) -> Summary {
-    let clock = ManualClock::new();
-    let logger = CommsLogger::with_clock(CommsConfig::default(), clock.clone());
+    let (clock, time) = quanta::Clock::mock();
+    let logger = CommsLogger::with_clock(CommsConfig::default(), clock);
     let _g = tracing::subscriber::set_default(tracing_subscriber::registry().with(logger.clone()));
     let rank = comm_core::Group::rank(&*group);
     let mock = Mock::new(rank, 2, false);
     let p = ProfilingLayer::new().layer(mock.clone());
     for lat in lats {
         let w = p.submit(AllReduce { buf: HostBuffer::zeroed(DType::F32, 256), op: ReduceOp::Sum });
-        clock.advance(Duration::from_micros(lat));
+        time.increment(Duration::from_micros(lat));
         mock.complete_next();
         w.wait().unwrap();
     }
