@@ -1,7 +1,8 @@
 //! Project automation: `cargo xtask test [--quick]`, `cargo xtask ci`, `cargo xtask bench [...]`,
 //! `cargo xtask gpu-test [--no-run]`.
 //!
-//! Plain `std`: no dependencies, so it builds in seconds before anything else.
+//! Plain `std` apart from indicatif (the bench progress bar), so it builds in seconds before
+//! anything else.
 
 use std::env;
 use std::ffi::OsStr;

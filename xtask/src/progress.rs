@@ -5,16 +5,19 @@
 //! 0's stderr), relays the job's stdout and stderr line by line, keeps those lines for itself
 //! and draws the progress:
 //!
-//! * stderr a terminal: a bar at the bottom, redrawn in place, erased before every relayed
-//!   line (so the table never mixes with it) and at the end;
+//! * stderr a terminal: an indicatif bar at the bottom, out of the way of every relayed line
+//!   (so the table never mixes with it) and erased at the end;
 //! * otherwise (a log file, CI): a plain line `# progress ...` at most every
 //!   [`OFF_TTY_EVERY`], nothing at all for a shorter run; never `\r` or escape sequences.
 
+use std::fmt;
 use std::io::{self, BufRead, BufReader, IsTerminal, Read, Write};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle};
 
 use crate::{exit_code, show, Failure, Result};
 
@@ -22,8 +25,8 @@ use crate::{exit_code, show, Failure, Result};
 pub(crate) const OFF_TTY_EVERY: Duration = Duration::from_secs(10);
 /// What comm-bench's `--progress lines` puts before each of its lines.
 const PREFIX: &str = "comm-bench progress: ";
-/// Width of the bar itself, in characters.
-const BAR_WIDTH: usize = 28;
+/// How often the bar is redrawn without news, so the elapsed time moves during a long row.
+const TICK: Duration = Duration::from_millis(250);
 
 /// One progress report of comm-bench: rows done, rows in all, the row now measured (or `done`).
 #[derive(Clone, Debug, PartialEq)]
@@ -46,47 +49,59 @@ pub(crate) fn parse(line: &str) -> Option<Report> {
     Some(Report { done: done.parse().ok()?, total: total.parse().ok()?, current: current.to_owned() })
 }
 
-/// `[#######---------------------]   6/24  25%  1:15  all_gather bf16 1MiB`.
-pub(crate) fn bar_line(r: &Report, elapsed: Duration) -> String {
-    let frac = if r.total == 0 { 1.0 } else { (r.done as f64 / r.total as f64).min(1.0) };
-    let filled = ((frac * BAR_WIDTH as f64).round() as usize).min(BAR_WIDTH);
-    let secs = elapsed.as_secs();
-    format!(
-        "[{}{}] {:>3}/{} {:>3}%  {}:{:02}  {}",
-        "#".repeat(filled),
-        "-".repeat(BAR_WIDTH - filled),
-        r.done,
-        r.total,
-        (frac * 100.0).round() as u32,
-        secs / 60,
-        secs % 60,
-        r.current
-    )
+/// `bench shm [#######---------------------]   6/24  25%  1:15  all_gather bf16 1MiB`.
+fn bar_style() -> ProgressStyle {
+    ProgressStyle::with_template("{prefix} [{bar:28}] {pos:>3}/{len} {percent:>3}%  {minutes}  {msg}")
+        .expect("the template is valid")
+        .with_key("minutes", minutes)
+        .progress_chars("#-")
+}
+
+/// Elapsed time as `M:SS`.
+fn minutes(state: &ProgressState, w: &mut dyn fmt::Write) {
+    let secs = state.elapsed().as_secs();
+    let _ = write!(w, "{}:{:02}", secs / 60, secs % 60);
 }
 
 /// What is on the screen, and what to do with the next report.
 pub(crate) struct Display {
     label: String,
-    tty: bool,
     start: Instant,
     last_line: Instant,
-    state: Option<Report>,
-    drawn: bool,
+    /// Where the bar goes once the first report arrives; `None` off a terminal.
+    target: Option<ProgressDrawTarget>,
+    bar: Option<ProgressBar>,
 }
 
 impl Display {
-    /// A display for the job `label` (`bench shm`), drawing a bar when `tty`.
-    pub(crate) fn new(label: &str, tty: bool, start: Instant) -> Display {
-        Display { label: label.to_owned(), tty, start, last_line: start, state: None, drawn: false }
+    /// A display for the job `label` (`bench shm`) that draws its bar on `target` (`None`: the
+    /// plain lines for a stderr that is not a terminal).
+    pub(crate) fn new(label: &str, target: Option<ProgressDrawTarget>, start: Instant) -> Display {
+        Display { label: label.to_owned(), start, last_line: start, target, bar: None }
     }
 
     /// Takes a report that arrived at `now`.
     pub(crate) fn update(&mut self, r: Report, now: Instant, err: &mut impl Write) {
         let finished = r.total > 0 && r.done >= r.total;
-        if self.tty {
-            self.state = (!finished).then_some(r);
-            self.clear(err);
-            self.redraw(now, err);
+        if let Some(target) = self.target.take() {
+            // Made on the first report: until then there is nothing to draw.
+            let bar = ProgressBar::with_draw_target(None, target)
+                .with_style(bar_style())
+                .with_prefix(self.label.clone())
+                .with_elapsed(now.saturating_duration_since(self.start));
+            self.bar = Some(bar);
+        }
+        if let Some(bar) = &self.bar {
+            if finished {
+                bar.finish_and_clear();
+            } else if !bar.is_finished() {
+                bar.set_length(r.total as u64);
+                bar.set_position(r.done as u64);
+                bar.set_message(r.current);
+                if !bar.is_hidden() {
+                    bar.enable_steady_tick(TICK);
+                }
+            }
         } else if !finished && now.duration_since(self.last_line) >= OFF_TTY_EVERY {
             let secs = now.duration_since(self.start).as_secs();
             let _ = writeln!(err, "# progress {}: {}/{} rows, {secs}s, now {}", self.label, r.done, r.total, r.current);
@@ -95,21 +110,18 @@ impl Display {
         }
     }
 
-    /// Erases the bar (before a relayed line).
-    pub(crate) fn clear(&mut self, err: &mut impl Write) {
-        if self.drawn {
-            let _ = write!(err, "\r\x1b[2K");
-            let _ = err.flush();
-            self.drawn = false;
+    /// Runs `f` (which writes a relayed line) with the bar out of its way.
+    pub(crate) fn relay<R>(&self, f: impl FnOnce() -> R) -> R {
+        match &self.bar {
+            Some(bar) => bar.suspend(f),
+            None => f(),
         }
     }
 
-    /// Draws the bar again (after a relayed line).
-    pub(crate) fn redraw(&mut self, now: Instant, err: &mut impl Write) {
-        if let (true, Some(r)) = (self.tty, &self.state) {
-            let _ = write!(err, "\r\x1b[2K{} {}", self.label, bar_line(r, now.duration_since(self.start)));
-            let _ = err.flush();
-            self.drawn = true;
+    /// Erases the bar for good.
+    pub(crate) fn finish(&mut self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
         }
     }
 }
@@ -134,18 +146,18 @@ pub(crate) fn run_relayed(mut cmd: Command, label: &str) -> Result {
     println!("$ {}", show(&cmd));
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.spawn().map_err(|e| Failure { code: 1, msg: format!("cannot run `{}`: {e}", show(&cmd)) })?;
-    let display = Arc::new(Mutex::new(Display::new(label, io::stderr().is_terminal(), Instant::now())));
+    let target = io::stderr().is_terminal().then(ProgressDrawTarget::stderr);
+    let display = Arc::new(Mutex::new(Display::new(label, target, Instant::now())));
     let mut pumps = Vec::new();
     if let Some(out) = child.stdout.take() {
         let d = Arc::clone(&display);
         pumps.push(thread::spawn(move || {
             pump(out, |line| {
-                let mut d = d.lock().unwrap_or_else(PoisonError::into_inner);
-                let mut err = io::stderr().lock();
-                d.clear(&mut err);
-                let mut stdout = io::stdout().lock();
-                let _ = stdout.write_all(line).and_then(|()| stdout.flush());
-                d.redraw(Instant::now(), &mut err);
+                let d = d.lock().unwrap_or_else(PoisonError::into_inner);
+                d.relay(|| {
+                    let mut stdout = io::stdout().lock();
+                    let _ = stdout.write_all(line).and_then(|()| stdout.flush());
+                });
             });
         }));
     }
@@ -154,14 +166,12 @@ pub(crate) fn run_relayed(mut cmd: Command, label: &str) -> Result {
         pumps.push(thread::spawn(move || {
             pump(pipe, |line| {
                 let mut d = d.lock().unwrap_or_else(PoisonError::into_inner);
-                let mut err = io::stderr().lock();
                 match parse(&String::from_utf8_lossy(line)) {
-                    Some(r) => d.update(r, Instant::now(), &mut err),
-                    None => {
-                        d.clear(&mut err);
+                    Some(r) => d.update(r, Instant::now(), &mut io::stderr().lock()),
+                    None => d.relay(|| {
+                        let mut err = io::stderr().lock();
                         let _ = err.write_all(line).and_then(|()| err.flush());
-                        d.redraw(Instant::now(), &mut err);
-                    }
+                    }),
                 }
             });
         }));
@@ -170,7 +180,7 @@ pub(crate) fn run_relayed(mut cmd: Command, label: &str) -> Result {
         let _ = p.join();
     }
     let status = child.wait();
-    display.lock().unwrap_or_else(PoisonError::into_inner).clear(&mut io::stderr().lock());
+    display.lock().unwrap_or_else(PoisonError::into_inner).finish();
     let status = status.map_err(|e| Failure { code: 1, msg: format!("waiting for `{}`: {e}", show(&cmd)) })?;
     if status.success() {
         Ok(())
@@ -181,6 +191,8 @@ pub(crate) fn run_relayed(mut cmd: Command, label: &str) -> Result {
 
 #[cfg(test)]
 mod tests {
+    use indicatif::InMemoryTerm;
+
     use super::*;
 
     fn rep(done: usize, total: usize, current: &str) -> Report {
@@ -203,17 +215,17 @@ mod tests {
     #[test]
     fn off_tty_prints_a_plain_line_at_most_every_ten_seconds() {
         let t0 = Instant::now();
-        let mut d = Display::new("bench shm", false, t0);
+        let mut d = Display::new("bench shm", None, t0);
         let mut err = Vec::new();
         d.update(rep(0, 24, "all_reduce f32 8B"), t0, &mut err);
         d.update(rep(5, 24, "all_reduce f32 256B"), t0 + Duration::from_secs(4), &mut err);
         assert!(err.is_empty(), "nothing for the first 10 s");
         d.update(rep(12, 24, "all_reduce f32 32KiB"), t0 + Duration::from_secs(11), &mut err);
         d.update(rep(13, 24, "all_reduce f32 64KiB"), t0 + Duration::from_secs(15), &mut err);
-        d.clear(&mut err);
-        d.redraw(t0 + Duration::from_secs(16), &mut err);
+        assert_eq!(d.relay(|| 7), 7);
         d.update(rep(20, 24, "all_reduce f32 8MiB"), t0 + Duration::from_secs(22), &mut err);
         d.update(rep(24, 24, "done"), t0 + Duration::from_secs(40), &mut err);
+        d.finish();
         let text = String::from_utf8(err).unwrap();
         assert_eq!(
             text,
@@ -224,21 +236,21 @@ mod tests {
     }
 
     #[test]
-    fn on_a_terminal_the_bar_is_redrawn_in_place_and_erased() {
+    fn on_a_terminal_the_bar_is_drawn_and_erased() {
+        let term = InMemoryTerm::new(4, 120);
         let t0 = Instant::now();
-        let mut d = Display::new("bench shm", true, t0);
+        let target = ProgressDrawTarget::term_like(Box::new(term.clone()));
+        let mut d = Display::new("bench shm", Some(target), t0);
         let mut err = Vec::new();
+        d.relay(|| ());
+        assert_eq!(term.contents(), "", "nothing before the first report");
         d.update(rep(6, 24, "all_gather bf16 1MiB"), t0 + Duration::from_secs(75), &mut err);
-        let drawn = String::from_utf8(err.clone()).unwrap();
         let bar = format!("[{}{}]   6/24  25%  1:15  all_gather bf16 1MiB", "#".repeat(7), "-".repeat(21));
-        assert_eq!(drawn, format!("\r\x1b[2Kbench shm {bar}"));
-        err.clear();
-        d.clear(&mut err);
-        d.clear(&mut err);
-        assert_eq!(err, b"\r\x1b[2K", "erased once");
-        err.clear();
+        assert_eq!(term.contents(), format!("bench shm {bar}"));
         d.update(rep(24, 24, "done"), t0, &mut err);
-        d.redraw(t0, &mut err);
-        assert!(err.is_empty(), "nothing left to draw once done: {err:?}");
+        assert_eq!(term.contents(), "", "erased once done");
+        d.relay(|| ());
+        assert_eq!(term.contents(), "", "nothing left to draw once done");
+        assert!(err.is_empty(), "the bar never writes to `err`: {err:?}");
     }
 }
