@@ -9,7 +9,7 @@
 //!   ops handed to it. Handles are `Send + Sync` and talk to it over a channel. Where MPI
 //!   provides `MPI_THREAD_MULTIPLE`, a small collective or an all_reduce submitted while the
 //!   actor holds none of its group's collectives runs on the caller's thread instead, under
-//!   the group's lane lock (no hand-off; handed to the actor if peers are late). See `actor.rs`.
+//!   the group's lane lock (no hand-off; handed to the actor if peers are late). See `actor/lane.rs`.
 //! - **Nonblocking everything.** Every op is an `MPI_I*` call completed by polling
 //!   (`MPI_Test`), so point-to-point ops and collectives of different groups are in flight
 //!   together: an `isend` never blocks a collective. A group's collectives run one at a time in
@@ -65,12 +65,13 @@ mod raw;
 #[doc(hidden)]
 pub use raw::HalfOps;
 
-use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use comm_core::handle::{self, shutdown_done, Admission};
 use comm_core::ops::{self, Op};
 use comm_core::{
     config, Backend, Collective, CommError, Completer, Group, Launcher, Rank, Work, WorldInfo, WorldSource,
@@ -273,8 +274,8 @@ pub struct MpiBackend {
 
 struct Inner {
     info: GroupInfo,
+    admission: Admission,
     tx: Sender<Msg>,
-    shut: AtomicBool,
 }
 
 impl Drop for Inner {
@@ -335,7 +336,8 @@ impl MpiBackend {
     }
 
     fn from_info(info: GroupInfo, tx: Sender<Msg>) -> MpiBackend {
-        MpiBackend { inner: Arc::new(Inner { info, tx, shut: AtomicBool::new(false) }) }
+        let admission = Admission::new(info.rank, info.size, info.poison.clone());
+        MpiBackend { inner: Arc::new(Inner { info, admission, tx }) }
     }
 
     /// This process's rank among the ranks on its node (`MPI_COMM_TYPE_SHARED`).
@@ -394,15 +396,8 @@ impl MpiBackend {
     }
 
     fn submit<R: Op>(&self, req: R, wrap: impl FnOnce(R, Completer<R::Output>) -> Cmd) -> Work<R::Output> {
-        let inner = &*self.inner;
-        if let Err(e) = req.validate(inner.info.rank, inner.info.size) {
+        if let Err(e) = self.inner.admission.admit(&req) {
             return Work::ready(Err(e));
-        }
-        if let Some(cause) = inner.info.poison.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            return Work::ready(Err(CommError::Poisoned { cause }));
-        }
-        if inner.shut.load(SeqCst) {
-            return Work::ready(Err(CommError::Shutdown(String::new())));
         }
         let (done, work) = Work::pending();
         self.send(wrap(req, done));
@@ -500,41 +495,20 @@ impl Group for MpiBackend {
 
     async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
         let inner = &*self.inner;
-        let mut sorted = ranks.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.is_empty() || sorted.len() != ranks.len() || sorted.last().is_some_and(|&r| r >= inner.info.size) {
-            return Err(CommError::invalid(
-                "new_group",
-                format!(
-                    "ranks {ranks:?} must be distinct ranks of this group of {} (and at least one)",
-                    inner.info.size
-                ),
-            ));
-        }
-        if let Some(cause) = inner.info.poison.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            return Err(CommError::Poisoned { cause });
-        }
-        if inner.shut.load(SeqCst) {
-            return Err(CommError::Shutdown(String::new()));
-        }
+        let sorted = handle::group_members(ranks, inner.info.size)?;
+        inner.admission.check_open()?;
         let (done, work) = Work::pending();
         self.send(Cmd::NewGroup(sorted, done));
         Ok(work.await?.map(|info| Arc::new(MpiBackend::from_info(info, inner.tx.clone())) as Arc<dyn Backend>))
     }
 
     async fn shutdown(&self) -> Result<(), CommError> {
-        if self.inner.shut.swap(true, SeqCst) {
+        if !self.inner.admission.begin_shutdown() {
             return Ok(());
         }
         let (done, work) = Work::pending();
-        if self.inner.tx.send(Msg::Shutdown(self.inner.info.gid, done)).is_err() {
-            return Ok(());
-        }
-        match work.await {
-            Ok(()) | Err(CommError::Shutdown(_)) => Ok(()),
-            Err(e) => Err(e),
-        }
+        let _ = self.inner.tx.send(Msg::Shutdown(self.inner.info.gid, done));
+        shutdown_done(work).await
     }
 }
 

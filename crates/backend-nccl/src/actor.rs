@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
+use comm_core::handle::Poison;
 use comm_core::{CommError, Completer, Op, ReduceOp, Work};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 
@@ -252,7 +253,7 @@ pub(crate) struct Setup {
     pub(crate) timeout: Duration,
     pub(crate) linger: Duration,
     pub(crate) pool_limit: usize,
-    pub(crate) poison: Arc<Mutex<Option<String>>>,
+    pub(crate) poison: Poison,
 }
 
 /// What the actor reports once its device is set up.
@@ -479,11 +480,11 @@ impl Actor {
     }
 
     fn poisoned(&self) -> Option<String> {
-        self.setup.poison.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.setup.poison.cause()
     }
 
     fn poison(&self, cause: String) {
-        self.setup.poison.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(cause);
+        self.setup.poison.set(cause);
     }
 
     fn handle(&mut self, req: Box<dyn Request>) {
@@ -771,7 +772,7 @@ impl<T: Send + 'static> Once<T> {
 }
 
 /// Watches the actor's calls into NCCL and aborts a call blocked for longer than `timeout`.
-pub(crate) fn watchdog(state: Arc<CommState>, timeout: Duration, poison: Arc<Mutex<Option<String>>>, rank: u32) {
+pub(crate) fn watchdog(state: Arc<CommState>, timeout: Duration, poison: Poison, rank: u32) {
     let tick = (timeout / 4).clamp(Duration::from_millis(10), Duration::from_millis(500));
     let (mut last, mut since) = (state.seq(), Instant::now());
     while !state.is_gone() {
@@ -784,7 +785,7 @@ pub(crate) fn watchdog(state: Arc<CommState>, timeout: Duration, poison: Arc<Mut
         if seq % 2 == 1 && since.elapsed() > timeout && state.abort_if_stuck(seq) {
             let cause = format!("rank {rank}: a call into NCCL blocked for more than {timeout:?}; the watchdog aborted the communicator");
             tracing::error!(rank, "nccl: {cause}");
-            poison.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(cause);
+            poison.set(cause);
             return;
         }
     }

@@ -22,7 +22,7 @@
 use std::fmt;
 
 use comm_core::ops::{check_len, check_peer, check_reduce, check_root, check_total};
-use comm_core::{CommError, Completer, DType, Element, Op, Rank, ReduceOp};
+use comm_core::{CommError, Completer, DType, Element, Op, OpKind, Rank, ReduceOp};
 use cudarc::driver::{CudaContext, CudaSlice, DeviceRepr};
 
 use crate::actor::{Body, Cx, Plan, Prepared};
@@ -92,7 +92,7 @@ debug_lens!(DeviceAllReduce { buf }, op);
 
 impl<T: DeviceElement> Op for DeviceAllReduce<T> {
     type Output = CudaSlice<T>;
-    const NAME: &'static str = "all_reduce";
+    const KIND: OpKind = OpKind::AllReduce;
     fn bytes(&self) -> usize {
         self.buf.num_bytes()
     }
@@ -133,7 +133,7 @@ debug_lens!(DeviceBroadcast { buf }, root);
 
 impl<T: DeviceElement> Op for DeviceBroadcast<T> {
     type Output = CudaSlice<T>;
-    const NAME: &'static str = "broadcast";
+    const KIND: OpKind = OpKind::Broadcast;
     fn bytes(&self) -> usize {
         self.buf.num_bytes()
     }
@@ -173,7 +173,7 @@ debug_lens!(DeviceReduce { buf }, op, root);
 
 impl<T: DeviceElement> Op for DeviceReduce<T> {
     type Output = CudaSlice<T>;
-    const NAME: &'static str = "reduce";
+    const KIND: OpKind = OpKind::Reduce;
     fn bytes(&self) -> usize {
         self.buf.num_bytes()
     }
@@ -216,7 +216,7 @@ debug_lens!(DeviceAllGather { input, output });
 
 impl<T: DeviceElement> Op for DeviceAllGather<T> {
     type Output = DeviceInOut<T>;
-    const NAME: &'static str = "all_gather";
+    const KIND: OpKind = OpKind::AllGather;
     fn bytes(&self) -> usize {
         self.input.num_bytes()
     }
@@ -259,7 +259,7 @@ debug_lens!(DeviceReduceScatter { input, output }, op);
 
 impl<T: DeviceElement> Op for DeviceReduceScatter<T> {
     type Output = DeviceInOut<T>;
-    const NAME: &'static str = "reduce_scatter";
+    const KIND: OpKind = OpKind::ReduceScatter;
     fn bytes(&self) -> usize {
         self.input.num_bytes()
     }
@@ -310,7 +310,7 @@ debug_lens!(DeviceAllToAll { input, output });
 
 impl<T: DeviceElement> Op for DeviceAllToAll<T> {
     type Output = DeviceInOut<T>;
-    const NAME: &'static str = "all_to_all";
+    const KIND: OpKind = OpKind::AllToAll;
     fn bytes(&self) -> usize {
         self.input.num_bytes()
     }
@@ -370,7 +370,7 @@ debug_lens!(DeviceSend { buf }, dst);
 
 impl<T: DeviceElement> Op for DeviceSend<T> {
     type Output = CudaSlice<T>;
-    const NAME: &'static str = "send";
+    const KIND: OpKind = OpKind::Send;
     fn bytes(&self) -> usize {
         self.buf.num_bytes()
     }
@@ -408,7 +408,7 @@ debug_lens!(DeviceRecv { buf }, src);
 
 impl<T: DeviceElement> Op for DeviceRecv<T> {
     type Output = CudaSlice<T>;
-    const NAME: &'static str = "recv";
+    const KIND: OpKind = OpKind::Recv;
     fn bytes(&self) -> usize {
         self.buf.num_bytes()
     }

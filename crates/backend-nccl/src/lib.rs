@@ -53,12 +53,13 @@ mod ffi;
 mod plans;
 mod probe;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
 use comm_core::ops::{self, Op};
 use comm_core::{Backend, Collective, CommError, DType, Group, Rank, Store, Work};
 pub use cudarc;
@@ -163,37 +164,26 @@ pub struct NcclBackend {
 }
 
 struct Inner {
-    rank: Rank,
-    world: u32,
+    admission: Admission,
     device: usize,
     tx: Sender<Command>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    poison: Arc<Mutex<Option<String>>>,
-    shut: AtomicBool,
     store: Arc<dyn Store>,
     opts: NcclOptions,
-    prefix: String,
-    subgroups: AtomicU64,
+    subgroups: Subgroups,
     info: NcclInfo,
 }
 
 impl std::fmt::Debug for NcclBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NcclBackend")
-            .field("rank", &self.inner.rank)
-            .field("world", &self.inner.world)
+            .field("rank", &self.inner.admission.rank())
+            .field("world", &self.inner.admission.world())
             .field("device", &self.inner.device)
-            .field("group", &self.inner.prefix)
+            .field("group", &self.inner.subgroups.prefix())
             .finish()
     }
-}
-
-/// Boot id and host name: two ranks with the same value share a machine (and its GPUs).
-fn host_identity() -> String {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    format!("{}@{}", boot.trim(), host.trim())
 }
 
 impl NcclBackend {
@@ -229,7 +219,7 @@ impl NcclBackend {
             });
         }
         let to = opts.timeout;
-        let poison = Arc::new(Mutex::new(None));
+        let poison = Poison::new();
         let setup = Setup {
             device,
             rank,
@@ -249,7 +239,7 @@ impl NcclBackend {
         let ready = ready.await?;
 
         // One GPU per rank: NCCL refuses two ranks on one device, with a less helpful error.
-        let me = format!("{} {}", host_identity(), ready.uuid);
+        let me = format!("{} {}", handle::host_identity(), ready.uuid);
         store.set(&format!("{prefix}/dev/{rank}"), me.as_bytes()).await?;
         for r in (0..world).filter(|&r| r != rank) {
             if store.get(&format!("{prefix}/dev/{r}"), to).await? == me.as_bytes() {
@@ -295,18 +285,14 @@ impl NcclBackend {
         tracing::debug!(rank, world, device, group = %prefix, "nccl: communicator ready");
         Ok(NcclBackend {
             inner: Arc::new(Inner {
-                rank,
-                world,
+                admission: Admission::new(rank, world, poison),
                 device,
                 tx,
                 ctx: ready.ctx,
                 stream: ready.stream,
-                poison,
-                shut: AtomicBool::new(false),
                 store,
                 opts,
-                prefix,
-                subgroups: AtomicU64::new(0),
+                subgroups: Subgroups::new(prefix),
                 info,
             }),
         })
@@ -338,7 +324,7 @@ impl NcclBackend {
     /// buffers' device, poisoning and shutdown.
     fn admit<R: Plan>(&self, req: &R) -> Result<(), CommError> {
         let inner = &*self.inner;
-        req.validate(inner.rank, inner.world)?;
+        req.validate(inner.admission.rank(), inner.admission.world())?;
         let unsupported = || CommError::Unsupported { op: R::NAME, dtype: req.dtype(), backend: BACKEND };
         if req.dtype().is_some_and(|d| ffi::nccl_dtype(d).is_none()) {
             return Err(unsupported());
@@ -347,13 +333,7 @@ impl NcclBackend {
             return Err(unsupported());
         }
         req.check_device(&inner.ctx)?;
-        if let Some(cause) = inner.poison.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            return Err(CommError::Poisoned { cause });
-        }
-        if inner.shut.load(SeqCst) {
-            return Err(CommError::Shutdown(String::new()));
-        }
-        Ok(())
+        inner.admission.check_open()
     }
 
     fn submit_plan<R: Plan>(&self, req: R) -> Work<R::Output> {
@@ -417,11 +397,11 @@ device_collectives!(
 #[async_trait]
 impl Group for NcclBackend {
     fn rank(&self) -> Rank {
-        self.inner.rank
+        self.inner.admission.rank()
     }
 
     fn world_size(&self) -> u32 {
-        self.inner.world
+        self.inner.admission.world()
     }
 
     fn backend_name(&self) -> &'static str {
@@ -430,36 +410,21 @@ impl Group for NcclBackend {
 
     async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
         let inner = &*self.inner;
-        let mut sorted = ranks.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.is_empty() || sorted.len() != ranks.len() || sorted.last().is_some_and(|&r| r >= inner.world) {
-            return Err(CommError::invalid(
-                "new_group",
-                format!("ranks {ranks:?} must be distinct ranks of this group of {} (and at least one)", inner.world),
-            ));
-        }
-        // Every rank counts every new_group call, so members agree on the new group's keys.
-        let id = inner.subgroups.fetch_add(1, SeqCst);
-        let Some(pos) = sorted.iter().position(|&r| r == inner.rank) else { return Ok(None) };
+        let a = &inner.admission;
+        let sub = inner.subgroups.next(ranks, a.rank(), a.world())?;
+        let Some(rank) = sub.rank else { return Ok(None) };
         let opts = NcclOptions { device: Some(inner.device), ..inner.opts.clone() };
-        let prefix = format!("{}/g{id}", inner.prefix);
-        let g = Self::create(inner.store.clone(), pos as Rank, sorted.len() as u32, opts, prefix).await?;
+        let g = Self::create(inner.store.clone(), rank, sub.ranks.len() as u32, opts, sub.prefix).await?;
         Ok(Some(Arc::new(g)))
     }
 
     async fn shutdown(&self) -> Result<(), CommError> {
-        if self.inner.shut.swap(true, SeqCst) {
+        if !self.inner.admission.begin_shutdown() {
             return Ok(());
         }
         let (done, work) = Work::pending();
-        if self.inner.tx.send(Command::Shutdown(done)).is_err() {
-            return Ok(());
-        }
-        match work.await {
-            Ok(()) | Err(CommError::Shutdown(_)) => Ok(()),
-            Err(e) => Err(e),
-        }
+        let _ = self.inner.tx.send(Command::Shutdown(done));
+        shutdown_done(work).await
     }
 }
 
@@ -473,7 +438,6 @@ mod tests {
         let o = NcclOptions::default();
         assert_eq!(o.timeout, Duration::from_secs(300));
         assert_eq!(o.p2p_linger, Duration::from_micros(200));
-        assert!(host_identity().contains('@'));
     }
 
     #[tokio::test]

@@ -3,7 +3,7 @@
 //! Every rank of a group maps one POSIX shared-memory segment per rank (created mode 0600
 //! under a random name, exchanged through the rendezvous [`Store`], and unlinked as soon as
 //! every rank has mapped it, so nothing is left in `/dev/shm` even after `kill -9`). One worker
-//! thread per group owns the mappings and runs ops in submission order; see `engine.rs` for
+//! thread per group owns the mappings and runs ops in submission order; see `engine/` for
 //! the step protocol and ARCHITECTURE.md for the path of one op.
 //!
 //! Guarantees:
@@ -19,19 +19,26 @@
 //! reduce-scatter then all-gather through the double-buffered window. Point-to-point:
 //! per-pair mailboxes, progressed concurrently with collectives.
 
+#![deny(unsafe_code)]
+
+// Mapped memory is touched only in `segment` (mapping, raw access), `engine::steps` (the
+// step and mailbox protocol), `engine::zero_copy` and `zerocopy` (alloc_buffer memory).
 mod engine;
 mod layout;
+#[allow(unsafe_code)]
 mod segment;
 mod sys;
 mod tuning;
+#[allow(unsafe_code)]
 mod zerocopy;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
 use comm_core::ops::{self, Op};
 use comm_core::{config, Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Rank, Store, Work};
 
@@ -116,8 +123,7 @@ pub struct ShmBackend {
 }
 
 struct Inner {
-    rank: Rank,
-    world: u32,
+    admission: Admission,
     tx: Sender<Command>,
     /// Commands sent to the worker and not yet taken (see `Engine::is_idle`).
     pending: Arc<AtomicUsize>,
@@ -128,20 +134,17 @@ struct Inner {
     /// How long a caller running an op inline waits for peers before handing it over.
     inline_budget: Duration,
     me: Arc<Segment>,
-    poison: Arc<Mutex<Option<String>>>,
-    shut: AtomicBool,
     store: Arc<dyn Store>,
     opts: ShmOptions,
-    prefix: String,
-    subgroups: AtomicU64,
+    subgroups: Subgroups,
 }
 
 impl std::fmt::Debug for ShmBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShmBackend")
-            .field("rank", &self.inner.rank)
-            .field("world", &self.inner.world)
-            .field("group", &self.inner.prefix)
+            .field("rank", &self.inner.admission.rank())
+            .field("world", &self.inner.admission.world())
+            .field("group", &self.inner.subgroups.prefix())
             .finish()
     }
 }
@@ -168,7 +171,7 @@ impl ShmBackend {
         }
         opts.check()?;
         let to = config::clamp_timeout(opts.timeout);
-        let host = sys::host_identity();
+        let host = handle::host_identity();
         store.set(&format!("{prefix}/host/{rank}"), host.as_bytes()).await?;
         if rank == 0 {
             let small_max = opts.small_max.unwrap_or_else(|| tuning::small_max(tuning::l2_bytes(), world));
@@ -210,13 +213,7 @@ impl ShmBackend {
             Segment::create(&name, lay.total)
                 .map_err(io_err(format!("creating shared memory `{name}` ({} bytes)", lay.total)))?,
         );
-        // SAFETY: nobody else knows the segment's name yet.
-        unsafe {
-            me.write(OFF_VERSION, VERSION);
-            me.write(OFF_WORLD, world);
-            me.write(OFF_RANK, rank);
-            me.write(OFF_WINDOW, lay.window as u64);
-        }
+        engine::init_segment(&me, world, rank, lay.window);
         me.u32_at(OFF_STATE).store(STATE_READY, SeqCst);
         me.u64_at(OFF_MAGIC).store(MAGIC, SeqCst);
 
@@ -249,7 +246,7 @@ impl ShmBackend {
             }),
         };
         let (tx, rx) = channel();
-        let poison = Arc::new(Mutex::new(None));
+        let poison = Poison::new();
         let pending = Arc::new(AtomicUsize::new(0));
         let engine = Engine::new(rank as usize, lay, segs, procs, params, rx, pending.clone(), poison.clone());
         let engine = Arc::new(Mutex::new(engine));
@@ -260,8 +257,7 @@ impl ShmBackend {
             .map_err(io_err("starting the shm worker thread".into()))?;
         Ok(ShmBackend {
             inner: Arc::new(Inner {
-                rank,
-                world,
+                admission: Admission::new(rank, world, poison),
                 tx,
                 pending,
                 engine,
@@ -269,12 +265,9 @@ impl ShmBackend {
                 small_max,
                 inline_budget: params.spin,
                 me,
-                poison,
-                shut: AtomicBool::new(false),
                 store,
                 opts,
-                prefix,
-                subgroups: AtomicU64::new(0),
+                subgroups: Subgroups::new(prefix),
             }),
         })
     }
@@ -379,21 +372,8 @@ impl ShmBackend {
         Some(CommError::PeerLost { rank: rank.unwrap_or(0), detail: format!("it gave up the rendezvous: {reason}") })
     }
 
-    /// Checks that apply to every op before it is issued.
-    fn admit<R: Op>(&self, req: &R) -> Result<(), CommError> {
-        let inner = &*self.inner;
-        req.validate(inner.rank, inner.world)?;
-        if let Some(cause) = inner.poison.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            return Err(CommError::Poisoned { cause });
-        }
-        if inner.shut.load(SeqCst) {
-            return Err(CommError::Shutdown(String::new()));
-        }
-        Ok(())
-    }
-
     fn submit<R: Op>(&self, req: R, wrap: impl FnOnce(R, Completer<R::Output>) -> Command) -> Work<R::Output> {
-        if let Err(e) = self.admit(&req) {
+        if let Err(e) = self.inner.admission.admit(&req) {
             return Work::ready(Err(e));
         }
         let (done, work) = Work::pending();
@@ -423,7 +403,7 @@ impl ShmBackend {
     /// Small ops run on the caller's thread when the group is idle: no hand-off to the
     /// worker, no wake-up. If peers are late the op is parked and the worker finishes it.
     fn submit_inline<R: InlineOp>(&self, req: R) -> Work<R::Output> {
-        if let Err(e) = self.admit(&req) {
+        if let Err(e) = self.inner.admission.admit(&req) {
             return Work::ready(Err(e));
         }
         let inner = &*self.inner;
@@ -450,7 +430,7 @@ impl ShmBackend {
                     engine.contain_panic(&message);
                     drop(engine);
                     self.ring_worker();
-                    let cause = inner.poison.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or(message);
+                    let cause = inner.admission.poison().cause().unwrap_or(message);
                     return Work::ready(Err(CommError::Poisoned { cause }));
                 }
             };
@@ -504,7 +484,7 @@ impl OneShotOutput for () {
 
 impl InlineOp for ops::AllReduce {
     fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
-        if inner.world > 1 && self.buf.byte_len() > inner.small_max.min(inner.window) {
+        if inner.admission.world() > 1 && self.buf.byte_len() > inner.small_max.min(inner.window) {
             return Err(self);
         }
         Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: None })
@@ -516,7 +496,7 @@ impl InlineOp for ops::AllReduce {
 
 impl InlineOp for ops::Reduce {
     fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
-        if inner.world > 1 && self.buf.byte_len() > inner.small_max.min(inner.window) {
+        if inner.admission.world() > 1 && self.buf.byte_len() > inner.small_max.min(inner.window) {
             return Err(self);
         }
         Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: Some(self.root) })
@@ -543,7 +523,7 @@ impl InlineOp for ops::AllGather {
         if self.input.byte_len() > inner.window {
             return Err(self);
         }
-        let n = self.input.len() * inner.world as usize;
+        let n = self.input.len() * inner.admission.world() as usize;
         let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), n));
         Ok(OneShot::AllGather { input: self.input, out })
     }
@@ -557,7 +537,7 @@ impl InlineOp for ops::ReduceScatter {
         if self.input.byte_len() > inner.window {
             return Err(self);
         }
-        let block = self.input.len() / inner.world as usize;
+        let block = self.input.len() / inner.admission.world() as usize;
         let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), block));
         Ok(OneShot::ReduceScatter { input: self.input, out, op: self.op })
     }
@@ -568,7 +548,7 @@ impl InlineOp for ops::ReduceScatter {
 
 impl InlineOp for ops::AllToAll {
     fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
-        let n = inner.world as usize;
+        let n = inner.admission.world() as usize;
         let peers_bytes = self.input.byte_len() / n * (n - 1);
         if self.input_splits.is_some() || self.output_splits.is_some() || peers_bytes > inner.window {
             return Err(self);
@@ -639,11 +619,11 @@ collectives! {
 #[async_trait]
 impl Group for ShmBackend {
     fn rank(&self) -> Rank {
-        self.inner.rank
+        self.inner.admission.rank()
     }
 
     fn world_size(&self) -> u32 {
-        self.inner.world
+        self.inner.admission.world()
     }
 
     fn backend_name(&self) -> &'static str {
@@ -652,20 +632,11 @@ impl Group for ShmBackend {
 
     async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
         let inner = &*self.inner;
-        let mut sorted = ranks.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.is_empty() || sorted.len() != ranks.len() || sorted.last().is_some_and(|&r| r >= inner.world) {
-            return Err(CommError::invalid(
-                "new_group",
-                format!("ranks {ranks:?} must be distinct ranks of this group of {} (and at least one)", inner.world),
-            ));
-        }
-        // Every rank counts every new_group call, so all agree on the new group's name.
-        let id = inner.subgroups.fetch_add(1, SeqCst);
-        let Some(pos) = sorted.iter().position(|&r| r == inner.rank) else { return Ok(None) };
-        let prefix = format!("{}/g{id}", inner.prefix);
-        let g = Self::create(inner.store.clone(), pos as Rank, sorted.len() as u32, inner.opts.clone(), prefix).await?;
+        let a = &inner.admission;
+        let sub = inner.subgroups.next(ranks, a.rank(), a.world())?;
+        let Some(rank) = sub.rank else { return Ok(None) };
+        let world = sub.ranks.len() as u32;
+        let g = Self::create(inner.store.clone(), rank, world, inner.opts.clone(), sub.prefix).await?;
         Ok(Some(Arc::new(g)))
     }
 
@@ -689,15 +660,12 @@ impl Group for ShmBackend {
     }
 
     async fn shutdown(&self) -> Result<(), CommError> {
-        if self.inner.shut.swap(true, SeqCst) {
+        if !self.inner.admission.begin_shutdown() {
             return Ok(());
         }
         let (done, work) = Work::pending();
         self.enqueue(Command::Shutdown(done));
-        match work.await {
-            Ok(()) | Err(CommError::Shutdown(_)) => Ok(()),
-            Err(e) => Err(e),
-        }
+        shutdown_done(work).await
     }
 }
 

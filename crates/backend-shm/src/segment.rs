@@ -1,9 +1,9 @@
 //! POSIX shared-memory segments: creation, mapping, unlinking, and raw access.
 //!
-//! All `unsafe` of the shm backend that touches mapped memory lives here. The segment is a
-//! plain byte range shared with other processes; every word that is accessed concurrently is
-//! an atomic, and every other byte range is handed out only through `unsafe fn`s whose
-//! contract is the step protocol in `engine.rs` (one writer, readers only after the writer's
+//! The mapping `unsafe` of the shm backend lives here. The segment is a plain byte range
+//! shared with other processes; every word that is accessed concurrently is an atomic, and
+//! every other byte range is handed out only through `unsafe fn`s whose contract is the step
+//! protocol in `engine/steps.rs` (one writer, readers only after the writer's
 //! release-store of its step counter, no rewrite until every reader has moved past that step).
 
 use std::ffi::c_void;

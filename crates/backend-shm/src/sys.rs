@@ -61,14 +61,6 @@ fn start_time(pid: u32) -> Option<u64> {
     parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?).map(|(_, s)| s)
 }
 
-/// A string that is equal for two processes exactly when they share a kernel (and so
-/// /dev/shm): the boot id plus the hostname.
-pub(crate) fn host_identity() -> String {
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let host = rustix::system::uname().nodename().to_string_lossy().into_owned();
-    format!("{}@{}", boot.trim(), host)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,6 +81,5 @@ mod tests {
         assert_eq!(id.alive(), Some(false));
         let me = ProcId::current();
         assert_eq!(ProcId { start: me.start + 1, ..me }.alive(), Some(false), "recycled pid");
-        assert!(host_identity().contains('@'));
     }
 }

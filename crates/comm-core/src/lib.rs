@@ -12,6 +12,7 @@
 //! - [`Store`]: the rendezvous key-value store backends use to bootstrap.
 //! - [`WorldInfo`]: who this process is in the job.
 //! - [`CommError`]: the one error type.
+//! - [`handle`]: what backends' group handles share (poison, admission, sub-group names).
 //! - [`config`]: parsing of sizes, timeouts and switches, the same in every crate.
 #![forbid(unsafe_code)]
 
@@ -20,6 +21,7 @@ mod collective;
 pub mod config;
 mod dtype;
 mod error;
+pub mod handle;
 pub mod ops;
 mod store;
 mod work;
@@ -29,7 +31,7 @@ pub use buffer::{ExternalStorage, HostBuffer};
 pub use collective::{Backend, Collective, Group};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{panic_message, CommError};
-pub use ops::Op;
+pub use ops::{Op, OpKind};
 pub use store::{MemoryStore, Store};
 pub use work::{Completer, Completion, Work};
 pub use world::{Launcher, StoreKind, WorldInfo, WorldSource};

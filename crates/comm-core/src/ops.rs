@@ -6,12 +6,113 @@
 
 use crate::{CommError, DType, HostBuffer, Rank, ReduceOp};
 
+/// The ops of [`ops`](self), as plain values; [`code`](OpKind::code) is a stable number for
+/// headers that ranks compare.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+#[repr(u8)]
+pub enum OpKind {
+    /// An op defined elsewhere (a backend's diagnostic op, a test op).
+    Other = 0,
+    /// [`AllReduce`].
+    AllReduce = 1,
+    /// [`Broadcast`].
+    Broadcast = 2,
+    /// [`Reduce`].
+    Reduce = 3,
+    /// [`AllGather`].
+    AllGather = 4,
+    /// [`ReduceScatter`].
+    ReduceScatter = 5,
+    /// [`AllToAll`].
+    AllToAll = 6,
+    /// [`Scatter`].
+    Scatter = 7,
+    /// [`Gather`].
+    Gather = 8,
+    /// [`Barrier`].
+    Barrier = 9,
+    /// `new_group`, which backends agree on like a collective.
+    NewGroup = 10,
+    /// [`SendTo`].
+    Send = 11,
+    /// [`RecvFrom`].
+    Recv = 12,
+}
+
+impl OpKind {
+    const ALL: [OpKind; 13] = [
+        OpKind::Other,
+        OpKind::AllReduce,
+        OpKind::Broadcast,
+        OpKind::Reduce,
+        OpKind::AllGather,
+        OpKind::ReduceScatter,
+        OpKind::AllToAll,
+        OpKind::Scatter,
+        OpKind::Gather,
+        OpKind::Barrier,
+        OpKind::NewGroup,
+        OpKind::Send,
+        OpKind::Recv,
+    ];
+
+    /// The name torch gives the op (`"all_reduce"`); `"op"` for [`OpKind::Other`].
+    pub const fn name(self) -> &'static str {
+        match self {
+            OpKind::Other => "op",
+            OpKind::AllReduce => "all_reduce",
+            OpKind::Broadcast => "broadcast",
+            OpKind::Reduce => "reduce",
+            OpKind::AllGather => "all_gather",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::Scatter => "scatter",
+            OpKind::Gather => "gather",
+            OpKind::Barrier => "barrier",
+            OpKind::NewGroup => "new_group",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+        }
+    }
+
+    /// The kind named `name` (as [`name`](Self::name) spells it).
+    pub fn from_name(name: &str) -> Option<OpKind> {
+        Self::ALL.into_iter().find(|k| *k != OpKind::Other && k.name() == name)
+    }
+
+    /// A stable wire number (never 0 for a kind of this crate's set).
+    pub const fn code(self) -> u8 {
+        self as u8
+    }
+
+    /// The kind with wire number `code`.
+    pub fn from_code(code: u8) -> Option<OpKind> {
+        Self::ALL.get(usize::from(code)).copied()
+    }
+
+    /// Whether every rank of the group takes part (not send/recv).
+    pub const fn is_collective(self) -> bool {
+        !matches!(self, OpKind::Send | OpKind::Recv)
+    }
+}
+
+impl std::fmt::Display for OpKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// A request for one op.
 pub trait Op: Send + 'static {
     /// What the op's [`Work`](crate::Work) resolves to.
     type Output: Send + 'static;
-    /// The op's name as torch spells it (`"all_reduce"`); also its span name suffix.
-    const NAME: &'static str;
+    /// Which op this is, for code that treats ops alike whatever their buffers (headers on
+    /// the wire, bandwidth factors). Ops outside this crate's set are [`OpKind::Other`].
+    const KIND: OpKind = OpKind::Other;
+    /// The op's name as torch spells it (`"all_reduce"`); also its span name suffix. Ops of
+    /// this crate's set take their kind's name.
+    const NAME: &'static str = Self::KIND.name();
     /// Message size in bytes: what this rank hands in (the input buffer; for reduce_scatter
     /// and all_to_all that is the full input, for all_gather and gather the per-rank shard,
     /// for scatter the block this rank receives, 0 for barrier). nccl-tests' operation size,
@@ -98,7 +199,7 @@ pub struct AllReduce {
 
 impl Op for AllReduce {
     type Output = HostBuffer;
-    const NAME: &'static str = "all_reduce";
+    const KIND: OpKind = OpKind::AllReduce;
     fn bytes(&self) -> usize {
         self.buf.byte_len()
     }
@@ -121,7 +222,7 @@ pub struct Broadcast {
 
 impl Op for Broadcast {
     type Output = HostBuffer;
-    const NAME: &'static str = "broadcast";
+    const KIND: OpKind = OpKind::Broadcast;
     fn bytes(&self) -> usize {
         self.buf.byte_len()
     }
@@ -146,7 +247,7 @@ pub struct Reduce {
 
 impl Op for Reduce {
     type Output = HostBuffer;
-    const NAME: &'static str = "reduce";
+    const KIND: OpKind = OpKind::Reduce;
     fn bytes(&self) -> usize {
         self.buf.byte_len()
     }
@@ -171,7 +272,7 @@ pub struct AllGather {
 
 impl Op for AllGather {
     type Output = HostBuffer;
-    const NAME: &'static str = "all_gather";
+    const KIND: OpKind = OpKind::AllGather;
     fn bytes(&self) -> usize {
         self.input.byte_len()
     }
@@ -201,7 +302,7 @@ pub struct ReduceScatter {
 
 impl Op for ReduceScatter {
     type Output = HostBuffer;
-    const NAME: &'static str = "reduce_scatter";
+    const KIND: OpKind = OpKind::ReduceScatter;
     fn bytes(&self) -> usize {
         self.input.byte_len()
     }
@@ -255,7 +356,7 @@ impl AllToAll {
 
 impl Op for AllToAll {
     type Output = HostBuffer;
-    const NAME: &'static str = "all_to_all";
+    const KIND: OpKind = OpKind::AllToAll;
     fn bytes(&self) -> usize {
         self.input.byte_len()
     }
@@ -343,7 +444,7 @@ pub struct Scatter {
 
 impl Op for Scatter {
     type Output = HostBuffer;
-    const NAME: &'static str = "scatter";
+    const KIND: OpKind = OpKind::Scatter;
     fn bytes(&self) -> usize {
         self.output.byte_len()
     }
@@ -387,7 +488,7 @@ pub struct Gather {
 
 impl Op for Gather {
     type Output = HostBuffer;
-    const NAME: &'static str = "gather";
+    const KIND: OpKind = OpKind::Gather;
     fn bytes(&self) -> usize {
         self.input.byte_len()
     }
@@ -418,7 +519,7 @@ pub struct SendTo {
 
 impl Op for SendTo {
     type Output = HostBuffer;
-    const NAME: &'static str = "send";
+    const KIND: OpKind = OpKind::Send;
     fn bytes(&self) -> usize {
         self.buf.byte_len()
     }
@@ -443,7 +544,7 @@ pub struct RecvFrom {
 
 impl Op for RecvFrom {
     type Output = HostBuffer;
-    const NAME: &'static str = "recv";
+    const KIND: OpKind = OpKind::Recv;
     fn bytes(&self) -> usize {
         self.buf.byte_len()
     }
@@ -461,7 +562,7 @@ pub struct Barrier;
 
 impl Op for Barrier {
     type Output = ();
-    const NAME: &'static str = "barrier";
+    const KIND: OpKind = OpKind::Barrier;
     fn bytes(&self) -> usize {
         0
     }
@@ -479,6 +580,20 @@ mod tests {
 
     fn f32s(n: usize) -> HostBuffer {
         HostBuffer::zeroed(DType::F32, n)
+    }
+
+    #[test]
+    fn kinds_round_trip_through_names_and_codes() {
+        for k in OpKind::ALL {
+            assert_eq!(OpKind::from_code(k.code()), Some(k));
+            let named = OpKind::from_name(k.name());
+            assert_eq!(named, (k != OpKind::Other).then_some(k));
+        }
+        assert_eq!(OpKind::from_code(13), None);
+        assert_eq!(OpKind::from_name("inference_all_reduce"), None);
+        assert_eq!(AllReduce::NAME, "all_reduce");
+        assert_eq!(RecvFrom::KIND, OpKind::Recv);
+        assert!(Barrier::KIND.is_collective() && !SendTo::KIND.is_collective());
     }
 
     #[test]

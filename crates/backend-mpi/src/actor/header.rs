@@ -1,0 +1,235 @@
+//! The header exchange that starts every checked collective: one fixed-size slot per rank
+//! (header, and a small op's data), compared alike on every rank.
+
+use super::*;
+
+/// Issues the exchange before a collective (the header, and a small op's data, of every rank in
+/// one fixed-size slot each); the continuation checks the headers and starts the op, from the
+/// slots when they carry its data. The same on the actor and on a caller's thread.
+pub(super) fn exchange(
+    comm: &Comm,
+    size: usize,
+    header: Header,
+    payload: Option<Vec<u8>>,
+    start: Start,
+    what: String,
+) -> Result<(Request, Cont), CommError> {
+    let slot = exchange_slot_bytes(size);
+    let payload = payload.filter(|p| p.len() <= inline_max(size));
+    let mine = exchange_slot(slot, &header, payload.as_deref());
+    let req = raw::iallgather(comm, mine, HostBuffer::zeroed(DType::U8, slot * size))?;
+    let inline = payload.is_some();
+    let cont: Cont = Box::new(move |env: &Env<'_>, bufs: Bufs| {
+        let ex = Exchange { all: take(bufs.recv)?, slot };
+        verify(&ex, env.size, &header, env.rank, &what)?;
+        start(env, inline.then_some(&ex))
+    });
+    Ok((req, cont))
+}
+
+/// This rank's slot of the exchange before a collective: the header, then a small op's data.
+pub(super) fn exchange_slot(slot: usize, header: &Header, payload: Option<&[u8]>) -> HostBuffer {
+    let mut mine = HostBuffer::zeroed(DType::U8, slot);
+    mine.as_bytes_mut()[..32].copy_from_slice(bytemuck::cast_slice(&header.encode()));
+    if let Some(p) = payload {
+        mine.as_bytes_mut()[32..32 + p.len()].copy_from_slice(p);
+    }
+    mine
+}
+
+pub(super) const NO_VALUE: u8 = u8::MAX;
+pub(super) const MAGIC: u64 = 0x636f_6d6d_6d70_6901; // "commmpi" + version 1
+
+pub(super) fn op_name(code: u8) -> &'static str {
+    OpKind::from_code(code).filter(|k| *k != OpKind::Other).map_or("an unknown op", OpKind::name)
+}
+
+/// What every rank publishes before a collective; all ranks must publish the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Header {
+    pub(super) op: u8,
+    pub(super) dtype: u8,
+    pub(super) redop: u8,
+    pub(super) root: u32,
+    pub(super) count: u64,
+    /// Op-specific (new_group: a hash of the rank list).
+    pub(super) extra: u64,
+}
+
+impl Header {
+    pub(super) fn new(op: OpKind, dtype: Option<DType>, count: usize, root: Option<Rank>, redop: Option<ReduceOp>) -> Header {
+        Header {
+            op: op.code(),
+            dtype: dtype.map_or(NO_VALUE, DType::code),
+            redop: redop.map_or(NO_VALUE, ReduceOp::code),
+            root: root.unwrap_or(u32::MAX),
+            count: count as u64,
+            extra: 0,
+        }
+    }
+
+    pub(super) fn encode(&self) -> [u64; 4] {
+        let w0 =
+            u64::from(self.op) | u64::from(self.dtype) << 8 | u64::from(self.redop) << 16 | u64::from(self.root) << 32;
+        [MAGIC, w0, self.count, self.extra]
+    }
+
+    pub(super) fn decode(w: &[u64]) -> Option<Header> {
+        (w.len() == 4 && w[0] == MAGIC).then(|| Header {
+            op: w[1] as u8,
+            dtype: (w[1] >> 8) as u8,
+            redop: (w[1] >> 16) as u8,
+            root: (w[1] >> 32) as u32,
+            count: w[2],
+            extra: w[3],
+        })
+    }
+
+    pub(super) fn describe(&self) -> String {
+        let mut s = op_name(self.op).to_owned();
+        let mut parts = Vec::new();
+        if let Some(d) = DType::from_code(self.dtype) {
+            parts.push(if self.op == OpKind::AllToAll.code() {
+                d.to_string()
+            } else {
+                format!("{d} × {}", self.count)
+            });
+        }
+        if self.op == OpKind::NewGroup.code() {
+            parts.push(format!("{} ranks, list hash {:016x}", self.count, self.extra));
+        }
+        if self.root != u32::MAX {
+            parts.push(format!("root {}", self.root));
+        }
+        if let Some(op) = ReduceOp::ALL.get(self.redop as usize) {
+            parts.push(op.to_string());
+        }
+        if !parts.is_empty() {
+            s += &format!(" ({})", parts.join(", "));
+        }
+        s
+    }
+}
+
+/// FNV-1a of a rank list: ranks that pass different lists to `new_group` disagree.
+pub(super) fn hash_ranks(ranks: &[Rank]) -> u64 {
+    ranks
+        .iter()
+        .flat_map(|r| r.to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Bytes per rank of the exchange before every collective in a group of `n`: the 32-byte
+/// header, then up to [`inline_max`] bytes of data. One size per group, so the first MPI call
+/// of every op has the same count on every rank whatever the ranks called (MPI cannot detect
+/// mismatched counts): 1 KiB up to 16 ranks, halving with more (16 KiB gathered in all), at
+////// least 256 bytes (a larger slot makes every op's exchange slower).
+pub(super) fn exchange_slot_bytes(n: usize) -> usize {
+    let x = ((16 << 10) / n.max(1)).clamp(256, 1 << 10);
+    1 << (usize::BITS - 1 - x.leading_zeros())
+}
+
+/// The most data a small op ships inside the exchange (and then needs no other MPI call).
+pub(super) fn inline_max(n: usize) -> usize {
+    exchange_slot_bytes(n) - 32
+}
+
+/// Every rank's exchange slot, gathered.
+pub(super) struct Exchange {
+    pub(super) all: HostBuffer,
+    pub(super) slot: usize,
+}
+
+impl Exchange {
+    /// The first `len` bytes of rank `p`'s data.
+    pub(super) fn data(&self, p: usize, len: usize) -> &[u8] {
+        let at = p * self.slot + 32;
+        &self.all.as_bytes()[at..at + len]
+    }
+
+    /// Rank `p`'s header.
+    pub(super) fn header(&self, p: usize) -> Option<Header> {
+        let at = p * self.slot;
+        Header::decode(bytemuck::cast_slice(&self.all.as_bytes()[at..at + 32]))
+    }
+}
+
+/// The op name in "all_reduce #3".
+pub(super) fn op_of(what: &str) -> &'static str {
+    what.split(' ').next().and_then(OpKind::from_name).map_or("collective", OpKind::name)
+}
+
+/// Starts a group's next collective: the header exchange first (with checking on), else the
+/// op itself.
+pub(super) fn start_collective(
+    g: &mut Group,
+    cmd: Cmd,
+    ticket: Option<Ticket>,
+    half: Option<&raw::HalfOps>,
+    pool: &Pool,
+    graveyard: &mut Vec<Request>,
+    born: &mut Born,
+) {
+    let Plan { name, header, payload, start, reply } = plan(cmd);
+    if g.params.panic_at == Some(name) {
+        panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", g.info.rank);
+    }
+    let what = format!("{name} #{}", g.seq);
+    let checked = g.info.size > 1 && (g.params.check || header.op == OpKind::NewGroup.code());
+    let env = g.env(half, pool);
+    let first = if checked {
+        exchange(env.comm, env.size, header, payload, start, what.clone()).map(|(req, cont)| Step::Wait(req, cont))
+    } else {
+        start(&env, None)
+    };
+    match first {
+        Ok(Step::Wait(req, cont)) => {
+            g.active = Some(Active { ticket, what, started: Instant::now(), req, cont, reply })
+        }
+        Ok(Step::Done(out)) => born.extend(reply.complete(out).map(|(c, d)| (g.info.gid, c, d))),
+        Err(e) => {
+            if e.poisons_group() {
+                g.poison(&e, graveyard);
+            }
+            reply.fail(e);
+        }
+    }
+}
+
+/// Compares every rank's header with rank 0's (so every rank reaches the same verdict).
+pub(super) fn verify(ex: &Exchange, n: usize, mine: &Header, me: usize, what: &str) -> Result<(), CommError> {
+    let headers: Vec<Option<Header>> = (0..n).map(|p| ex.header(p)).collect();
+    let op = op_name(mine.op);
+    let Some(first) = headers[0] else {
+        return Err(CommError::Mismatch {
+            op,
+            detail: format!(
+                "{what}: rank 0 sent a header this version does not understand (another program or version?)"
+            ),
+        });
+    };
+    for (p, h) in headers.iter().enumerate().skip(1) {
+        match h {
+            None => {
+                return Err(CommError::Mismatch {
+                    op,
+                    detail: format!(
+                        "{what}: rank {p} sent a header this version does not understand (another program or version?)"
+                    ),
+                })
+            }
+            Some(h) if *h != first => {
+                return Err(CommError::Mismatch {
+                    op,
+                    detail: format!(
+                        "rank {p} called {} but rank 0 called {} (seen by rank {me} at its {what})",
+                        h.describe(),
+                        first.describe()
+                    ),
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}

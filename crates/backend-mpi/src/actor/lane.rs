@@ -1,0 +1,184 @@
+//! Each group's lane: callers run small collectives on their own thread when the actor holds
+//! none of the group's collectives.
+
+use super::*;
+
+/// A group's collectives, shared by its handles and the actor: a caller runs a small one on
+/// its own thread (no hand-off to the actor and back) when the actor has none of this group's
+/// collectives queued or running; otherwise it queues it behind them. Either way the group's
+/// collectives are issued one at a time, in submission order.
+pub(crate) struct Lane {
+    pub(super) state: Mutex<LaneState>,
+    pub(super) params: Params,
+    /// How long a direct op polls before yielding between polls (zero when ranks outnumber
+    /// cores).
+    pub(super) spin: Duration,
+}
+
+pub(super) struct LaneState {
+    /// Collectives handed to the actor and not finished.
+    pub(super) queued: usize,
+    /// The communicator, until the actor frees it.
+    pub(super) comm: Option<raw::SharedComm>,
+    /// Direct ops so far (for messages).
+    pub(super) seq: u64,
+    /// Output buffers of direct ops, reused.
+    pub(super) pool: Pool,
+}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane").finish_non_exhaustive()
+    }
+}
+
+impl Lane {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, LaneState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A collective handed to the actor: counted in its lane until the actor is done with it.
+pub(crate) struct Ticket(Arc<Lane>);
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.queued = st.queued.saturating_sub(1);
+    }
+}
+
+/// Runs `cmd` on the caller's thread when it is a small collective or an all_reduce and the
+/// group's lane is free (`None`; see ARCHITECTURE.md, "The path of a small op"); else hands it
+/// back for the actor, with the ticket that counts it in the lane when it is a collective
+/// (point-to-point ops never wait for collectives).
+pub(crate) fn submit_direct(
+    lane: &Arc<Lane>,
+    info: &GroupInfo,
+    tx: &std::sync::mpsc::Sender<Msg>,
+    cmd: Cmd,
+) -> Option<(Cmd, Option<Ticket>)> {
+    if matches!(cmd, Cmd::Send(..) | Cmd::Recv(..)) {
+        return Some((cmd, None));
+    }
+    let mut st = lane.lock();
+    let small = cmd.inline_bytes().is_some_and(|b| b <= inline_max(info.size as usize));
+    // An all_reduce of any size continues on this thread once the exchange completed: every
+    // rank is in it then, so it waits for the transfer, not for peers.
+    let all_reduce = matches!(&cmd, Cmd::AllReduce(r, _)
+        if local_reduction(&lane.params, r.buf.dtype()) || blocking_native(&lane.params, r.buf.dtype()));
+    if st.comm.is_none() || st.queued > 0 || !(small || all_reduce) || !lane.params.check || info.size < 2 {
+        st.queued += 1;
+        return Some((cmd, Some(Ticket(lane.clone()))));
+    }
+    st.seq += 1;
+    let what = format!("{} (direct #{})", cmd.name(), st.seq);
+    let Some(comm) = &st.comm else { unreachable!("checked above") };
+    let Plan { header, payload, start, reply, .. } = plan(cmd);
+    let r = match comm.with(|comm| exchange_direct(comm, &st.pool, lane, info, header, payload, start, &what)) {
+        Ok(Direct::Done(out)) => Ok(out),
+        Err(e) => Err(e),
+        Ok(Direct::Waiting(req, cont, started)) => {
+            // Peers are late: the actor polls it from here on (this thread must not block for
+            // them: a task it would run may be what they wait for). Counted in the lane like
+            // any collective the actor runs, and sent under the lock, so it runs first.
+            st.queued += 1;
+            let active = Active { ticket: Some(Ticket(lane.clone())), what, started, req, cont, reply };
+            if let Err(std::sync::mpsc::SendError(msg)) = tx.send(Msg::Adopt(info.gid, Box::new(active))) {
+                // The actor is gone (MPI finalised): the request stays with MPI.
+                drop(st);
+                if let Msg::Adopt(_, a) = msg {
+                    let Active { req, reply, .. } = *a;
+                    reply.fail(CommError::Shutdown("the MPI actor is gone".into()));
+                    std::mem::forget(req);
+                }
+            }
+            return None;
+        }
+    };
+    if let Err(e) = &r {
+        if e.poisons_group() {
+            info.poison.set(e.to_string());
+        }
+    }
+    // Completion hooks run unlocked (one may submit the next op).
+    drop(st);
+    match r {
+        // Not new_group (never direct): no communicator to register.
+        Ok(out) => drop(reply.complete(out)),
+        Err(e) => reply.fail(e),
+    }
+    None
+}
+
+/// How far a direct op got on the caller's thread.
+pub(super) enum Direct {
+    Done(Out),
+    /// The exchange is still in flight after the wait budget: its request and what follows.
+    Waiting(Request, Cont, Instant),
+}
+
+/// Yields a direct op's caller makes after its spin budget before handing the op to the actor.
+pub(super) const DIRECT_YIELDS: u32 = 16;
+
+/// The exchange of a direct op, polled on this thread for the lane's spin budget and a few
+/// yields, then the rest of the op.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn exchange_direct(
+    comm: &Comm,
+    pool: &Pool,
+    lane: &Lane,
+    info: &GroupInfo,
+    header: Header,
+    payload: Option<Vec<u8>>,
+    start: Start,
+    what: &str,
+) -> Result<Direct, CommError> {
+    let (size, rank) = (info.size as usize, info.rank as usize);
+    let (mut req, finish) = exchange(comm, size, header, payload, start, what.to_owned())?;
+    let started = Instant::now();
+    let mut yields = 0;
+    let bufs = loop {
+        match req.test() {
+            Polled::Done(_) => {
+                break req.into_bufs().ok_or_else(|| internal("a completed request kept its buffers"))?
+            }
+            Polled::Failed { err, .. } => return Err(err.into_comm()),
+            Polled::Pending if started.elapsed() < lane.spin => std::hint::spin_loop(),
+            Polled::Pending if yields < DIRECT_YIELDS => {
+                yields += 1;
+                std::thread::yield_now();
+            }
+            Polled::Pending => return Ok(Direct::Waiting(req, finish, started)),
+        }
+    };
+    let env = Env { comm, rank, size, params: &lane.params, half: None, pool };
+    // Every rank is in the op now: its further steps (a large exact reduction) run here too.
+    let mut step = finish(&env, bufs)?;
+    loop {
+        let (mut req, cont) = match step {
+            Step::Done(out) => return Ok(Direct::Done(out)),
+            Step::Wait(req, cont) => (req, cont),
+        };
+        let bufs = loop {
+            match req.test() {
+                Polled::Done(_) => {
+                    break req.into_bufs().ok_or_else(|| internal("a completed request kept its buffers"))?
+                }
+                Polled::Failed { err, .. } => return Err(err.into_comm()),
+                Polled::Pending if started.elapsed() >= lane.params.timeout => {
+                    // The request stays with MPI: dropping it leaks its buffers (raw rule 3).
+                    return Err(CommError::Timeout {
+                        op: what.to_owned(),
+                        after: lane.params.timeout,
+                        detail: format!("a rank of the group of {size} stopped in the middle of it (died, or hangs)"),
+                    });
+                }
+                // Yield between polls, as the actor does while a collective is in flight: on
+                // a busy machine the transport (TCP's kernel work, a peer) needs the core.
+                Polled::Pending => std::thread::yield_now(),
+            }
+        };
+        step = cont(&env, bufs)?;
+    }
+}

@@ -1,0 +1,762 @@
+//! The actor: the one thread that initialises MPI, owns every communicator and request, and is
+//! the only thread that calls MPI (except `MPI_Abort` from the panic hook).
+//!
+//! Handles send [`Msg`]s over a channel. Each group (a communicator) runs its collectives one
+//! at a time in submission order — every rank then issues the same MPI collectives in the same
+//! order, which MPI requires —, while its point-to-point operations are all in flight at once.
+//! Every operation is a nonblocking MPI call; the loop polls every request (`MPI_Test`, which
+//! also drives MPI's progress), so an `isend` never waits behind a collective and collectives
+//! of different groups overlap.
+//!
+//! A collective is a chain of steps: each step is one nonblocking call plus a continuation that
+//! runs when it completes (and may issue the next call). With checking on (the default), step
+//! one gathers a fixed-size slot from every rank: a 32-byte header (op, dtype, count, root,
+//! reduce op) and, for a small op, its data; all ranks see the same headers, so they all detect
+//! a mismatch alike and fail with [`CommError::Mismatch`] instead of feeding MPI mismatched
+//! calls (which MPI does not detect: it hangs, corrupts or aborts), and a small op finishes from
+//! the slots without a second call.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use comm_core::handle::Poison;
+use comm_core::ops::{
+    AllGather, AllReduce, AllToAll, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
+};
+use comm_core::{CommError, Completer, DType, HostBuffer, OpKind, Rank, ReduceOp};
+
+use crate::raw::{self, Bufs, Comm, PendingDup, Polled, Request};
+use crate::{global, kernels, Reduction};
+
+mod group;
+mod header;
+mod lane;
+mod p2p;
+mod plans;
+
+use group::*;
+use header::*;
+pub(crate) use lane::{submit_direct, Lane, Ticket};
+use lane::*;
+use p2p::*;
+pub(crate) use plans::Active;
+use plans::*;
+
+/// Identifies a group (communicator) inside the actor.
+pub(crate) type Gid = u64;
+
+/// Settings of one group (a world group's are inherited by its sub-groups).
+#[derive(Clone, Debug)]
+pub(crate) struct Params {
+    pub(crate) timeout: Duration,
+    pub(crate) reduction: Reduction,
+    pub(crate) check: bool,
+    pub(crate) small_max: usize,
+    pub(crate) chunk: usize,
+    pub(crate) spin: Option<Duration>,
+    /// Test hook (`COMM_FAULT_INJECT=panic:<op>`): the actor panics when it starts this op.
+    pub(crate) panic_at: Option<&'static str>,
+}
+
+/// What a handle needs to know about its group.
+#[derive(Clone, Debug)]
+pub(crate) struct GroupInfo {
+    pub(crate) gid: Gid,
+    pub(crate) rank: Rank,
+    pub(crate) size: u32,
+    /// Largest user tag (MPI_TAG_UB >> 3: the low 3 bits carry the dtype).
+    pub(crate) tag_max: u32,
+    pub(crate) poison: Poison,
+    /// Created by `MpiBackend::init` (its shutdown ends MPI for the process).
+    pub(crate) world: bool,
+    pub(crate) local_rank: Rank,
+    pub(crate) local_size: u32,
+    /// Where callers may run small collectives themselves (MPI provides
+    /// `MPI_THREAD_MULTIPLE`).
+    pub(crate) lane: Option<Arc<Lane>>,
+}
+
+/// A message to the actor.
+pub(crate) enum Msg {
+    /// An op on a group (with its lane ticket when it is a collective).
+    Op(Gid, Cmd, Option<Ticket>),
+    /// A caller's direct op whose exchange did not complete at once: the actor finishes it.
+    Adopt(Gid, Box<Active>),
+    /// A new world group (a duplicate of MPI_COMM_WORLD).
+    World(Params, Completer<GroupInfo>),
+    /// Shut a group down (a world group: end MPI) after its submitted ops.
+    Shutdown(Gid, Completer<()>),
+    /// The last handle of a group was dropped.
+    Release(Gid),
+    /// The process is exiting: finish, finalise MPI.
+    Exit,
+}
+
+/// An op, with the completer of its `Work`.
+pub(crate) enum Cmd {
+    AllReduce(AllReduce, Completer<HostBuffer>),
+    Broadcast(Broadcast, Completer<HostBuffer>),
+    Reduce(Reduce, Completer<HostBuffer>),
+    AllGather(AllGather, Completer<HostBuffer>),
+    ReduceScatter(ReduceScatter, Completer<HostBuffer>),
+    AllToAll(AllToAll, Completer<HostBuffer>),
+    Scatter(Scatter, Completer<HostBuffer>),
+    Gather(Gather, Completer<HostBuffer>),
+    Barrier(Completer<()>),
+    Send(SendTo, Completer<HostBuffer>),
+    Recv(RecvFrom, Completer<HostBuffer>),
+    NewGroup(Vec<Rank>, Completer<Option<GroupInfo>>),
+}
+
+impl Cmd {
+    /// The bytes a small op ships in the header exchange (and then needs no other call), for
+    /// the ops that can; which ones do is the plans' rule (`Plan::payload`).
+    fn inline_bytes(&self) -> Option<usize> {
+        match self {
+            Cmd::AllReduce(r, _) => Some(r.buf.byte_len()),
+            Cmd::Reduce(r, _) => Some(r.buf.byte_len()),
+            Cmd::Broadcast(r, _) => Some(r.buf.byte_len()),
+            Cmd::AllGather(r, _) => Some(r.input.byte_len()),
+            Cmd::Barrier(_) => Some(0),
+            _ => None,
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Cmd::AllReduce(..) => "all_reduce",
+            Cmd::Broadcast(..) => "broadcast",
+            Cmd::Reduce(..) => "reduce",
+            Cmd::AllGather(..) => "all_gather",
+            Cmd::ReduceScatter(..) => "reduce_scatter",
+            Cmd::AllToAll(..) => "all_to_all",
+            Cmd::Scatter(..) => "scatter",
+            Cmd::Gather(..) => "gather",
+            Cmd::Barrier(..) => "barrier",
+            Cmd::Send(..) => "send",
+            Cmd::Recv(..) => "recv",
+            Cmd::NewGroup(..) => "new_group",
+        }
+    }
+
+    fn fail(self, e: CommError) {
+        match self {
+            Cmd::AllReduce(_, d)
+            | Cmd::Broadcast(_, d)
+            | Cmd::Reduce(_, d)
+            | Cmd::AllGather(_, d)
+            | Cmd::ReduceScatter(_, d)
+            | Cmd::AllToAll(_, d)
+            | Cmd::Scatter(_, d)
+            | Cmd::Gather(_, d)
+            | Cmd::Send(_, d)
+            | Cmd::Recv(_, d) => d.complete(Err(e)),
+            Cmd::Barrier(d) => d.complete(Err(e)),
+            Cmd::NewGroup(_, d) => d.complete(Err(e)),
+        }
+    }
+}
+
+/// Facts about the world fixed at initialisation.
+struct World {
+    rank: i32,
+    local_rank: i32,
+    local_size: i32,
+    tag_max: u32,
+    /// Why world groups cannot be created (the launcher and MPI disagree).
+    refuse: Option<String>,
+}
+
+struct Ending {
+    deadline: Instant,
+    waiters: Vec<Completer<()>>,
+}
+
+pub(crate) struct Actor {
+    rx: Receiver<Msg>,
+    universe: Option<mpi::environment::Universe>,
+    world: World,
+    groups: BTreeMap<Gid, Group>,
+    next_gid: Gid,
+    dups: Vec<(PendingDup, Params, Completer<GroupInfo>, Instant)>,
+    graveyard: Vec<Request>,
+    half: Option<raw::HalfOps>,
+    pool: Pool,
+    ending: Option<Ending>,
+    last_progress: Instant,
+    spin: Duration,
+    /// MPI provides `MPI_THREAD_MULTIPLE`: groups get a lane for direct ops.
+    multiple: bool,
+}
+
+/// How long the actor waits for ops still running when the process exits.
+pub(crate) const EXIT_GRACE: Duration = Duration::from_secs(30);
+
+impl Actor {
+    /// Initialises MPI on this (the actor's) thread. `Err` when it cannot.
+    pub(crate) fn start(rx: Receiver<Msg>) -> Result<Actor, (Receiver<Msg>, String)> {
+        let Some((universe, provided)) = mpi::initialize_with_threading(mpi::Threading::Multiple) else {
+            return Err((rx, "MPI was already initialised (or finalised) in this process by other code; the mpi backend must be the one to initialise it".into()));
+        };
+        let fail = |e: raw::MpiError| e.to_string();
+        let setup = || -> Result<World, String> {
+            raw::world_errors_return().map_err(fail)?;
+            let (rank, size) = raw::world_rank_size().map_err(fail)?;
+            let (local_rank, local_size) = raw::node_rank_size().map_err(fail)?;
+            let tag_max = (raw::tag_ub().max(0) as u32) >> 3;
+            Ok(World { rank, local_rank, local_size, tag_max, refuse: launcher_disagrees(size) })
+        };
+        let world = match setup() {
+            Ok(w) => w,
+            Err(e) => {
+                // Leave MPI initialised (finalising now could hang on peers); the job fails.
+                std::mem::forget(universe);
+                return Err((rx, format!("setting up MPI failed: {e}")));
+            }
+        };
+        if provided < mpi::Threading::Multiple {
+            tracing::debug!("comm mpi: MPI provides {provided:?} threading; only the actor thread calls MPI");
+        }
+        global::mpi_started(world.rank);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let spin = if world.local_size as usize > cores { Duration::ZERO } else { Duration::from_micros(50) };
+        Ok(Actor {
+            rx,
+            universe: Some(universe),
+            world,
+            groups: BTreeMap::new(),
+            next_gid: 0,
+            dups: Vec::new(),
+            graveyard: Vec::new(),
+            half: None,
+            pool: Pool::default(),
+            ending: None,
+            last_progress: Instant::now(),
+            spin,
+            multiple: provided >= mpi::Threading::Multiple,
+        })
+    }
+
+    pub(crate) fn run(mut self) {
+        let mut panics = 0;
+        loop {
+            // A panic here (with `abort_on_panic` off; on, the hook ends the job first) is
+            // contained: every group is poisoned with its message, so pending and later ops
+            // fail and shutdown completes. A second one ends the actor as at finalisation.
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.turn())) {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(payload) => {
+                    panics += 1;
+                    self.contain_panic(&comm_core::panic_message(&*payload));
+                    if panics > 1 {
+                        break;
+                    }
+                }
+            }
+        }
+        self.finish();
+    }
+
+    /// One turn of the loop; whether the actor is done.
+    fn turn(&mut self) -> bool {
+        let mut progressed = self.drain();
+        progressed |= self.progress();
+        self.reap();
+        if self.ending.as_ref().is_some_and(|e| {
+            self.groups.values().all(Group::idle) && self.dups.is_empty() || Instant::now() >= e.deadline
+        }) {
+            return true;
+        }
+        if progressed {
+            self.last_progress = Instant::now();
+        } else {
+            self.idle();
+        }
+        false
+    }
+
+    fn contain_panic(&mut self, message: &str) {
+        let e = CommError::Backend {
+            backend: "mpi",
+            source: format!("the MPI actor of rank {} panicked: {message}", self.world.rank).into(),
+        };
+        for g in self.groups.values_mut() {
+            g.poison(&e, &mut self.graveyard);
+        }
+    }
+
+    fn drain(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            match self.rx.try_recv() {
+                Ok(m) => {
+                    any = true;
+                    self.accept(m);
+                }
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => return any,
+            }
+        }
+    }
+
+    /// Nothing progressed. Right after progress: poll again at once (spin). While a collective
+    /// is in flight every rank is (or should be) in it and MPI only progresses inside our
+    /// polls: keep polling, yielding the core between polls. With only point-to-point ops in
+    /// flight (a peer may be busy computing for long) the same for a second, then poll every
+    /// 200 µs. With nothing in flight: sleep until a message arrives.
+    fn idle(&mut self) {
+        let quiet = self.last_progress.elapsed();
+        if quiet < self.spin {
+            std::hint::spin_loop();
+            return;
+        }
+        let collective = !self.dups.is_empty() || self.groups.values().any(|g| g.active.is_some());
+        let p2p = self.groups.values().any(|g| !g.p2p.is_empty());
+        let wait = if collective || (p2p && quiet < Duration::from_secs(1)) {
+            std::thread::yield_now();
+            return;
+        } else if p2p {
+            Duration::from_micros(200)
+        } else {
+            Duration::from_millis(100)
+        };
+        match self.rx.recv_timeout(wait) {
+            Ok(m) => {
+                self.last_progress = Instant::now();
+                self.accept(m);
+            }
+            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {}
+        }
+    }
+
+    fn accept(&mut self, m: Msg) {
+        match m {
+            Msg::Op(gid, cmd, ticket) => {
+                if self.ending.is_some() {
+                    return cmd.fail(CommError::Shutdown("MPI is being finalised".into()));
+                }
+                let Some(g) = self.groups.get_mut(&gid) else {
+                    return cmd.fail(CommError::Shutdown("the group was shut down".into()));
+                };
+                if g.closing {
+                    return cmd.fail(CommError::Shutdown(String::new()));
+                }
+                if let Some(e) = g.poison_error() {
+                    return cmd.fail(e);
+                }
+                match cmd {
+                    Cmd::Send(req, done) => self.start_p2p(gid, false, req.buf, req.dst, req.tag, done),
+                    Cmd::Recv(req, done) => self.start_p2p(gid, true, req.buf, req.src, req.tag, done),
+                    other => g.queue.push_back((other, ticket)),
+                }
+            }
+            Msg::Adopt(gid, a) => match self.groups.get_mut(&gid) {
+                Some(g) if g.active.is_none() && g.poisoned.is_none() => g.active = Some(*a),
+                Some(g) => {
+                    let e =
+                        g.poison_error().unwrap_or_else(|| internal("a direct op was handed over while another ran"));
+                    let Active { req, reply, .. } = *a;
+                    reply.fail(e);
+                    bury(req, &mut self.graveyard);
+                }
+                None => {
+                    let Active { req, reply, .. } = *a;
+                    reply.fail(CommError::Shutdown("the group was shut down".into()));
+                    std::mem::forget(req);
+                }
+            },
+            Msg::World(params, done) => {
+                if self.ending.is_some() {
+                    return done.complete(Err(CommError::Shutdown("MPI is being finalised".into())));
+                }
+                if let Some(why) = &self.world.refuse {
+                    return done.complete(Err(CommError::Config(why.clone())));
+                }
+                if params.reduction == Reduction::Native && self.half.is_none() {
+                    match raw::HalfOps::create() {
+                        Ok(h) => self.half = Some(h),
+                        Err(e) => return done.complete(Err(e.into_comm())),
+                    }
+                }
+                match PendingDup::world() {
+                    Ok(p) => {
+                        let deadline = Instant::now() + params.timeout;
+                        self.dups.push((p, params, done, deadline));
+                    }
+                    Err(e) => done.complete(Err(e.into_comm())),
+                }
+            }
+            Msg::Shutdown(gid, done) => match self.groups.get_mut(&gid) {
+                Some(g) if g.info.world => {
+                    let deadline = Instant::now() + g.params.timeout;
+                    self.end(deadline, Some(done));
+                }
+                Some(g) => {
+                    g.closing = true;
+                    g.waiters.push(done);
+                }
+                None => done.complete(Ok(())),
+            },
+            Msg::Release(gid) => {
+                if let Some(g) = self.groups.get_mut(&gid) {
+                    g.closing = true;
+                }
+            }
+            Msg::Exit => self.end(Instant::now() + EXIT_GRACE, None),
+        }
+    }
+
+    /// Finish every group's submitted ops (until `deadline`), then finalise MPI.
+    fn end(&mut self, deadline: Instant, waiter: Option<Completer<()>>) {
+        let e = self.ending.get_or_insert(Ending { deadline, waiters: Vec::new() });
+        e.deadline = e.deadline.min(deadline);
+        e.waiters.extend(waiter);
+        for g in self.groups.values_mut() {
+            g.closing = true;
+        }
+    }
+
+    fn start_p2p(&mut self, gid: Gid, recv: bool, buf: HostBuffer, peer: Rank, tag: u32, done: Completer<HostBuffer>) {
+        let Some(g) = self.groups.get_mut(&gid) else { return };
+        let (dtype, len) = (buf.dtype(), buf.len());
+        let t = mpi_tag(tag, dtype);
+        let issued =
+            if recv { raw::irecv(&g.comm, buf, peer as i32, t) } else { raw::isend(&g.comm, buf, peer as i32, t) };
+        match issued {
+            Ok(req) => {
+                let deadline = Instant::now() + g.params.timeout;
+                g.p2p.push(P2p { recv, peer, tag, dtype, len, deadline, req, done });
+            }
+            Err(e) => {
+                if e.poisons_group() {
+                    g.poison(&e, &mut self.graveyard);
+                }
+                done.complete(Err(e));
+            }
+        }
+    }
+
+    /// Polls everything in flight once; starts queued collectives. Returns whether anything
+    /// completed or started.
+    fn progress(&mut self) -> bool {
+        let mut any = false;
+        any |= self.progress_dups();
+        let mut born: Born = Vec::new();
+        let half = self.half.as_ref();
+        let pool = &self.pool;
+        let now = Instant::now();
+        for (&gid, g) in self.groups.iter_mut() {
+            any |= progress_p2p(g, &mut self.graveyard, now);
+            loop {
+                if g.active.is_none() {
+                    let Some((cmd, ticket)) = g.queue.pop_front() else { break };
+                    any = true;
+                    g.seq += 1;
+                    start_collective(g, cmd, ticket, half, pool, &mut self.graveyard, &mut born);
+                }
+                let Some(a) = g.active.as_mut() else { continue };
+                match a.req.test() {
+                    Polled::Pending => {
+                        if now.duration_since(a.started) >= g.params.timeout {
+                            let e = CommError::Timeout {
+                                op: a.what.clone(),
+                                after: g.params.timeout,
+                                detail: format!(
+                                    "not every rank of the group of {} joined it: a peer died, hangs, or called another op (MPI cannot tell which; set COMM_TIMEOUT to wait longer)",
+                                    g.info.size
+                                ),
+                            };
+                            let a = g.active.take().expect("active checked above");
+                            a.reply.fail(e.duplicate());
+                            bury(a.req, &mut self.graveyard);
+                            g.poison(&e, &mut self.graveyard);
+                        }
+                        break;
+                    }
+                    Polled::Failed { err, completed } => {
+                        any = true;
+                        let a = g.active.take().expect("active checked above");
+                        let e = if err.is_truncation() {
+                            CommError::Mismatch {
+                                op: op_of(&a.what),
+                                detail: format!("{}: ranks passed different sizes ({err})", a.what),
+                            }
+                        } else {
+                            err.into_comm()
+                        };
+                        if !completed {
+                            bury(a.req, &mut self.graveyard);
+                        }
+                        a.reply.fail(e.duplicate());
+                        g.poison(&e, &mut self.graveyard);
+                        break;
+                    }
+                    Polled::Done(_) => {
+                        any = true;
+                        let Active { ticket, what, started, req, cont, reply } =
+                            g.active.take().expect("active checked above");
+                        let Some(bufs) = req.into_bufs() else {
+                            reply.fail(internal("a completed request kept its buffers"));
+                            break;
+                        };
+                        let next = {
+                            let env = g.env(half, pool);
+                            cont(&env, bufs)
+                        };
+                        match next {
+                            Ok(Step::Wait(req, cont)) => {
+                                g.active = Some(Active { ticket, what, started, req, cont, reply })
+                            }
+                            Ok(Step::Done(out)) => {
+                                born.extend(reply.complete(out).map(|(c, d)| (gid, c, d)));
+                            }
+                            Err(e) => {
+                                if e.poisons_group() {
+                                    g.poison(&e, &mut self.graveyard);
+                                }
+                                reply.fail(e);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for (parent, comm, done) in born {
+            let params = self.groups.get(&parent).map(|g| g.params.clone());
+            match (comm, params) {
+                (Some(comm), Some(params)) => {
+                    let info = self.register(comm, params, false);
+                    done.complete(Ok(Some(info)));
+                }
+                _ => done.complete(Ok(None)),
+            }
+        }
+        any
+    }
+
+    fn progress_dups(&mut self) -> bool {
+        let mut any = false;
+        let mut i = 0;
+        while i < self.dups.len() {
+            let (p, _, _, deadline) = &mut self.dups[i];
+            let deadline = *deadline;
+            match p.test() {
+                Ok(None) if Instant::now() < deadline => {
+                    i += 1;
+                    continue;
+                }
+                Ok(None) => {
+                    let (p, params, done, _) = self.dups.swap_remove(i);
+                    std::mem::forget(p);
+                    done.complete(Err(CommError::Timeout {
+                        op: "mpi init (MPI_Comm_idup of MPI_COMM_WORLD)".into(),
+                        after: params.timeout,
+                        detail: "not every rank of MPI_COMM_WORLD called init".into(),
+                    }));
+                }
+                Ok(Some(comm)) => {
+                    let (_, params, done, _) = self.dups.swap_remove(i);
+                    let info = self.register(comm, params, true);
+                    done.complete(Ok(info));
+                }
+                Err(e) => {
+                    let (p, _, done, _) = self.dups.swap_remove(i);
+                    std::mem::forget(p);
+                    done.complete(Err(e.into_comm()));
+                }
+            }
+            any = true;
+        }
+        any
+    }
+
+    fn register(&mut self, comm: Comm, params: Params, world: bool) -> GroupInfo {
+        let gid = self.next_gid;
+        self.next_gid += 1;
+        if let Some(s) = params.spin {
+            self.spin = s;
+        }
+        // Fault injection targets the actor: its groups keep every op there.
+        let lane = (self.multiple && params.panic_at.is_none()).then(|| {
+            let state = LaneState { queued: 0, comm: Some(comm.share()), seq: 0, pool: Pool::default() };
+            Arc::new(Lane { state: Mutex::new(state), params: params.clone(), spin: self.spin })
+        });
+        let info = GroupInfo {
+            gid,
+            rank: comm.rank() as Rank,
+            size: comm.size() as u32,
+            tag_max: self.world.tag_max,
+            poison: Poison::new(),
+            world,
+            local_rank: self.world.local_rank as Rank,
+            local_size: self.world.local_size as u32,
+            lane,
+        };
+        self.groups.insert(
+            gid,
+            Group {
+                info: info.clone(),
+                comm,
+                params,
+                poisoned: None,
+                queue: VecDeque::new(),
+                active: None,
+                p2p: Vec::new(),
+                seq: 0,
+                closing: false,
+                waiters: Vec::new(),
+            },
+        );
+        info
+    }
+
+    /// Frees closing groups that have nothing left to do; polls the graveyard.
+    fn reap(&mut self) {
+        self.graveyard.retain_mut(|r| !matches!(r.test(), Polled::Done(_) | Polled::Failed { completed: true, .. }));
+        if self.ending.is_some() {
+            return; // groups are freed together in `finish`
+        }
+        let gone: Vec<Gid> = self.groups.iter().filter(|(_, g)| g.closing && g.idle()).map(|(&k, _)| k).collect();
+        for gid in gone {
+            if let Some(mut g) = self.groups.remove(&gid) {
+                for w in g.waiters.drain(..) {
+                    w.complete(Ok(()));
+                }
+            }
+        }
+    }
+
+    /// Frees every communicator and finalises MPI, unless requests are still in flight (then
+    /// MPI_Finalize could hang or crash: the process leaves MPI as it is, and the launcher ends
+    /// the job).
+    fn finish(mut self) {
+        let clean = self.groups.values().all(Group::idle) && self.dups.is_empty() && self.graveyard.is_empty();
+        for g in self.groups.values_mut() {
+            let cause = CommError::Shutdown("MPI was finalised before this op finished".into());
+            if let Some(a) = g.active.take() {
+                a.reply.fail(cause.duplicate());
+                bury(a.req, &mut self.graveyard);
+            }
+            for p in g.p2p.drain(..) {
+                p.done.complete(Err(cause.duplicate()));
+                bury(p.req, &mut self.graveyard);
+            }
+            for (cmd, _) in g.queue.drain(..) {
+                cmd.fail(cause.duplicate());
+            }
+        }
+        let waiters: Vec<Completer<()>> = self.ending.take().map(|e| e.waiters).unwrap_or_default();
+        global::mpi_ending();
+        if clean {
+            self.groups.clear();
+            self.half = None;
+            drop(self.universe.take()); // MPI_Finalize
+        } else {
+            tracing::warn!(
+                "comm mpi: {} request(s) never completed; not calling MPI_Finalize (the launcher will end the job)",
+                self.graveyard.len() + self.dups.len()
+            );
+            std::mem::forget(std::mem::take(&mut self.groups));
+            std::mem::forget(std::mem::take(&mut self.graveyard));
+            std::mem::forget(std::mem::take(&mut self.dups));
+            std::mem::forget(self.half.take());
+            std::mem::forget(self.universe.take());
+        }
+        global::mpi_ended(if clean {
+            "MPI was finalised in this process (a world group was shut down, or the process is exiting); it cannot be initialised again"
+        } else {
+            "MPI was left unfinalised after requests that never completed"
+        });
+        for w in waiters {
+            w.complete(Ok(()));
+        }
+        // Anything that arrives from now on is answered by the global state.
+        while let Ok(m) = self.rx.try_recv() {
+            reject(m);
+        }
+    }
+}
+
+/// Answers a message that arrived after MPI ended.
+pub(crate) fn reject(m: Msg) {
+    reject_with(m, "MPI was finalised");
+}
+
+/// Answers a message that cannot be served, with `why`.
+pub(crate) fn reject_with(m: Msg, why: &str) {
+    let e = || CommError::Unavailable { backend: "mpi", why: why.to_owned() };
+    match m {
+        Msg::Op(_, cmd, _) => cmd.fail(e()),
+        Msg::Adopt(_, a) => {
+            let Active { req, reply, .. } = *a;
+            reply.fail(e());
+            std::mem::forget(req);
+        }
+        Msg::World(_, d) => d.complete(Err(e())),
+        Msg::Shutdown(_, d) => d.complete(Ok(())),
+        Msg::Release(_) | Msg::Exit => {}
+    }
+}
+
+/// When the launcher's environment says the job has another number of ranks than
+/// MPI_COMM_WORLD: the binary is linked against another MPI than the launcher's (each rank
+/// then runs as a singleton).
+fn launcher_disagrees(size: i32) -> Option<String> {
+    for var in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"] {
+        if let Some(v) = std::env::var(var).ok().and_then(|v| v.trim().parse::<i32>().ok()) {
+            if v != size {
+                return Some(format!(
+                    "the launcher says the job has {v} ranks ({var}={v}) but MPI_COMM_WORLD has {size}: \
+                     the program is linked against a different MPI than the launcher that started it \
+                     (e.g. an Open MPI build under MPICH's mpiexec runs every rank as a singleton); \
+                     launch it with the mpirun of the MPI it was built with"
+                ));
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exchange_slot_follows_the_group_size() {
+        let slots: Vec<usize> = [1, 2, 4, 5, 8, 16, 64, 1000].iter().map(|&n| exchange_slot_bytes(n)).collect();
+        assert_eq!(slots, [1024, 1024, 1024, 1024, 1024, 1024, 256, 256]);
+        assert_eq!(exchange_slot_bytes(32), 512);
+        assert_eq!(inline_max(2), 992);
+    }
+
+    #[test]
+    fn headers_round_trip_and_describe() {
+        let mut h = Header::new(OpKind::Reduce, Some(DType::BF16), 7, Some(3), Some(ReduceOp::Max));
+        h.extra = 9;
+        assert_eq!(Header::decode(&h.encode()), Some(h));
+        assert_eq!(h.describe(), "reduce (bf16 × 7, root 3, max)");
+        assert_eq!(Header::new(OpKind::Barrier, None, 0, None, None).describe(), "barrier");
+        assert_eq!(Header::decode(&[1, 2, 3, 4]), None);
+        assert_ne!(hash_ranks(&[0, 1]), hash_ranks(&[0, 2]));
+    }
+
+    #[test]
+    fn slices_partition_and_tags_carry_dtype() {
+        for len in [0, 1, 15, 16, 17, 1000, 4099] {
+            for parts in 1..=5 {
+                let mut next = 0;
+                for i in 0..parts {
+                    let (lo, n) = slice_of(len, parts, i);
+                    assert_eq!(lo, next);
+                    next = lo + n;
+                }
+                assert_eq!(next, len);
+            }
+        }
+        assert_ne!(mpi_tag(5, DType::F32), mpi_tag(5, DType::I32));
+        assert_eq!(mpi_tag(5, DType::F64) as u32 >> 3, 5);
+        assert_eq!(op_of("all_to_all #3"), "all_to_all");
+    }
+}

@@ -1,0 +1,538 @@
+//! How each op runs: a plan of nonblocking steps and continuations.
+
+use super::*;
+
+/// What a group's continuation may use.
+pub(super) struct Env<'a> {
+    pub(super) comm: &'a Comm,
+    pub(super) rank: usize,
+    pub(super) size: usize,
+    pub(super) params: &'a Params,
+    pub(super) half: Option<&'a raw::HalfOps>,
+    pub(super) pool: &'a Pool,
+}
+
+/// Spare large buffers, reused for scratch space and outputs: repeated ops of one size then
+/// neither allocate nor page-fault. Every buffer taken from it is completely overwritten by
+/// MPI or by a reduction before anyone reads it.
+#[derive(Default)]
+pub(super) struct Pool {
+    pub(super) spare: std::cell::RefCell<Vec<HostBuffer>>,
+}
+
+impl Pool {
+    /// Smaller buffers are cheap to allocate.
+    const MIN: usize = 64 << 10;
+    /// At most this many bytes are kept.
+    const MAX_BYTES: usize = 256 << 20;
+}
+
+impl Env<'_> {
+    /// A buffer of `len` elements whose contents will all be overwritten.
+    pub(super) fn buffer(&self, dtype: DType, len: usize) -> HostBuffer {
+        let bytes = len * dtype.size();
+        if bytes >= Pool::MIN {
+            let mut spare = self.pool.spare.borrow_mut();
+            if let Some(i) = spare.iter().position(|b| b.byte_len() == bytes) {
+                let mut b = spare.swap_remove(i);
+                b.reshape(dtype, len);
+                return b;
+            }
+        }
+        HostBuffer::zeroed(dtype, len)
+    }
+
+    /// Keeps a buffer nobody uses any more for [`Env::buffer`].
+    pub(super) fn recycle(&self, b: Option<HostBuffer>) {
+        let Some(b) = b.filter(|b| b.byte_len() >= Pool::MIN) else { return };
+        let mut spare = self.pool.spare.borrow_mut();
+        spare.push(b);
+        while spare.len() > 4 || spare.iter().map(HostBuffer::byte_len).sum::<usize>() > Pool::MAX_BYTES {
+            spare.remove(0);
+        }
+    }
+}
+
+pub(super) type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + Send>;
+
+/// How a planned collective starts, once every rank agreed on its header; given the gathered
+/// exchange when it carried every rank's [`Plan::payload`] (then a small op finishes from it).
+pub(super) type Start = Box<dyn FnOnce(&Env<'_>, Option<&Exchange>) -> Result<Step, CommError> + Send>;
+
+pub(super) enum Step {
+    /// Wait for the request, then continue.
+    Wait(Request, Cont),
+    /// Finished with this output.
+    Done(Out),
+}
+
+pub(super) enum Out {
+    Buf(HostBuffer),
+    Unit,
+    Comm(Option<Comm>),
+}
+
+pub(super) fn wait(req: Request, cont: impl FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + Send + 'static) -> Step {
+    Step::Wait(req, Box::new(cont))
+}
+
+pub(super) fn done(b: HostBuffer) -> Result<Step, CommError> {
+    Ok(Step::Done(Out::Buf(b)))
+}
+
+pub(super) fn internal(what: &str) -> CommError {
+    CommError::Backend { backend: "mpi", source: format!("internal error: {what}").into() }
+}
+
+pub(super) fn take(b: Option<HostBuffer>) -> Result<HostBuffer, CommError> {
+    b.ok_or_else(|| internal("a completed request did not hand its buffer back"))
+}
+
+/// Communicators made by `new_group` (`None` on non-members), with their parent and who waits.
+pub(super) type Born = Vec<(Gid, Option<Comm>, Completer<Option<GroupInfo>>)>;
+
+/// Who gets the result.
+pub(super) enum Reply {
+    Buf(Completer<HostBuffer>),
+    Unit(Completer<()>),
+    Group(Completer<Option<GroupInfo>>),
+}
+
+impl Reply {
+    /// Completes with `out`; a new group's communicator comes back for the actor to register.
+    pub(super) fn complete(self, out: Out) -> Option<(Option<Comm>, Completer<Option<GroupInfo>>)> {
+        match (self, out) {
+            (Reply::Buf(d), Out::Buf(b)) => d.complete(Ok(b)),
+            (Reply::Unit(d), Out::Unit) => d.complete(Ok(())),
+            (Reply::Group(d), Out::Comm(c)) => return Some((c, d)),
+            (r, _) => r.fail(internal("an op finished with the wrong kind of output")),
+        }
+        None
+    }
+
+    pub(super) fn fail(self, e: CommError) {
+        match self {
+            Reply::Buf(d) => d.complete(Err(e)),
+            Reply::Unit(d) => d.complete(Err(e)),
+            Reply::Group(d) => d.complete(Err(e)),
+        }
+    }
+}
+
+/// The running collective of a group.
+pub(crate) struct Active {
+    /// Keeps the op counted in its group's lane until it is done.
+    pub(super) ticket: Option<Ticket>,
+    pub(super) what: String,
+    pub(super) started: Instant,
+    pub(super) req: Request,
+    pub(super) cont: Cont,
+    pub(super) reply: Reply,
+}
+
+/// An op's plan: its header and how to start it once every rank agreed.
+pub(super) struct Plan {
+    pub(super) name: &'static str,
+    pub(super) header: Header,
+    /// What this rank ships in the exchange for an op small enough to finish from it (every
+    /// rank of an op with a matching header has one, possibly empty).
+    pub(super) payload: Option<Vec<u8>>,
+    pub(super) start: Start,
+    pub(super) reply: Reply,
+}
+
+/// The payload of an op whose data (`bytes` on every rank, by the header) may fit the exchange
+/// (whether it does depends on the group's size: [`inline_max`]).
+pub(super) fn inline(bytes: usize, data: impl FnOnce() -> Vec<u8>) -> Option<Vec<u8>> {
+    (bytes <= inline_max(1)).then(data)
+}
+
+/// Slice `i` of `len` elements cut in `parts`, boundaries on 16 elements: `(offset, len)`.
+pub(super) fn slice_of(len: usize, parts: usize, i: usize) -> (usize, usize) {
+    let per = len.div_ceil(parts).div_ceil(16) * 16;
+    let (lo, hi) = ((i * per).min(len), ((i + 1) * per).min(len));
+    (lo, hi - lo)
+}
+
+/// Whether a reduction is done by us (rank order, bit-identical to the reference) rather than
+/// by an MPI op: always in exact mode; in native mode for 8-bit integers, which MPI libraries
+/// get wrong (Open MPI 4.1's AVX kernels saturate sums instead of wrapping; MPICH 4.0
+/// compares `uint8_t` as signed in min/max).
+pub(super) fn local_reduction(params: &Params, dtype: DType) -> bool {
+    params.reduction == Reduction::Exact || matches!(dtype, DType::U8 | DType::I8)
+}
+
+/// Whether a native all_reduce of `dtype` runs as a blocking `MPI_Allreduce` after the
+/// exchange: MPI reduces it with a built-in op (f16/bf16 take our user ops, which live on the
+/// actor: a caller's thread cannot reach them, so these stay nonblocking everywhere).
+pub(super) fn blocking_native(params: &Params, dtype: DType) -> bool {
+    !local_reduction(params, dtype) && !matches!(dtype, DType::F16 | DType::BF16)
+}
+
+/// The MPI op for a reduction MPI performs: built-in for integers and (native mode) f32/f64,
+/// our user-defined ops for f16/bf16 (native mode). `Avg` sums; the caller divides.
+pub(super) fn mpi_op(env: &Env<'_>, dtype: DType, op: ReduceOp) -> Result<mpi::ffi::MPI_Op, CommError> {
+    let unsupported = || CommError::Unsupported { op: "reduction", dtype: Some(dtype), backend: "mpi" };
+    match dtype {
+        DType::F16 | DType::BF16 => env.half.and_then(|h| h.get(dtype, op)).ok_or_else(unsupported),
+        _ => raw::builtin_op(if op == ReduceOp::Avg { ReduceOp::Sum } else { op }).ok_or_else(unsupported),
+    }
+}
+
+/// Views of `n` consecutive blocks of `len` elements.
+pub(super) fn blocks(all: &HostBuffer, n: usize, len: usize) -> Vec<&[u8]> {
+    let b = len * all.dtype().size();
+    (0..n).map(|i| &all.as_bytes()[i * b..(i + 1) * b]).collect()
+}
+
+/// all_reduce (`root == None`) or reduce to `root`. Non-roots get their input back.
+pub(super) fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) -> Plan {
+    let (dtype, len) = (buf.dtype(), buf.len());
+    let (name, code) = if root.is_some() { ("reduce", OpKind::Reduce) } else { ("all_reduce", OpKind::AllReduce) };
+    let header = Header::new(code, Some(dtype), len, root, Some(op));
+    let payload = inline(buf.byte_len(), || buf.as_bytes().to_vec());
+    let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+        let (me, n) = (env.rank, env.size);
+        let root = root.map(|r| r as usize);
+        let keep = root.is_none_or(|r| r == me);
+        if let Some(ex) = ex {
+            // Every input came with the headers: reduce them in rank order, no other call (in
+            // native mode too: as fast, and exact).
+            let mut buf = buf;
+            if keep {
+                let bytes = buf.byte_len();
+                let ins: Vec<&[u8]> = (0..n).map(|p| ex.data(p, bytes)).collect();
+                kernels::reduce(dtype, op, &ins, buf.as_bytes_mut());
+            }
+            return done(buf);
+        }
+        if root.is_none() && env.params.check && blocking_native(env.params, dtype) {
+            // Every rank completed the header exchange, so every rank is in this all_reduce
+            // and MPI's blocking call (its fastest algorithms) cannot wait on a missing one.
+            // Wherever it runs (a caller's thread or the actor): blocking and nonblocking
+            // collectives do not match each other in MPI, so all ranks must make the same call.
+            let mut out = env.buffer(dtype, len);
+            raw::allreduce(env.comm, &buf, &mut out, mpi_op(env, dtype, op)?)?;
+            env.recycle(Some(buf));
+            if op == ReduceOp::Avg {
+                kernels::divide(&mut out, n);
+            }
+            return done(out);
+        }
+        if !local_reduction(env.params, dtype) {
+            let mpi = mpi_op(env, dtype, op)?;
+            let recv = keep.then(|| env.buffer(dtype, len));
+            let req = match root {
+                None => raw::iallreduce(env.comm, buf, take(recv)?, mpi)?,
+                Some(r) => raw::ireduce(env.comm, buf, recv, mpi, r as i32)?,
+            };
+            return Ok(wait(req, move |env, b| {
+                if !keep {
+                    return done(take(b.send)?);
+                }
+                env.recycle(b.send);
+                let mut out = take(b.recv)?;
+                if op == ReduceOp::Avg {
+                    kernels::divide(&mut out, n);
+                }
+                done(out)
+            }));
+        }
+        let es = dtype.size();
+        if len * es * (n - 1) <= env.params.small_max {
+            // Small: gather every input, reduce all of them in rank order.
+            if root.is_none() && env.params.check {
+                // After a completed exchange: MPI's blocking call (see the native case).
+                let mut all = env.buffer(dtype, n * len);
+                raw::allgather(env.comm, &buf, &mut all)?;
+                let mut buf = buf;
+                kernels::reduce(dtype, op, &blocks(&all, n, len), buf.as_bytes_mut());
+                env.recycle(Some(all));
+                return done(buf);
+            }
+            let all = keep.then(|| env.buffer(dtype, n * len));
+            let req = match root {
+                None => raw::iallgather(env.comm, buf, take(all)?)?,
+                Some(r) => raw::igather(env.comm, buf, all, r as i32)?,
+            };
+            return Ok(wait(req, move |env, b| {
+                let mut buf = take(b.send)?;
+                if keep {
+                    let all = take(b.recv)?;
+                    kernels::reduce(dtype, op, &blocks(&all, n, len), buf.as_bytes_mut());
+                    env.recycle(Some(all));
+                }
+                done(buf)
+            }));
+        }
+        // Large: chunk by chunk (so each chunk's traffic and reduction stay in cache), rank j
+        // reduces slice j of the chunk of every input (in rank order), then the reduced slices
+        // are gathered (to every rank, or the root).
+        let per = (env.params.chunk / es).max(16 * n);
+        large_reduce(env, buf, 0, Chunks { dtype, op, len, root, per })
+    };
+    Plan { name, header, payload, start: Box::new(start), reply }
+}
+
+/// A large exact all_reduce / reduce, processed `per` elements at a time.
+#[derive(Clone, Copy)]
+pub(super) struct Chunks {
+    pub(super) dtype: DType,
+    pub(super) op: ReduceOp,
+    pub(super) len: usize,
+    pub(super) root: Option<usize>,
+    pub(super) per: usize,
+}
+
+/// Chunk `[off, off + per)` of a large exact reduction, then the next one.
+pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks) -> Result<Step, CommError> {
+    let (me, n, dtype) = (env.rank, env.size, c.dtype);
+    let clen = c.per.min(c.len - off);
+    let parts: Vec<(usize, usize)> = (0..n)
+        .map(|j| {
+            let (lo, l) = slice_of(clen, n, j);
+            (off + lo, l)
+        })
+        .collect();
+    let mine = parts[me].1;
+    let recv_parts: Vec<(usize, usize)> = (0..n).map(|i| (i * mine, mine)).collect();
+    let req = raw::ialltoallv(env.comm, buf, &parts, env.buffer(dtype, n * mine), &recv_parts)?;
+    Ok(wait(req, move |env, b| {
+        let (buf, slices) = (take(b.send)?, take(b.recv)?);
+        let mut reduced = env.buffer(dtype, mine);
+        kernels::reduce(dtype, c.op, &blocks(&slices, n, mine), reduced.as_bytes_mut());
+        env.recycle(Some(slices));
+        let next = move |env: &Env<'_>, buf: HostBuffer| {
+            if off + clen < c.len {
+                large_reduce(env, buf, off + clen, c)
+            } else {
+                done(buf)
+            }
+        };
+        match c.root {
+            None => {
+                let req = raw::iallgatherv(env.comm, reduced, buf, &parts)?;
+                Ok(wait(req, move |env, b| {
+                    env.recycle(b.send);
+                    next(env, take(b.recv)?)
+                }))
+            }
+            Some(r) if r == me => {
+                let req = raw::igatherv(env.comm, reduced, Some(buf), &parts, r as i32)?;
+                Ok(wait(req, move |env, b| {
+                    env.recycle(b.send);
+                    next(env, take(b.recv)?)
+                }))
+            }
+            Some(r) => {
+                // Non-roots keep their input: send the slice, keep `buf` as it is.
+                let req = raw::igatherv(env.comm, reduced, None, &parts, r as i32)?;
+                Ok(wait(req, move |env, b| {
+                    env.recycle(b.send);
+                    next(env, buf)
+                }))
+            }
+        }
+    }))
+}
+
+pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
+    let (dtype, len, op) = (r.input.dtype(), r.input.len(), r.op);
+    let header = Header::new(OpKind::ReduceScatter, Some(dtype), len, None, Some(op));
+    let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+        let n = env.size;
+        let block = len / n;
+        let out = r.output.unwrap_or_else(|| env.buffer(dtype, block));
+        if !local_reduction(env.params, dtype) {
+            let req = raw::ireduce_scatter_block(env.comm, r.input, out, mpi_op(env, dtype, op)?)?;
+            return Ok(wait(req, move |env, b| {
+                env.recycle(b.send);
+                let mut out = take(b.recv)?;
+                if op == ReduceOp::Avg {
+                    kernels::divide(&mut out, n);
+                }
+                done(out)
+            }));
+        }
+        if block == 0 {
+            return done(out);
+        }
+        // Block j of every input to rank j, which reduces them in rank order; chunk by chunk.
+        let per = (env.params.chunk / n / dtype.size()).max(16);
+        scatter_reduce(env, r.input, out, 0, Chunks { dtype, op, len: block, root: None, per })
+    };
+    Plan { name: "reduce_scatter", header, payload: None, start: Box::new(start), reply }
+}
+
+/// Chunk `[off, off + per)` of every block of a large exact reduce_scatter into `out`, then
+/// the next one.
+pub(super) fn scatter_reduce(env: &Env<'_>, input: HostBuffer, out: HostBuffer, off: usize, c: Chunks) -> Result<Step, CommError> {
+    let (n, dtype, es) = (env.size, c.dtype, c.dtype.size());
+    let clen = c.per.min(c.len - off);
+    let send_parts: Vec<(usize, usize)> = (0..n).map(|j| (j * c.len + off, clen)).collect();
+    let recv_parts: Vec<(usize, usize)> = (0..n).map(|i| (i * clen, clen)).collect();
+    let req = raw::ialltoallv(env.comm, input, &send_parts, env.buffer(dtype, n * clen), &recv_parts)?;
+    Ok(wait(req, move |env, b| {
+        let (input, mine) = (take(b.send)?, take(b.recv)?);
+        let mut out = out;
+        kernels::reduce(dtype, c.op, &blocks(&mine, n, clen), &mut out.as_bytes_mut()[off * es..(off + clen) * es]);
+        env.recycle(Some(mine));
+        if off + clen < c.len {
+            return scatter_reduce(env, input, out, off + clen, c);
+        }
+        env.recycle(Some(input));
+        done(out)
+    }))
+}
+
+pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply) -> Plan {
+    let dtype = r.input.dtype();
+    let header = Header::new(OpKind::AllToAll, Some(dtype), 0, None, None);
+    let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+        let n = env.size;
+        let (ins, outs) = r.splits(n as u32);
+        let offsets = |v: &[usize]| -> Vec<(usize, usize)> {
+            v.iter().scan(0, |at, &c| Some((std::mem::replace(at, *at + c), c))).collect()
+        };
+        let (send_parts, recv_parts) = (offsets(&ins), offsets(&outs));
+        let out = r.output.unwrap_or_else(|| env.buffer(dtype, outs.iter().sum()));
+        let input = r.input;
+        let exchange = move |env: &Env<'_>| -> Result<Step, CommError> {
+            let req = raw::ialltoallv(env.comm, input, &send_parts, out, &recv_parts)?;
+            Ok(wait(req, |env, b| {
+                env.recycle(b.send);
+                done(take(b.recv)?)
+            }))
+        };
+        if !env.params.check || n == 1 {
+            return exchange(env);
+        }
+        // Every rank publishes what it sends to and expects from each peer; all ranks check
+        // every pair, so they agree on the verdict.
+        let row: Vec<i64> = ins.iter().chain(&outs).map(|&c| c as i64).collect();
+        let req = raw::iallgather(env.comm, HostBuffer::from_slice(&row), HostBuffer::zeroed(DType::I64, 2 * n * n))?;
+        Ok(wait(req, move |env, b| {
+            let all = take(b.recv)?;
+            let m = all.as_slice::<i64>()?;
+            for i in 0..n {
+                for j in 0..n {
+                    let (sends, expects) = (m[i * 2 * n + j], m[j * 2 * n + n + i]);
+                    if sends != expects {
+                        return Err(CommError::Mismatch {
+                            op: "all_to_all",
+                            detail: format!(
+                                "rank {i} sends {sends} elements to rank {j}, but rank {j}'s output splits expect {expects} from rank {i}"
+                            ),
+                        });
+                    }
+                }
+            }
+            exchange(env)
+        }))
+    };
+    Plan { name: "all_to_all", header, payload: None, start: Box::new(start), reply }
+}
+
+/// The plan of a collective command.
+pub(super) fn plan(cmd: Cmd) -> Plan {
+    match cmd {
+        Cmd::AllReduce(r, d) => plan_reduce(r.buf, r.op, None, Reply::Buf(d)),
+        Cmd::Reduce(r, d) => plan_reduce(r.buf, r.op, Some(r.root), Reply::Buf(d)),
+        Cmd::ReduceScatter(r, d) => plan_reduce_scatter(r, Reply::Buf(d)),
+        Cmd::AllToAll(r, d) => plan_all_to_all(r, Reply::Buf(d)),
+        Cmd::Broadcast(r, d) => {
+            let header = Header::new(OpKind::Broadcast, Some(r.buf.dtype()), r.buf.len(), Some(r.root), None);
+            let payload = inline(r.buf.byte_len(), || r.buf.as_bytes().to_vec());
+            let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+                let mut buf = r.buf;
+                if let Some(ex) = ex {
+                    let bytes = buf.byte_len();
+                    buf.as_bytes_mut().copy_from_slice(ex.data(r.root as usize, bytes));
+                    return done(buf);
+                }
+                let req = raw::ibcast(env.comm, buf, r.root as i32)?;
+                Ok(wait(req, |_, b| done(take(b.recv)?)))
+            };
+            Plan { name: "broadcast", header, payload, start: Box::new(start), reply: Reply::Buf(d) }
+        }
+        Cmd::AllGather(r, d) => {
+            let (dtype, len) = (r.input.dtype(), r.input.len());
+            let header = Header::new(OpKind::AllGather, Some(dtype), len, None, None);
+            let payload = inline(r.input.byte_len(), || r.input.as_bytes().to_vec());
+            let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+                let mut out = r.output.unwrap_or_else(|| env.buffer(dtype, len * env.size));
+                if let Some(ex) = ex {
+                    let b = r.input.byte_len();
+                    for p in 0..env.size {
+                        out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(ex.data(p, b));
+                    }
+                    return done(out);
+                }
+                let req = raw::iallgather(env.comm, r.input, out)?;
+                Ok(wait(req, |env, b| {
+                    env.recycle(b.send);
+                    done(take(b.recv)?)
+                }))
+            };
+            Plan { name: "all_gather", header, payload, start: Box::new(start), reply: Reply::Buf(d) }
+        }
+        Cmd::Scatter(r, d) => {
+            let header = Header::new(OpKind::Scatter, Some(r.output.dtype()), r.output.len(), Some(r.root), None);
+            let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+                let input = r.input.filter(|_| env.rank == r.root as usize);
+                let req = raw::iscatter(env.comm, input, r.output, r.root as i32)?;
+                Ok(wait(req, |env, b| {
+                    env.recycle(b.send);
+                    done(take(b.recv)?)
+                }))
+            };
+            Plan { name: "scatter", header, payload: None, start: Box::new(start), reply: Reply::Buf(d) }
+        }
+        Cmd::Gather(r, d) => {
+            let (dtype, len) = (r.input.dtype(), r.input.len());
+            let header = Header::new(OpKind::Gather, Some(dtype), len, Some(r.root), None);
+            let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+                let is_root = env.rank == r.root as usize;
+                let out = is_root.then(|| r.output.unwrap_or_else(|| env.buffer(dtype, len * env.size)));
+                let req = raw::igather(env.comm, r.input, out, r.root as i32)?;
+                Ok(wait(req, move |env, b| {
+                    if !is_root {
+                        return done(take(b.send)?);
+                    }
+                    env.recycle(b.send);
+                    done(take(b.recv)?)
+                }))
+            };
+            Plan { name: "gather", header, payload: None, start: Box::new(start), reply: Reply::Buf(d) }
+        }
+        Cmd::Barrier(d) => {
+            let start = |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+                // With checking on, the header exchange already was a barrier.
+                if env.params.check || env.size == 1 {
+                    return Ok(Step::Done(Out::Unit));
+                }
+                Ok(wait(raw::ibarrier(env.comm)?, |_, _| Ok(Step::Done(Out::Unit))))
+            };
+            Plan {
+                name: "barrier",
+                header: Header::new(OpKind::Barrier, None, 0, None, None),
+                payload: None,
+                start: Box::new(start),
+                reply: Reply::Unit(d),
+            }
+        }
+        Cmd::NewGroup(ranks, d) => {
+            let mut header = Header::new(OpKind::NewGroup, None, ranks.len(), None, None);
+            header.extra = hash_ranks(&ranks);
+            let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+                // Every rank of the parent passed the header exchange, so all of them are
+                // about to call the (blocking) split: it cannot hang on a missing rank.
+                let key = ranks.iter().position(|&r| r as usize == env.rank).map(|p| p as i32);
+                let comm = env.comm.split(key).map_err(raw::MpiError::into_comm)?;
+                Ok(Step::Done(Out::Comm(comm)))
+            };
+            Plan { name: "new_group", header, payload: None, start: Box::new(start), reply: Reply::Group(d) }
+        }
+        Cmd::Send(..) | Cmd::Recv(..) => unreachable!("point-to-point commands are never planned as collectives"),
+    }
+}

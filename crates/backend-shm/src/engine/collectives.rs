@@ -1,0 +1,298 @@
+//! Collectives as sequences of steps.
+
+use super::*;
+
+impl Engine {
+    /// all_reduce, or reduce to `root` (non-roots keep their input).
+    pub(super) fn all_reduce(&mut self, buf: &mut HostBuffer, op: ReduceOp, root: Option<Rank>) -> Result<()> {
+        let (dtype, count, es, n) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world);
+        let code = if root.is_some() { OpKind::Reduce } else { OpKind::AllReduce };
+        let hdr = self.header(code, dtype, count, root.unwrap_or(0), Some(op));
+        if n == 1 {
+            return Ok(());
+        }
+        if root.is_none() {
+            let zc = buf.external().and_then(|e| e.as_any().downcast_ref::<ShmBuf>()).map(|z| z.name().to_owned());
+            if let Some(name) = zc {
+                let r = self.zc_all_reduce(buf, op, &name);
+                if let Some(z) = buf.external().and_then(|e| e.as_any().downcast_ref::<ShmBuf>()) {
+                    z.unlink_once(); // every peer mapped it during the first step
+                }
+                return r;
+            }
+        }
+        let me = self.rank;
+        let keep = root.is_none_or(|r| r as usize == me);
+        let direct = count * es <= self.params.small_max;
+        let user = buf.as_bytes_mut();
+        for (off, len) in pieces(count, self.lay.window / es) {
+            let chunk = &mut user[off * es..(off + len) * es];
+            let bytes = chunk.len();
+            if direct {
+                // Every rank reduces all inputs: one step, n reads per rank.
+                self.step(&hdr, |io| match io {
+                    Io::Write(w) => w[..bytes].copy_from_slice(chunk),
+                    Io::Read(views, _) if keep => reduce_views(dtype, op, views, chunk),
+                    Io::Read(..) => {}
+                })?;
+            } else {
+                // Reduce-scatter, then all-gather the reduced slices. Our own slice of our input
+                // is read straight from the user's buffer (peers never read it, so it is not
+                // copied in), and its result is written in place and into our next buffer for
+                // the peers in the same pass.
+                let (lo, hi) = slice_of(len, n, me);
+                let own = lo * es..hi * es;
+                self.step(&hdr, |io| match io {
+                    Io::Write(w) => {
+                        w[..own.start].copy_from_slice(&chunk[..own.start]);
+                        w[own.end..bytes].copy_from_slice(&chunk[own.end..]);
+                    }
+                    Io::Read(views, next) if keep => {
+                        let srcs: Vec<Src<'_>> =
+                            (0..n).map(|p| if p == me { Src::Out } else { Src::Buf(&views[p][own.clone()]) }).collect();
+                        kernels::reduce_to(dtype, op, &srcs, &mut chunk[own.clone()], Some(&mut next[own.clone()]));
+                    }
+                    Io::Read(views, next) => {
+                        // A non-root of `reduce` keeps its input intact.
+                        let mine = &chunk[own.clone()];
+                        let srcs: Vec<Src<'_>> =
+                            (0..n).map(|p| Src::Buf(if p == me { mine } else { &views[p][own.clone()] })).collect();
+                        kernels::reduce_to(dtype, op, &srcs, &mut next[own.clone()], None);
+                    }
+                })?;
+                self.step(&hdr, |io| {
+                    if let (Io::Read(views, _), true) = (io, keep) {
+                        // Start after our own slice and rotate, spreading readers over owners.
+                        for i in 1..n {
+                            let p = (me + i) % n;
+                            let (lo, hi) = slice_of(len, n, p);
+                            chunk[lo * es..hi * es].copy_from_slice(&views[p][lo * es..hi * es]);
+                        }
+                    }
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn broadcast(&mut self, buf: &mut HostBuffer, root: Rank) -> Result<()> {
+        let (es, root) = (buf.dtype().size(), root as usize);
+        let hdr = self.header(OpKind::Broadcast, buf.dtype(), buf.len(), root as Rank, None);
+        if self.world == 1 {
+            return Ok(());
+        }
+        let is_root = self.rank == root;
+        let user = buf.as_bytes_mut();
+        for (off, len) in pieces(user.len() / es, self.lay.window / es) {
+            let chunk = &mut user[off * es..(off + len) * es];
+            let bytes = chunk.len();
+            self.step(&hdr, |io| match io {
+                Io::Write(w) if is_root => w[..bytes].copy_from_slice(chunk),
+                Io::Read(views, _) if !is_root => chunk.copy_from_slice(&views[root][..bytes]),
+                _ => {}
+            })?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn all_gather(&mut self, r: AllGather) -> Result<HostBuffer> {
+        let (dtype, count, es, n) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world);
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n));
+        let hdr = self.header(OpKind::AllGather, dtype, count, 0, None);
+        let input = r.input.as_bytes();
+        let dst = out.as_bytes_mut();
+        if n == 1 {
+            dst.copy_from_slice(input);
+            return Ok(out);
+        }
+        for (off, len) in pieces(count, self.lay.window / es) {
+            let src = &input[off * es..(off + len) * es];
+            self.step(&hdr, |io| match io {
+                Io::Write(w) => w[..src.len()].copy_from_slice(src),
+                Io::Read(views, _) => {
+                    for (p, v) in views.iter().enumerate() {
+                        let at = (p * count + off) * es;
+                        dst[at..at + src.len()].copy_from_slice(&v[..src.len()]);
+                    }
+                }
+            })?;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn reduce_scatter(&mut self, r: ReduceScatter) -> Result<HostBuffer> {
+        let (dtype, es, n, me, op) = (r.input.dtype(), r.input.dtype().size(), self.world, self.rank, r.op);
+        let block = r.input.len() / n;
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, block));
+        let hdr = self.header(OpKind::ReduceScatter, dtype, r.input.len(), 0, Some(op));
+        let input = r.input.as_bytes();
+        let dst = out.as_bytes_mut();
+        if n == 1 {
+            dst.copy_from_slice(input);
+            return Ok(out);
+        }
+        for (off, len) in pieces(block, self.lay.window / es / n) {
+            let b = len * es;
+            self.step(&hdr, |io| match io {
+                Io::Write(w) => {
+                    for j in 0..n {
+                        let at = (j * block + off) * es;
+                        w[j * b..(j + 1) * b].copy_from_slice(&input[at..at + b]);
+                    }
+                }
+                Io::Read(views, _) => {
+                    let ins: Vec<&[u8]> = views.iter().map(|v| &v[me * b..(me + 1) * b]).collect();
+                    kernels::reduce(dtype, op, &ins, &mut dst[off * es..off * es + b]);
+                }
+            })?;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn all_to_all(&mut self, r: AllToAll) -> Result<HostBuffer> {
+        let (dtype, es, n, me) = (r.input.dtype(), r.input.dtype().size(), self.world, self.rank);
+        let (ins, outs) = r.splits(n as u32);
+        let out_len: usize = outs.iter().sum();
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, out_len));
+        // Equal blocks need no agreement beyond the length, which the header checks. Uneven
+        // ones start with a step where everyone publishes its send splits, so each rank checks
+        // that what it expects from every peer is what that peer sends, and all agree on the
+        // rounds. (Every rank must use the same form.)
+        let equal = r.input_splits.is_none() && r.output_splits.is_none();
+        let hdr = StepHeader {
+            aux: u64::from(!equal),
+            ..self.header(OpKind::AllToAll, dtype, if equal { r.input.len() } else { 0 }, 0, None)
+        };
+        if n == 1 && ins[0] == outs[0] {
+            out.as_bytes_mut().copy_from_slice(r.input.as_bytes());
+            return Ok(out);
+        }
+        let mut matrix = vec![(r.input.len() / n) as u64; n * n];
+        if !equal {
+            let mine: Vec<u64> = ins.iter().map(|&x| x as u64).collect();
+            self.step(&hdr, |io| match io {
+                Io::Write(w) => w[..n * 8].copy_from_slice(bytemuck::cast_slice(&mine)),
+                Io::Read(views, _) => {
+                    for (p, v) in views.iter().enumerate() {
+                        matrix[p * n..(p + 1) * n].copy_from_slice(bytemuck::cast_slice(&v[..n * 8]));
+                    }
+                }
+            })?;
+            for (p, &expect) in outs.iter().enumerate() {
+                let sends = matrix[p * n + me] as usize;
+                if sends != expect {
+                    return Err(CommError::Mismatch {
+                        op: "all_to_all",
+                        detail: format!(
+                            "rank {p} sends {sends} elements to rank {me}, but rank {me}'s output_splits expect {expect}"
+                        ),
+                    });
+                }
+            }
+        }
+        let input = r.input.as_bytes();
+        let dst = out.as_bytes_mut();
+        let in_off: Vec<usize> = ins.iter().scan(0, |a, &x| Some(std::mem::replace(a, *a + x))).collect();
+        let out_off: Vec<usize> = outs.iter().scan(0, |a, &x| Some(std::mem::replace(a, *a + x))).collect();
+        // The block a rank keeps goes straight from its input to its output (one copy instead
+        // of two through its own window), so the window holds n - 1 slots: rank p's block
+        // for rank j sits in slot `j` of p's window, or `j - 1` past p.
+        let per = (self.lay.window / (n - 1).max(1) / es).max(1);
+        let rounds = (matrix.iter().copied().max().unwrap_or(0) as usize).div_ceil(per);
+        let slot = per * es;
+        let slot_of = |p: usize, j: usize| (j - usize::from(j > p)) * slot;
+        for t in 0..rounds {
+            let lo = t * per;
+            self.step(&hdr, |io| match io {
+                Io::Write(w) => {
+                    for j in (0..n).filter(|&j| j != me) {
+                        let (a, b) = (lo.min(ins[j]), (lo + per).min(ins[j]));
+                        let src = &input[(in_off[j] + a) * es..(in_off[j] + b) * es];
+                        w[slot_of(me, j)..slot_of(me, j) + src.len()].copy_from_slice(src);
+                    }
+                }
+                Io::Read(views, _) => {
+                    for (p, v) in views.iter().enumerate() {
+                        let (a, b) = (lo.min(outs[p]), (lo + per).min(outs[p]));
+                        let bytes = (b - a) * es;
+                        let at = (out_off[p] + a) * es;
+                        let src = if p == me {
+                            // ins[me] == outs[me]: equal splits, or checked against the matrix.
+                            &input[(in_off[me] + a) * es..(in_off[me] + a) * es + bytes]
+                        } else {
+                            &v[slot_of(p, me)..slot_of(p, me) + bytes]
+                        };
+                        dst[at..at + bytes].copy_from_slice(src);
+                    }
+                }
+            })?;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn scatter(&mut self, r: Scatter) -> Result<HostBuffer> {
+        let (dtype, es, n, me, root) =
+            (r.output.dtype(), r.output.dtype().size(), self.world, self.rank, r.root as usize);
+        let block = r.output.len();
+        let mut out = r.output;
+        let hdr = self.header(OpKind::Scatter, dtype, block, root as Rank, None);
+        let input = r.input;
+        let src = input.as_ref().filter(|_| me == root).map(HostBuffer::as_bytes);
+        let dst = out.as_bytes_mut();
+        if n == 1 {
+            if let Some(s) = src {
+                dst.copy_from_slice(s);
+            }
+            return Ok(out);
+        }
+        for (off, len) in pieces(block, self.lay.window / es / n) {
+            let b = len * es;
+            self.step(&hdr, |io| match io {
+                Io::Write(w) => {
+                    if let Some(s) = src {
+                        for j in 0..n {
+                            let at = (j * block + off) * es;
+                            w[j * b..(j + 1) * b].copy_from_slice(&s[at..at + b]);
+                        }
+                    }
+                }
+                Io::Read(views, _) => dst[off * es..off * es + b].copy_from_slice(&views[root][me * b..(me + 1) * b]),
+            })?;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn gather(&mut self, r: Gather) -> Result<HostBuffer> {
+        let (dtype, count, es, n, root) =
+            (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, r.root as usize);
+        let hdr = self.header(OpKind::Gather, dtype, count, root as Rank, None);
+        let is_root = self.rank == root;
+        let mut out = is_root.then(|| r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n)));
+        let input = r.input;
+        {
+            let src = input.as_bytes();
+            let mut dst = out.as_mut().map(HostBuffer::as_bytes_mut);
+            if n == 1 {
+                if let Some(d) = dst {
+                    d.copy_from_slice(src);
+                }
+                return Ok(out.unwrap_or(input));
+            }
+            for (off, len) in pieces(count, self.lay.window / es) {
+                let piece = &src[off * es..(off + len) * es];
+                self.step(&hdr, |io| match io {
+                    Io::Write(w) => w[..piece.len()].copy_from_slice(piece),
+                    Io::Read(views, _) => {
+                        if let Some(dst) = dst.as_deref_mut() {
+                            for (p, v) in views.iter().enumerate() {
+                                let at = (p * count + off) * es;
+                                dst[at..at + piece.len()].copy_from_slice(&v[..piece.len()]);
+                            }
+                        }
+                    }
+                })?;
+            }
+        }
+        Ok(out.unwrap_or(input))
+    }
+}

@@ -1,0 +1,146 @@
+//! Errors and liveness: poisoning, panics, peers that abort or die.
+
+use super::*;
+
+impl Engine {
+    /// After a panic on the worker or an inline caller: the op that panicked is gone (its
+    /// completer reported `Poisoned` while unwinding); poison the group with the panic's
+    /// message so peers learn it at once, and fail everything else that is pending. Returns
+    /// whether the engine may keep running (false after a second panic: then only
+    /// [`drain_after_panic`](Self::drain_after_panic) runs).
+    pub(crate) fn contain_panic(&mut self, message: &str) -> bool {
+        self.panics += 1;
+        let e = CommError::Backend {
+            backend: "shm",
+            source: format!("the worker of rank {} panicked: {message}", self.rank).into(),
+        };
+        self.phase = Phase::Idle;
+        self.poison_with(&e);
+        let poisoned = self.poison_error().unwrap_or(e);
+        if let Some(Parked { done: Some(done), .. }) = self.parked.take() {
+            done.complete(Err(poisoned));
+        }
+        if let Some((done, r)) = self.finished.take() {
+            done.complete(r);
+        }
+        self.panics == 1
+    }
+
+    /// The worker's loop once the engine cannot be trusted: every command fails with
+    /// `Poisoned`, a shutdown completes, and the loop ends with the channel or the shutdown.
+    pub(crate) fn drain_after_panic(&mut self) -> Flow {
+        let cause = self.poisoned.clone().unwrap_or_else(|| "the shm worker panicked".into());
+        match self.rx.recv_timeout(Duration::from_millis(10)) {
+            Ok(cmd) => {
+                self.pending.fetch_sub(1, SeqCst);
+                match cmd {
+                    Command::Shutdown(d) => {
+                        d.complete(Ok(()));
+                        for w in self.shutdown_waiters.drain(..) {
+                            w.complete(Ok(()));
+                        }
+                        Flow::Exit
+                    }
+                    other => {
+                        self.fail(other, CommError::Poisoned { cause });
+                        Flow::Busy
+                    }
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Flow::Busy,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Flow::Exit,
+        }
+    }
+
+    pub(super) fn poison_error(&self) -> Option<CommError> {
+        self.poisoned.as_ref().map(|cause| CommError::Poisoned { cause: cause.clone() })
+    }
+
+    /// Marks the group unusable: tells peers (state + reason in our segment), fails
+    /// everything queued, and makes the handle fail new ops fast.
+    pub(super) fn poison_with(&mut self, e: &CommError) {
+        if self.poisoned.is_some() {
+            return;
+        }
+        let cause = e.to_string();
+        let me = self.segs[self.rank].clone();
+        write_reason(&me, &cause);
+        me.u32_at(OFF_STATE).store(STATE_ABORTED, SeqCst);
+        self.ring_all();
+        self.poison.set(cause.clone());
+        self.poisoned = Some(cause);
+        let cause = self.poisoned.clone().unwrap_or_default();
+        let err = || CommError::Poisoned { cause: cause.clone() };
+        for q in &mut self.sends {
+            for op in q.drain(..) {
+                op.done.complete(Err(err()));
+            }
+        }
+        for q in &mut self.recvs {
+            for op in q.drain(..) {
+                op.done.complete(Err(err()));
+            }
+        }
+        for cmd in std::mem::take(&mut self.colls) {
+            self.fail(cmd, err());
+        }
+    }
+
+    pub(super) fn fail(&mut self, cmd: Command, e: CommError) {
+        match cmd {
+            Command::AllReduce(_, d)
+            | Command::Broadcast(_, d)
+            | Command::Reduce(_, d)
+            | Command::AllGather(_, d)
+            | Command::ReduceScatter(_, d)
+            | Command::AllToAll(_, d)
+            | Command::Scatter(_, d)
+            | Command::Gather(_, d)
+            | Command::Send(_, d)
+            | Command::Recv(_, d) => d.complete(Err(e)),
+            Command::OneShot(_, d) => d.complete(Err(e)),
+            Command::Shutdown(d) => {
+                self.closing = true;
+                self.shutdown_waiters.push(d);
+            }
+        }
+    }
+
+    pub(super) fn peer_reason(&self, peer: usize) -> String {
+        let seg = &self.segs[peer];
+        let bytes: Vec<u8> = (0..REASON_LEN).map(|i| seg.read::<u8>(OFF_REASON + i)).take_while(|&b| b != 0).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// `Err` when `peer` can no longer make progress: it aborted, shut down, or died.
+    pub(super) fn check_peer(&mut self, peer: usize, throttle: bool) -> Result<()> {
+        match self.segs[peer].u32_at(OFF_STATE).load(Acquire) {
+            STATE_ABORTED => {
+                return Err(CommError::PeerLost {
+                    rank: peer as Rank,
+                    detail: format!("it aborted the group: {}", self.peer_reason(peer)),
+                })
+            }
+            STATE_CLOSED => {
+                return Err(CommError::PeerLost {
+                    rank: peer as Rank,
+                    detail: "it shut its process group down (or exited) without joining this op".into(),
+                })
+            }
+            _ => {}
+        }
+        if throttle && self.last_liveness.elapsed() < Duration::from_millis(50) {
+            return Ok(());
+        }
+        self.last_liveness = Instant::now();
+        if let Some(p) = self.procs[peer] {
+            if p.alive() == Some(false) {
+                return Err(CommError::PeerLost {
+                    rank: peer as Rank,
+                    detail: format!("its process {} exited", p.pid),
+                });
+            }
+        }
+        Ok(())
+    }
+}

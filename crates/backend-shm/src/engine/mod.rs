@@ -1,0 +1,482 @@
+//! The worker: one thread per group that owns the mapped segments and runs every op.
+//!
+//! Collectives run one at a time in submission order as a sequence of *steps*. In step `k`
+//! every rank (1) waits until all peers have published step `k-1` — so nobody still reads the
+//! buffer `k % 2` it is about to overwrite —, (2) writes its step header and its data into its
+//! own buffer `k % 2`, (3) publishes `k` with a release store of its step counter, (4) waits
+//! until all peers published `k` (acquire) and checks their headers against its own, (5) reads
+//! any peer's buffer `k % 2`. It publishes `k + 1` only after those reads, which is what makes
+//! (1) sufficient. Point-to-point messages use per-pair mailboxes with sent/acked counters
+//! and progress independently of collectives, so an isend never blocks a collective.
+
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::{Acquire, Release, SeqCst};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use comm_core::handle::Poison;
+use comm_core::ops::{
+    AllGather, AllReduce, AllToAll, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
+};
+use comm_core::{CommError, Completer, DType, HostBuffer, OpKind, Rank, ReduceOp};
+
+use crate::layout::*;
+use crate::segment::Segment;
+use crate::sys::{futex_wait, futex_wake, ProcId};
+use crate::zerocopy::ShmBuf;
+use comm_kernels::{self as kernels, Src};
+
+/// What the handle sends to the worker.
+pub(crate) enum Command {
+    AllReduce(AllReduce, Completer<HostBuffer>),
+    Broadcast(Broadcast, Completer<HostBuffer>),
+    Reduce(Reduce, Completer<HostBuffer>),
+    AllGather(AllGather, Completer<HostBuffer>),
+    ReduceScatter(ReduceScatter, Completer<HostBuffer>),
+    AllToAll(AllToAll, Completer<HostBuffer>),
+    Scatter(Scatter, Completer<HostBuffer>),
+    Gather(Gather, Completer<HostBuffer>),
+    Send(SendTo, Completer<HostBuffer>),
+    Recv(RecvFrom, Completer<HostBuffer>),
+    Shutdown(Completer<()>),
+    /// A small collective the caller could not finish inline.
+    OneShot(OneShot, Done),
+}
+
+/// The completer of a one-step op, by output type.
+pub(crate) enum Done {
+    Buf(Completer<HostBuffer>),
+    Unit(Completer<()>),
+}
+
+impl Done {
+    fn complete(self, r: Result<OneShot>) {
+        match self {
+            Done::Buf(c) => c.complete(r.map(OneShot::into_buffer)),
+            Done::Unit(c) => c.complete(r.map(drop)),
+        }
+    }
+}
+
+mod collectives;
+mod faults;
+mod oneshot;
+mod p2p;
+mod steps;
+mod zero_copy;
+
+use oneshot::{reduce_views, Parked};
+pub(crate) use oneshot::{Inline, OneShot};
+pub(crate) use steps::init_segment;
+use steps::{read_chunk, write_chunk, write_reason};
+
+/// What one turn of the worker did.
+pub(crate) enum Flow {
+    Busy,
+    /// Waiting on peers: point-to-point ops in flight.
+    Idle,
+    /// Nothing in flight.
+    Quiet,
+    Exit,
+}
+
+/// `StepHeader::aux` of an all_reduce on zero-copy buffers.
+const AUX_ZERO_COPY: u64 = 1;
+
+fn describe(h: &StepHeader) -> String {
+    let dtype = DType::from_code(h.dtype).map(|d| d.name()).unwrap_or("?");
+    let kind = OpKind::from_code(h.op);
+    let mut s = format!("{} #{} ({dtype} × {}", kind.map_or("unknown op", OpKind::name), h.seq, h.count);
+    use OpKind::*;
+    if matches!(kind, Some(Broadcast | Reduce | Scatter | Gather)) {
+        s += &format!(", root {}", h.root);
+    }
+    if matches!(kind, Some(AllReduce | Reduce | ReduceScatter)) {
+        if let Some(op) = ReduceOp::ALL.get(h.redop as usize) {
+            s += &format!(", {op}");
+        }
+    }
+    if kind == Some(AllReduce) && h.aux == AUX_ZERO_COPY {
+        s += ", zero-copy buffer from alloc_buffer (every rank must pass one, or none)";
+    }
+    s + ")"
+}
+
+/// Tunables, identical on every rank of a group (rank 0's are published through the store).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Params {
+    pub(crate) timeout: Duration,
+    /// Largest all_reduce/reduce (bytes) done in one step by every rank reducing all inputs;
+    /// larger ones use reduce-scatter + all-gather (two steps, each rank reduces a slice).
+    pub(crate) small_max: usize,
+    /// How long a waiter spins before it sleeps on its futex (0 when ranks outnumber cores).
+    pub(crate) spin: Duration,
+    /// Test hook (`COMM_FAULT_INJECT=panic:<op>`): the worker panics when it runs this op.
+    pub(crate) panic_at: Option<&'static str>,
+}
+
+/// Yields `(offset, len)` pieces of `total` elements, `per` at most; one empty piece when
+/// `total` is 0 so that empty ops still meet (and are checked) like any other.
+fn pieces(total: usize, per: usize) -> impl Iterator<Item = (usize, usize)> {
+    let per = per.max(1);
+    let n = total.div_ceil(per).max(1);
+    (0..n).map(move |i| (i * per, per.min(total - (i * per).min(total))))
+}
+
+/// Splits `len` elements into `parts` contiguous slices, boundaries rounded to 16 elements so
+/// slices start on cache lines. Returns the `(start, end)` of slice `i`.
+fn slice_of(len: usize, parts: usize, i: usize) -> (usize, usize) {
+    let per = len.div_ceil(parts).div_ceil(16) * 16;
+    ((i * per).min(len), ((i + 1) * per).min(len))
+}
+
+/// The two phases of a step, as seen by an op's closure.
+enum Io<'a> {
+    /// Our buffer for this step, to fill.
+    Write(&'a mut [u8]),
+    /// Every rank's buffer for this step (index = rank), and our buffer for the next step.
+    Read(&'a [&'a [u8]], &'a mut [u8]),
+}
+
+enum Phase {
+    Idle,
+    Writable(u64),
+    Readable(u64),
+}
+
+struct SendOp {
+    req: SendTo,
+    done: Completer<HostBuffer>,
+    offset: usize,
+    started: Instant,
+}
+
+struct RecvOp {
+    req: RecvFrom,
+    done: Completer<HostBuffer>,
+    offset: usize,
+    started: Instant,
+}
+
+pub(crate) struct Engine {
+    rank: usize,
+    world: usize,
+    lay: Layout,
+    segs: Vec<Arc<Segment>>,
+    procs: Vec<Option<ProcId>>,
+    params: Params,
+    rx: Receiver<Command>,
+    /// Commands sent but not yet taken from `rx`: an inline op may only run when it is 0.
+    pending: Arc<AtomicUsize>,
+    parked: Option<Parked>,
+    /// Set by the worker when the group is poisoned; the handle reads it to fail fast.
+    poison: Poison,
+    poisoned: Option<String>,
+
+    step: u64,
+    seq: u64,
+    phase: Phase,
+    op: &'static str,
+    colls: VecDeque<Command>,
+    closing: bool,
+    shutdown_waiters: Vec<Completer<()>>,
+
+    sends: Vec<VecDeque<SendOp>>,
+    recvs: Vec<VecDeque<RecvOp>>,
+    sent: Vec<u64>,
+    acked: Vec<u64>,
+    last_liveness: Instant,
+    /// Peers' zero-copy buffers mapped so far (most recent last; a few are kept).
+    zc_maps: Vec<(String, Arc<Segment>)>,
+    /// A finished one-step op whose caller the worker wakes after releasing the engine lock
+    /// (see [`worker`]).
+    finished: Option<(Done, Result<OneShot>)>,
+    /// Panics contained so far (see [`Engine::contain_panic`]).
+    panics: u32,
+}
+
+/// How long an inline caller keeps yielding for late peers after its spin, before it parks.
+const INLINE_YIELD: Duration = Duration::from_micros(200);
+
+/// How many peer zero-copy buffers stay mapped between ops.
+const ZC_CACHE: usize = 16;
+
+type Result<T, E = CommError> = std::result::Result<T, E>;
+
+impl Engine {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        rank: usize,
+        lay: Layout,
+        segs: Vec<Arc<Segment>>,
+        procs: Vec<Option<ProcId>>,
+        params: Params,
+        rx: Receiver<Command>,
+        pending: Arc<AtomicUsize>,
+        poison: Poison,
+    ) -> Engine {
+        let world = lay.world;
+        Engine {
+            rank,
+            world,
+            lay,
+            segs,
+            procs,
+            params,
+            rx,
+            pending,
+            parked: None,
+            poison,
+            poisoned: None,
+            step: 0,
+            seq: 0,
+            phase: Phase::Idle,
+            op: "",
+            colls: VecDeque::new(),
+            closing: false,
+            shutdown_waiters: Vec::new(),
+            sends: (0..world).map(|_| VecDeque::new()).collect(),
+            recvs: (0..world).map(|_| VecDeque::new()).collect(),
+            sent: vec![0; world],
+            acked: vec![0; world],
+            last_liveness: Instant::now(),
+            zc_maps: Vec::new(),
+            finished: None,
+            panics: 0,
+        }
+    }
+
+    fn p2p_idle(&self) -> bool {
+        self.sends.iter().all(VecDeque::is_empty) && self.recvs.iter().all(VecDeque::is_empty)
+    }
+
+    fn me(&self) -> &Segment {
+        &self.segs[self.rank]
+    }
+
+    /// One turn of the worker: finishes a parked op, runs one queued collective, or
+    /// progresses point-to-point. Never waits for a wake-up (the worker does that unlocked,
+    /// so callers can run small ops inline meanwhile).
+    pub(crate) fn work(&mut self) -> Flow {
+        if let Some(p) = self.parked.take() {
+            self.resume(p);
+            return Flow::Busy;
+        }
+        if let Some(cmd) = self.colls.pop_front() {
+            self.execute(cmd);
+            return Flow::Busy;
+        }
+        match self.pump() {
+            Ok(true) => return Flow::Busy,
+            Ok(false) => {}
+            Err(e) => {
+                self.poison_with(&e);
+                return Flow::Busy;
+            }
+        }
+        if let Err(e) = self.check_p2p_deadlines() {
+            self.poison_with(&e);
+            return Flow::Busy;
+        }
+        if !self.p2p_idle() {
+            Flow::Idle
+        } else if self.closing {
+            self.close();
+            Flow::Exit
+        } else {
+            Flow::Quiet
+        }
+    }
+
+    /// Whether an op submitted now could run inline: nothing queued, parked or in flight.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.parked.is_none() && self.colls.is_empty() && self.pending.load(SeqCst) == 0 && !self.closing
+    }
+
+    fn close(&mut self) {
+        if self.poisoned.is_none() {
+            self.me().u32_at(OFF_STATE).store(STATE_CLOSED, SeqCst);
+        }
+        self.ring_all();
+        for w in self.shutdown_waiters.drain(..) {
+            w.complete(Ok(()));
+        }
+    }
+
+    /// Takes new commands and progresses point-to-point traffic. Returns whether anything
+    /// happened.
+    fn pump(&mut self) -> Result<bool> {
+        let mut progressed = false;
+        loop {
+            match self.rx.try_recv() {
+                Ok(cmd) => {
+                    progressed = true;
+                    self.pending.fetch_sub(1, SeqCst);
+                    self.accept(cmd);
+                }
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    // Every handle is gone: finish what was submitted, then stop.
+                    progressed |= !self.closing;
+                    self.closing = true;
+                    break;
+                }
+            }
+        }
+        if self.poisoned.is_none() {
+            progressed |= self.progress_p2p()?;
+        }
+        Ok(progressed)
+    }
+
+    fn accept(&mut self, cmd: Command) {
+        let now = Instant::now();
+        match cmd {
+            Command::Send(req, done) => {
+                if let Some(e) = self.poison_error() {
+                    return done.complete(Err(e));
+                }
+                let dst = req.dst as usize;
+                self.sends[dst].push_back(SendOp { req, done, offset: 0, started: now });
+            }
+            Command::Recv(req, done) => {
+                if let Some(e) = self.poison_error() {
+                    return done.complete(Err(e));
+                }
+                let src = req.src as usize;
+                self.recvs[src].push_back(RecvOp { req, done, offset: 0, started: now });
+            }
+            other => self.colls.push_back(other),
+        }
+    }
+
+    fn execute(&mut self, cmd: Command) {
+        if let Some(e) = self.poison_error() {
+            return self.fail(cmd, e);
+        }
+        self.seq += 1;
+        match cmd {
+            Command::AllReduce(mut r, d) => {
+                let res = self.run_op("all_reduce", |e| e.all_reduce(&mut r.buf, r.op, None));
+                d.complete(res.map(|()| r.buf));
+            }
+            Command::Reduce(mut r, d) => {
+                let res = self.run_op("reduce", |e| e.all_reduce(&mut r.buf, r.op, Some(r.root)));
+                d.complete(res.map(|()| r.buf));
+            }
+            Command::Broadcast(mut r, d) => {
+                let res = self.run_op("broadcast", |e| e.broadcast(&mut r.buf, r.root));
+                d.complete(res.map(|()| r.buf));
+            }
+            Command::AllGather(r, d) => d.complete(self.run_op("all_gather", |e| e.all_gather(r))),
+            Command::ReduceScatter(r, d) => d.complete(self.run_op("reduce_scatter", |e| e.reduce_scatter(r))),
+            Command::AllToAll(r, d) => d.complete(self.run_op("all_to_all", |e| e.all_to_all(r))),
+            Command::Scatter(r, d) => d.complete(self.run_op("scatter", |e| e.scatter(r))),
+            Command::Gather(r, d) => d.complete(self.run_op("gather", |e| e.gather(r))),
+            Command::Shutdown(d) => {
+                self.closing = true;
+                self.shutdown_waiters.push(d);
+            }
+            Command::OneShot(op, d) => {
+                let name = op.name();
+                let r = self.run_op(name, |e| e.oneshot(op));
+                self.finished = Some((d, r));
+            }
+            Command::Send(..) | Command::Recv(..) => unreachable!("p2p commands never enter the collective queue"),
+        }
+    }
+
+    fn run_op<T>(&mut self, name: &'static str, f: impl FnOnce(&mut Engine) -> Result<T>) -> Result<T> {
+        self.op = name;
+        if self.params.panic_at == Some(name) {
+            panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", self.rank);
+        }
+        let res = f(self);
+        self.phase = Phase::Idle;
+        if let Err(e) = &res {
+            if e.poisons_group() {
+                self.poison_with(e);
+            }
+        }
+        res
+    }
+}
+
+/// The worker thread: runs [`Engine::work`] under the lock and sleeps on the doorbell,
+/// unlocked, whenever there is nothing to do.
+pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
+    let lock = || engine.lock().unwrap_or_else(|p| p.into_inner());
+    let mut broken = false;
+    // A small op's caller is woken only once the lock is released: woken under it, the caller
+    // would find the engine busy and queue its next op for the worker too, and the ranks would
+    // keep handing small ops to their workers (a thread hop each) instead of running them inline.
+    let mut work = || {
+        let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut engine = lock();
+            let flow = if broken { engine.drain_after_panic() } else { engine.work() };
+            let finished = engine.finished.take();
+            drop(engine);
+            if let Some((done, r)) = finished {
+                done.complete(r);
+            }
+            flow
+        }));
+        turn.unwrap_or_else(|payload| {
+            // A bug, not a peer's fault: contain it so this rank fails cleanly (peers told,
+            // pending ops failed, shutdown answered) instead of going half-alive.
+            broken |= !lock().contain_panic(&comm_core::panic_message(&*payload));
+            Flow::Busy
+        })
+    };
+    loop {
+        let bell = me.u32_at(OFF_DOORBELL);
+        let seen = bell.load(SeqCst);
+        let wait_for = match work() {
+            Flow::Exit => return,
+            Flow::Busy => continue,
+            Flow::Idle => SLEEP_PEERS,
+            Flow::Quiet => SLEEP_LOCAL,
+        };
+        // Announce the sleep, then look once more: a peer that published before seeing the
+        // flag is visible now; one that publishes later rings the bell.
+        me.u32_at(OFF_SLEEPING).store(wait_for, SeqCst);
+        let flow = work();
+        if matches!(flow, Flow::Idle | Flow::Quiet) {
+            futex_wait(bell, seen, Duration::from_millis(10));
+        }
+        me.u32_at(OFF_SLEEPING).store(0, SeqCst);
+        if matches!(flow, Flow::Exit) {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_everything_once() {
+        assert_eq!(pieces(0, 4).collect::<Vec<_>>(), [(0, 0)]);
+        assert_eq!(pieces(10, 4).collect::<Vec<_>>(), [(0, 4), (4, 4), (8, 2)]);
+        assert_eq!(pieces(8, 4).collect::<Vec<_>>(), [(0, 4), (4, 4)]);
+    }
+
+    #[test]
+    fn slices_partition() {
+        for len in [0, 1, 15, 16, 17, 1000, 4099] {
+            for parts in 1..=8 {
+                let mut next = 0;
+                for i in 0..parts {
+                    let (lo, hi) = slice_of(len, parts, i);
+                    assert_eq!(lo, next);
+                    assert!(hi >= lo);
+                    next = hi;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
+}

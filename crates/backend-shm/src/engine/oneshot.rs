@@ -1,0 +1,267 @@
+//! One-step collectives: the form small ops take, run inline by the caller or by the worker.
+
+use super::*;
+
+/// A collective that takes exactly one step (its data fits the window). These are the
+/// latency-bound ops, which the caller's thread runs inline when the group is idle.
+pub(crate) enum OneShot {
+    /// all_reduce (`root: None`) or reduce, by every rank reducing all inputs.
+    AllReduce {
+        buf: HostBuffer,
+        op: ReduceOp,
+        root: Option<Rank>,
+    },
+    Broadcast {
+        buf: HostBuffer,
+        root: Rank,
+    },
+    AllGather {
+        input: HostBuffer,
+        out: HostBuffer,
+    },
+    ReduceScatter {
+        input: HostBuffer,
+        out: HostBuffer,
+        op: ReduceOp,
+    },
+    /// Equal splits only (uneven ones need a step to agree on the splits).
+    AllToAll {
+        input: HostBuffer,
+        out: HostBuffer,
+        /// Ranks (blocks).
+        n: usize,
+    },
+    Barrier,
+}
+
+impl OneShot {
+    /// The result buffer (the barrier's is empty).
+    pub(crate) fn into_buffer(self) -> HostBuffer {
+        match self {
+            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf,
+            OneShot::AllGather { out, .. } | OneShot::ReduceScatter { out, .. } | OneShot::AllToAll { out, .. } => out,
+            OneShot::Barrier => HostBuffer::zeroed(DType::U8, 0),
+        }
+    }
+
+    pub(super) fn name(&self) -> &'static str {
+        match self {
+            OneShot::AllReduce { root: None, .. } => "all_reduce",
+            OneShot::AllReduce { .. } => "reduce",
+            OneShot::Broadcast { .. } => "broadcast",
+            OneShot::AllGather { .. } => "all_gather",
+            OneShot::ReduceScatter { .. } => "reduce_scatter",
+            OneShot::AllToAll { .. } => "all_to_all",
+            OneShot::Barrier => "barrier",
+        }
+    }
+
+    pub(super) fn header(&self, e: &Engine) -> StepHeader {
+        match self {
+            OneShot::AllReduce { buf, op, root } => {
+                let code = if root.is_some() { OpKind::Reduce } else { OpKind::AllReduce };
+                e.header(code, buf.dtype(), buf.len(), root.unwrap_or(0), Some(*op))
+            }
+            OneShot::Broadcast { buf, root } => e.header(OpKind::Broadcast, buf.dtype(), buf.len(), *root, None),
+            OneShot::AllGather { input, .. } => e.header(OpKind::AllGather, input.dtype(), input.len(), 0, None),
+            OneShot::ReduceScatter { input, op, .. } => {
+                e.header(OpKind::ReduceScatter, input.dtype(), input.len(), 0, Some(*op))
+            }
+            // aux 0: equal splits, as in `Engine::all_to_all`.
+            OneShot::AllToAll { input, .. } => e.header(OpKind::AllToAll, input.dtype(), input.len(), 0, None),
+            OneShot::Barrier => e.header(OpKind::Barrier, DType::U8, 0, 0, None),
+        }
+    }
+
+    pub(super) fn io(&mut self, me: usize, io: Io<'_>) {
+        match (self, io) {
+            (OneShot::AllReduce { buf, .. }, Io::Write(w)) => w[..buf.byte_len()].copy_from_slice(buf.as_bytes()),
+            (OneShot::AllReduce { buf, op, root }, Io::Read(views, _)) if root.is_none_or(|r| r as usize == me) => {
+                reduce_views(buf.dtype(), *op, views, buf.as_bytes_mut());
+            }
+            (OneShot::Broadcast { buf, root }, Io::Write(w)) if *root as usize == me => {
+                w[..buf.byte_len()].copy_from_slice(buf.as_bytes())
+            }
+            (OneShot::Broadcast { buf, root }, Io::Read(views, _)) if *root as usize != me => {
+                let n = buf.byte_len();
+                buf.as_bytes_mut().copy_from_slice(&views[*root as usize][..n]);
+            }
+            (OneShot::AllGather { input, .. }, Io::Write(w)) => w[..input.byte_len()].copy_from_slice(input.as_bytes()),
+            (OneShot::AllGather { input, out }, Io::Read(views, _)) => {
+                let b = input.byte_len();
+                for (p, v) in views.iter().enumerate() {
+                    out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(&v[..b]);
+                }
+            }
+            // The whole input: block j (for rank j) at offset j * b, as in one round of
+            // `Engine::reduce_scatter`.
+            (OneShot::ReduceScatter { input, .. }, Io::Write(w)) => {
+                w[..input.byte_len()].copy_from_slice(input.as_bytes())
+            }
+            (OneShot::ReduceScatter { out, op, .. }, Io::Read(views, _)) => {
+                let b = out.byte_len();
+                let ins: Vec<&[u8]> = views.iter().map(|v| &v[me * b..(me + 1) * b]).collect();
+                kernels::reduce(out.dtype(), *op, &ins, out.as_bytes_mut());
+            }
+            // Only the peers' blocks go through the window, packed: rank p's block for rank j
+            // at slot j, or j - 1 past p. Our own block goes straight to the output.
+            (OneShot::AllToAll { input, n, .. }, Io::Write(w)) => {
+                let b = input.byte_len() / *n;
+                for j in (0..*n).filter(|&j| j != me) {
+                    let at = (j - usize::from(j > me)) * b;
+                    w[at..at + b].copy_from_slice(&input.as_bytes()[j * b..(j + 1) * b]);
+                }
+            }
+            (OneShot::AllToAll { input, out, n }, Io::Read(views, _)) => {
+                let b = input.byte_len() / *n;
+                for (p, v) in views.iter().enumerate() {
+                    let src = if p == me {
+                        &input.as_bytes()[me * b..(me + 1) * b]
+                    } else {
+                        let at = (me - usize::from(me > p)) * b;
+                        &v[at..at + b]
+                    };
+                    out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(src);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The result in a world of one rank, where no step is needed.
+    pub(super) fn alone(self) -> OneShot {
+        match self {
+            OneShot::AllGather { input, mut out } => {
+                out.as_bytes_mut().copy_from_slice(input.as_bytes());
+                OneShot::AllGather { input, out }
+            }
+            OneShot::ReduceScatter { input, mut out, op } => {
+                out.as_bytes_mut().copy_from_slice(input.as_bytes());
+                OneShot::ReduceScatter { input, out, op }
+            }
+            OneShot::AllToAll { input, mut out, n } => {
+                out.as_bytes_mut().copy_from_slice(input.as_bytes());
+                OneShot::AllToAll { input, out, n }
+            }
+            other => other,
+        }
+    }
+}
+
+/// `out = views[0][..] ⊕ views[1][..] ⊕ ...` over `out.len()` bytes, in rank order.
+pub(super) fn reduce_views(dtype: DType, op: ReduceOp, views: &[&[u8]], out: &mut [u8]) {
+    let ins: Vec<&[u8]> = views.iter().map(|v| &v[..out.len()]).collect();
+    kernels::reduce(dtype, op, &ins, out);
+}
+
+/// What an inline attempt came to.
+pub(crate) enum Inline {
+    /// Finished on the caller's thread.
+    Done(Result<OneShot>),
+    /// Published but peers are late: the worker finishes it; attach the completer with
+    /// [`Engine::attach`].
+    Parked,
+    /// The group was not ready for it (a previous step still open): submit it normally.
+    NotNow(OneShot),
+}
+
+pub(super) struct Parked {
+    op: OneShot,
+    k: u64,
+    hdr: StepHeader,
+    pub(super) done: Option<Done>,
+}
+
+impl Engine {
+    /// Runs `op` on the caller's thread: publishes it and waits up to `budget` for the
+    /// peers. Call only when [`is_idle`](Self::is_idle).
+    pub(crate) fn try_inline(&mut self, mut op: OneShot, budget: Duration) -> Inline {
+        if let Some(e) = self.poison_error() {
+            return Inline::Done(Err(e));
+        }
+        if self.params.panic_at == Some(op.name()) {
+            panic!("COMM_FAULT_INJECT: injected panic in {} on rank {}", op.name(), self.rank);
+        }
+        if self.world == 1 {
+            return Inline::Done(Ok(op.alone()));
+        }
+        let k = self.step + 1;
+        if !self.reached(k - 1) {
+            return Inline::NotNow(op);
+        }
+        self.seq += 1;
+        self.op = op.name();
+        let hdr = op.header(self);
+        self.write_header(k, &hdr);
+        self.phase = Phase::Writable(k);
+        op.io(self.rank, Io::Write(self.window_mut(k)));
+        self.announce(k);
+        let t0 = Instant::now();
+        while !self.headers_reached(k) {
+            let waited = t0.elapsed();
+            if waited >= budget + INLINE_YIELD {
+                self.parked = Some(Parked { op, k, hdr, done: None });
+                return Inline::Parked;
+            }
+            if waited < budget {
+                // A true spin: the peer runs on another core and arrives within microseconds
+                // (`budget` is zero when ranks outnumber cores).
+                std::hint::spin_loop();
+            } else {
+                // Then give the core away while waiting a little longer: on a busy or small
+                // machine the peer may need it, and parking costs two wake-ups (ours and our
+                // caller's), which would make the ranks alternate between parking.
+                std::thread::yield_now();
+            }
+        }
+        Inline::Done(self.read_step(&mut op, k, &hdr).map(|()| op))
+    }
+
+    /// Gives the parked op (after [`Inline::Parked`]) its completer.
+    pub(crate) fn attach(&mut self, done: Done) {
+        if let Some(p) = &mut self.parked {
+            p.done = Some(done);
+        }
+    }
+
+    pub(super) fn resume(&mut self, mut p: Parked) {
+        self.op = p.op.name();
+        let r = self.wait_all(p.k).and_then(|()| self.read_step(&mut p.op, p.k, &p.hdr));
+        if let Err(e) = &r {
+            // As for ops run by the worker (`run_op`): a lost peer or a timeout poisons.
+            self.phase = Phase::Idle;
+            if e.poisons_group() {
+                self.poison_with(e);
+            }
+        }
+        let r = r.map(|()| p.op);
+        if let Some(done) = p.done {
+            self.finished = Some((done, r));
+        }
+    }
+
+    /// Checks the headers of published step `k` and runs the op's read phase.
+    pub(super) fn read_step(&mut self, op: &mut OneShot, k: u64, hdr: &StepHeader) -> Result<()> {
+        if let Err(e) = self.check_headers(k, hdr) {
+            self.phase = Phase::Idle;
+            self.poison_with(&e);
+            return Err(e);
+        }
+        let me = self.rank;
+        let (views, next) = self.views(k);
+        op.io(me, Io::Read(&views, next));
+        self.phase = Phase::Idle;
+        Ok(())
+    }
+
+    /// A one-step op on the worker (or one that could not run inline).
+    pub(super) fn oneshot(&mut self, mut op: OneShot) -> Result<OneShot> {
+        if self.world == 1 {
+            return Ok(op.alone());
+        }
+        let hdr = op.header(self);
+        let me = self.rank;
+        self.step(&hdr, |io| op.io(me, io))?;
+        Ok(op)
+    }
+}

@@ -1,0 +1,142 @@
+//! Point-to-point: per-pair mailboxes, progressed between and during collectives.
+
+use super::*;
+
+impl Engine {
+    pub(super) fn progress_p2p(&mut self) -> Result<bool> {
+        let mut any = false;
+        for peer in 0..self.world {
+            while self.progress_send(peer)? {
+                any = true;
+            }
+            while self.progress_recv(peer)? {
+                any = true;
+            }
+        }
+        Ok(any)
+    }
+
+    /// Writes the next chunk of the first queued send to `peer`, if a slot is free.
+    pub(super) fn progress_send(&mut self, peer: usize) -> Result<bool> {
+        let Some(op) = self.sends[peer].front_mut() else { return Ok(false) };
+        let chunk = self.sent[peer];
+        let acked = self.segs[peer].u64_at(self.lay.acked(self.rank)).load(Acquire);
+        if chunk - acked >= SLOTS {
+            return Ok(false);
+        }
+        let total = op.req.buf.byte_len();
+        let len = (total - op.offset).min(self.lay.slot);
+        let me = &self.segs[self.rank];
+        let hdr = MsgHeader {
+            chunk,
+            total: total as u64,
+            offset: op.offset as u64,
+            len: len as u64,
+            tag: op.req.tag,
+            dtype: op.req.buf.dtype().code(),
+            ..MsgHeader::default()
+        };
+        write_chunk(me, &self.lay, peer, hdr, &op.req.buf.as_bytes()[op.offset..op.offset + len]);
+        me.u64_at(self.lay.sent(peer)).store(chunk + 1, SeqCst);
+        self.sent[peer] = chunk + 1;
+        op.offset += len;
+        let finished = op.offset == total;
+        self.ring(peer);
+        if finished {
+            let op = self.sends[peer].pop_front().expect("front exists");
+            op.done.complete(Ok(op.req.buf));
+        }
+        Ok(true)
+    }
+
+    /// Copies the next available chunk from `peer` into the first queued receive. A receive
+    /// that does not match what arrives fails with the `Mismatch` (the group is then poisoned
+    /// and only later ops see `Poisoned`).
+    pub(super) fn progress_recv(&mut self, peer: usize) -> Result<bool> {
+        self.progress_recv_front(peer).inspect_err(|e| {
+            if let Some(op) = self.recvs[peer].pop_front() {
+                op.done.complete(Err(e.duplicate()));
+            }
+        })
+    }
+
+    pub(super) fn progress_recv_front(&mut self, peer: usize) -> Result<bool> {
+        let Some(op) = self.recvs[peer].front_mut() else { return Ok(false) };
+        let chunk = self.acked[peer];
+        let src = &self.segs[peer];
+        if src.u64_at(self.lay.sent(self.rank)).load(Acquire) <= chunk {
+            return Ok(false);
+        }
+        let h: MsgHeader = src.read(self.lay.msg_header(self.rank, chunk));
+        let want_total = op.req.buf.byte_len() as u64;
+        let want_dtype = op.req.buf.dtype();
+        if h.chunk != chunk || h.offset != op.offset as u64 {
+            return Err(CommError::Mismatch {
+                op: "recv",
+                detail: format!("mailbox from rank {peer} is out of order (chunk {} at offset {}, expected chunk {chunk} at offset {})", h.chunk, h.offset, op.offset),
+            });
+        }
+        if h.tag != op.req.tag || h.total != want_total || h.dtype != want_dtype.code() {
+            let their_dtype = DType::from_code(h.dtype).map_or("?", DType::name);
+            return Err(CommError::Mismatch {
+                op: "recv",
+                detail: format!(
+                    "rank {peer} sent {} bytes of {their_dtype} with tag {} but rank {} posted a recv of {want_total} bytes of {want_dtype} with tag {} (messages between two ranks match in order)",
+                    h.total, h.tag, self.rank, op.req.tag
+                ),
+            });
+        }
+        let len = h.len as usize;
+        if op.offset + len > op.req.buf.byte_len() || len > self.lay.slot {
+            return Err(CommError::Mismatch {
+                op: "recv",
+                detail: format!("rank {peer} sent a chunk of {len} bytes past the message end"),
+            });
+        }
+        let data = read_chunk(src, &self.lay, self.rank, chunk, len);
+        op.req.buf.as_bytes_mut()[op.offset..op.offset + len].copy_from_slice(data);
+        op.offset += len;
+        let finished = op.offset == op.req.buf.byte_len();
+        self.acked[peer] = chunk + 1;
+        self.me().u64_at(self.lay.acked(peer)).store(chunk + 1, SeqCst);
+        self.ring(peer);
+        if finished {
+            let op = self.recvs[peer].pop_front().expect("front exists");
+            op.done.complete(Ok(op.req.buf));
+        }
+        Ok(true)
+    }
+
+    pub(super) fn check_p2p_deadlines(&mut self) -> Result<()> {
+        for peer in 0..self.world {
+            let oldest = self.sends[peer]
+                .front()
+                .map(|o| o.started)
+                .into_iter()
+                .chain(self.recvs[peer].front().map(|o| o.started))
+                .min();
+            let Some(started) = oldest else { continue };
+            let timeout = self.params.timeout;
+            let r = self.check_peer(peer, true).and_then(|()| match started.elapsed() >= timeout {
+                true => Err(CommError::Timeout {
+                    op: "send/recv".into(),
+                    after: timeout,
+                    detail: format!("rank {peer} never posted the matching operation"),
+                }),
+                false => Ok(()),
+            });
+            if let Err(e) = r {
+                // Every send and recv waiting on this peer gets the real cause; the others
+                // see the group poisoned.
+                for op in self.sends[peer].drain(..) {
+                    op.done.complete(Err(e.duplicate()));
+                }
+                for op in self.recvs[peer].drain(..) {
+                    op.done.complete(Err(e.duplicate()));
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}

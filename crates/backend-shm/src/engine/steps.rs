@@ -1,0 +1,266 @@
+//! The step protocol over the mapped window, and every access to mapped memory the
+//! engine makes outside the zero-copy all_reduce.
+
+#![allow(unsafe_code)] // see the SAFETY comments
+
+use super::*;
+
+impl Engine {
+    pub(super) fn peer_step(&self, p: usize) -> u64 {
+        self.segs[p].u64_at(OFF_STEP).load(Acquire)
+    }
+
+    pub(super) fn reached(&self, target: u64) -> bool {
+        (0..self.world).all(|p| p == self.rank || self.peer_step(p) >= target)
+    }
+
+    /// Waits until every peer published step `target`, progressing p2p meanwhile.
+    pub(super) fn wait_all(&mut self, target: u64) -> Result<()> {
+        if self.reached(target) {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut spun = false;
+        loop {
+            if self.reached(target) {
+                return Ok(());
+            }
+            if self.pump()? {
+                continue;
+            }
+            if let Some(e) = self.poison_error() {
+                return Err(e);
+            }
+            if !spun {
+                spun = true;
+                while start.elapsed() < self.params.spin {
+                    std::thread::yield_now();
+                    if self.reached(target) {
+                        return Ok(());
+                    }
+                }
+                continue;
+            }
+            let late: Vec<usize> = (0..self.world).filter(|&p| p != self.rank && self.peer_step(p) < target).collect();
+            for &p in &late {
+                self.check_peer(p, true)?;
+            }
+            if start.elapsed() >= self.params.timeout {
+                let who: Vec<String> = late.iter().map(|p| format!("rank {p}")).collect();
+                return Err(CommError::Timeout {
+                    op: self.op.to_owned(),
+                    after: self.params.timeout,
+                    detail: format!(
+                        "{} never joined op #{} (set COMM_TIMEOUT to wait longer)",
+                        who.join(", "),
+                        self.seq
+                    ),
+                });
+            }
+            self.sleep(|e| e.reached(target))?;
+        }
+    }
+
+    pub(super) fn header(
+        &self,
+        op: OpKind,
+        dtype: DType,
+        count: usize,
+        root: Rank,
+        redop: Option<ReduceOp>,
+    ) -> StepHeader {
+        StepHeader {
+            seq: self.seq,
+            count: count as u64,
+            root,
+            op: op.code(),
+            dtype: dtype.code(),
+            redop: redop.map_or(u8::MAX, ReduceOp::code),
+            ..StepHeader::default()
+        }
+    }
+
+    /// Starts step `k = step + 1`: waits for the buffer to be free and writes our header.
+    pub(super) fn begin(&mut self, hdr: &StepHeader) -> Result<u64> {
+        let k = self.step + 1;
+        self.wait_all(k - 1)?;
+        self.write_header(k, hdr);
+        self.phase = Phase::Writable(k);
+        Ok(k)
+    }
+
+    /// Writes our header of step `k` but its step word, which [`announce`](Self::announce)
+    /// sets. Only once every peer published `k - 1`.
+    pub(super) fn write_header(&self, k: u64, hdr: &StepHeader) {
+        // SAFETY: every peer published `k - 1`, so all reads of this header from step `k - 2`
+        // are finished; peers read it again only after `announce(k)` sets its step word, and
+        // the step word (the first 8 bytes, atomic only) is not written here.
+        unsafe { self.me().write(self.lay.step_header(k) + 8, hdr.body()) };
+    }
+
+    /// Whether every peer's header of step `k` is published: the inline path's wait, which
+    /// finds the step and the header in one cache line (the worker waits on the step counter,
+    /// which its sleeping protocol is built on).
+    pub(super) fn headers_reached(&self, k: u64) -> bool {
+        let at = self.lay.step_header(k);
+        (0..self.world).all(|p| p == self.rank || self.segs[p].u64_at(at).load(Acquire) >= k)
+    }
+
+    /// Our buffer for step `k`, while writable.
+    pub(super) fn window_mut(&mut self, k: u64) -> &mut [u8] {
+        assert!(matches!(self.phase, Phase::Writable(s) if s == k), "window_mut outside the write phase of step {k}");
+        // SAFETY: write phase of step `k` (checked above): no peer reads this buffer until we
+        // publish `k`, and `&mut self` makes this the only live slice of it on our side.
+        unsafe { self.segs[self.rank].bytes_mut(self.lay.step_data(k), self.lay.window) }
+    }
+
+    /// Publishes step `k`, waits for every peer to publish it, and checks their headers.
+    pub(super) fn publish(&mut self, k: u64, hdr: &StepHeader) -> Result<()> {
+        self.announce(k);
+        self.wait_all(k)?;
+        self.check_headers(k, hdr)
+    }
+
+    /// Publishes step `k` (release) and wakes sleeping peers.
+    pub(super) fn announce(&mut self, k: u64) {
+        // The header's step word first: a peer that sees it reads the header and data.
+        self.me().u64_at(self.lay.step_header(k)).store(k, Release);
+        self.me().u64_at(OFF_STEP).store(k, SeqCst);
+        self.step = k;
+        self.phase = Phase::Idle;
+        for p in (0..self.world).filter(|&p| p != self.rank) {
+            self.ring(p);
+        }
+    }
+
+    /// Once every peer published `k`: compares their step headers with ours and opens the
+    /// read phase.
+    pub(super) fn check_headers(&mut self, k: u64, hdr: &StepHeader) -> Result<()> {
+        for p in (0..self.world).filter(|&p| p != self.rank) {
+            let theirs: StepHeader = self.segs[p].read(self.lay.step_header(k));
+            if theirs.step != k {
+                return Err(CommError::Mismatch {
+                    op: self.op,
+                    detail: format!("rank {p} is out of step (at step {}, expected {k})", theirs.step),
+                });
+            }
+            if (StepHeader { step: k, ..*hdr }) != theirs {
+                return Err(CommError::Mismatch {
+                    op: self.op,
+                    detail: format!(
+                        "rank {p} called {} but rank {} called {}",
+                        describe(&theirs),
+                        self.rank,
+                        describe(hdr)
+                    ),
+                });
+            }
+        }
+        self.phase = Phase::Readable(k);
+        Ok(())
+    }
+
+    /// Every rank's buffer for step `k` (index = rank) and our buffer for step `k + 1`,
+    /// while step `k` is readable.
+    pub(super) fn views(&mut self, k: u64) -> (Vec<&[u8]>, &mut [u8]) {
+        assert!(matches!(self.phase, Phase::Readable(s) if s == k), "views outside the read phase of step {k}");
+        let off = self.lay.step_data(k);
+        // SAFETY: read phase of step `k` (checked): every rank published `k`, and none writes
+        // its buffer `k % 2` again before all of us publish `k + 1`, which we do only after
+        // these slices are gone (`step`/`begin` take `&mut self`).
+        let views = self.segs.iter().map(|s| unsafe { s.bytes(off, self.lay.window) }).collect();
+        // SAFETY: our buffer `(k + 1) % 2` was last read by peers in step `k - 1`, and all of
+        // them published `k`; it is a different range from every slice above.
+        let next = unsafe { self.me().bytes_mut(self.lay.step_data(k + 1), self.lay.window) };
+        (views, next)
+    }
+
+    /// One step: `io(Io::Write(our buffer))`, publish and check, then
+    /// `io(Io::Read(every rank's buffer, our next buffer))`. One closure for both phases, so
+    /// it can borrow the user's buffer mutably in both.
+    pub(super) fn step(&mut self, hdr: &StepHeader, mut io: impl FnMut(Io<'_>)) -> Result<()> {
+        let k = self.begin(hdr)?;
+        io(Io::Write(self.window_mut(k)));
+        self.publish(k, hdr)?;
+        let (views, next) = self.views(k);
+        io(Io::Read(&views, next));
+        Ok(())
+    }
+
+    /// One futex sleep on this rank's doorbell, unless `ready` or new work shows up first.
+    pub(super) fn sleep(&mut self, ready: impl Fn(&Engine) -> bool) -> Result<()> {
+        let me = self.segs[self.rank].clone();
+        let bell = me.u32_at(OFF_DOORBELL);
+        let seen = bell.load(SeqCst);
+        me.u32_at(OFF_SLEEPING).store(SLEEP_PEERS, SeqCst);
+        // Re-check after announcing the sleep: a peer that published before seeing the flag
+        // is visible now; one that publishes after will ring.
+        let skip = ready(self) || self.pump()?;
+        if !skip {
+            futex_wait(bell, seen, Duration::from_millis(10));
+        }
+        me.u32_at(OFF_SLEEPING).store(0, SeqCst);
+        Ok(())
+    }
+
+    pub(super) fn ring(&self, peer: usize) {
+        let seg = &self.segs[peer];
+        if seg.u32_at(OFF_SLEEPING).load(SeqCst) == SLEEP_PEERS {
+            seg.u32_at(OFF_DOORBELL).fetch_add(1, SeqCst);
+            futex_wake(seg.u32_at(OFF_DOORBELL));
+        }
+    }
+
+    pub(super) fn ring_all(&self) {
+        for p in (0..self.world).filter(|&p| p != self.rank) {
+            let seg = &self.segs[p];
+            seg.u32_at(OFF_DOORBELL).fetch_add(1, SeqCst);
+            futex_wake(seg.u32_at(OFF_DOORBELL));
+        }
+    }
+}
+
+/// Fills in a new segment's identity, which peers check when they map it.
+pub(crate) fn init_segment(me: &Segment, world: u32, rank: u32, window: usize) {
+    // SAFETY: nobody else knows the segment's name yet.
+    unsafe {
+        me.write(OFF_VERSION, VERSION);
+        me.write(OFF_WORLD, world);
+        me.write(OFF_RANK, rank);
+        me.write(OFF_WINDOW, window as u64);
+    }
+}
+
+/// Writes why this rank gave up, for peers to report; the caller then stores `STATE_ABORTED`.
+pub(super) fn write_reason(me: &Segment, cause: &str) {
+    let bytes = cause.as_bytes();
+    let n = bytes.len().min(REASON_LEN - 1);
+    for (i, b) in bytes[..n].iter().chain(std::iter::once(&0)).enumerate() {
+        // SAFETY: the reason area is written only here, once (the group is poisoned once),
+        // before the caller's state store releases it; peers read it only after acquiring
+        // STATE_ABORTED.
+        unsafe { me.write(OFF_REASON + i, *b) };
+    }
+}
+
+/// Writes chunk `hdr.chunk` of a message to `peer` into our mailbox slot for it. Call only
+/// when the peer has acknowledged chunk `hdr.chunk - SLOTS` (the slot's previous use).
+pub(super) fn write_chunk(me: &Segment, lay: &Layout, peer: usize, hdr: MsgHeader, data: &[u8]) {
+    let chunk = hdr.chunk;
+    // SAFETY: slot `chunk % SLOTS` was last used by chunk `chunk - SLOTS`, which the peer
+    // acknowledged after it finished copying it out (the caller checked), and the peer reads
+    // this one only after our release store of `sent > chunk`.
+    unsafe {
+        me.write(lay.msg_header(peer, chunk), hdr);
+        me.bytes_mut(lay.msg_data(peer, chunk), data.len()).copy_from_slice(data);
+    }
+}
+
+/// Chunk `chunk` of the message `src` (a peer's segment) sends rank `me`. Call only after
+/// reading `sent > chunk` from the peer (acquire), and drop the slice before acknowledging.
+pub(super) fn read_chunk<'a>(src: &'a Segment, lay: &Layout, me: usize, chunk: u64, len: usize) -> &'a [u8] {
+    // SAFETY: the sender published `sent > chunk` after writing this slot (the caller checked)
+    // and will not rewrite it until we acknowledge it, which the caller does after this
+    // borrow ends.
+    unsafe { src.bytes(lay.msg_data(me, chunk), len) }
+}
