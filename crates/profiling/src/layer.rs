@@ -1,8 +1,8 @@
 //! [`ProfilingLayer`] and [`Profiling<C>`]: one `tracing` span per op.
 
 use std::cell::Cell;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::fmt;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use comm_core::{Backend, Collective, CommError, Completion, DType, Group, HostBuffer, Op, Rank, Work};
@@ -230,12 +230,14 @@ impl Known {
     }
 }
 
-/// `"comm." + name` for ops outside the known list, made once per name (a span name must
-/// be `'static`; the set of op types is finite).
-fn other_span_name(name: &'static str) -> &'static str {
-    static NAMES: OnceLock<Mutex<HashMap<&'static str, &'static str>>> = OnceLock::new();
-    let mut names = NAMES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-    names.entry(name).or_insert_with(|| Box::leak(format!("comm.{name}").into_boxed_str()))
+/// `comm.<op>` as the `otel.name` of an op outside the known list: formatted when a
+/// subscriber records the field (a field value, unlike a span name, need not be `'static`).
+struct OtherSpanName(&'static str);
+
+impl fmt::Display for OtherSpanName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "comm.{}", self.0)
+    }
 }
 
 // One callsite per op, so subscribers can filter by span name and each keeps its own interest
@@ -289,7 +291,7 @@ impl<C: Group> Profiling<C> {
                     comm.group_rank = i64::from(self.inner.rank()),
                     comm.group_size = i64::from(self.inner.world_size()),
                     comm.backend = self.inner.backend_name(),
-                    otel.name = other_span_name(R::NAME),
+                    otel.name = tracing::field::display(OtherSpanName(R::NAME)),
                     otel.kind = "client",
                     comm.logger = self.logger.as_ref().map(CommsLogger::id),
                     comm.detached = Empty,
@@ -425,8 +427,7 @@ mod tests {
         assert!(const { matches!(Known::of("all_reduce"), Known::AllReduce) });
         assert!(const { matches!(Known::of("reduce"), Known::Reduce) });
         assert!(const { matches!(Known::of("all_reduce_coalesced"), Known::Other) });
-        assert_eq!(other_span_name("fancy"), "comm.fancy");
-        assert!(std::ptr::eq(other_span_name("fancy"), other_span_name("fancy")));
+        assert_eq!(OtherSpanName("fancy").to_string(), "comm.fancy");
     }
 
     #[test]

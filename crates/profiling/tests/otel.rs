@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use comm_core::ops::{AllGather, AllReduce, Broadcast};
 use comm_core::{Collective, CommError, DType, HostBuffer, ReduceOp};
-use common::Mock;
+use common::{Fancy, Mock};
 use opentelemetry::trace::{SpanId, SpanKind, Status};
 use opentelemetry::{KeyValue, Value};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
@@ -49,6 +49,10 @@ fn workload() {
     // A detached op outside any user span: a root span.
     drop(p.submit(AllGather { input: HostBuffer::zeroed(DType::U8, 10), output: None }));
     mock.complete_next();
+    // An op outside the known list: its span name comes from a field.
+    let w = p.submit(Fancy(8));
+    mock.complete_next();
+    w.wait().unwrap();
 }
 
 #[test]
@@ -73,6 +77,7 @@ fn in_memory_export_has_names_attributes_status_and_parents() {
     assert_eq!(attr(&ar.attributes, "comm.rank"), Some(&Value::I64(1)));
     assert_eq!(attr(&ar.attributes, "comm.backend"), Some(&Value::from("mock")));
     assert!(attr(&ar.attributes, "otel.name").is_none(), "consumed as the span name");
+    assert_eq!(attr(&by("comm.fancy_op").attributes, "comm.op"), Some(&Value::from("fancy_op")));
 
     let bc = by("comm.broadcast");
     assert_eq!(bc.parent_span_id, step.span_context.span_id());
