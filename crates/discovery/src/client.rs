@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use bytes::{Buf, Bytes};
 use comm_core::{CommError, Launcher, Store, WorldInfo};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
@@ -138,7 +139,7 @@ type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Reply>>>>;
 /// A request handed to the connection thread.
 struct Call {
     id: u64,
-    frame: Vec<u8>,
+    frame: Bytes,
     /// How long to wait for the reply.
     limit: Duration,
     reply: oneshot::Sender<Result<Reply, CommError>>,
@@ -146,7 +147,7 @@ struct Call {
 
 struct Reply {
     status: u8,
-    body: Vec<u8>,
+    body: Bytes,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -278,7 +279,7 @@ impl TcpStore {
         self.inner.calls.send(Call { id, frame, limit, reply: tx }).map_err(|_| self.lost())?;
         let reply = rx.await.map_err(|_| self.lost())??;
         match reply.status {
-            wire::STATUS_OK => Ok(reply.body),
+            wire::STATUS_OK => Ok(reply.body.into()),
             wire::STATUS_TIMEOUT => Err(CommError::Timeout {
                 op: name.into(),
                 after: wait.unwrap_or(limit),
@@ -465,7 +466,7 @@ fn not_a_store(shown: &str) -> Hello {
     )))
 }
 
-async fn read_hello(stream: &mut TcpStream, shown: &str) -> Result<Vec<u8>, Hello> {
+async fn read_hello(stream: &mut TcpStream, shown: &str) -> Result<Bytes, Hello> {
     match wire::read_frame(stream, wire::HELLO_MAX).await {
         Ok(Some(r)) => Ok(r),
         Ok(None) => Err(Hello::Retry(
@@ -515,11 +516,10 @@ async fn read_replies(mut rd: OwnedReadHalf, pending: Pending, closed: Closed) {
             Ok(None) => break "the store closed the connection".to_owned(),
             Err(e) => break format!("reading from the store failed: {e}"),
         };
-        let mut d = Dec(&frame);
-        let (Ok(id), Ok(status)) = (d.u64(), d.u8()) else {
+        // The header is read off the frame: what is left is the body.
+        let (Ok(id), Ok(status)) = (frame.try_get_u64_le(), frame.try_get_u8()) else {
             break "malformed reply from the store".to_owned();
         };
-        frame.drain(..9);
         // No entry: the request's deadline passed or its caller gave up; drop the reply.
         if let Some(tx) = lock(&pending).remove(&id) {
             let _ = tx.send(Reply { status, body: frame });

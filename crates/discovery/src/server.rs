@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use bytes::Bytes;
 use comm_core::{CommError, MemoryStore, Store};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
@@ -245,7 +246,7 @@ async fn connection(
     }
     // Responses go through a writer task so reading never waits on writing: a client that
     // pipelines requests without reading cannot deadlock against the server.
-    let (tx, rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
     let writer = tokio::spawn(write_responses(wr, rx));
     loop {
         let frame = match wire::read_frame_within(&mut rd, wire::MAX_FRAME, frame_deadline).await {
@@ -294,7 +295,7 @@ async fn connection(
 /// Serves a wait on a task of its own, which ends early if the connection goes away.
 fn spawn_wait(
     id: u64,
-    tx: mpsc::UnboundedSender<Vec<u8>>,
+    tx: mpsc::UnboundedSender<Bytes>,
     wait: impl Future<Output = Result<Vec<u8>, CommError>> + Send + 'static,
 ) {
     tokio::spawn(async move {
@@ -375,7 +376,7 @@ async fn authenticate(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: Soc
     sent && ok
 }
 
-async fn write_responses(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Vec<u8>>) {
+async fn write_responses(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Bytes>) {
     while let Some(frame) = rx.recv().await {
         if wire::write_frame(&mut wr, &frame).await.is_err() {
             break;
@@ -398,7 +399,7 @@ impl Quota {
     }
 
     /// Serves a request that does not wait.
-    async fn immediate(&self, id: u64, req: Request) -> Vec<u8> {
+    async fn immediate(&self, id: u64, req: Request) -> Bytes {
         let mut sizes = self.sizes.lock().await;
         let (map, used) = &mut *sizes;
         let store = &self.store;
@@ -476,7 +477,7 @@ async fn wait(store: &MemoryStore, keys: &[String], timeout: Duration) -> Result
     }
 }
 
-fn error_response(id: u64, e: CommError) -> Vec<u8> {
+fn error_response(id: u64, e: CommError) -> Bytes {
     match e {
         CommError::Timeout { detail, .. } => wire::response(id, wire::STATUS_TIMEOUT, detail.as_bytes()),
         CommError::Store(msg) => wire::response(id, wire::STATUS_ERROR, msg.as_bytes()),

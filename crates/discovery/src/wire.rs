@@ -14,6 +14,7 @@
 
 use std::time::Duration;
 
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// First bytes of both handshake frames: tells a store from any other service on the port.
@@ -81,7 +82,7 @@ impl std::fmt::Display for FrameError {
 ///
 /// The buffer grows as bytes arrive, so a peer that announces a large frame and stalls costs
 /// only what it actually sent.
-pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> Result<Option<Vec<u8>>, FrameError> {
+pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> Result<Option<Bytes>, FrameError> {
     let mut header = [0u8; 4];
     let mut got = 0;
     while got < header.len() {
@@ -100,7 +101,7 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> R
     if payload.len() != len as usize {
         return Err(FrameError::Truncated);
     }
-    Ok(Some(payload))
+    Ok(Some(payload.into()))
 }
 
 /// Like [`read_frame`], but once a frame's first byte has arrived the rest must follow within
@@ -110,13 +111,13 @@ pub(crate) async fn read_frame_within<R: AsyncRead + Unpin>(
     r: &mut R,
     max: usize,
     deadline: Duration,
-) -> Result<Option<Vec<u8>>, FrameError> {
+) -> Result<Option<Bytes>, FrameError> {
     let mut first = [0u8; 1];
     if r.read(&mut first).await.map_err(FrameError::Io)? == 0 {
         return Ok(None);
     }
     let rest = async {
-        let mut chained = (&first[..]).chain(&mut *r);
+        let mut chained = AsyncReadExt::chain(&first[..], &mut *r);
         match read_frame(&mut chained, max).await? {
             Some(f) => Ok(Some(f)),
             None => Err(FrameError::Truncated),
@@ -132,7 +133,7 @@ pub(crate) async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, frame: &[u8]) 
 }
 
 /// Builds a frame: the length prefix is filled in by [`Enc::finish`].
-pub(crate) struct Enc(Vec<u8>);
+pub(crate) struct Enc(BytesMut);
 
 impl Enc {
     pub(crate) fn new() -> Self {
@@ -140,31 +141,34 @@ impl Enc {
     }
 
     pub(crate) fn with_capacity(n: usize) -> Self {
-        let mut v = Vec::with_capacity(n + 4);
-        v.extend_from_slice(&[0; 4]);
-        Enc(v)
+        let mut b = BytesMut::with_capacity(n + 4);
+        b.put_u32_le(0);
+        Enc(b)
     }
 
     pub(crate) fn raw(mut self, b: &[u8]) -> Self {
-        self.0.extend_from_slice(b);
+        self.0.put_slice(b);
         self
     }
 
     pub(crate) fn u8(mut self, x: u8) -> Self {
-        self.0.push(x);
+        self.0.put_u8(x);
         self
     }
 
-    pub(crate) fn u32(self, x: u32) -> Self {
-        self.raw(&x.to_le_bytes())
+    pub(crate) fn u32(mut self, x: u32) -> Self {
+        self.0.put_u32_le(x);
+        self
     }
 
-    pub(crate) fn u64(self, x: u64) -> Self {
-        self.raw(&x.to_le_bytes())
+    pub(crate) fn u64(mut self, x: u64) -> Self {
+        self.0.put_u64_le(x);
+        self
     }
 
-    pub(crate) fn i64(self, x: i64) -> Self {
-        self.raw(&x.to_le_bytes())
+    pub(crate) fn i64(mut self, x: i64) -> Self {
+        self.0.put_i64_le(x);
+        self
     }
 
     /// A duration as saturating nanoseconds.
@@ -179,12 +183,12 @@ impl Enc {
     }
 
     /// The frame, or its payload size when it is over `max`.
-    pub(crate) fn finish(mut self, max: usize) -> Result<Vec<u8>, usize> {
+    pub(crate) fn finish(mut self, max: usize) -> Result<Bytes, usize> {
         let len = self.0.len() - 4;
         match u32::try_from(len) {
             Ok(n) if len <= max => {
                 self.0[..4].copy_from_slice(&n.to_le_bytes());
-                Ok(self.0)
+                Ok(self.0.freeze())
             }
             _ => Err(len),
         }
@@ -195,39 +199,33 @@ impl Enc {
 #[derive(Debug)]
 pub(crate) struct Malformed(pub(crate) &'static str);
 
+/// What reading past the end of a payload is.
+const ENDS_EARLY: Malformed = Malformed("payload ends early");
+
 /// Reads fields off a payload, never past its end.
 pub(crate) struct Dec<'a>(pub(crate) &'a [u8]);
 
 impl<'a> Dec<'a> {
     pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], Malformed> {
-        if self.0.len() < n {
-            return Err(Malformed("payload ends early"));
-        }
-        let (head, rest) = self.0.split_at(n);
+        let (head, rest) = self.0.split_at_checked(n).ok_or(ENDS_EARLY)?;
         self.0 = rest;
         Ok(head)
     }
 
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], Malformed> {
-        let mut a = [0; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
     pub(crate) fn u8(&mut self) -> Result<u8, Malformed> {
-        Ok(self.array::<1>()?[0])
+        self.0.try_get_u8().map_err(|_| ENDS_EARLY)
     }
 
     pub(crate) fn u32(&mut self) -> Result<u32, Malformed> {
-        self.array().map(u32::from_le_bytes)
+        self.0.try_get_u32_le().map_err(|_| ENDS_EARLY)
     }
 
     pub(crate) fn u64(&mut self) -> Result<u64, Malformed> {
-        self.array().map(u64::from_le_bytes)
+        self.0.try_get_u64_le().map_err(|_| ENDS_EARLY)
     }
 
     pub(crate) fn i64(&mut self) -> Result<i64, Malformed> {
-        self.array().map(i64::from_le_bytes)
+        self.0.try_get_i64_le().map_err(|_| ENDS_EARLY)
     }
 
     /// A duration, clamped to [`MAX_WAIT`].
@@ -304,7 +302,7 @@ pub(crate) fn decode_request(payload: &[u8]) -> Result<(u64, Request), Malformed
 }
 
 /// A response frame.
-pub(crate) fn response(id: u64, status: u8, body: &[u8]) -> Vec<u8> {
+pub(crate) fn response(id: u64, status: u8, body: &[u8]) -> Bytes {
     // Bodies are at most a stored value, which fit in a request frame; the fallback keeps the
     // connection well-formed even so.
     Enc::with_capacity(body.len() + 9).u64(id).u8(status).raw(body).finish(MAX_FRAME).unwrap_or_else(|_| {
@@ -386,7 +384,7 @@ mod tests {
             let mut r: &[u8] = &[];
             assert!(matches!(read_frame(&mut r, MAX_FRAME).await, Ok(None)));
             let mut r: &[u8] = &[2, 0, 0, 0, 1, 2, 9];
-            assert_eq!(read_frame(&mut r, MAX_FRAME).await.unwrap(), Some(vec![1, 2]));
+            assert_eq!(read_frame(&mut r, MAX_FRAME).await.unwrap().as_deref(), Some(&[1, 2][..]));
         });
     }
 }
