@@ -1,11 +1,25 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
+use self::sync::{Arc, AtomicBool, AtomicUsize, Condvar, Mutex, MutexGuard, Ordering};
 use crate::CommError;
+
+/// The sync primitives of the completion slot: loom's under `--cfg loom`, so that
+/// `tests/loom_work.rs` can explore every interleaving of completing, waiting and detaching.
+mod sync {
+    #[cfg(loom)]
+    pub(super) use loom::sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc, Condvar, Mutex, MutexGuard,
+    };
+    #[cfg(not(loom))]
+    pub(super) use std::sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc, Condvar, Mutex, MutexGuard,
+    };
+}
 
 /// Completion handle of an op, like torch's `Work` for `async_op=True`.
 ///
@@ -345,7 +359,7 @@ impl<T: Send + 'static> Source<Vec<T>> for Join<T> {
     }
     fn add_hook(&mut self, hook: Hook) {
         // Runs when the last op ends, with that op's outcome (errors are in the result).
-        let left = Arc::new(std::sync::atomic::AtomicUsize::new(self.works.len()));
+        let left = Arc::new(AtomicUsize::new(self.works.len()));
         let hook = Arc::new(Mutex::new(Some(hook)));
         if self.works.is_empty() {
             if let Some(h) = hook.lock().unwrap_or_else(|p| p.into_inner()).take() {
@@ -425,7 +439,8 @@ impl<T> fmt::Debug for Completer<T> {
     }
 }
 
-#[cfg(test)]
+// Under loom the primitives only work inside `loom::model`: `tests/loom_work.rs` covers that.
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::time::Duration;
