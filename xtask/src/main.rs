@@ -363,6 +363,13 @@ fn test(args: &[String]) -> Result {
         c.args(["test", "-p", "comm-api", "--features", "profiling,otel"]);
         run(c)
     })?;
+    step("loom: every interleaving of Work's completion slot (comm-core built with --cfg loom)", || {
+        let mut c = cargo();
+        // Its own target dir: RUSTFLAGS would otherwise rebuild the whole workspace.
+        c.env("RUSTFLAGS", "--cfg loom").env("CARGO_TARGET_DIR", root().join("target/loom"));
+        c.args(["test", "-p", "comm-core", "--test", "loom_work", "--release"]);
+        run(c)
+    })?;
     step("nccl feature: comm-api unit tests with the nccl backend compiled in", || {
         let mut c = cargo();
         c.args(["test", "-p", "comm-api", "--features", "nccl", "--lib"]);

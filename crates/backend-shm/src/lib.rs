@@ -25,6 +25,7 @@
 // step and mailbox protocol), `engine::zero_copy` and `zerocopy` (alloc_buffer memory).
 mod engine;
 mod layout;
+mod plans;
 #[allow(unsafe_code)]
 mod segment;
 mod sys;
@@ -39,14 +40,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
-use comm_core::ops::{self, Op};
-use comm_core::{config, Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Rank, Store, Work};
+use comm_core::{config, Backend, Collective, CommError, DType, Group, HostBuffer, Rank, Store, Work};
 
-use engine::{Command, Done, Engine, Inline, OneShot, Params};
+use engine::{Command, Engine, Inline, Params};
 use layout::{
     Layout, MAGIC, OFF_DOORBELL, OFF_MAGIC, OFF_RANK, OFF_SLEEPING, OFF_STATE, OFF_VERSION, OFF_WINDOW, OFF_WORLD,
     STATE_READY, VERSION,
 };
+use plans::{Limits, OneShotOutput, Pending, Plan};
 use segment::Segment;
 use sys::ProcId;
 
@@ -61,8 +62,8 @@ pub struct ShmOptions {
     pub window: usize,
     /// Bytes per point-to-point mailbox slot (two per peer per rank).
     pub p2p_slot: usize,
-    /// all_reduce/reduce up to this many bytes use the one-step algorithm (and may run
-    /// inline). `None` (the default): the largest power of two whose `world + 1` copies fit
+    /// all_reduce/reduce up to this many bytes (at most `window`) use the one-step algorithm
+    /// (and may run inline); larger ones reduce-scatter and all-gather. `None` (the default): the largest power of two whose `world + 1` copies fit
     /// in a core's L2 cache (every rank reads all inputs and writes one output), 16 KiB..1 MiB.
     pub small_max: Option<usize>,
     /// Spin before sleeping; `None` picks: 50 µs, or 0 when ranks outnumber cores.
@@ -128,9 +129,8 @@ struct Inner {
     /// Commands sent to the worker and not yet taken (see `Engine::is_idle`).
     pending: Arc<AtomicUsize>,
     engine: Arc<Mutex<Engine>>,
-    /// Largest one-step op (bytes): the window, and for reductions `small_max` too.
-    window: usize,
-    small_max: usize,
+    /// Which ops fit one step.
+    limits: Limits,
     /// How long a caller running an op inline waits for peers before handing it over.
     inline_budget: Duration,
     me: Arc<Segment>,
@@ -174,7 +174,9 @@ impl ShmBackend {
         let host = handle::host_identity();
         store.set(&format!("{prefix}/host/{rank}"), host.as_bytes()).await?;
         if rank == 0 {
-            let small_max = opts.small_max.unwrap_or_else(|| tuning::small_max(tuning::l2_bytes(), world));
+            // One step moves at most a window per rank.
+            let small_max =
+                opts.small_max.unwrap_or_else(|| tuning::small_max(tuning::l2_bytes(), world)).min(opts.window);
             let p = format!("{} {} {}", opts.window, opts.p2p_slot, small_max);
             store.set(&format!("{prefix}/params"), p.as_bytes()).await?;
         }
@@ -235,7 +237,6 @@ impl ShmBackend {
         let params = Params {
             panic_at: faults.panic_at,
             timeout: to,
-            small_max,
             spin: opts.spin.unwrap_or_else(|| {
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
                 if world as usize > cores {
@@ -261,8 +262,7 @@ impl ShmBackend {
                 tx,
                 pending,
                 engine,
-                window: lay.window,
-                small_max,
+                limits: Limits { world, window: lay.window, small_max },
                 inline_budget: params.spin,
                 me,
                 store,
@@ -372,15 +372,6 @@ impl ShmBackend {
         Some(CommError::PeerLost { rank: rank.unwrap_or(0), detail: format!("it gave up the rendezvous: {reason}") })
     }
 
-    fn submit<R: Op>(&self, req: R, wrap: impl FnOnce(R, Completer<R::Output>) -> Command) -> Work<R::Output> {
-        if let Err(e) = self.inner.admission.admit(&req) {
-            return Work::ready(Err(e));
-        }
-        let (done, work) = Work::pending();
-        self.enqueue(wrap(req, done));
-        work
-    }
-
     fn enqueue(&self, cmd: Command) {
         let inner = &*self.inner;
         inner.pending.fetch_add(1, SeqCst);
@@ -400,18 +391,19 @@ impl ShmBackend {
         }
     }
 
-    /// Small ops run on the caller's thread when the group is idle: no hand-off to the
-    /// worker, no wake-up. If peers are late the op is parked and the worker finishes it.
-    fn submit_inline<R: InlineOp>(&self, req: R) -> Work<R::Output> {
+    /// Issues `req`. Small ops run on the caller's thread when the group is idle: no hand-off
+    /// to the worker, no wake-up; if peers are late the op is parked and the worker finishes
+    /// it. Everything else is queued for the worker.
+    fn submit<R: Plan>(&self, req: R) -> Work<R::Output> {
         if let Err(e) = self.inner.admission.admit(&req) {
             return Work::ready(Err(e));
         }
         let inner = &*self.inner;
-        let mut op = match req.one_shot(inner) {
+        let mut op = match req.one_shot(&inner.limits) {
             Ok(op) => op,
             Err(req) => {
                 let (done, work) = Work::pending();
-                self.enqueue(R::command(req, done));
+                self.enqueue(Command::Op(Box::new(Pending { req, done })));
                 return work;
             }
         };
@@ -452,124 +444,6 @@ impl ShmBackend {
     }
 }
 
-/// Ops that may take the one-step inline path.
-trait InlineOp: Op<Output: OneShotOutput> + Sized {
-    /// The one-step form, when the op fits one step; else the request back.
-    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self>;
-    /// The general command, for ops too big for one step.
-    fn command(self, done: Completer<Self::Output>) -> Command;
-}
-
-/// What a one-step op hands back: its buffer, or nothing (barrier).
-trait OneShotOutput: Sized {
-    fn from_one_shot(op: OneShot) -> Self;
-    fn done(c: Completer<Self>) -> Done;
-}
-
-impl OneShotOutput for HostBuffer {
-    fn from_one_shot(op: OneShot) -> Self {
-        op.into_buffer()
-    }
-    fn done(c: Completer<Self>) -> Done {
-        Done::Buf(c)
-    }
-}
-
-impl OneShotOutput for () {
-    fn from_one_shot(_: OneShot) {}
-    fn done(c: Completer<Self>) -> Done {
-        Done::Unit(c)
-    }
-}
-
-impl InlineOp for ops::AllReduce {
-    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
-        if inner.admission.world() > 1 && self.buf.byte_len() > inner.small_max.min(inner.window) {
-            return Err(self);
-        }
-        Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: None })
-    }
-    fn command(self, done: Completer<HostBuffer>) -> Command {
-        Command::AllReduce(self, done)
-    }
-}
-
-impl InlineOp for ops::Reduce {
-    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
-        if inner.admission.world() > 1 && self.buf.byte_len() > inner.small_max.min(inner.window) {
-            return Err(self);
-        }
-        Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: Some(self.root) })
-    }
-    fn command(self, done: Completer<HostBuffer>) -> Command {
-        Command::Reduce(self, done)
-    }
-}
-
-impl InlineOp for ops::Broadcast {
-    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
-        if self.buf.byte_len() > inner.window {
-            return Err(self);
-        }
-        Ok(OneShot::Broadcast { buf: self.buf, root: self.root })
-    }
-    fn command(self, done: Completer<HostBuffer>) -> Command {
-        Command::Broadcast(self, done)
-    }
-}
-
-impl InlineOp for ops::AllGather {
-    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
-        if self.input.byte_len() > inner.window {
-            return Err(self);
-        }
-        let n = self.input.len() * inner.admission.world() as usize;
-        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), n));
-        Ok(OneShot::AllGather { input: self.input, out })
-    }
-    fn command(self, done: Completer<HostBuffer>) -> Command {
-        Command::AllGather(self, done)
-    }
-}
-
-impl InlineOp for ops::ReduceScatter {
-    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
-        if self.input.byte_len() > inner.window {
-            return Err(self);
-        }
-        let block = self.input.len() / inner.admission.world() as usize;
-        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), block));
-        Ok(OneShot::ReduceScatter { input: self.input, out, op: self.op })
-    }
-    fn command(self, done: Completer<HostBuffer>) -> Command {
-        Command::ReduceScatter(self, done)
-    }
-}
-
-impl InlineOp for ops::AllToAll {
-    fn one_shot(self, inner: &Inner) -> Result<OneShot, Self> {
-        let n = inner.admission.world() as usize;
-        let peers_bytes = self.input.byte_len() / n * (n - 1);
-        if self.input_splits.is_some() || self.output_splits.is_some() || peers_bytes > inner.window {
-            return Err(self);
-        }
-        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), self.input.len()));
-        Ok(OneShot::AllToAll { input: self.input, out, n })
-    }
-    fn command(self, done: Completer<HostBuffer>) -> Command {
-        Command::AllToAll(self, done)
-    }
-}
-
-impl InlineOp for ops::Barrier {
-    fn one_shot(self, _: &Inner) -> Result<OneShot, Self> {
-        Ok(OneShot::Barrier)
-    }
-    fn command(self, _: Completer<()>) -> Command {
-        unreachable!("a barrier always fits one step")
-    }
-}
-
 /// Removes `commshm-<pid>-*` segments whose creator is dead: left behind only when a process
 /// was killed between creating its segment and the end of the handshake.
 fn reap_stale_segments() {
@@ -587,33 +461,10 @@ fn reap_stale_segments() {
     }
 }
 
-macro_rules! collectives {
-    ($($req:ident => $variant:ident),* $(,)?) => {$(
-        impl Collective<ops::$req> for ShmBackend {
-            fn submit(&self, req: ops::$req) -> Work<<ops::$req as Op>::Output> {
-                ShmBackend::submit(self, req, Command::$variant)
-            }
-        }
-    )*};
-}
-
-macro_rules! inline_collectives {
-    ($($req:ident),* $(,)?) => {$(
-        impl Collective<ops::$req> for ShmBackend {
-            fn submit(&self, req: ops::$req) -> Work<<ops::$req as Op>::Output> {
-                self.submit_inline(req)
-            }
-        }
-    )*};
-}
-
-inline_collectives!(AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, AllToAll, Barrier);
-
-collectives! {
-    Scatter => Scatter,
-    Gather => Gather,
-    SendTo => Send,
-    RecvFrom => Recv,
+impl<R: Plan> Collective<R> for ShmBackend {
+    fn submit(&self, req: R) -> Work<R::Output> {
+        ShmBackend::submit(self, req)
+    }
 }
 
 #[async_trait]

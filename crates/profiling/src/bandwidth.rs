@@ -4,6 +4,8 @@
 //! the size of the group the op ran on (not the world: DeepSpeed's mistake). Both in GB/s,
 //! 1 GB = 10^9 bytes (DeepSpeed prints Gbit/s, 8× larger).
 
+use comm_core::OpKind;
+
 /// nccl-tests' operation size S for an op that handed in `bytes` ([`comm_core::Op::bytes`])
 /// on a group of `n` ranks.
 ///
@@ -16,8 +18,8 @@
 /// | scatter | the block this rank receives | `n × bytes` (the root's full input) |
 /// | anything else | — | `bytes` |
 pub fn op_size(op: &str, bytes: u64, n: u32) -> u64 {
-    match op {
-        "all_gather" | "gather" | "scatter" => bytes.saturating_mul(u64::from(n)),
+    match OpKind::from_name(op) {
+        Some(OpKind::AllGather | OpKind::Gather | OpKind::Scatter) => bytes.saturating_mul(u64::from(n)),
         _ => bytes,
     }
 }
@@ -30,10 +32,12 @@ pub fn op_size(op: &str, bytes: u64, n: u32) -> u64 {
 /// broadcast, reduce, send, recv `1`.
 pub fn bus_factor(op: &str, n: u32) -> Option<f64> {
     let n = f64::from(n.max(1));
-    match op {
-        "all_reduce" => Some(2.0 * (n - 1.0) / n),
-        "all_gather" | "reduce_scatter" | "all_to_all" | "gather" | "scatter" => Some((n - 1.0) / n),
-        "broadcast" | "reduce" | "send" | "recv" => Some(1.0),
+    match OpKind::from_name(op)? {
+        OpKind::AllReduce => Some(2.0 * (n - 1.0) / n),
+        OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll | OpKind::Gather | OpKind::Scatter => {
+            Some((n - 1.0) / n)
+        }
+        OpKind::Broadcast | OpKind::Reduce | OpKind::Send | OpKind::Recv => Some(1.0),
         _ => None,
     }
 }

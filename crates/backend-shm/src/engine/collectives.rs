@@ -4,7 +4,7 @@ use super::*;
 
 impl Engine {
     /// all_reduce, or reduce to `root` (non-roots keep their input).
-    pub(super) fn all_reduce(&mut self, buf: &mut HostBuffer, op: ReduceOp, root: Option<Rank>) -> Result<()> {
+    pub(crate) fn all_reduce(&mut self, buf: &mut HostBuffer, op: ReduceOp, root: Option<Rank>) -> Result<()> {
         let (dtype, count, es, n) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world);
         let code = if root.is_some() { OpKind::Reduce } else { OpKind::AllReduce };
         let hdr = self.header(code, dtype, count, root.unwrap_or(0), Some(op));
@@ -23,59 +23,49 @@ impl Engine {
         }
         let me = self.rank;
         let keep = root.is_none_or(|r| r as usize == me);
-        let direct = count * es <= self.params.small_max;
         let user = buf.as_bytes_mut();
         for (off, len) in pieces(count, self.lay.window / es) {
             let chunk = &mut user[off * es..(off + len) * es];
             let bytes = chunk.len();
-            if direct {
-                // Every rank reduces all inputs: one step, n reads per rank.
-                self.step(&hdr, |io| match io {
-                    Io::Write(w) => w[..bytes].copy_from_slice(chunk),
-                    Io::Read(views, _) if keep => reduce_views(dtype, op, views, chunk),
-                    Io::Read(..) => {}
-                })?;
-            } else {
-                // Reduce-scatter, then all-gather the reduced slices. Our own slice of our input
-                // is read straight from the user's buffer (peers never read it, so it is not
-                // copied in), and its result is written in place and into our next buffer for
-                // the peers in the same pass.
-                let (lo, hi) = slice_of(len, n, me);
-                let own = lo * es..hi * es;
-                self.step(&hdr, |io| match io {
-                    Io::Write(w) => {
-                        w[..own.start].copy_from_slice(&chunk[..own.start]);
-                        w[own.end..bytes].copy_from_slice(&chunk[own.end..]);
+            // Reduce-scatter, then all-gather the reduced slices. Our own slice of our input
+            // is read straight from the user's buffer (peers never read it, so it is not
+            // copied in), and its result is written in place and into our next buffer for
+            // the peers in the same pass.
+            let (lo, hi) = slice_of(len, n, me);
+            let own = lo * es..hi * es;
+            self.step(&hdr, |io| match io {
+                Io::Write(w) => {
+                    w[..own.start].copy_from_slice(&chunk[..own.start]);
+                    w[own.end..bytes].copy_from_slice(&chunk[own.end..]);
+                }
+                Io::Read(views, next) if keep => {
+                    let srcs: Vec<Src<'_>> =
+                        (0..n).map(|p| if p == me { Src::Out } else { Src::Buf(&views[p][own.clone()]) }).collect();
+                    kernels::reduce_to(dtype, op, &srcs, &mut chunk[own.clone()], Some(&mut next[own.clone()]));
+                }
+                Io::Read(views, next) => {
+                    // A non-root of `reduce` keeps its input intact.
+                    let mine = &chunk[own.clone()];
+                    let srcs: Vec<Src<'_>> =
+                        (0..n).map(|p| Src::Buf(if p == me { mine } else { &views[p][own.clone()] })).collect();
+                    kernels::reduce_to(dtype, op, &srcs, &mut next[own.clone()], None);
+                }
+            })?;
+            self.step(&hdr, |io| {
+                if let (Io::Read(views, _), true) = (io, keep) {
+                    // Start after our own slice and rotate, spreading readers over owners.
+                    for i in 1..n {
+                        let p = (me + i) % n;
+                        let (lo, hi) = slice_of(len, n, p);
+                        chunk[lo * es..hi * es].copy_from_slice(&views[p][lo * es..hi * es]);
                     }
-                    Io::Read(views, next) if keep => {
-                        let srcs: Vec<Src<'_>> =
-                            (0..n).map(|p| if p == me { Src::Out } else { Src::Buf(&views[p][own.clone()]) }).collect();
-                        kernels::reduce_to(dtype, op, &srcs, &mut chunk[own.clone()], Some(&mut next[own.clone()]));
-                    }
-                    Io::Read(views, next) => {
-                        // A non-root of `reduce` keeps its input intact.
-                        let mine = &chunk[own.clone()];
-                        let srcs: Vec<Src<'_>> =
-                            (0..n).map(|p| Src::Buf(if p == me { mine } else { &views[p][own.clone()] })).collect();
-                        kernels::reduce_to(dtype, op, &srcs, &mut next[own.clone()], None);
-                    }
-                })?;
-                self.step(&hdr, |io| {
-                    if let (Io::Read(views, _), true) = (io, keep) {
-                        // Start after our own slice and rotate, spreading readers over owners.
-                        for i in 1..n {
-                            let p = (me + i) % n;
-                            let (lo, hi) = slice_of(len, n, p);
-                            chunk[lo * es..hi * es].copy_from_slice(&views[p][lo * es..hi * es]);
-                        }
-                    }
-                })?;
-            }
+                }
+            })?;
         }
         Ok(())
     }
 
-    pub(super) fn broadcast(&mut self, buf: &mut HostBuffer, root: Rank) -> Result<()> {
+    pub(crate) fn broadcast(&mut self, buf: &mut HostBuffer, root: Rank) -> Result<()> {
         let (es, root) = (buf.dtype().size(), root as usize);
         let hdr = self.header(OpKind::Broadcast, buf.dtype(), buf.len(), root as Rank, None);
         if self.world == 1 {
@@ -95,7 +85,7 @@ impl Engine {
         Ok(())
     }
 
-    pub(super) fn all_gather(&mut self, r: AllGather) -> Result<HostBuffer> {
+    pub(crate) fn all_gather(&mut self, r: AllGather) -> Result<HostBuffer> {
         let (dtype, count, es, n) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world);
         let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n));
         let hdr = self.header(OpKind::AllGather, dtype, count, 0, None);
@@ -120,7 +110,7 @@ impl Engine {
         Ok(out)
     }
 
-    pub(super) fn reduce_scatter(&mut self, r: ReduceScatter) -> Result<HostBuffer> {
+    pub(crate) fn reduce_scatter(&mut self, r: ReduceScatter) -> Result<HostBuffer> {
         let (dtype, es, n, me, op) = (r.input.dtype(), r.input.dtype().size(), self.world, self.rank, r.op);
         let block = r.input.len() / n;
         let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, block));
@@ -149,7 +139,7 @@ impl Engine {
         Ok(out)
     }
 
-    pub(super) fn all_to_all(&mut self, r: AllToAll) -> Result<HostBuffer> {
+    pub(crate) fn all_to_all(&mut self, r: AllToAll) -> Result<HostBuffer> {
         let (dtype, es, n, me) = (r.input.dtype(), r.input.dtype().size(), self.world, self.rank);
         let (ins, outs) = r.splits(n as u32);
         let out_len: usize = outs.iter().sum();
@@ -230,7 +220,7 @@ impl Engine {
         Ok(out)
     }
 
-    pub(super) fn scatter(&mut self, r: Scatter) -> Result<HostBuffer> {
+    pub(crate) fn scatter(&mut self, r: Scatter) -> Result<HostBuffer> {
         let (dtype, es, n, me, root) =
             (r.output.dtype(), r.output.dtype().size(), self.world, self.rank, r.root as usize);
         let block = r.output.len();
@@ -262,7 +252,7 @@ impl Engine {
         Ok(out)
     }
 
-    pub(super) fn gather(&mut self, r: Gather) -> Result<HostBuffer> {
+    pub(crate) fn gather(&mut self, r: Gather) -> Result<HostBuffer> {
         let (dtype, count, es, n, root) =
             (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, r.root as usize);
         let hdr = self.header(OpKind::Gather, dtype, count, root as Rank, None);

@@ -88,16 +88,7 @@ impl Engine {
 
     pub(super) fn fail(&mut self, cmd: Command, e: CommError) {
         match cmd {
-            Command::AllReduce(_, d)
-            | Command::Broadcast(_, d)
-            | Command::Reduce(_, d)
-            | Command::AllGather(_, d)
-            | Command::ReduceScatter(_, d)
-            | Command::AllToAll(_, d)
-            | Command::Scatter(_, d)
-            | Command::Gather(_, d)
-            | Command::Send(_, d)
-            | Command::Recv(_, d) => d.complete(Err(e)),
+            Command::Op(op) => op.fail(e),
             Command::OneShot(_, d) => d.complete(Err(e)),
             Command::Shutdown(d) => {
                 self.closing = true;

@@ -17,9 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
-use comm_core::ops::{
-    AllGather, AllReduce, AllToAll, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
-};
+use comm_core::ops::{AllGather, AllToAll, Gather, RecvFrom, ReduceScatter, Scatter, SendTo};
 use comm_core::{CommError, Completer, DType, HostBuffer, OpKind, Rank, ReduceOp};
 
 use crate::layout::*;
@@ -30,19 +28,20 @@ use comm_kernels::{self as kernels, Src};
 
 /// What the handle sends to the worker.
 pub(crate) enum Command {
-    AllReduce(AllReduce, Completer<HostBuffer>),
-    Broadcast(Broadcast, Completer<HostBuffer>),
-    Reduce(Reduce, Completer<HostBuffer>),
-    AllGather(AllGather, Completer<HostBuffer>),
-    ReduceScatter(ReduceScatter, Completer<HostBuffer>),
-    AllToAll(AllToAll, Completer<HostBuffer>),
-    Scatter(Scatter, Completer<HostBuffer>),
-    Gather(Gather, Completer<HostBuffer>),
-    Send(SendTo, Completer<HostBuffer>),
-    Recv(RecvFrom, Completer<HostBuffer>),
-    Shutdown(Completer<()>),
+    /// An op, in submission order (see `plans.rs`).
+    Op(Box<dyn Queued>),
     /// A small collective the caller could not finish inline.
     OneShot(OneShot, Done),
+    Shutdown(Completer<()>),
+}
+
+/// A queued op, whatever its request type (`plans::Pending`).
+pub(crate) trait Queued: Send {
+    /// Takes it in: collectives join the collective queue, p2p ops their peer's mailbox queue.
+    fn accept(self: Box<Self>, e: &mut Engine);
+    /// Runs a collective in its turn.
+    fn run(self: Box<Self>, e: &mut Engine);
+    fn fail(self: Box<Self>, err: CommError);
 }
 
 /// The completer of a one-step op, by output type.
@@ -67,7 +66,7 @@ mod p2p;
 mod steps;
 mod zero_copy;
 
-use oneshot::{reduce_views, Parked};
+use oneshot::Parked;
 pub(crate) use oneshot::{Inline, OneShot};
 pub(crate) use steps::init_segment;
 use steps::{read_chunk, write_chunk, write_reason};
@@ -108,9 +107,6 @@ fn describe(h: &StepHeader) -> String {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Params {
     pub(crate) timeout: Duration,
-    /// Largest all_reduce/reduce (bytes) done in one step by every rank reducing all inputs;
-    /// larger ones use reduce-scatter + all-gather (two steps, each rank reduces a slice).
-    pub(crate) small_max: usize,
     /// How long a waiter spins before it sleeps on its futex (0 when ranks outnumber cores).
     pub(crate) spin: Duration,
     /// Test hook (`COMM_FAULT_INJECT=panic:<op>`): the worker panics when it runs this op.
@@ -332,24 +328,30 @@ impl Engine {
     }
 
     fn accept(&mut self, cmd: Command) {
-        let now = Instant::now();
         match cmd {
-            Command::Send(req, done) => {
-                if let Some(e) = self.poison_error() {
-                    return done.complete(Err(e));
-                }
-                let dst = req.dst as usize;
-                self.sends[dst].push_back(SendOp { req, done, offset: 0, started: now });
-            }
-            Command::Recv(req, done) => {
-                if let Some(e) = self.poison_error() {
-                    return done.complete(Err(e));
-                }
-                let src = req.src as usize;
-                self.recvs[src].push_back(RecvOp { req, done, offset: 0, started: now });
-            }
+            Command::Op(op) => op.accept(self),
             other => self.colls.push_back(other),
         }
+    }
+
+    pub(crate) fn queue_collective(&mut self, op: Box<dyn Queued>) {
+        self.colls.push_back(Command::Op(op));
+    }
+
+    pub(crate) fn queue_send(&mut self, req: SendTo, done: Completer<HostBuffer>) {
+        if let Some(e) = self.poison_error() {
+            return done.complete(Err(e));
+        }
+        let dst = req.dst as usize;
+        self.sends[dst].push_back(SendOp { req, done, offset: 0, started: Instant::now() });
+    }
+
+    pub(crate) fn queue_recv(&mut self, req: RecvFrom, done: Completer<HostBuffer>) {
+        if let Some(e) = self.poison_error() {
+            return done.complete(Err(e));
+        }
+        let src = req.src as usize;
+        self.recvs[src].push_back(RecvOp { req, done, offset: 0, started: Instant::now() });
     }
 
     fn execute(&mut self, cmd: Command) {
@@ -358,23 +360,7 @@ impl Engine {
         }
         self.seq += 1;
         match cmd {
-            Command::AllReduce(mut r, d) => {
-                let res = self.run_op("all_reduce", |e| e.all_reduce(&mut r.buf, r.op, None));
-                d.complete(res.map(|()| r.buf));
-            }
-            Command::Reduce(mut r, d) => {
-                let res = self.run_op("reduce", |e| e.all_reduce(&mut r.buf, r.op, Some(r.root)));
-                d.complete(res.map(|()| r.buf));
-            }
-            Command::Broadcast(mut r, d) => {
-                let res = self.run_op("broadcast", |e| e.broadcast(&mut r.buf, r.root));
-                d.complete(res.map(|()| r.buf));
-            }
-            Command::AllGather(r, d) => d.complete(self.run_op("all_gather", |e| e.all_gather(r))),
-            Command::ReduceScatter(r, d) => d.complete(self.run_op("reduce_scatter", |e| e.reduce_scatter(r))),
-            Command::AllToAll(r, d) => d.complete(self.run_op("all_to_all", |e| e.all_to_all(r))),
-            Command::Scatter(r, d) => d.complete(self.run_op("scatter", |e| e.scatter(r))),
-            Command::Gather(r, d) => d.complete(self.run_op("gather", |e| e.gather(r))),
+            Command::Op(op) => op.run(self),
             Command::Shutdown(d) => {
                 self.closing = true;
                 self.shutdown_waiters.push(d);
@@ -384,11 +370,10 @@ impl Engine {
                 let r = self.run_op(name, |e| e.oneshot(op));
                 self.finished = Some((d, r));
             }
-            Command::Send(..) | Command::Recv(..) => unreachable!("p2p commands never enter the collective queue"),
         }
     }
 
-    fn run_op<T>(&mut self, name: &'static str, f: impl FnOnce(&mut Engine) -> Result<T>) -> Result<T> {
+    pub(crate) fn run_op<T>(&mut self, name: &'static str, f: impl FnOnce(&mut Engine) -> Result<T>) -> Result<T> {
         self.op = name;
         if self.params.panic_at == Some(name) {
             panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", self.rank);

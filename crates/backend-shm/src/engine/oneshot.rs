@@ -149,7 +149,7 @@ impl OneShot {
 }
 
 /// `out = views[0][..] ⊕ views[1][..] ⊕ ...` over `out.len()` bytes, in rank order.
-pub(super) fn reduce_views(dtype: DType, op: ReduceOp, views: &[&[u8]], out: &mut [u8]) {
+fn reduce_views(dtype: DType, op: ReduceOp, views: &[&[u8]], out: &mut [u8]) {
     let ins: Vec<&[u8]> = views.iter().map(|v| &v[..out.len()]).collect();
     kernels::reduce(dtype, op, &ins, out);
 }
@@ -255,7 +255,7 @@ impl Engine {
     }
 
     /// A one-step op on the worker (or one that could not run inline).
-    pub(super) fn oneshot(&mut self, mut op: OneShot) -> Result<OneShot> {
+    pub(crate) fn oneshot(&mut self, mut op: OneShot) -> Result<OneShot> {
         if self.world == 1 {
             return Ok(op.alone());
         }

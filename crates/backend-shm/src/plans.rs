@@ -1,0 +1,215 @@
+//! How each op of `comm-core` runs on shared memory: one [`Plan`] impl per request type, which
+//! says whether the op fits one step (and may run inline on the caller's thread), how the
+//! worker runs it otherwise, and where it waits for its turn.
+
+// `Plan` bounds the backend's public `Collective` impl, so rustc sees its methods as public
+// and the crate-private types in them (`Engine`, `OneShot`, `Limits`) as leaking; they cannot:
+// the trait lives in a private module and nothing outside the crate can call or implement it
+// (the same holds for its `OneShotOutput` bound).
+#![allow(private_interfaces, private_bounds)]
+
+use comm_core::ops::{
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
+};
+use comm_core::{CommError, Completer, HostBuffer, Op};
+
+use crate::engine::{Done, Engine, OneShot, Queued};
+
+type Result<T, E = CommError> = std::result::Result<T, E>;
+
+/// What decides whether an op fits one step; the same on every rank.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    pub(crate) world: u32,
+    /// Bytes per window: the most one step moves per rank.
+    pub(crate) window: usize,
+    /// Largest one-step all_reduce/reduce (bytes; at most `window`).
+    pub(crate) small_max: usize,
+}
+
+pub(crate) use sealed::Plan;
+
+mod sealed {
+    use super::*;
+
+    /// How the shm backend runs one kind of op. Public only so that the backend's generic
+    /// `Collective` impl may name it; the module is private, so nobody outside implements it.
+    pub trait Plan: Op<Output: OneShotOutput> + Sized {
+        /// The one-step form, when the op fits one step (it may then run inline); else the
+        /// request back.
+        fn one_shot(self, _: &Limits) -> Result<OneShot, Self> {
+            Err(self)
+        }
+        /// Runs the op on the worker in its turn.
+        fn run(self, e: &mut Engine) -> Result<Self::Output>;
+        /// Where the op waits for its turn: collectives in submission order.
+        fn accept(p: Box<Pending<Self>>, e: &mut Engine) {
+            e.queue_collective(p);
+        }
+    }
+}
+
+/// An op and its completer, queued for the worker.
+pub(crate) struct Pending<R: Op> {
+    pub(crate) req: R,
+    pub(crate) done: Completer<R::Output>,
+}
+
+impl<R: Plan> Queued for Pending<R> {
+    fn accept(self: Box<Self>, e: &mut Engine) {
+        R::accept(self, e);
+    }
+    fn run(self: Box<Self>, e: &mut Engine) {
+        let Pending { req, done } = *self;
+        done.complete(e.run_op(R::NAME, |e| req.run(e)));
+    }
+    fn fail(self: Box<Self>, err: CommError) {
+        self.done.complete(Err(err));
+    }
+}
+
+/// What a one-step op hands back: its buffer, or nothing (barrier).
+pub(crate) trait OneShotOutput: Sized {
+    fn from_one_shot(op: OneShot) -> Self;
+    fn done(c: Completer<Self>) -> Done;
+}
+
+impl OneShotOutput for HostBuffer {
+    fn from_one_shot(op: OneShot) -> Self {
+        op.into_buffer()
+    }
+    fn done(c: Completer<Self>) -> Done {
+        Done::Buf(c)
+    }
+}
+
+impl OneShotOutput for () {
+    fn from_one_shot(_: OneShot) {}
+    fn done(c: Completer<Self>) -> Done {
+        Done::Unit(c)
+    }
+}
+
+impl Plan for AllReduce {
+    fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
+        if l.world > 1 && self.buf.byte_len() > l.small_max {
+            return Err(self);
+        }
+        Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: None })
+    }
+    fn run(mut self, e: &mut Engine) -> Result<HostBuffer> {
+        e.all_reduce(&mut self.buf, self.op, None)?;
+        Ok(self.buf)
+    }
+}
+
+impl Plan for Reduce {
+    fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
+        if l.world > 1 && self.buf.byte_len() > l.small_max {
+            return Err(self);
+        }
+        Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: Some(self.root) })
+    }
+    fn run(mut self, e: &mut Engine) -> Result<HostBuffer> {
+        e.all_reduce(&mut self.buf, self.op, Some(self.root))?;
+        Ok(self.buf)
+    }
+}
+
+impl Plan for Broadcast {
+    fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
+        if self.buf.byte_len() > l.window {
+            return Err(self);
+        }
+        Ok(OneShot::Broadcast { buf: self.buf, root: self.root })
+    }
+    fn run(mut self, e: &mut Engine) -> Result<HostBuffer> {
+        e.broadcast(&mut self.buf, self.root)?;
+        Ok(self.buf)
+    }
+}
+
+impl Plan for AllGather {
+    fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
+        if self.input.byte_len() > l.window {
+            return Err(self);
+        }
+        let n = self.input.len() * l.world as usize;
+        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), n));
+        Ok(OneShot::AllGather { input: self.input, out })
+    }
+    fn run(self, e: &mut Engine) -> Result<HostBuffer> {
+        e.all_gather(self)
+    }
+}
+
+impl Plan for ReduceScatter {
+    fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
+        if self.input.byte_len() > l.window {
+            return Err(self);
+        }
+        let block = self.input.len() / l.world as usize;
+        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), block));
+        Ok(OneShot::ReduceScatter { input: self.input, out, op: self.op })
+    }
+    fn run(self, e: &mut Engine) -> Result<HostBuffer> {
+        e.reduce_scatter(self)
+    }
+}
+
+impl Plan for AllToAll {
+    fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
+        let n = l.world as usize;
+        let peers_bytes = self.input.byte_len() / n * (n - 1);
+        if self.input_splits.is_some() || self.output_splits.is_some() || peers_bytes > l.window {
+            return Err(self);
+        }
+        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), self.input.len()));
+        Ok(OneShot::AllToAll { input: self.input, out, n })
+    }
+    fn run(self, e: &mut Engine) -> Result<HostBuffer> {
+        e.all_to_all(self)
+    }
+}
+
+impl Plan for Barrier {
+    fn one_shot(self, _: &Limits) -> Result<OneShot, Self> {
+        Ok(OneShot::Barrier)
+    }
+    fn run(self, e: &mut Engine) -> Result<()> {
+        e.oneshot(OneShot::Barrier).map(drop)
+    }
+}
+
+impl Plan for Scatter {
+    fn run(self, e: &mut Engine) -> Result<HostBuffer> {
+        e.scatter(self)
+    }
+}
+
+impl Plan for Gather {
+    fn run(self, e: &mut Engine) -> Result<HostBuffer> {
+        e.gather(self)
+    }
+}
+
+/// Point-to-point ops wait in their peer's mailbox queue, not in the collective order.
+impl Plan for SendTo {
+    fn run(self, _: &mut Engine) -> Result<HostBuffer> {
+        Err(CommError::Backend { backend: "shm", source: "a send ran as a collective".into() })
+    }
+    fn accept(p: Box<Pending<Self>>, e: &mut Engine) {
+        let Pending { req, done } = *p;
+        e.queue_send(req, done);
+    }
+}
+
+impl Plan for RecvFrom {
+    fn run(self, _: &mut Engine) -> Result<HostBuffer> {
+        Err(CommError::Backend { backend: "shm", source: "a recv ran as a collective".into() })
+    }
+    fn accept(p: Box<Pending<Self>>, e: &mut Engine) {
+        let Pending { req, done } = *p;
+        e.queue_recv(req, done);
+    }
+}
