@@ -72,12 +72,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::handle::{self, shutdown_done, Admission};
-use comm_core::ops::{self, Op};
-use comm_core::{
-    config, Backend, Collective, CommError, Completer, Group, Launcher, Rank, Work, WorldInfo, WorldSource,
-};
+use comm_core::{config, Backend, Collective, CommError, Group, Launcher, Rank, Work, WorldInfo, WorldSource};
 
-use actor::{Cmd, GroupInfo, Msg, Params};
+use actor::{GroupInfo, MpiOp, Msg, NewGroup, Params, Pending};
 
 /// How floating-point reductions are computed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -395,87 +392,32 @@ impl MpiBackend {
         Ok(discovered.clone())
     }
 
-    fn submit<R: Op>(&self, req: R, wrap: impl FnOnce(R, Completer<R::Output>) -> Cmd) -> Work<R::Output> {
-        if let Err(e) = self.inner.admission.admit(&req) {
-            return Work::ready(Err(e));
-        }
-        let (done, work) = Work::pending();
-        self.send(wrap(req, done));
-        work
-    }
-
-    /// Runs `cmd` on this thread when it is a small collective and the group has none in the
-    /// actor (see `actor::Lane`), else hands it to the actor.
-    fn send(&self, cmd: Cmd) {
+    /// Runs the op on this thread when its type allows it and the group has no collective in
+    /// the actor (see `actor::Lane`), else hands it to the actor.
+    fn send<R: MpiOp>(&self, op: Pending<R>) {
         let inner = &*self.inner;
-        let (cmd, ticket) = match &inner.info.lane {
-            Some(lane) => match actor::submit_direct(lane, &inner.info, &inner.tx, cmd) {
+        let (op, ticket) = match &inner.info.lane {
+            Some(lane) => match actor::submit_direct(lane, &inner.info, &inner.tx, op) {
                 None => return,
                 Some(back) => back,
             },
-            None => (cmd, None),
+            None => (op, None),
         };
         // If the actor is gone the message (and its Completer) is dropped, which completes the
         // Work with `Shutdown`.
-        let _ = inner.tx.send(Msg::Op(inner.info.gid, cmd, ticket));
-    }
-
-    fn check_tag(&self, op: &'static str, tag: u32) -> Result<(), CommError> {
-        if tag > self.inner.info.tag_max {
-            return Err(CommError::invalid(
-                op,
-                format!(
-                    "tag {tag} is above this MPI's limit of {} (MPI_TAG_UB >> 3; 3 bits carry the dtype)",
-                    self.inner.info.tag_max
-                ),
-            ));
-        }
-        Ok(())
+        let _ = inner.tx.send(Msg::Op(inner.info.gid, Box::new(op), ticket));
     }
 }
 
-macro_rules! collectives {
-    ($($req:ident => $variant:ident),* $(,)?) => {$(
-        impl Collective<ops::$req> for MpiBackend {
-            fn submit(&self, req: ops::$req) -> Work<<ops::$req as Op>::Output> {
-                MpiBackend::submit(self, req, Cmd::$variant)
-            }
-        }
-    )*};
-}
-
-collectives! {
-    AllReduce => AllReduce,
-    Broadcast => Broadcast,
-    Reduce => Reduce,
-    AllGather => AllGather,
-    ReduceScatter => ReduceScatter,
-    AllToAll => AllToAll,
-    Scatter => Scatter,
-    Gather => Gather,
-}
-
-impl Collective<ops::SendTo> for MpiBackend {
-    fn submit(&self, req: ops::SendTo) -> Work<comm_core::HostBuffer> {
-        if let Err(e) = self.check_tag("send", req.tag) {
+impl<R: MpiOp> Collective<R> for MpiBackend {
+    fn submit(&self, req: R) -> Work<R::Output> {
+        let inner = &*self.inner;
+        if let Err(e) = req.check(&inner.info).and_then(|()| inner.admission.admit(&req)) {
             return Work::ready(Err(e));
         }
-        MpiBackend::submit(self, req, Cmd::Send)
-    }
-}
-
-impl Collective<ops::RecvFrom> for MpiBackend {
-    fn submit(&self, req: ops::RecvFrom) -> Work<comm_core::HostBuffer> {
-        if let Err(e) = self.check_tag("recv", req.tag) {
-            return Work::ready(Err(e));
-        }
-        MpiBackend::submit(self, req, Cmd::Recv)
-    }
-}
-
-impl Collective<ops::Barrier> for MpiBackend {
-    fn submit(&self, req: ops::Barrier) -> Work<()> {
-        MpiBackend::submit(self, req, |_, done| Cmd::Barrier(done))
+        let (done, work) = Work::pending();
+        self.send(Pending { req, done });
+        work
     }
 }
 
@@ -498,7 +440,7 @@ impl Group for MpiBackend {
         let sorted = handle::group_members(ranks, inner.info.size)?;
         inner.admission.check_open()?;
         let (done, work) = Work::pending();
-        self.send(Cmd::NewGroup(sorted, done));
+        self.send(Pending { req: NewGroup { ranks: sorted }, done });
         Ok(work.await?.map(|info| Arc::new(MpiBackend::from_info(info, inner.tx.clone())) as Arc<dyn Backend>))
     }
 

@@ -7,7 +7,7 @@ pub(super) struct Group {
     pub(super) comm: Comm,
     pub(super) params: Params,
     pub(super) poisoned: Option<String>,
-    pub(super) queue: VecDeque<(Cmd, Option<Ticket>)>,
+    pub(super) queue: VecDeque<(Plan, Option<Ticket>)>,
     pub(super) active: Option<Active>,
     pub(super) p2p: Vec<P2p>,
     pub(super) seq: u64,
@@ -67,8 +67,8 @@ impl Group {
             p.done.complete(Err(err()));
             bury(p.req, graveyard);
         }
-        for (cmd, _) in self.queue.drain(..) {
-            cmd.fail(err());
+        for (plan, _) in self.queue.drain(..) {
+            plan.reply.fail(err());
         }
     }
 }

@@ -57,7 +57,13 @@ pub(super) struct Header {
 }
 
 impl Header {
-    pub(super) fn new(op: OpKind, dtype: Option<DType>, count: usize, root: Option<Rank>, redop: Option<ReduceOp>) -> Header {
+    pub(super) fn new(
+        op: OpKind,
+        dtype: Option<DType>,
+        count: usize,
+        root: Option<Rank>,
+        redop: Option<ReduceOp>,
+    ) -> Header {
         Header {
             op: op.code(),
             dtype: dtype.map_or(NO_VALUE, DType::code),
@@ -163,14 +169,14 @@ pub(super) fn op_of(what: &str) -> &'static str {
 /// op itself.
 pub(super) fn start_collective(
     g: &mut Group,
-    cmd: Cmd,
+    plan: Plan,
     ticket: Option<Ticket>,
     half: Option<&raw::HalfOps>,
     pool: &Pool,
     graveyard: &mut Vec<Request>,
     born: &mut Born,
 ) {
-    let Plan { name, header, payload, start, reply } = plan(cmd);
+    let Plan { name, header, payload, start, reply } = plan;
     if g.params.panic_at == Some(name) {
         panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", g.info.rank);
     }

@@ -48,33 +48,31 @@ impl Drop for Ticket {
     }
 }
 
-/// Runs `cmd` on the caller's thread when it is a small collective or an all_reduce and the
-/// group's lane is free (`None`; see ARCHITECTURE.md, "The path of a small op"); else hands it
-/// back for the actor, with the ticket that counts it in the lane when it is a collective
+/// Runs `op` on the caller's thread when its type allows it (`MpiOp::direct`) and the group's
+/// lane is free (`None`; see ARCHITECTURE.md, "The path of a small op"); else hands it back for
+/// the actor, with the ticket that counts it in the lane when it is a collective
 /// (point-to-point ops never wait for collectives).
-pub(crate) fn submit_direct(
+pub(crate) fn submit_direct<R: MpiOp>(
     lane: &Arc<Lane>,
     info: &GroupInfo,
     tx: &std::sync::mpsc::Sender<Msg>,
-    cmd: Cmd,
-) -> Option<(Cmd, Option<Ticket>)> {
-    if matches!(cmd, Cmd::Send(..) | Cmd::Recv(..)) {
-        return Some((cmd, None));
+    op: Pending<R>,
+) -> Option<(Pending<R>, Option<Ticket>)> {
+    if R::P2P {
+        return Some((op, None));
     }
     let mut st = lane.lock();
-    let small = cmd.inline_bytes().is_some_and(|b| b <= inline_max(info.size as usize));
-    // An all_reduce of any size continues on this thread once the exchange completed: every
-    // rank is in it then, so it waits for the transfer, not for peers.
-    let all_reduce = matches!(&cmd, Cmd::AllReduce(r, _)
-        if local_reduction(&lane.params, r.buf.dtype()) || blocking_native(&lane.params, r.buf.dtype()));
-    if st.comm.is_none() || st.queued > 0 || !(small || all_reduce) || !lane.params.check || info.size < 2 {
+    let direct = op.req.direct(&lane.params, info.size as usize);
+    if st.comm.is_none() || st.queued > 0 || !direct || !lane.params.check || info.size < 2 {
         st.queued += 1;
-        return Some((cmd, Some(Ticket(lane.clone()))));
+        return Some((op, Some(Ticket(lane.clone()))));
     }
     st.seq += 1;
-    let what = format!("{} (direct #{})", cmd.name(), st.seq);
+    let what = format!("{} (direct #{})", R::NAME, st.seq);
     let Some(comm) = &st.comm else { unreachable!("checked above") };
-    let Plan { header, payload, start, reply, .. } = plan(cmd);
+    let Job::Collective(Plan { header, payload, start, reply, .. }) = op.req.job(op.done) else {
+        unreachable!("point-to-point ops return above")
+    };
     let r = match comm.with(|comm| exchange_direct(comm, &st.pool, lane, info, header, payload, start, &what)) {
         Ok(Direct::Done(out)) => Ok(out),
         Err(e) => Err(e),

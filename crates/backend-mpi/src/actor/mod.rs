@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
 use comm_core::ops::{
-    AllGather, AllReduce, AllToAll, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
 use comm_core::{CommError, Completer, DType, HostBuffer, OpKind, Rank, ReduceOp};
 
@@ -33,13 +33,16 @@ use crate::{global, kernels, Reduction};
 mod group;
 mod header;
 mod lane;
+mod op;
 mod p2p;
 mod plans;
 
 use group::*;
 use header::*;
-pub(crate) use lane::{submit_direct, Lane, Ticket};
 use lane::*;
+pub(crate) use lane::{submit_direct, Lane, Ticket};
+use op::{small, Job, Post, Queued};
+pub(crate) use op::{MpiOp, NewGroup, Pending};
 use p2p::*;
 pub(crate) use plans::Active;
 use plans::*;
@@ -49,7 +52,7 @@ pub(crate) type Gid = u64;
 
 /// Settings of one group (a world group's are inherited by its sub-groups).
 #[derive(Clone, Debug)]
-pub(crate) struct Params {
+pub struct Params {
     pub(crate) timeout: Duration,
     pub(crate) reduction: Reduction,
     pub(crate) check: bool,
@@ -62,7 +65,7 @@ pub(crate) struct Params {
 
 /// What a handle needs to know about its group.
 #[derive(Clone, Debug)]
-pub(crate) struct GroupInfo {
+pub struct GroupInfo {
     pub(crate) gid: Gid,
     pub(crate) rank: Rank,
     pub(crate) size: u32,
@@ -81,7 +84,7 @@ pub(crate) struct GroupInfo {
 /// A message to the actor.
 pub(crate) enum Msg {
     /// An op on a group (with its lane ticket when it is a collective).
-    Op(Gid, Cmd, Option<Ticket>),
+    Op(Gid, Box<dyn Queued>, Option<Ticket>),
     /// A caller's direct op whose exchange did not complete at once: the actor finishes it.
     Adopt(Gid, Box<Active>),
     /// A new world group (a duplicate of MPI_COMM_WORLD).
@@ -92,71 +95,6 @@ pub(crate) enum Msg {
     Release(Gid),
     /// The process is exiting: finish, finalise MPI.
     Exit,
-}
-
-/// An op, with the completer of its `Work`.
-pub(crate) enum Cmd {
-    AllReduce(AllReduce, Completer<HostBuffer>),
-    Broadcast(Broadcast, Completer<HostBuffer>),
-    Reduce(Reduce, Completer<HostBuffer>),
-    AllGather(AllGather, Completer<HostBuffer>),
-    ReduceScatter(ReduceScatter, Completer<HostBuffer>),
-    AllToAll(AllToAll, Completer<HostBuffer>),
-    Scatter(Scatter, Completer<HostBuffer>),
-    Gather(Gather, Completer<HostBuffer>),
-    Barrier(Completer<()>),
-    Send(SendTo, Completer<HostBuffer>),
-    Recv(RecvFrom, Completer<HostBuffer>),
-    NewGroup(Vec<Rank>, Completer<Option<GroupInfo>>),
-}
-
-impl Cmd {
-    /// The bytes a small op ships in the header exchange (and then needs no other call), for
-    /// the ops that can; which ones do is the plans' rule (`Plan::payload`).
-    fn inline_bytes(&self) -> Option<usize> {
-        match self {
-            Cmd::AllReduce(r, _) => Some(r.buf.byte_len()),
-            Cmd::Reduce(r, _) => Some(r.buf.byte_len()),
-            Cmd::Broadcast(r, _) => Some(r.buf.byte_len()),
-            Cmd::AllGather(r, _) => Some(r.input.byte_len()),
-            Cmd::Barrier(_) => Some(0),
-            _ => None,
-        }
-    }
-
-    fn name(&self) -> &'static str {
-        match self {
-            Cmd::AllReduce(..) => "all_reduce",
-            Cmd::Broadcast(..) => "broadcast",
-            Cmd::Reduce(..) => "reduce",
-            Cmd::AllGather(..) => "all_gather",
-            Cmd::ReduceScatter(..) => "reduce_scatter",
-            Cmd::AllToAll(..) => "all_to_all",
-            Cmd::Scatter(..) => "scatter",
-            Cmd::Gather(..) => "gather",
-            Cmd::Barrier(..) => "barrier",
-            Cmd::Send(..) => "send",
-            Cmd::Recv(..) => "recv",
-            Cmd::NewGroup(..) => "new_group",
-        }
-    }
-
-    fn fail(self, e: CommError) {
-        match self {
-            Cmd::AllReduce(_, d)
-            | Cmd::Broadcast(_, d)
-            | Cmd::Reduce(_, d)
-            | Cmd::AllGather(_, d)
-            | Cmd::ReduceScatter(_, d)
-            | Cmd::AllToAll(_, d)
-            | Cmd::Scatter(_, d)
-            | Cmd::Gather(_, d)
-            | Cmd::Send(_, d)
-            | Cmd::Recv(_, d) => d.complete(Err(e)),
-            Cmd::Barrier(d) => d.complete(Err(e)),
-            Cmd::NewGroup(_, d) => d.complete(Err(e)),
-        }
-    }
 }
 
 /// Facts about the world fixed at initialisation.
@@ -346,10 +284,9 @@ impl Actor {
                 if let Some(e) = g.poison_error() {
                     return cmd.fail(e);
                 }
-                match cmd {
-                    Cmd::Send(req, done) => self.start_p2p(gid, false, req.buf, req.dst, req.tag, done),
-                    Cmd::Recv(req, done) => self.start_p2p(gid, true, req.buf, req.src, req.tag, done),
-                    other => g.queue.push_back((other, ticket)),
+                match cmd.job() {
+                    Job::P2p(post) => self.start_p2p(gid, post),
+                    Job::Collective(plan) => g.queue.push_back((plan, ticket)),
                 }
             }
             Msg::Adopt(gid, a) => match self.groups.get_mut(&gid) {
@@ -418,8 +355,9 @@ impl Actor {
         }
     }
 
-    fn start_p2p(&mut self, gid: Gid, recv: bool, buf: HostBuffer, peer: Rank, tag: u32, done: Completer<HostBuffer>) {
+    fn start_p2p(&mut self, gid: Gid, post: Post) {
         let Some(g) = self.groups.get_mut(&gid) else { return };
+        let Post { recv, buf, peer, tag, done } = post;
         let (dtype, len) = (buf.dtype(), buf.len());
         let t = mpi_tag(tag, dtype);
         let issued =
@@ -451,10 +389,10 @@ impl Actor {
             any |= progress_p2p(g, &mut self.graveyard, now);
             loop {
                 if g.active.is_none() {
-                    let Some((cmd, ticket)) = g.queue.pop_front() else { break };
+                    let Some((plan, ticket)) = g.queue.pop_front() else { break };
                     any = true;
                     g.seq += 1;
-                    start_collective(g, cmd, ticket, half, pool, &mut self.graveyard, &mut born);
+                    start_collective(g, plan, ticket, half, pool, &mut self.graveyard, &mut born);
                 }
                 let Some(a) = g.active.as_mut() else { continue };
                 match a.req.test() {
@@ -643,8 +581,8 @@ impl Actor {
                 p.done.complete(Err(cause.duplicate()));
                 bury(p.req, &mut self.graveyard);
             }
-            for (cmd, _) in g.queue.drain(..) {
-                cmd.fail(cause.duplicate());
+            for (plan, _) in g.queue.drain(..) {
+                plan.reply.fail(cause.duplicate());
             }
         }
         let waiters: Vec<Completer<()>> = self.ending.take().map(|e| e.waiters).unwrap_or_default();

@@ -1,4 +1,4 @@
-//! How each op runs: a plan of nonblocking steps and continuations.
+//! How each op runs: a plan of nonblocking steps and continuations, built by its `MpiOp` impl.
 
 use super::*;
 
@@ -72,7 +72,10 @@ pub(super) enum Out {
     Comm(Option<Comm>),
 }
 
-pub(super) fn wait(req: Request, cont: impl FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + Send + 'static) -> Step {
+pub(super) fn wait(
+    req: Request,
+    cont: impl FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + Send + 'static,
+) -> Step {
     Step::Wait(req, Box::new(cont))
 }
 
@@ -131,7 +134,7 @@ pub(crate) struct Active {
 }
 
 /// An op's plan: its header and how to start it once every rank agreed.
-pub(super) struct Plan {
+pub struct Plan {
     pub(super) name: &'static str,
     pub(super) header: Header,
     /// What this rank ships in the exchange for an op small enough to finish from it (every
@@ -366,7 +369,13 @@ pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
 
 /// Chunk `[off, off + per)` of every block of a large exact reduce_scatter into `out`, then
 /// the next one.
-pub(super) fn scatter_reduce(env: &Env<'_>, input: HostBuffer, out: HostBuffer, off: usize, c: Chunks) -> Result<Step, CommError> {
+pub(super) fn scatter_reduce(
+    env: &Env<'_>,
+    input: HostBuffer,
+    out: HostBuffer,
+    off: usize,
+    c: Chunks,
+) -> Result<Step, CommError> {
     let (n, dtype, es) = (env.size, c.dtype, c.dtype.size());
     let clen = c.per.min(c.len - off);
     let send_parts: Vec<(usize, usize)> = (0..n).map(|j| (j * c.len + off, clen)).collect();
@@ -433,106 +442,213 @@ pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply) -> Plan {
     Plan { name: "all_to_all", header, payload: None, start: Box::new(start), reply }
 }
 
-/// The plan of a collective command.
-pub(super) fn plan(cmd: Cmd) -> Plan {
-    match cmd {
-        Cmd::AllReduce(r, d) => plan_reduce(r.buf, r.op, None, Reply::Buf(d)),
-        Cmd::Reduce(r, d) => plan_reduce(r.buf, r.op, Some(r.root), Reply::Buf(d)),
-        Cmd::ReduceScatter(r, d) => plan_reduce_scatter(r, Reply::Buf(d)),
-        Cmd::AllToAll(r, d) => plan_all_to_all(r, Reply::Buf(d)),
-        Cmd::Broadcast(r, d) => {
-            let header = Header::new(OpKind::Broadcast, Some(r.buf.dtype()), r.buf.len(), Some(r.root), None);
-            let payload = inline(r.buf.byte_len(), || r.buf.as_bytes().to_vec());
-            let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
-                let mut buf = r.buf;
-                if let Some(ex) = ex {
-                    let bytes = buf.byte_len();
-                    buf.as_bytes_mut().copy_from_slice(ex.data(r.root as usize, bytes));
-                    return done(buf);
-                }
-                let req = raw::ibcast(env.comm, buf, r.root as i32)?;
-                Ok(wait(req, |_, b| done(take(b.recv)?)))
-            };
-            Plan { name: "broadcast", header, payload, start: Box::new(start), reply: Reply::Buf(d) }
-        }
-        Cmd::AllGather(r, d) => {
-            let (dtype, len) = (r.input.dtype(), r.input.len());
-            let header = Header::new(OpKind::AllGather, Some(dtype), len, None, None);
-            let payload = inline(r.input.byte_len(), || r.input.as_bytes().to_vec());
-            let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
-                let mut out = r.output.unwrap_or_else(|| env.buffer(dtype, len * env.size));
-                if let Some(ex) = ex {
-                    let b = r.input.byte_len();
-                    for p in 0..env.size {
-                        out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(ex.data(p, b));
-                    }
-                    return done(out);
-                }
-                let req = raw::iallgather(env.comm, r.input, out)?;
-                Ok(wait(req, |env, b| {
-                    env.recycle(b.send);
-                    done(take(b.recv)?)
-                }))
-            };
-            Plan { name: "all_gather", header, payload, start: Box::new(start), reply: Reply::Buf(d) }
-        }
-        Cmd::Scatter(r, d) => {
-            let header = Header::new(OpKind::Scatter, Some(r.output.dtype()), r.output.len(), Some(r.root), None);
-            let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
-                let input = r.input.filter(|_| env.rank == r.root as usize);
-                let req = raw::iscatter(env.comm, input, r.output, r.root as i32)?;
-                Ok(wait(req, |env, b| {
-                    env.recycle(b.send);
-                    done(take(b.recv)?)
-                }))
-            };
-            Plan { name: "scatter", header, payload: None, start: Box::new(start), reply: Reply::Buf(d) }
-        }
-        Cmd::Gather(r, d) => {
-            let (dtype, len) = (r.input.dtype(), r.input.len());
-            let header = Header::new(OpKind::Gather, Some(dtype), len, Some(r.root), None);
-            let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
-                let is_root = env.rank == r.root as usize;
-                let out = is_root.then(|| r.output.unwrap_or_else(|| env.buffer(dtype, len * env.size)));
-                let req = raw::igather(env.comm, r.input, out, r.root as i32)?;
-                Ok(wait(req, move |env, b| {
-                    if !is_root {
-                        return done(take(b.send)?);
-                    }
-                    env.recycle(b.send);
-                    done(take(b.recv)?)
-                }))
-            };
-            Plan { name: "gather", header, payload: None, start: Box::new(start), reply: Reply::Buf(d) }
-        }
-        Cmd::Barrier(d) => {
-            let start = |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
-                // With checking on, the header exchange already was a barrier.
-                if env.params.check || env.size == 1 {
-                    return Ok(Step::Done(Out::Unit));
-                }
-                Ok(wait(raw::ibarrier(env.comm)?, |_, _| Ok(Step::Done(Out::Unit))))
-            };
-            Plan {
-                name: "barrier",
-                header: Header::new(OpKind::Barrier, None, 0, None, None),
-                payload: None,
-                start: Box::new(start),
-                reply: Reply::Unit(d),
+// `d` below is each op's completer (`done` builds a finished step).
+
+impl MpiOp for AllReduce {
+    /// Any size: once the exchange completed every rank is in it, so the rest waits for the
+    /// transfer, not for peers (f16/bf16 in native mode excepted: their MPI ops live on the
+    /// actor).
+    fn direct(&self, params: &Params, size: usize) -> bool {
+        let dtype = self.buf.dtype();
+        small(self.buf.byte_len(), size) || local_reduction(params, dtype) || blocking_native(params, dtype)
+    }
+
+    fn job(self, d: Completer<HostBuffer>) -> Job {
+        Job::Collective(plan_reduce(self.buf, self.op, None, Reply::Buf(d)))
+    }
+}
+
+impl MpiOp for Reduce {
+    fn direct(&self, _: &Params, size: usize) -> bool {
+        small(self.buf.byte_len(), size)
+    }
+
+    fn job(self, d: Completer<HostBuffer>) -> Job {
+        Job::Collective(plan_reduce(self.buf, self.op, Some(self.root), Reply::Buf(d)))
+    }
+}
+
+impl MpiOp for ReduceScatter {
+    fn job(self, d: Completer<HostBuffer>) -> Job {
+        Job::Collective(plan_reduce_scatter(self, Reply::Buf(d)))
+    }
+}
+
+impl MpiOp for AllToAll {
+    fn job(self, d: Completer<HostBuffer>) -> Job {
+        Job::Collective(plan_all_to_all(self, Reply::Buf(d)))
+    }
+}
+
+impl MpiOp for Broadcast {
+    fn direct(&self, _: &Params, size: usize) -> bool {
+        small(self.buf.byte_len(), size)
+    }
+
+    fn job(self, d: Completer<HostBuffer>) -> Job {
+        let Broadcast { buf, root } = self;
+        let header = Header::new(Self::KIND, Some(buf.dtype()), buf.len(), Some(root), None);
+        let payload = inline(buf.byte_len(), || buf.as_bytes().to_vec());
+        let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+            let mut buf = buf;
+            if let Some(ex) = ex {
+                let bytes = buf.byte_len();
+                buf.as_bytes_mut().copy_from_slice(ex.data(root as usize, bytes));
+                return done(buf);
             }
-        }
-        Cmd::NewGroup(ranks, d) => {
-            let mut header = Header::new(OpKind::NewGroup, None, ranks.len(), None, None);
-            header.extra = hash_ranks(&ranks);
-            let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
-                // Every rank of the parent passed the header exchange, so all of them are
-                // about to call the (blocking) split: it cannot hang on a missing rank.
-                let key = ranks.iter().position(|&r| r as usize == env.rank).map(|p| p as i32);
-                let comm = env.comm.split(key).map_err(raw::MpiError::into_comm)?;
-                Ok(Step::Done(Out::Comm(comm)))
-            };
-            Plan { name: "new_group", header, payload: None, start: Box::new(start), reply: Reply::Group(d) }
-        }
-        Cmd::Send(..) | Cmd::Recv(..) => unreachable!("point-to-point commands are never planned as collectives"),
+            let req = raw::ibcast(env.comm, buf, root as i32)?;
+            Ok(wait(req, |_, b| done(take(b.recv)?)))
+        };
+        Job::Collective(Plan { name: Self::NAME, header, payload, start: Box::new(start), reply: Reply::Buf(d) })
+    }
+}
+
+impl MpiOp for AllGather {
+    fn direct(&self, _: &Params, size: usize) -> bool {
+        small(self.input.byte_len(), size)
+    }
+
+    fn job(self, d: Completer<HostBuffer>) -> Job {
+        let AllGather { input, output } = self;
+        let (dtype, len) = (input.dtype(), input.len());
+        let header = Header::new(Self::KIND, Some(dtype), len, None, None);
+        let payload = inline(input.byte_len(), || input.as_bytes().to_vec());
+        let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+            let mut out = output.unwrap_or_else(|| env.buffer(dtype, len * env.size));
+            if let Some(ex) = ex {
+                let b = input.byte_len();
+                for p in 0..env.size {
+                    out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(ex.data(p, b));
+                }
+                return done(out);
+            }
+            let req = raw::iallgather(env.comm, input, out)?;
+            Ok(wait(req, |env, b| {
+                env.recycle(b.send);
+                done(take(b.recv)?)
+            }))
+        };
+        Job::Collective(Plan { name: Self::NAME, header, payload, start: Box::new(start), reply: Reply::Buf(d) })
+    }
+}
+
+impl MpiOp for Scatter {
+    fn job(self, d: Completer<HostBuffer>) -> Job {
+        let Scatter { input, output, root } = self;
+        let header = Header::new(Self::KIND, Some(output.dtype()), output.len(), Some(root), None);
+        let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+            let input = input.filter(|_| env.rank == root as usize);
+            let req = raw::iscatter(env.comm, input, output, root as i32)?;
+            Ok(wait(req, |env, b| {
+                env.recycle(b.send);
+                done(take(b.recv)?)
+            }))
+        };
+        Job::Collective(Plan { name: Self::NAME, header, payload: None, start: Box::new(start), reply: Reply::Buf(d) })
+    }
+}
+
+impl MpiOp for Gather {
+    fn job(self, d: Completer<HostBuffer>) -> Job {
+        let Gather { input, output, root } = self;
+        let (dtype, len) = (input.dtype(), input.len());
+        let header = Header::new(Self::KIND, Some(dtype), len, Some(root), None);
+        let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+            let is_root = env.rank == root as usize;
+            let out = is_root.then(|| output.unwrap_or_else(|| env.buffer(dtype, len * env.size)));
+            let req = raw::igather(env.comm, input, out, root as i32)?;
+            Ok(wait(req, move |env, b| {
+                if !is_root {
+                    return done(take(b.send)?);
+                }
+                env.recycle(b.send);
+                done(take(b.recv)?)
+            }))
+        };
+        Job::Collective(Plan { name: Self::NAME, header, payload: None, start: Box::new(start), reply: Reply::Buf(d) })
+    }
+}
+
+impl MpiOp for Barrier {
+    /// It ships no data: the exchange is the whole op.
+    fn direct(&self, _: &Params, size: usize) -> bool {
+        small(0, size)
+    }
+
+    fn job(self, d: Completer<()>) -> Job {
+        let start = |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+            // With checking on, the header exchange already was a barrier.
+            if env.params.check || env.size == 1 {
+                return Ok(Step::Done(Out::Unit));
+            }
+            Ok(wait(raw::ibarrier(env.comm)?, |_, _| Ok(Step::Done(Out::Unit))))
+        };
+        Job::Collective(Plan {
+            name: Self::NAME,
+            header: Header::new(Self::KIND, None, 0, None, None),
+            payload: None,
+            start: Box::new(start),
+            reply: Reply::Unit(d),
+        })
+    }
+}
+
+impl MpiOp for NewGroup {
+    fn job(self, d: Completer<Option<GroupInfo>>) -> Job {
+        let ranks = self.ranks;
+        let mut header = Header::new(Self::KIND, None, ranks.len(), None, None);
+        header.extra = hash_ranks(&ranks);
+        let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+            // Every rank of the parent passed the header exchange, so all of them are about to
+            // call the (blocking) split: it cannot hang on a missing rank.
+            let key = ranks.iter().position(|&r| r as usize == env.rank).map(|p| p as i32);
+            let comm = env.comm.split(key).map_err(raw::MpiError::into_comm)?;
+            Ok(Step::Done(Out::Comm(comm)))
+        };
+        Job::Collective(Plan {
+            name: Self::NAME,
+            header,
+            payload: None,
+            start: Box::new(start),
+            reply: Reply::Group(d),
+        })
+    }
+}
+
+/// A user tag must leave MPI's tag room for the dtype bits.
+fn check_tag(op: &'static str, tag: u32, info: &GroupInfo) -> Result<(), CommError> {
+    if tag > info.tag_max {
+        return Err(CommError::invalid(
+            op,
+            format!(
+                "tag {tag} is above this MPI's limit of {} (MPI_TAG_UB >> 3; 3 bits carry the dtype)",
+                info.tag_max
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl MpiOp for SendTo {
+    const P2P: bool = true;
+
+    fn check(&self, info: &GroupInfo) -> Result<(), CommError> {
+        check_tag(Self::NAME, self.tag, info)
+    }
+
+    fn job(self, done: Completer<HostBuffer>) -> Job {
+        Job::P2p(Post { recv: false, buf: self.buf, peer: self.dst, tag: self.tag, done })
+    }
+}
+
+impl MpiOp for RecvFrom {
+    const P2P: bool = true;
+
+    fn check(&self, info: &GroupInfo) -> Result<(), CommError> {
+        check_tag(Self::NAME, self.tag, info)
+    }
+
+    fn job(self, done: Completer<HostBuffer>) -> Job {
+        Job::P2p(Post { recv: true, buf: self.buf, peer: self.src, tag: self.tag, done })
     }
 }

@@ -1,0 +1,98 @@
+//! What this backend needs from each request type ([`MpiOp`], implemented per op in `plans.rs`),
+//! and how a request queued for the actor travels ([`Pending`] behind `Box<dyn Queued>`).
+
+use super::*;
+
+/// How one request type runs on this backend. Public only in name (this module is private),
+/// as are the types in its signatures: `MpiBackend` implements `Collective<R>` for every
+/// `R: MpiOp`, and a crate-private bound there would be a `private_bounds` warning.
+pub trait MpiOp: Op + Sized {
+    /// Point-to-point: posted as soon as the actor receives it, never queued behind the
+    /// group's collectives (nor run on the caller's thread).
+    const P2P: bool = false;
+
+    /// Checks against this group's limits at submission, beyond `Op::validate`.
+    fn check(&self, _info: &GroupInfo) -> Result<(), CommError> {
+        Ok(())
+    }
+
+    /// Whether a caller may run it on its own thread while the group's lane is free (see
+    /// `lane.rs`): ops small enough to finish from the header exchange, and all_reduce.
+    fn direct(&self, _params: &Params, _size: usize) -> bool {
+        false
+    }
+
+    /// What it becomes on the actor, or on a caller's thread for a direct op.
+    fn job(self, done: Completer<Self::Output>) -> Job;
+}
+
+/// An op ready to run.
+pub enum Job {
+    /// A collective: the group runs it after the ones submitted before it.
+    Collective(Plan),
+    /// A send or receive, posted at once.
+    P2p(Post),
+}
+
+/// A send or receive to post.
+pub struct Post {
+    pub(super) recv: bool,
+    pub(super) buf: HostBuffer,
+    pub(super) peer: Rank,
+    pub(super) tag: u32,
+    pub(super) done: Completer<HostBuffer>,
+}
+
+/// Whether an op whose data is `bytes` on every rank finishes from the header exchange of a
+/// group of `size` (and so waits for peers, not for a transfer).
+pub(super) fn small(bytes: usize, size: usize) -> bool {
+    bytes <= inline_max(size)
+}
+
+/// An op handed to the actor, whatever its type.
+pub(crate) trait Queued: Send {
+    fn job(self: Box<Self>) -> Job;
+    fn fail(self: Box<Self>, e: CommError);
+}
+
+/// A request with the completer of its `Work`.
+pub(crate) struct Pending<R: MpiOp> {
+    pub(crate) req: R,
+    pub(crate) done: Completer<R::Output>,
+}
+
+impl<R: MpiOp> Queued for Pending<R> {
+    fn job(self: Box<Self>) -> Job {
+        let Pending { req, done } = *self;
+        req.job(done)
+    }
+
+    fn fail(self: Box<Self>, e: CommError) {
+        self.done.complete(Err(e));
+    }
+}
+
+/// `new_group`'s agreement and `MPI_Comm_split`, run like a collective of the parent group
+/// (after the header exchange, in submission order).
+pub(crate) struct NewGroup {
+    /// The members, sorted.
+    pub(crate) ranks: Vec<Rank>,
+}
+
+impl Op for NewGroup {
+    type Output = Option<GroupInfo>;
+    const KIND: OpKind = OpKind::NewGroup;
+
+    fn bytes(&self) -> usize {
+        0
+    }
+
+    fn dtype(&self) -> Option<DType> {
+        None
+    }
+
+    /// Checked by `handle::group_members` before it is built.
+    fn validate(&self, _rank: Rank, _world_size: u32) -> Result<(), CommError> {
+        Ok(())
+    }
+}
