@@ -1,0 +1,541 @@
+//! `cargo xtask bench`: build commrun and comm-bench in release, run them once per backend,
+//! rank count and round, and put the reports side by side.
+
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::{cargo, cargo_features, mpi, progress, root, run, step, target_dir, Failure, Result};
+
+/// Backends `--backend` knows about; each must be a feature of comm-bench to be usable.
+const BACKENDS: [&str; 4] = ["shm", "mpi", "mpi-raw", "nccl"];
+
+#[derive(Debug, PartialEq)]
+struct BenchArgs {
+    backends: Vec<String>,
+    /// `--np`: the largest of `nps` (what the backends must be able to run).
+    np: u32,
+    /// `--np 2,4,8`: every count of ranks to run, in order.
+    nps: Vec<u32>,
+    json: Option<PathBuf>,
+    /// `--svg`: where the plot goes.
+    svg: Option<PathBuf>,
+    /// `--baseline` reports.
+    baseline: Vec<PathBuf>,
+    /// Show the progress (not `--no-progress`).
+    progress: bool,
+    /// `--rounds`: how many times each backend runs, interleaved with the others.
+    rounds: u32,
+    /// Flags passed through to comm-bench.
+    forward: Vec<String>,
+}
+
+fn parse_bench(args: &[String]) -> Result<BenchArgs> {
+    const FORWARDED: [&str; 9] =
+        ["--op", "--dtype", "--sizes", "--iters", "--warmup", "--redop", "--root", "--json", "--trace"];
+    let mut b = BenchArgs {
+        backends: vec!["shm".into()],
+        np: 2,
+        nps: vec![2],
+        json: None,
+        svg: None,
+        baseline: Vec::new(),
+        progress: true,
+        rounds: 1,
+        forward: Vec::new(),
+    };
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        if arg == "--" {
+            b.forward.extend(it.by_ref().cloned());
+            break;
+        }
+        if ["--check", "--no-check", "--profile", "--profile-overhead", "--percentiles"].contains(&arg.as_str()) {
+            b.forward.push(arg.clone());
+            continue;
+        }
+        if arg == "--no-progress" {
+            b.progress = false;
+            continue;
+        }
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_owned())),
+            _ => (arg.as_str(), None),
+        };
+        if !["--backend", "--np", "--svg", "--baseline", "--rounds"].contains(&flag) && !FORWARDED.contains(&flag) {
+            return Err(Failure::usage(format!("`bench` does not take `{arg}`")));
+        }
+        let value = match inline {
+            Some(v) => v,
+            None => it.next().cloned().ok_or_else(|| Failure::usage(format!("`{flag}` needs a value")))?,
+        };
+        match flag {
+            "--backend" => {
+                b.backends =
+                    value.split(',').map(|s| s.trim().to_ascii_lowercase()).filter(|s| !s.is_empty()).collect();
+            }
+            "--np" => {
+                b.nps = value
+                    .split(',')
+                    .map(|n| n.trim().parse().ok().filter(|&n: &u32| n >= 1))
+                    .collect::<Option<Vec<u32>>>()
+                    .filter(|v| !v.is_empty())
+                    .ok_or_else(|| {
+                        Failure::usage(format!("--np {value}: expected numbers of ranks ≥ 1 (e.g. 2 or 2,4,8)"))
+                    })?;
+                b.np = b.nps.iter().copied().max().unwrap_or(2);
+            }
+            "--rounds" => {
+                b.rounds = value
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|&n: &u32| n >= 1)
+                    .ok_or_else(|| Failure::usage(format!("--rounds {value}: expected a number of rounds ≥ 1")))?;
+            }
+            "--json" => b.json = Some(PathBuf::from(value)),
+            "--svg" => b.svg = Some(PathBuf::from(value)),
+            "--baseline" => b.baseline.extend(value.split(',').filter(|s| !s.is_empty()).map(PathBuf::from)),
+            _ => b.forward.extend([flag.to_owned(), value]),
+        }
+    }
+    if b.backends.is_empty() {
+        return Err(Failure::usage("--backend needs at least one backend"));
+    }
+    Ok(b)
+}
+
+/// Checks the backends against those comm-bench can be built with; returns the cargo
+/// features to build with.
+fn backend_features(backends: &[String], bench_manifest: &str) -> Result<Vec<String>> {
+    let available = cargo_features(bench_manifest);
+    let mut features = Vec::new();
+    for b in backends {
+        if !BACKENDS.contains(&b.as_str()) {
+            return Err(Failure::usage(format!("unknown backend `{b}` (known: {})", BACKENDS.join(", "))));
+        }
+        if !available.contains(b) {
+            let usable: Vec<&str> = BACKENDS.iter().copied().filter(|k| available.iter().any(|a| a == k)).collect();
+            return Err(Failure {
+                code: 2,
+                msg: format!(
+                    "backend `{b}` is not available: comm-bench has no `{b}` feature yet (crates/comm-bench/Cargo.toml); usable now: {}",
+                    usable.join(", ")
+                ),
+            });
+        }
+        features.push(format!("comm-bench/{b}"));
+    }
+    Ok(features)
+}
+
+/// `--profile` / `--profile-overhead` need comm-bench's `profiling` feature; the overhead run
+/// measures one backend at 1 KiB and 1 MiB unless told otherwise.
+fn profiling_options(b: &mut BenchArgs, features: &mut Vec<String>) -> Result {
+    let has = |flag: &str| b.forward.iter().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+    let overhead = has("--profile-overhead");
+    if overhead || has("--profile") || has("--trace") {
+        features.push("comm-bench/profiling".into());
+    }
+    if has("--trace") && b.backends.len() > 1 {
+        return Err(Failure::usage("--trace records one backend at a time"));
+    }
+    if overhead {
+        if b.backends.len() > 1 {
+            return Err(Failure::usage("--profile-overhead measures one backend at a time"));
+        }
+        if !has("--sizes") {
+            b.forward.extend(["--sizes".to_owned(), "1KiB,1MiB".to_owned()]);
+        }
+    }
+    Ok(())
+}
+
+/// `all` in `--backend`, in its place: every backend comm-bench has a feature for that can
+/// run here: shm; mpi when `mpi_ok` (MPI installed, or installed now); nccl when `gpus` (the
+/// GPUs of this host) are at least `np`. Duplicates go.
+fn expand_backends(
+    requested: &[String],
+    features: &[String],
+    np: u32,
+    mpi_ok: impl FnOnce() -> Result<bool>,
+    gpus: impl FnOnce() -> usize,
+) -> Result<Vec<String>> {
+    let mut out: Vec<String> = Vec::new();
+    let mut mpi_ok = Some(mpi_ok);
+    let mut mpi_known = None;
+    let mut gpus = Some(gpus);
+    for r in requested {
+        let picked: Vec<String> = if r == "all" {
+            let mut v = Vec::new();
+            for k in BACKENDS {
+                if !features.iter().any(|f| f == k) {
+                    println!("note: --backend all: comm-bench has no `{k}` feature, skipping {k}");
+                    continue;
+                }
+                let usable = match k {
+                    "mpi" | "mpi-raw" => {
+                        if mpi_ok.is_some() {
+                            mpi_known = Some(mpi_ok.take().map_or(Ok(false), |f| f())?);
+                        }
+                        mpi_known.unwrap_or(false)
+                    }
+                    "nccl" => {
+                        let n = gpus.take().map_or(0, |f| f());
+                        if n < np as usize {
+                            println!("note: --backend all: {n} GPU(s) here for {np} rank(s), skipping nccl");
+                        }
+                        n >= np as usize
+                    }
+                    _ => true,
+                };
+                if usable {
+                    v.push(k.to_owned());
+                } else if k.starts_with("mpi") {
+                    println!("note: --backend all: MPI is not installed here, skipping {k}");
+                }
+            }
+            v
+        } else {
+            vec![r.clone()]
+        };
+        for p in picked {
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The GPUs of this host: `nvidia-smi -L` lines, else `/dev/nvidiaN` device files.
+fn gpu_count() -> usize {
+    if let Ok(o) = Command::new("nvidia-smi").arg("-L").stdin(std::process::Stdio::null()).output() {
+        if o.status.success() {
+            return String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count();
+        }
+    }
+    std::fs::read_dir("/dev").map_or(0, |d| {
+        d.filter_map(|e| e.ok())
+            .filter(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                name.strip_prefix("nvidia").is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+            })
+            .count()
+    })
+}
+
+/// The reports `--baseline PATH` stands for: PATH itself, or where it is not there, the
+/// `PATH.<backend>.json` files of an earlier run with several backends.
+fn baseline_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for p in paths {
+        if p.is_file() {
+            out.push(p.clone());
+            continue;
+        }
+        let siblings: Vec<PathBuf> = BACKENDS.iter().map(|k| json_path(p, k, true)).filter(|s| s.is_file()).collect();
+        if siblings.is_empty() {
+            return Err(Failure::usage(format!(
+                "--baseline {}: no such report (nor {})",
+                p.display(),
+                json_path(p, "<backend>", true).display()
+            )));
+        }
+        out.extend(siblings);
+    }
+    Ok(out)
+}
+
+/// Where a backend's report goes when the user gave no `--json`.
+fn scratch(target: &Path, backend: &str) -> PathBuf {
+    target.join("xtask-bench").join(format!("{backend}.json"))
+}
+
+/// `PATH` with `.rN` before the extension: round N of `--rounds`.
+fn round_path(path: &Path, round: u32) -> PathBuf {
+    let stem = path.file_stem().map_or_else(|| "bench".into(), |s| s.to_string_lossy().into_owned());
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.r{round}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.r{round}"),
+    };
+    path.with_file_name(name)
+}
+
+/// `PATH` for one backend, `PATH` with `.<backend>` before the extension for several.
+fn json_path(path: &Path, backend: &str, several: bool) -> PathBuf {
+    if !several {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().map_or_else(|| "bench".into(), |s| s.to_string_lossy().into_owned());
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.{backend}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.{backend}"),
+    };
+    path.with_file_name(name)
+}
+
+fn git_rev() -> String {
+    Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(root())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+pub(crate) fn bench(args: &[String]) -> Result {
+    let mut b = parse_bench(args)?;
+    let manifest = root().join("crates/comm-bench/Cargo.toml");
+    let manifest = std::fs::read_to_string(&manifest)
+        .map_err(|e| Failure { code: 1, msg: format!("reading {}: {e}", manifest.display()) })?;
+    b.backends = expand_backends(&b.backends, &cargo_features(&manifest), b.np, mpi::ensure_packages, gpu_count)?;
+    if b.backends.is_empty() {
+        return Err(Failure { code: 2, msg: "--backend all: no backend can run here".into() });
+    }
+    let mut features = backend_features(&b.backends, &manifest)?;
+    profiling_options(&mut b, &mut features)?;
+    if b.svg.is_some() && b.nps.len() > 1 {
+        return Err(Failure::usage("--svg plots one rank count: give --np a single number"));
+    }
+    if (b.svg.is_some() || !b.baseline.is_empty()) && b.forward.iter().any(|a| a == "--profile-overhead") {
+        return Err(Failure::usage("--svg and --baseline need the table: they do not go with --profile-overhead"));
+    }
+    // comm-bench runs in the workspace root: paths the user gave are relative to here.
+    let cwd = env::current_dir().unwrap_or_else(|_| root());
+    for p in b.json.iter_mut().chain(b.svg.iter_mut()).chain(b.baseline.iter_mut()) {
+        *p = cwd.join(&*p);
+    }
+    let baseline = baseline_files(&b.baseline)?;
+    let progress = b.progress && !b.forward.iter().any(|a| a == "--progress" || a.starts_with("--progress="));
+    if b.backends.iter().any(|x| x.starts_with("mpi")) && !mpi::ensure_packages()? {
+        return Err(Failure { code: 2, msg: "the mpi backend needs MPI installed (see the note above)".into() });
+    }
+    step("build (release)", || {
+        let mut c = cargo();
+        c.args(["build", "--release", "-p", "commrun", "-p", "comm-bench", "--features", &features.join(",")]);
+        run(c)
+    })?;
+    let target_root = target_dir()?;
+    let target = target_root.join("release");
+    let rev = git_rev();
+    let several = b.backends.len() > 1;
+    let mut first_failure = None;
+    let mut reports = Vec::new();
+    for &np in &b.nps {
+        let mut np_reports: Vec<(String, PathBuf, u32)> = Vec::new();
+        let runs = (1..=b.rounds).flat_map(|round| b.backends.iter().map(move |k| (round, k)));
+        for (round, backend) in runs {
+            // With several rank counts each gets its own report (`PATH.npN...`).
+            let json_base = b.json.as_ref().map(|p| match b.nps.len() {
+                1 => p.clone(),
+                _ => PathBuf::from(format!("{}.np{np}", p.display())),
+            });
+            let json = match &json_base {
+                Some(p) => Some(json_path(p, backend, several)),
+                None if several || b.rounds > 1 || b.svg.is_some() => Some(scratch(&target_root, backend)),
+                None => None,
+            }
+            .map(|p| if b.rounds > 1 { round_path(&p, round) } else { p });
+            let label = match b.rounds {
+                1 => format!("bench {backend}, {np} ranks"),
+                n => format!("bench {backend}, {np} ranks, round {round} of {n}"),
+            };
+            let r = step(&label, || {
+                let mut c = if backend.starts_with("mpi") {
+                    mpi::mpirun(np)
+                } else {
+                    let mut c = Command::new(target.join("commrun"));
+                    c.arg("-n").arg(np.to_string()).arg("--");
+                    c
+                };
+                c.current_dir(root()).env("COMM_BACKEND", backend).env("COMM_BENCH_GIT_REV", &rev);
+                c.arg(target.join("comm-bench"));
+                if progress {
+                    c.args(["--progress", "lines"]);
+                }
+                for p in &baseline {
+                    c.arg("--baseline").arg(p);
+                }
+                c.args(&b.forward);
+                if let Some(p) = &json {
+                    if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+                        let _ = std::fs::create_dir_all(dir);
+                    }
+                    c.arg("--json").arg(p);
+                }
+                if progress {
+                    progress::run_relayed(c, &format!("bench {backend}"))
+                } else {
+                    run(c)
+                }
+            });
+            match r {
+                Ok(()) => np_reports.extend(json.map(|p| (backend.clone(), p, round))),
+                Err(e) => {
+                    eprintln!("xtask: {}", e.msg);
+                    first_failure.get_or_insert(e);
+                }
+            }
+        }
+        if np_reports.len() > 1 {
+            println!("\n== {} side by side, {np} ranks ==", b.backends.join(" vs "));
+            let mut c = Command::new(target.join("comm-bench"));
+            c.current_dir(root()).arg("compare");
+            for k in &b.backends {
+                let paths: Vec<String> =
+                    np_reports.iter().filter(|(x, ..)| x == k).map(|(_, p, _)| p.display().to_string()).collect();
+                if !paths.is_empty() {
+                    c.arg(format!("{k}={}", paths.join(",")));
+                }
+            }
+            if let Err(e) = run(c) {
+                first_failure.get_or_insert(e);
+            }
+        }
+        // The plot draws one line per backend and dtype: the first round's.
+        reports.extend(np_reports.into_iter().filter(|r| r.2 == 1).map(|(k, p, _)| (k, p)));
+    }
+    if let (Some(svg), false) = (&b.svg, reports.is_empty()) {
+        step("plot", || {
+            let mut c = Command::new(target.join("comm-bench"));
+            c.current_dir(root()).arg("plot").arg("--svg").arg(svg);
+            c.args(reports.iter().map(|(_, p)| p));
+            run(c)
+        })?;
+    }
+    match first_failure {
+        None => Ok(()),
+        Some(f) => Err(Failure { code: f.code, msg: "bench failed".into() }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn bench_defaults_and_forwarding() {
+        let b = parse_bench(&[]).unwrap();
+        assert_eq!((b.backends, b.np, b.json, b.forward.len()), (vec!["shm".to_owned()], 2, None, 0));
+        let b = parse_bench(&args(
+            "--np 4 --op all_reduce,all_gather --dtype=bf16 --sizes 8B..1MiB:x8 --no-check --json out.json -- --root 1",
+        ))
+        .unwrap();
+        assert_eq!(b.np, 4);
+        let sweep = parse_bench(&args("--np 2,8,4")).unwrap();
+        assert_eq!((sweep.nps, sweep.np), (vec![2, 8, 4], 8));
+        assert!(parse_bench(&args("--np 2,x")).is_err() && parse_bench(&args("--np 0")).is_err());
+        assert_eq!(parse_bench(&args("--rounds 3")).unwrap().rounds, 3);
+        assert!(parse_bench(&args("--rounds 0")).is_err() && parse_bench(&args("--rounds x")).is_err());
+        assert_eq!(round_path(Path::new("a/b.json"), 2), PathBuf::from("a/b.r2.json"));
+        assert_eq!(b.json, Some(PathBuf::from("out.json")));
+        assert_eq!(b.forward, args("--op all_reduce,all_gather --dtype bf16 --sizes 8B..1MiB:x8 --no-check --root 1"));
+        assert_eq!(parse_bench(&args("--backend SHM,mpi")).unwrap().backends, ["shm", "mpi"]);
+    }
+
+    #[test]
+    fn trace_is_forwarded_with_the_profiling_feature() {
+        assert!(parse_bench(&args("--percentiles")).unwrap().forward.contains(&"--percentiles".to_owned()));
+        let mut b = parse_bench(&args("--trace /tmp/t.json --sizes 1KiB")).unwrap();
+        assert!(b.forward.windows(2).any(|w| w == ["--trace", "/tmp/t.json"]), "{:?}", b.forward);
+        let mut features = Vec::new();
+        profiling_options(&mut b, &mut features).unwrap();
+        assert_eq!(features, ["comm-bench/profiling"]);
+        let mut two = parse_bench(&args("--trace t.json --backend shm,mpi")).unwrap();
+        assert!(profiling_options(&mut two, &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn profiling_flags_add_the_feature_and_default_sizes() {
+        let mut b = parse_bench(&args("--profile-overhead")).unwrap();
+        let mut f = vec!["comm-bench/shm".to_owned()];
+        profiling_options(&mut b, &mut f).unwrap();
+        assert_eq!(f, ["comm-bench/shm", "comm-bench/profiling"]);
+        assert_eq!(b.forward, args("--profile-overhead --sizes 1KiB,1MiB"));
+        let mut b = parse_bench(&args("--profile --sizes 8B")).unwrap();
+        let mut f = Vec::new();
+        profiling_options(&mut b, &mut f).unwrap();
+        assert_eq!((f.len(), b.forward), (1, args("--profile --sizes 8B")));
+        let mut b = parse_bench(&args("--backend shm,mpi --profile-overhead")).unwrap();
+        assert!(profiling_options(&mut b, &mut Vec::new()).is_err());
+    }
+
+    #[test]
+    fn bench_rejects_bad_arguments() {
+        assert!(parse_bench(&args("--np 0")).is_err());
+        assert!(parse_bench(&args("--np")).is_err());
+        assert!(parse_bench(&args("--frobnicate 3")).is_err());
+        assert!(parse_bench(&args("--backend ,")).is_err());
+    }
+
+    #[test]
+    fn backends_must_be_known_and_compiled() {
+        let manifest = "[package]\nname = \"x\"\n\n[features]\ndefault = [\"shm\"]\n## doc\nshm = [\"comm-api/shm\"]\n\n[dependencies]\nmpi = \"1\"\n";
+        assert_eq!(cargo_features(manifest), ["default", "shm"]);
+        assert_eq!(backend_features(&["shm".into()], manifest).unwrap(), ["comm-bench/shm"]);
+        let e = backend_features(&["mpi".into()], manifest).unwrap_err().msg;
+        assert!(e.contains("no `mpi` feature") && e.contains("usable now: shm"), "{e}");
+        let e = backend_features(&["gloo".into()], manifest).unwrap_err().msg;
+        assert!(e.contains("unknown backend `gloo`"), "{e}");
+    }
+
+    #[test]
+    fn bench_plot_baseline_and_progress_flags() {
+        let b = parse_bench(&args("--svg out.svg --baseline a.json --baseline=b.json,c.json --no-progress")).unwrap();
+        assert_eq!(b.svg, Some(PathBuf::from("out.svg")));
+        assert_eq!(b.baseline, [PathBuf::from("a.json"), PathBuf::from("b.json"), PathBuf::from("c.json")]);
+        assert!(!b.progress && b.forward.is_empty());
+        assert!(parse_bench(&[]).unwrap().progress);
+        assert!(parse_bench(&args("--svg")).is_err());
+    }
+
+    #[test]
+    fn backend_all_is_what_can_run_here() {
+        let features: Vec<String> = ["default", "shm", "mpi", "mpi-raw", "nccl", "profiling"].map(String::from).into();
+        let all = |req: &str, np: u32, mpi: bool, gpus: usize| {
+            let req: Vec<String> = req.split(',').map(String::from).collect();
+            expand_backends(&req, &features, np, || Ok(mpi), || gpus).unwrap()
+        };
+        assert_eq!(all("all", 2, true, 2), ["shm", "mpi", "mpi-raw", "nccl"]);
+        assert_eq!(all("all", 2, false, 0), ["shm"]);
+        assert_eq!(all("all", 4, true, 2), ["shm", "mpi", "mpi-raw"], "fewer GPUs than ranks");
+        assert_eq!(all("mpi,all", 2, true, 0), ["mpi", "shm", "mpi-raw"], "no duplicates, given order first");
+        assert_eq!(all("shm,mpi", 2, false, 0), ["shm", "mpi"], "named backends are kept (and checked later)");
+        let shm_only: Vec<String> = vec!["shm".into()];
+        let r = expand_backends(&["all".into()], &shm_only, 2, || panic!("mpi not asked"), || panic!("gpus")).unwrap();
+        assert_eq!(r, ["shm"]);
+    }
+
+    #[test]
+    fn baseline_paths_fall_back_to_per_backend_reports() {
+        let dir = std::env::temp_dir().join(format!("xtask-baseline-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("one.json"), "{}").unwrap();
+        std::fs::write(dir.join("two.shm.json"), "{}").unwrap();
+        std::fs::write(dir.join("two.mpi.json"), "{}").unwrap();
+        assert_eq!(baseline_files(&[dir.join("one.json")]).unwrap(), [dir.join("one.json")]);
+        assert_eq!(
+            baseline_files(&[dir.join("two.json")]).unwrap(),
+            [dir.join("two.shm.json"), dir.join("two.mpi.json")]
+        );
+        let e = baseline_files(&[dir.join("three.json")]).unwrap_err().msg;
+        assert!(e.contains("three.json: no such report") && e.contains("three.<backend>.json"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn json_paths_per_backend() {
+        assert_eq!(json_path(Path::new("r/out.json"), "shm", false), Path::new("r/out.json"));
+        assert_eq!(json_path(Path::new("r/out.json"), "shm", true), Path::new("r/out.shm.json"));
+        assert_eq!(json_path(Path::new("out"), "mpi", true), Path::new("out.mpi"));
+    }
+}

@@ -1,0 +1,211 @@
+//! `cargo xtask test` / `ci` (fmt, clippy, the workspace's tests, the feature and MPI runs,
+//! the examples and the bench smoke runs) and `cargo xtask gpu-test`.
+
+use std::ffi::OsStr;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::{cargo, mpi, root, run, run_bounded, step, target_dir, Failure, Result};
+
+/// Wall-clock bound of one launched job (examples, smoke bench).
+const JOB_TIMEOUT: Duration = Duration::from_secs(300);
+/// The features that build the mpi backend into comm-api and comm-bench.
+/// Sizes that keep the examples quick in `test` (the tensor-parallel MLP defaults to hidden 4096).
+const EXAMPLE_ENV: [(&str, &str); 2] = [("TP_MLP_HIDDEN", "256"), ("TP_MLP_TOKENS", "5")];
+const MPI_FEATURES: &str = "comm-api/mpi,comm-bench/mpi,comm-bench/mpi-raw";
+/// The feature that builds the nccl backend into comm-api (builds without CUDA).
+const NCCL_FEATURES: &str = "comm-api/nccl";
+/// The features of the profiling layer, its OpenTelemetry export and comm-bench's --profile.
+const PROFILING_FEATURES: &str = "profiling/otel,comm-api/otel,comm-bench/profiling";
+/// comm-bench arguments of the smoke runs in `cargo xtask test`.
+const SMOKE_BENCH: [&str; 10] =
+    ["--op", "all", "--dtype", "f32,bf16", "--sizes", "8B..1MiB:x16", "--iters", "5", "--warmup", "1"];
+
+pub(crate) fn test(args: &[String]) -> Result {
+    let mut quick = false;
+    for a in args {
+        match a.as_str() {
+            "--quick" => quick = true,
+            other => return Err(Failure::usage(format!("`test` does not take `{other}`"))),
+        }
+    }
+    let total = Instant::now();
+    let mut with_mpi = false;
+    step("system packages of the mpi backend", || {
+        with_mpi = mpi::ensure_packages()?;
+        Ok(())
+    })?;
+    if quick {
+        println!("== fmt, clippy: skipped (--quick) ==");
+    } else {
+        step("fmt", || {
+            let mut c = cargo();
+            c.args(["fmt", "--all", "--", "--check"]);
+            run(c)
+        })?;
+        step("clippy", || {
+            let mut c = cargo();
+            c.args(["clippy", "--workspace", "--all-targets"]);
+            if with_mpi {
+                c.args(["--features", MPI_FEATURES]);
+            } else {
+                c.args(["--exclude", "backend-mpi"]);
+            }
+            c.args(["--features", NCCL_FEATURES]);
+            c.args(["--features", PROFILING_FEATURES]);
+            c.args(["--", "-D", "warnings"]);
+            run(c)
+        })?;
+    }
+    step("test", || {
+        let mut c = cargo();
+        c.args(["test", "--workspace", "--exclude", "backend-mpi"]);
+        run(c)
+    })?;
+    step("profiling and otel features: spans, CommsLogger, OTLP export; comm-api with them", || {
+        let mut c = cargo();
+        c.args(["test", "-p", "profiling", "--all-features"]);
+        run(c)?;
+        let mut c = cargo();
+        c.args(["test", "-p", "comm-api", "--features", "profiling,otel"]);
+        run(c)
+    })?;
+    step("loom: every interleaving of Work's completion slot (comm-core built with --cfg loom)", || {
+        let mut c = cargo();
+        // Its own target dir: RUSTFLAGS would otherwise rebuild the whole workspace.
+        c.env("RUSTFLAGS", "--cfg loom").env("CARGO_TARGET_DIR", root().join("target/loom"));
+        c.args(["test", "-p", "comm-core", "--test", "loom_work", "--release"]);
+        run(c)
+    })?;
+    step("nccl feature: comm-api unit tests with the nccl backend compiled in", || {
+        let mut c = cargo();
+        c.args(["test", "-p", "comm-api", "--features", "nccl", "--lib"]);
+        run(c)
+    })?;
+    if with_mpi {
+        step("mpi backend: unit tests, singleton suite, suite under mpirun at 1-4 ranks, faults", || {
+            let mut c = cargo();
+            c.args(["test", "-p", "backend-mpi", "--", "--test-threads=1", "--nocapture"]);
+            run(c)
+        })?;
+    }
+    step("build commrun, comm-bench, examples", || {
+        let mut c = cargo();
+        c.args(["build", "-p", "commrun", "-p", "comm-bench", "-p", "comm-api", "--bins", "--examples"]);
+        c.args(["--features", "comm-bench/profiling"]);
+        if with_mpi {
+            c.args(["--features", MPI_FEATURES]);
+        }
+        run(c)
+    })?;
+    let target = target_dir()?.join("debug");
+    let commrun = target.join("commrun");
+    let examples = examples(&root().join("crates/comm-api/examples"))?;
+    for example in &examples {
+        for np in [2, 3] {
+            step(&format!("example {example}, {np} ranks"), || {
+                let mut c = Command::new(&commrun);
+                c.current_dir(root()).env("COMM_TIMEOUT", "120").envs(EXAMPLE_ENV);
+                c.arg("-n").arg(np.to_string()).arg("--").arg(target.join("examples").join(example));
+                run_bounded(c, JOB_TIMEOUT)
+            })?;
+        }
+    }
+    step("bench smoke (comm-bench, 2 ranks, with --profile and --trace)", || {
+        let trace = target.join("smoke-trace.json");
+        let _ = std::fs::remove_file(&trace);
+        let mut c = Command::new(&commrun);
+        c.current_dir(root()).env("COMM_TIMEOUT", "120");
+        c.args(["-n", "2", "--"]).arg(target.join("comm-bench")).args(SMOKE_BENCH).arg("--profile");
+        c.arg("--trace").arg(&trace);
+        run_bounded(c, JOB_TIMEOUT)?;
+        // xtask has no JSON parser: the shape is checked here, the format by comm-api's tests.
+        let text = std::fs::read_to_string(&trace)
+            .map_err(|e| Failure { code: 1, msg: format!("{}: {e}", trace.display()) })?;
+        let ok = text.starts_with("{\"") && text.contains("\"traceEvents\":[") && text.contains("\"ph\":\"X\"");
+        if !ok || !text.contains("\"rank 1\"") {
+            return Err(Failure { code: 1, msg: format!("{} is not a two-rank trace", trace.display()) });
+        }
+        Ok(())
+    })?;
+    if with_mpi {
+        for example in &examples {
+            step(&format!("example {example} under mpirun -np 2 (backend auto: mpi)"), || {
+                let mut c = mpi::mpirun(2);
+                c.current_dir(root()).env("COMM_TIMEOUT", "120").env_remove("COMM_BACKEND").envs(EXAMPLE_ENV);
+                c.arg(target.join("examples").join(example));
+                run_bounded(c, JOB_TIMEOUT)
+            })?;
+        }
+        for backend in ["mpi", "mpi-raw"] {
+            step(&format!("bench smoke (comm-bench, {backend}, mpirun -np 2)"), || {
+                let mut c = mpi::mpirun(2);
+                c.current_dir(root()).env("COMM_TIMEOUT", "120").env("COMM_BACKEND", backend);
+                c.arg(target.join("comm-bench")).args(SMOKE_BENCH);
+                run_bounded(c, JOB_TIMEOUT)
+            })?;
+        }
+    }
+    println!("\n== all steps passed in {:.1}s ==", total.elapsed().as_secs_f64());
+    Ok(())
+}
+
+pub(crate) fn gpu_test(args: &[String]) -> Result {
+    let mut no_run = false;
+    for a in args {
+        match a.as_str() {
+            "--no-run" => no_run = true,
+            other => return Err(Failure::usage(format!("`gpu-test` does not take `{other}`"))),
+        }
+    }
+    if no_run {
+        return step("build the GPU tests (backend-nccl tests/gpu.rs)", || {
+            let mut c = cargo();
+            c.args(["test", "-p", "backend-nccl", "--test", "gpu", "--no-run"]);
+            run(c)
+        });
+    }
+    step("GPU tests: backend-nccl (COMM_NCCL_REQUIRE_GPU=1)", || {
+        let mut c = cargo();
+        c.env("COMM_NCCL_REQUIRE_GPU", "1");
+        c.args(["test", "-p", "backend-nccl", "--", "--test-threads=1", "--nocapture"]);
+        run(c)
+    })?;
+    step("GPU tests: comm-api with the nccl feature", || {
+        let mut c = cargo();
+        c.args(["test", "-p", "comm-api", "--features", "nccl", "--lib", "--", "nccl", "--nocapture"]);
+        run(c)
+    })
+}
+
+/// Example names in `dir`: `name.rs` files and `name/main.rs` directories, sorted.
+fn examples(dir: &Path) -> Result<Vec<String>> {
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| Failure { code: 1, msg: format!("reading {}: {e}", dir.display()) })?;
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter_map(|p| {
+            if p.extension() == Some(OsStr::new("rs")) {
+                p.file_stem().map(|s| s.to_string_lossy().into_owned())
+            } else if p.join("main.rs").is_file() {
+                p.file_name().map(|s| s.to_string_lossy().into_owned())
+            } else {
+                None
+            }
+        })
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn comm_api_examples_are_found() {
+        let names = examples(&root().join("crates/comm-api/examples")).unwrap();
+        assert!(names.iter().any(|n| n == "all_reduce"), "{names:?}");
+    }
+}
