@@ -283,7 +283,7 @@ async fn lanes() -> i32 {
         assert_eq!(small.await.unwrap().to_vec::<f32>().unwrap(), [want; 4], "small #{i}");
         assert_eq!(bcast.await.unwrap().to_vec::<f32>().unwrap(), [(i % n + i) as f32; 8], "broadcast #{i}");
         let g: Vec<f32> = (0..n).flat_map(|r| [r as f32, i as f32]).collect();
-        assert_eq!(gathered.await.unwrap().to_vec::<f32>().unwrap(), g, "all_gather #{i}");
+        assert_eq!(gathered.await.unwrap().output.to_vec::<f32>().unwrap(), g, "all_gather #{i}");
         send.await.unwrap();
         assert_eq!(recv.await.unwrap().to_vec::<f32>().unwrap(), [i as f32; 3], "recv #{i}");
     }
@@ -390,7 +390,7 @@ async fn mismatch() -> i32 {
     let got = if me == 0 {
         w.submit(Broadcast { buf: f32s(&[1.0; 4]), root: 0 }).await
     } else {
-        w.submit(AllGather { input: f32s(&[1.0; 4]), output: None }).await
+        w.submit(AllGather { input: f32s(&[1.0; 4]), output: None }).await.map(|io| io.output)
     };
     expect_mismatch("op", me, got, &["broadcast", "all_gather"]);
 

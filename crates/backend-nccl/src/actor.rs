@@ -36,8 +36,9 @@ pub(crate) trait Request: Send {
 }
 
 /// How one op is run: `plan` stages its inputs (uploads are enqueued right away) and returns the
-/// calls to make and how to finish.
-pub(crate) trait Plan: Op + Sized {
+/// calls to make and how to finish. `pub` (with `Cx` and `Prepared`) only so that the backend's
+/// generic `Collective` impl may name it: this module is private, so it stays crate-internal.
+pub trait Plan: Op + Sized {
     /// Point-to-point ops are batched into one NCCL group with the p2p ops submitted right
     /// after them.
     const P2P: bool = false;
@@ -77,7 +78,7 @@ impl<R: Plan> Request for Pending<R> {
 pub(crate) type Finish = Box<dyn FnOnce(Result<&[Staged], CommError>)>;
 
 /// A planned op.
-pub(crate) struct Prepared {
+pub struct Prepared {
     pub(crate) finish: Finish,
     pub(crate) body: Result<Body, CommError>,
 }
@@ -109,7 +110,7 @@ impl Staged {
 }
 
 /// The actor's resources that plans use.
-pub(crate) struct Cx {
+pub struct Cx {
     pub(crate) rank: u32,
     pub(crate) world: u32,
     pub(crate) ctx: Arc<CudaContext>,

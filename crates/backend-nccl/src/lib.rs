@@ -60,7 +60,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
-use comm_core::ops::{self, Op};
+use comm_core::ops::Op;
 use comm_core::{Backend, Collective, CommError, DType, Group, Rank, Store, Work};
 pub use cudarc;
 use cudarc::driver::{CudaContext, CudaStream};
@@ -348,51 +348,11 @@ impl NcclBackend {
     }
 }
 
-macro_rules! collectives {
-    ($($req:ty),* $(,)?) => {$(
-        impl Collective<$req> for NcclBackend {
-            fn submit(&self, req: $req) -> Work<<$req as Op>::Output> {
-                self.submit_plan(req)
-            }
-        }
-    )*};
+impl<R: Plan> Collective<R> for NcclBackend {
+    fn submit(&self, req: R) -> Work<R::Output> {
+        self.submit_plan(req)
+    }
 }
-
-collectives!(
-    ops::AllReduce,
-    ops::Broadcast,
-    ops::Reduce,
-    ops::AllGather,
-    ops::ReduceScatter,
-    ops::AllToAll,
-    ops::Scatter,
-    ops::Gather,
-    ops::SendTo,
-    ops::RecvFrom,
-    ops::Barrier,
-    Stall,
-);
-
-macro_rules! device_collectives {
-    ($($req:ident),* $(,)?) => {$(
-        impl<T: DeviceElement> Collective<$req<T>> for NcclBackend {
-            fn submit(&self, req: $req<T>) -> Work<<$req<T> as Op>::Output> {
-                self.submit_plan(req)
-            }
-        }
-    )*};
-}
-
-device_collectives!(
-    DeviceAllReduce,
-    DeviceBroadcast,
-    DeviceReduce,
-    DeviceAllGather,
-    DeviceReduceScatter,
-    DeviceAllToAll,
-    DeviceSend,
-    DeviceRecv,
-);
 
 #[async_trait]
 impl Group for NcclBackend {

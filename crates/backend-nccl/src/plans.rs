@@ -8,7 +8,7 @@
 use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
-use comm_core::{CommError, Completer, DType, HostBuffer, Op, ReduceOp};
+use comm_core::{CommError, Completer, DType, HostBuffer, InOut, Op, ReduceOp};
 use cudarc::nccl::sys::{ncclDataType_t, ncclRedOp_t};
 
 use crate::actor::{Body, Cx, Plan, Prepared, Staged};
@@ -111,7 +111,7 @@ impl Plan for Reduce {
 }
 
 impl Plan for AllGather {
-    fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
+    fn plan(self, cx: &mut Cx, done: Completer<InOut>) -> Prepared {
         let AllGather { input, output } = self;
         let n = cx.world as usize;
         let mut out = output.unwrap_or_else(|| HostBuffer::zeroed(input.dtype(), input.len() * n));
@@ -124,7 +124,7 @@ impl Plan for AllGather {
         })();
         prepared(done, b, move |st| {
             fill(&mut out, &st[1])?;
-            Ok(out)
+            Ok(InOut { input, output: out })
         })
     }
 }
@@ -133,7 +133,7 @@ impl Plan for ReduceScatter {
     fn reduce_op(&self) -> Option<ReduceOp> {
         Some(self.op)
     }
-    fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
+    fn plan(self, cx: &mut Cx, done: Completer<InOut>) -> Prepared {
         let ReduceScatter { input, op, output } = self;
         let k = input.len() / cx.world as usize;
         let mut out = output.unwrap_or_else(|| HostBuffer::zeroed(input.dtype(), k));
@@ -146,7 +146,7 @@ impl Plan for ReduceScatter {
         })();
         prepared(done, b, move |st| {
             fill(&mut out, &st[1])?;
-            Ok(out)
+            Ok(InOut { input, output: out })
         })
     }
 }
@@ -163,7 +163,7 @@ fn offsets(splits: &[usize]) -> Vec<usize> {
 }
 
 impl Plan for AllToAll {
-    fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
+    fn plan(self, cx: &mut Cx, done: Completer<InOut>) -> Prepared {
         let (ins, outs) = self.splits(cx.world);
         let AllToAll { input, output, .. } = self;
         let (me, d) = (cx.rank as usize, input.dtype());
@@ -195,13 +195,13 @@ impl Plan for AllToAll {
         })();
         prepared(done, b, move |st| {
             fill(&mut out, &st[1])?;
-            Ok(out)
+            Ok(InOut { input, output: out })
         })
     }
 }
 
 impl Plan for Scatter {
-    fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
+    fn plan(self, cx: &mut Cx, done: Completer<InOut>) -> Prepared {
         let Scatter { mut output, input, root } = self;
         let (me, n, k, d) = (cx.rank, cx.world, output.len(), output.dtype());
         let b = (|| {
@@ -232,17 +232,21 @@ impl Plan for Scatter {
         })();
         prepared(done, b, move |st| {
             fill(&mut output, &st[0])?;
-            Ok(output)
+            Ok(InOut { input: input.unwrap_or_else(|| HostBuffer::zeroed(d, 0)), output })
         })
     }
 }
 
 impl Plan for Gather {
-    fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
+    fn plan(self, cx: &mut Cx, done: Completer<InOut>) -> Prepared {
         let Gather { input, output, root } = self;
         let (me, n, k, d) = (cx.rank, cx.world, input.len(), input.dtype());
         let is_root = me == root;
-        let out = is_root.then(|| output.unwrap_or_else(|| HostBuffer::zeroed(d, k * n as usize)));
+        // Off the root nothing is received: an output passed anyway comes back as it is.
+        let (out, spare) = match is_root {
+            true => (Some(output.unwrap_or_else(|| HostBuffer::zeroed(d, k * n as usize))), None),
+            false => (None, output),
+        };
         let b = (|| {
             let dt = dt(Self::NAME, d)?;
             let sz = d.size();
@@ -266,12 +270,15 @@ impl Plan for Gather {
             staged.push(sin);
             body(calls, true, staged)
         })();
-        prepared(done, b, move |st| match out {
-            Some(mut o) => {
-                fill(&mut o, &st[0])?;
-                Ok(o)
-            }
-            None => Ok(input),
+        prepared(done, b, move |st| {
+            let output = match out {
+                Some(mut o) => {
+                    fill(&mut o, &st[0])?;
+                    o
+                }
+                None => spare.unwrap_or_else(|| HostBuffer::zeroed(d, 0)),
+            };
+            Ok(InOut { input, output })
         })
     }
 }

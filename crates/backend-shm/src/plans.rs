@@ -2,16 +2,10 @@
 //! says whether the op fits one step (and may run inline on the caller's thread), how the
 //! worker runs it otherwise, and where it waits for its turn.
 
-// `Plan` bounds the backend's public `Collective` impl, so rustc sees its methods as public
-// and the crate-private types in them (`Engine`, `OneShot`, `Limits`) as leaking; they cannot:
-// the trait lives in a private module and nothing outside the crate can call or implement it
-// (the same holds for its `OneShotOutput` bound).
-#![allow(private_interfaces, private_bounds)]
-
 use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
-use comm_core::{CommError, Completer, HostBuffer, Op};
+use comm_core::{CommError, Completer, HostBuffer, InOut, Op};
 
 use crate::engine::{Done, Engine, OneShot, Queued};
 
@@ -19,7 +13,7 @@ type Result<T, E = CommError> = std::result::Result<T, E>;
 
 /// What decides whether an op fits one step; the same on every rank.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Limits {
+pub struct Limits {
     pub(crate) world: u32,
     /// Bytes per window: the most one step moves per rank.
     pub(crate) window: usize,
@@ -27,30 +21,25 @@ pub(crate) struct Limits {
     pub(crate) small_max: usize,
 }
 
-pub(crate) use sealed::Plan;
-
-mod sealed {
-    use super::*;
-
-    /// How the shm backend runs one kind of op. Public only so that the backend's generic
-    /// `Collective` impl may name it; the module is private, so nobody outside implements it.
-    pub trait Plan: Op<Output: OneShotOutput> + Sized {
-        /// The one-step form, when the op fits one step (it may then run inline); else the
-        /// request back.
-        fn one_shot(self, _: &Limits) -> Result<OneShot, Self> {
-            Err(self)
-        }
-        /// Runs the op on the worker in its turn.
-        fn run(self, e: &mut Engine) -> Result<Self::Output>;
-        /// Where the op waits for its turn: collectives in submission order.
-        fn accept(p: Box<Pending<Self>>, e: &mut Engine) {
-            e.queue_collective(p);
-        }
+/// How the shm backend runs one kind of op. `pub` (with the types it names) only so that
+/// the backend's generic `Collective` impl may name it: the modules are private, so it
+/// stays crate-internal.
+pub trait Plan: Op<Output: OneShotOutput> + Sized {
+    /// The one-step form, when the op fits one step (it may then run inline); else the
+    /// request back.
+    fn one_shot(self, _: &Limits) -> Result<OneShot, Self> {
+        Err(self)
+    }
+    /// Runs the op on the worker in its turn.
+    fn run(self, e: &mut Engine) -> Result<Self::Output>;
+    /// Where the op waits for its turn: collectives in submission order.
+    fn accept(p: Box<Pending<Self>>, e: &mut Engine) {
+        e.queue_collective(p);
     }
 }
 
 /// An op and its completer, queued for the worker.
-pub(crate) struct Pending<R: Op> {
+pub struct Pending<R: Op> {
     pub(crate) req: R,
     pub(crate) done: Completer<R::Output>,
 }
@@ -69,7 +58,7 @@ impl<R: Plan> Queued for Pending<R> {
 }
 
 /// What a one-step op hands back: its buffer, or nothing (barrier).
-pub(crate) trait OneShotOutput: Sized {
+pub trait OneShotOutput: Sized {
     fn from_one_shot(op: OneShot) -> Self;
     fn done(c: Completer<Self>) -> Done;
 }
@@ -80,6 +69,15 @@ impl OneShotOutput for HostBuffer {
     }
     fn done(c: Completer<Self>) -> Done {
         Done::Buf(c)
+    }
+}
+
+impl OneShotOutput for InOut {
+    fn from_one_shot(op: OneShot) -> Self {
+        op.into_in_out()
+    }
+    fn done(c: Completer<Self>) -> Done {
+        Done::Io(c)
     }
 }
 
@@ -138,8 +136,9 @@ impl Plan for AllGather {
         let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), n));
         Ok(OneShot::AllGather { input: self.input, out })
     }
-    fn run(self, e: &mut Engine) -> Result<HostBuffer> {
-        e.all_gather(self)
+    fn run(mut self, e: &mut Engine) -> Result<InOut> {
+        let output = e.all_gather(&mut self)?;
+        Ok(InOut { input: self.input, output })
     }
 }
 
@@ -152,8 +151,9 @@ impl Plan for ReduceScatter {
         let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), block));
         Ok(OneShot::ReduceScatter { input: self.input, out, op: self.op })
     }
-    fn run(self, e: &mut Engine) -> Result<HostBuffer> {
-        e.reduce_scatter(self)
+    fn run(mut self, e: &mut Engine) -> Result<InOut> {
+        let output = e.reduce_scatter(&mut self)?;
+        Ok(InOut { input: self.input, output })
     }
 }
 
@@ -167,8 +167,9 @@ impl Plan for AllToAll {
         let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), self.input.len()));
         Ok(OneShot::AllToAll { input: self.input, out, n })
     }
-    fn run(self, e: &mut Engine) -> Result<HostBuffer> {
-        e.all_to_all(self)
+    fn run(mut self, e: &mut Engine) -> Result<InOut> {
+        let output = e.all_to_all(&mut self)?;
+        Ok(InOut { input: self.input, output })
     }
 }
 
@@ -182,13 +183,13 @@ impl Plan for Barrier {
 }
 
 impl Plan for Scatter {
-    fn run(self, e: &mut Engine) -> Result<HostBuffer> {
+    fn run(self, e: &mut Engine) -> Result<InOut> {
         e.scatter(self)
     }
 }
 
 impl Plan for Gather {
-    fn run(self, e: &mut Engine) -> Result<HostBuffer> {
+    fn run(self, e: &mut Engine) -> Result<InOut> {
         e.gather(self)
     }
 }

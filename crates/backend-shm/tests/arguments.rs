@@ -182,7 +182,9 @@ fn issue(ranks: &[ShmBackend], case: &Case, salt: u64) -> Planned {
             let works = ranks
                 .iter()
                 .zip(&ins)
-                .map(|(b, x)| b.submit(AllGather { input: x.clone(), output: out.make(dtype, len * n) }))
+                .map(|(b, x)| {
+                    b.submit(AllGather { input: x.clone(), output: out.make(dtype, len * n) }).map(|io| io.output)
+                })
                 .collect();
             Planned { works, want }
         }
@@ -194,7 +196,10 @@ fn issue(ranks: &[ShmBackend], case: &Case, salt: u64) -> Planned {
             let works = ranks
                 .iter()
                 .zip(&ins)
-                .map(|(b, x)| b.submit(ReduceScatter { input: x.clone(), op, output: out.make(dtype, len / n) }))
+                .map(|(b, x)| {
+                    b.submit(ReduceScatter { input: x.clone(), op, output: out.make(dtype, len / n) })
+                        .map(|io| io.output)
+                })
                 .collect();
             Planned { works, want }
         }
@@ -207,6 +212,7 @@ fn issue(ranks: &[ShmBackend], case: &Case, salt: u64) -> Planned {
                 .map(|(b, x)| {
                     let output = out.make(dtype, block * n);
                     b.submit(AllToAll { input: x.clone(), output, input_splits: None, output_splits: None })
+                        .map(|io| io.output)
                 })
                 .collect();
             Planned { works, want }
@@ -240,6 +246,7 @@ fn issue(ranks: &[ShmBackend], case: &Case, salt: u64) -> Planned {
                     let output = output.then(|| HostBuffer::zeroed(dtype, out_len));
                     let output_splits = Some(output_splits);
                     b.submit(AllToAll { input: x.clone(), output, input_splits: Some(input_splits), output_splits })
+                        .map(|io| io.output)
                 })
                 .collect();
             Planned { works, want }
@@ -262,6 +269,7 @@ fn issue(ranks: &[ShmBackend], case: &Case, salt: u64) -> Planned {
                         g
                     });
                     b.submit(Scatter { output: HostBuffer::zeroed(dtype, block), input: given, root })
+                        .map(|io| io.output)
                 })
                 .collect();
             Planned { works, want }
@@ -279,7 +287,7 @@ fn issue(ranks: &[ShmBackend], case: &Case, salt: u64) -> Planned {
                 .map(|(r, (b, x))| {
                     // A caller-provided output only matters (and is only checked) on the root.
                     let output = if r as u32 == root { out.make(dtype, len * n) } else { None };
-                    b.submit(Gather { input: x.clone(), output, root })
+                    b.submit(Gather { input: x.clone(), output, root }).map(|io| io.output)
                 })
                 .collect();
             Planned { works, want }

@@ -4,7 +4,9 @@ use std::sync::Arc;
 use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
-use comm_core::{Backend, Collective, CommError, DType, HostBuffer, Op, Rank, ReduceOp, StoreKind, Work, WorldInfo};
+use comm_core::{
+    Backend, Collective, CommError, DType, HostBuffer, InOut, Op, Rank, ReduceOp, StoreKind, Work, WorldInfo,
+};
 
 /// A group of ranks and every collective op on it. Cheap to clone.
 ///
@@ -227,12 +229,12 @@ impl ProcessGroup {
     /// # });
     /// ```
     pub fn all_gather(&self, input: HostBuffer) -> Work<HostBuffer> {
-        self.submit(AllGather { input, output: None })
+        self.submit(AllGather { input, output: None }).map(|io| io.output)
     }
 
     /// [`all_gather`](Self::all_gather) into a caller's buffer (reused, no allocation); it must
-    /// hold `world_size × input.len()` elements of the input's dtype.
-    pub fn all_gather_into(&self, input: HostBuffer, output: HostBuffer) -> Work<HostBuffer> {
+    /// hold `world_size × input.len()` elements of the input's dtype. Both buffers come back.
+    pub fn all_gather_into(&self, input: HostBuffer, output: HostBuffer) -> Work<InOut> {
         self.submit(AllGather { input, output: Some(output) })
     }
 
@@ -349,18 +351,19 @@ impl ProcessGroup {
 
     /// `input` (`world_size × k` elements) reduced across ranks; rank `r` gets block `r`.
     pub fn reduce_scatter(&self, input: HostBuffer, op: ReduceOp) -> Work<HostBuffer> {
-        self.submit(ReduceScatter { input, op, output: None })
+        self.submit(ReduceScatter { input, op, output: None }).map(|io| io.output)
     }
 
-    /// [`reduce_scatter`](Self::reduce_scatter) into a caller's buffer of `input.len() / world_size`.
-    pub fn reduce_scatter_into(&self, input: HostBuffer, op: ReduceOp, output: HostBuffer) -> Work<HostBuffer> {
+    /// [`reduce_scatter`](Self::reduce_scatter) into a caller's buffer of `input.len() / world_size`;
+    /// both buffers come back.
+    pub fn reduce_scatter_into(&self, input: HostBuffer, op: ReduceOp, output: HostBuffer) -> Work<InOut> {
         self.submit(ReduceScatter { input, op, output: Some(output) })
     }
 
     /// torch's `all_to_all_single` with equal blocks: block `j` of this rank's input goes to
     /// rank `j`, which stores it as its block `rank`.
     pub fn all_to_all_single(&self, input: HostBuffer) -> Work<HostBuffer> {
-        self.submit(AllToAll { input, output: None, input_splits: None, output_splits: None })
+        self.submit(AllToAll { input, output: None, input_splits: None, output_splits: None }).map(|io| io.output)
     }
 
     /// `all_to_all_single` with uneven blocks: `input_splits[j]` elements go to rank `j`,
@@ -378,33 +381,38 @@ impl ProcessGroup {
             input_splits: Some(input_splits),
             output_splits: Some(output_splits),
         })
+        .map(|io| io.output)
     }
 
-    /// `all_to_all_single` into a caller's buffer; `None` splits mean equal blocks.
+    /// `all_to_all_single` into a caller's buffer; `None` splits mean equal blocks. Both
+    /// buffers come back.
     pub fn all_to_all_single_into(
         &self,
         input: HostBuffer,
         output: HostBuffer,
         input_splits: Option<Vec<usize>>,
         output_splits: Option<Vec<usize>>,
-    ) -> Work<HostBuffer> {
+    ) -> Work<InOut> {
         self.submit(AllToAll { input, output: Some(output), input_splits, output_splits })
     }
 
     /// Rank `r` receives block `r` of the root's `input` (`world_size × output.len()`) into
-    /// `output`. Non-roots pass `None` as input.
-    pub fn scatter(&self, output: HostBuffer, input: Option<HostBuffer>, root: Rank) -> Work<HostBuffer> {
+    /// `output`. Non-roots pass `None` as input. Both buffers come back (a non-root's input is
+    /// empty).
+    pub fn scatter(&self, output: HostBuffer, input: Option<HostBuffer>, root: Rank) -> Work<InOut> {
         self.submit(Scatter { output, input, root })
     }
 
     /// The root receives every rank's `input` concatenated in rank order; other ranks get
     /// their input back.
     pub fn gather(&self, input: HostBuffer, root: Rank) -> Work<HostBuffer> {
-        self.submit(Gather { input, output: None, root })
+        let root_here = self.rank() == root;
+        self.submit(Gather { input, output: None, root }).map(move |io| if root_here { io.output } else { io.input })
     }
 
-    /// [`gather`](Self::gather) into a caller's buffer on the root.
-    pub fn gather_into(&self, input: HostBuffer, output: HostBuffer, root: Rank) -> Work<HostBuffer> {
+    /// [`gather`](Self::gather) into a caller's buffer on the root (others pass an empty one, or
+    /// any buffer they want back as it is). Both buffers come back.
+    pub fn gather_into(&self, input: HostBuffer, output: HostBuffer, root: Rank) -> Work<InOut> {
         self.submit(Gather { input, output: Some(output), root })
     }
 

@@ -54,8 +54,8 @@ mod objects;
 
 pub use barrier::MONITORED_BARRIER_TAG;
 pub use comm_core::{
-    bf16, f16, ops, Backend, Collective, CommError, DType, Element, Group, HostBuffer, Launcher, Rank, ReduceOp, Store,
-    StoreKind, Work, WorldInfo, WorldSource,
+    bf16, f16, ops, Backend, Collective, CommError, DType, Element, Group, HostBuffer, InOut, Launcher, Rank, ReduceOp,
+    Store, StoreKind, Work, WorldInfo, WorldSource,
 };
 pub use config::{builder, init, BackendKind, Builder, Config};
 pub use group::{P2POp, ProcessGroup};

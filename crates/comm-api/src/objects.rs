@@ -131,7 +131,7 @@ impl ProcessGroup {
             }
             all
         });
-        let block = self.scatter(HostBuffer::zeroed(DType::U8, max), input, root).await?;
+        let block = self.scatter(HostBuffer::zeroed(DType::U8, max), input, root).await?.output;
         let me = self.rank() as usize;
         decode(OP, &block.as_bytes()[..sizes[me] as usize], root)
     }

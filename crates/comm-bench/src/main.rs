@@ -9,7 +9,6 @@
 mod baseline;
 mod cases;
 mod compare;
-mod heap;
 #[cfg(feature = "profiling")]
 mod overhead;
 mod plot;
@@ -25,7 +24,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use comm_api::{CommError, Config, DType, HostBuffer, ProcessGroup, ReduceOp};
+use comm_api::{CommError, Config, DType, HostBuffer, InOut, ProcessGroup, ReduceOp};
 
 use baseline::Baseline;
 use cases::{shape, Case, Coll};
@@ -39,9 +38,6 @@ const ITERS_MAX: usize = 10_000;
 /// Small ops settle for a few ms after start (threads placed, caches warm): a tenth of the
 /// iterations, up to this many, run untimed first.
 const WARMUP_MAX: usize = 1000;
-/// Ops that consume their input get a fresh copy per iteration, made before the clock starts;
-/// at most this many bytes of copies exist at once (more iterations run in several batches).
-const POOL_BYTES: usize = 256 << 20;
 
 const AFTER_HELP: &str = "\
 SIZES (nccl-tests conventions, see shared/reference/nccl-tests-bw.md):
@@ -63,11 +59,8 @@ TIMING:
   (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast and reduce.
   GB/s means 10^9 bytes per second. Without --iters, iterations = clamp(4 GiB / size, 5, 10000);
   without --warmup, warm-up = clamp(iters / 10, 2, 1000).
-  Ops that consume their input get a copy made outside the clock, and free it inside.
-  comm-bench keeps freed memory in the process (glibc: no mmap, no heap trimming), so that
-  free is cheap and the copies reuse resident pages, as buffers reused across iterations
-  are in nccl-tests; --release-memory restores the allocator's defaults (at >= 8 MiB each
-  op then also pays for unmapping its input and the next copy for faulting it back in).
+  Every op reuses its buffers across iterations, as in nccl-tests: ops that read one buffer
+  and fill another hand both back.
 
 CHECKING:
   After the timed loop one more iteration runs on fresh known inputs (small integers, exact
@@ -158,10 +151,6 @@ struct Cli {
     /// backend's zero-copy memory where it has one.
     #[arg(long)]
     zero_copy: bool,
-    /// Let the allocator return freed memory to the kernel as it does by default (see
-    /// TIMING); without it, comm-bench keeps freed memory for reuse.
-    #[arg(long)]
-    release_memory: bool,
     /// Profile every op (a span each, recorded by a CommsLogger) and print the CommsLogger
     /// summary with the per-rank straggler view after the bench (feature `profiling`).
     #[arg(long, conflicts_with = "profile_overhead")]
@@ -307,9 +296,6 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         };
-    }
-    if !cli.release_memory {
-        heap::keep_freed_memory();
     }
     let plan = match Plan::from_cli(cli) {
         Ok(p) => p,
@@ -542,28 +528,24 @@ async fn bench_row(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<Row, Co
     let template = case.input()?;
     let iters = plan.iters_for(case.shape.bytes);
     let warmup = plan.warmup_for(iters);
-    // The buffer that comes back from each op: in place, the data itself; else the output.
-    let mut slot = Some(if case.coll.in_place() {
-        if plan.zero_copy {
-            // The backend's own memory (shm: a segment the peers map), so nothing is copied in.
-            let mut b = pg.alloc_buffer(template.dtype(), template.len())?;
-            b.as_bytes_mut().copy_from_slice(template.as_bytes());
-            b
-        } else {
-            template.clone()
-        }
+    let input = if case.coll.in_place() && plan.zero_copy {
+        // The backend's own memory (shm: a segment the peers map), so nothing is copied in.
+        let mut b = pg.alloc_buffer(template.dtype(), template.len())?;
+        b.as_bytes_mut().copy_from_slice(template.as_bytes());
+        b
     } else {
-        case.sentinel_output()?
-    });
-    run_iters(pg, &case, warmup, &template, &mut slot, None).await?;
+        template.clone()
+    };
+    let mut slot = Some(Slot::new(&case, input)?);
+    run_iters(pg, &case, warmup, &mut slot, None).await?;
     let mut per_op = plan.percentiles.then(|| Vec::with_capacity(iters));
-    let elapsed = run_iters(pg, &case, iters, &template, &mut slot, per_op.as_mut()).await?;
+    let elapsed = run_iters(pg, &case, iters, &mut slot, per_op.as_mut()).await?;
     drop(slot);
 
     let wrong = if plan.check {
-        let output = (!case.coll.in_place()).then(|| case.sentinel_output()).transpose()?;
-        let got = issue(pg, &case, template, output).await?;
-        Some(case.count_wrong(&got)?)
+        let Slot { input, output } = Slot::new(&case, template)?;
+        let got = issue(pg, &case, input, output).await?;
+        Some(case.count_wrong(got.result())?)
     } else {
         None
     };
@@ -609,60 +591,67 @@ async fn bench_row(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<Row, Co
     })
 }
 
-/// Runs `iters` ops and returns the time spent in them. In-place ops reuse the buffer in
-/// `slot`; ops that consume their input take a copy of `template` made beforehand, in batches
-/// of at most [`POOL_BYTES`], each batch starting with a barrier outside the clock.
+/// The buffers one op hands back for the next: in place, the data (`input`); otherwise the
+/// input, unchanged, and the output.
+pub(crate) struct Slot {
+    input: HostBuffer,
+    output: Option<HostBuffer>,
+}
+
+impl Slot {
+    /// The first op's buffers: `input`, and the case's output when it has one.
+    fn new(case: &Case, input: HostBuffer) -> Result<Slot, CommError> {
+        let output = (!case.coll.in_place()).then(|| case.sentinel_output()).transpose()?;
+        Ok(Slot { input, output })
+    }
+
+    /// What the op computed.
+    fn result(&self) -> &HostBuffer {
+        self.output.as_ref().unwrap_or(&self.input)
+    }
+}
+
+/// Runs `iters` ops, each on the buffers the previous one handed back, and returns the time
+/// spent in them.
 async fn run_iters(
     pg: &ProcessGroup,
     case: &Case,
     iters: usize,
-    template: &HostBuffer,
-    slot: &mut Option<HostBuffer>,
+    slot: &mut Option<Slot>,
     mut per_op: Option<&mut Vec<f64>>,
 ) -> Result<Duration, CommError> {
-    let in_place = case.coll.in_place();
-    let mut total = Duration::ZERO;
-    let mut done = 0;
-    while done < iters {
-        let left = iters - done;
-        let batch = if in_place { left } else { (POOL_BYTES / template.byte_len().max(1)).clamp(1, left) };
-        let mut pool: Vec<HostBuffer> = if in_place { Vec::new() } else { vec![template.clone(); batch] };
-        quiet(|| pg.barrier()).await?;
-        let start = Instant::now();
-        for _ in 0..batch {
-            let taken = slot.take();
-            let (input, output) = if in_place { (taken, None) } else { (pool.pop(), taken) };
-            let input = input.ok_or_else(|| CommError::invalid("comm-bench", "lost a buffer"))?;
-            let op_start = per_op.is_some().then(Instant::now);
-            *slot = Some(issue(pg, case, input, output).await?);
-            if let (Some(v), Some(t)) = (per_op.as_deref_mut(), op_start) {
-                v.push(t.elapsed().as_secs_f64());
-            }
+    quiet(|| pg.barrier()).await?;
+    let start = Instant::now();
+    for _ in 0..iters {
+        let Slot { input, output } = slot.take().ok_or_else(|| CommError::invalid("comm-bench", "lost a buffer"))?;
+        let op_start = per_op.is_some().then(Instant::now);
+        *slot = Some(issue(pg, case, input, output).await?);
+        if let (Some(v), Some(t)) = (per_op.as_deref_mut(), op_start) {
+            v.push(t.elapsed().as_secs_f64());
         }
-        total += start.elapsed();
-        done += batch;
     }
-    Ok(total)
+    Ok(start.elapsed())
 }
 
-/// Issues one op and waits for it; returns the buffer it hands back (in place: the data;
-/// otherwise the output).
+/// Issues one op and waits for it.
 async fn issue(
     pg: &ProcessGroup,
     case: &Case,
     input: HostBuffer,
     output: Option<HostBuffer>,
-) -> Result<HostBuffer, CommError> {
+) -> Result<Slot, CommError> {
     let (op, root) = (case.redop, case.root);
     let output = || output.ok_or_else(|| CommError::invalid("comm-bench", "missing output buffer"));
-    match case.coll {
-        Coll::AllReduce => pg.all_reduce(input, op).await,
-        Coll::Broadcast => pg.broadcast(input, root).await,
-        Coll::Reduce => pg.reduce(input, op, root).await,
-        Coll::AllGather => pg.all_gather_into(input, output()?).await,
-        Coll::ReduceScatter => pg.reduce_scatter_into(input, op, output()?).await,
-        Coll::AllToAll => pg.all_to_all_single_into(input, output()?, None, None).await,
-    }
+    let in_place = |input| Slot { input, output: None };
+    let in_out = |io: InOut| Slot { input: io.input, output: Some(io.output) };
+    Ok(match case.coll {
+        Coll::AllReduce => in_place(pg.all_reduce(input, op).await?),
+        Coll::Broadcast => in_place(pg.broadcast(input, root).await?),
+        Coll::Reduce => in_place(pg.reduce(input, op, root).await?),
+        Coll::AllGather => in_out(pg.all_gather_into(input, output()?).await?),
+        Coll::ReduceScatter => in_out(pg.reduce_scatter_into(input, op, output()?).await?),
+        Coll::AllToAll => in_out(pg.all_to_all_single_into(input, output()?, None, None).await?),
+    })
 }
 
 #[cfg(test)]

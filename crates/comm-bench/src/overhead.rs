@@ -32,7 +32,7 @@ use tracing::Dispatch;
 use tracing_subscriber::layer::SubscriberExt;
 
 use crate::cases::{shape, Case};
-use crate::{run_iters, sizes, Plan};
+use crate::{run_iters, sizes, Plan, Slot};
 
 /// Rounds per row (each runs every mode once): many short rounds rather than a few long ones,
 /// so the medians see through what other processes do to some of them. Small messages get
@@ -78,12 +78,12 @@ async fn measure(
         for k in 0..modes.len() {
             let m = (round + k) % modes.len();
             let (group, dispatch) = modes[m];
-            let mut slot = Some(if case.coll.in_place() { template.clone() } else { case.sentinel_output()? });
+            let mut slot = Some(Slot::new(case, template.clone())?);
             let _scope = tracing::dispatcher::set_default(dispatch);
             if round == 0 {
-                run_iters(group, case, warmup, &template, &mut slot, None).await?;
+                run_iters(group, case, warmup, &mut slot, None).await?;
             }
-            let t = run_iters(group, case, iters, &template, &mut slot, None).await?;
+            let t = run_iters(group, case, iters, &mut slot, None).await?;
             let mean = t.as_secs_f64() / iters as f64;
             let max = without_profiling(|| pg.all_reduce(HostBuffer::from_slice(&[mean]), ReduceOp::Max));
             samples[m].push(max.await?.to_vec::<f64>()?[0] * 1e6);

@@ -18,8 +18,8 @@ use comm_api::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
 use comm_api::{
-    Backend, Collective, CommError, DType, Group, HostBuffer, Launcher, ProcessGroup, Rank, ReduceOp, Work, WorldInfo,
-    WorldSource,
+    Backend, Collective, CommError, DType, Group, HostBuffer, InOut, Launcher, ProcessGroup, Rank, ReduceOp, Work,
+    WorldInfo, WorldSource,
 };
 use mpi::ffi;
 
@@ -199,7 +199,7 @@ impl RawMpi {
         Ok(r.buf)
     }
 
-    fn all_gather(&self, r: AllGather) -> Result<HostBuffer, CommError> {
+    fn all_gather(&self, r: AllGather) -> Result<InOut, CommError> {
         let total = r.input.len() * self.0.size as usize;
         let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(r.input.dtype(), total));
         let (n, dt) = (count(r.input.len())?, datatype(r.input.dtype()));
@@ -215,10 +215,10 @@ impl RawMpi {
                 ffi::RSMPI_COMM_WORLD,
             )
         })?;
-        Ok(out)
+        Ok(InOut { input: r.input, output: out })
     }
 
-    fn reduce_scatter(&self, r: ReduceScatter) -> Result<HostBuffer, CommError> {
+    fn reduce_scatter(&self, r: ReduceScatter) -> Result<InOut, CommError> {
         let op = self.op(ReduceScatter::NAME, r.input.dtype(), r.op)?;
         let k = r.input.len() / self.0.size as usize;
         let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(r.input.dtype(), k));
@@ -233,10 +233,10 @@ impl RawMpi {
                 ffi::RSMPI_COMM_WORLD,
             )
         })?;
-        Ok(out)
+        Ok(InOut { input: r.input, output: out })
     }
 
-    fn all_to_all(&self, r: AllToAll) -> Result<HostBuffer, CommError> {
+    fn all_to_all(&self, r: AllToAll) -> Result<InOut, CommError> {
         let (ins, outs) = r.splits(self.0.size);
         let dt = datatype(r.input.dtype());
         let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(r.input.dtype(), outs.iter().sum()));
@@ -245,10 +245,8 @@ impl RawMpi {
         if r.input_splits.is_none() && r.output_splits.is_none() {
             let n = count(ins[0])?;
             // SAFETY: both buffers hold size × n elements (validated: equal lengths).
-            return check("MPI_Alltoall", unsafe {
-                ffi::MPI_Alltoall(send, n, dt, recv, n, dt, ffi::RSMPI_COMM_WORLD)
-            })
-            .map(|()| out);
+            check("MPI_Alltoall", unsafe { ffi::MPI_Alltoall(send, n, dt, recv, n, dt, ffi::RSMPI_COMM_WORLD) })?;
+            return Ok(InOut { input: r.input, output: out });
         }
         let displs = |v: &[usize]| v.iter().scan(0, |a, &c| Some(std::mem::replace(a, *a + c))).collect::<Vec<_>>();
         let ints = |v: Vec<usize>| v.into_iter().map(count).collect::<Result<Vec<c_int>, _>>();
@@ -267,8 +265,8 @@ impl RawMpi {
                 dt,
                 ffi::RSMPI_COMM_WORLD,
             )
-        })
-        .map(|()| out)
+        })?;
+        Ok(InOut { input: r.input, output: out })
     }
 
     fn barrier(&self) -> Result<(), CommError> {

@@ -31,7 +31,7 @@ pub use buffer::{ExternalStorage, HostBuffer};
 pub use collective::{Backend, Collective, Group};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{panic_message, CommError};
-pub use ops::{Op, OpKind};
+pub use ops::{InOut, Op, OpKind};
 pub use store::{MemoryStore, Store};
 pub use work::{Completer, Completion, Work};
 pub use world::{Launcher, StoreKind, WorldInfo, WorldSource};

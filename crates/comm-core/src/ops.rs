@@ -260,8 +260,19 @@ impl Op for Reduce {
     }
 }
 
+/// What an op that reads one buffer and fills another hands back: both, so that callers can
+/// reuse them. `input` comes back unchanged. A side the op had no buffer for (a scatter's input
+/// off the root, a gather's output off the root, when none was passed) is an empty buffer.
+#[derive(Debug)]
+pub struct InOut {
+    /// The buffer the op read.
+    pub input: HostBuffer,
+    /// The buffer the op filled.
+    pub output: HostBuffer,
+}
+
 /// `all_gather_into_tensor`: every rank ends with the concatenation of all ranks' `input`,
-/// in rank order. Returns `output` (allocated when `None`), `world_size × input.len()` long.
+/// in rank order, in `output` (allocated when `None`), `world_size × input.len()` long.
 #[derive(Debug)]
 pub struct AllGather {
     /// This rank's shard.
@@ -271,7 +282,7 @@ pub struct AllGather {
 }
 
 impl Op for AllGather {
-    type Output = HostBuffer;
+    type Output = InOut;
     const KIND: OpKind = OpKind::AllGather;
     fn bytes(&self) -> usize {
         self.input.byte_len()
@@ -301,7 +312,7 @@ pub struct ReduceScatter {
 }
 
 impl Op for ReduceScatter {
-    type Output = HostBuffer;
+    type Output = InOut;
     const KIND: OpKind = OpKind::ReduceScatter;
     fn bytes(&self) -> usize {
         self.input.byte_len()
@@ -355,7 +366,7 @@ impl AllToAll {
 }
 
 impl Op for AllToAll {
-    type Output = HostBuffer;
+    type Output = InOut;
     const KIND: OpKind = OpKind::AllToAll;
     fn bytes(&self) -> usize {
         self.input.byte_len()
@@ -443,7 +454,7 @@ pub struct Scatter {
 }
 
 impl Op for Scatter {
-    type Output = HostBuffer;
+    type Output = InOut;
     const KIND: OpKind = OpKind::Scatter;
     fn bytes(&self) -> usize {
         self.output.byte_len()
@@ -475,7 +486,7 @@ impl Op for Scatter {
 }
 
 /// `gather`: the root receives every rank's `input`, concatenated in rank order, in `output`
-/// (allocated when `None`). Non-root ranks get their `input` back.
+/// (allocated when `None`).
 #[derive(Debug)]
 pub struct Gather {
     /// This rank's contribution.
@@ -487,7 +498,7 @@ pub struct Gather {
 }
 
 impl Op for Gather {
-    type Output = HostBuffer;
+    type Output = InOut;
     const KIND: OpKind = OpKind::Gather;
     fn bytes(&self) -> usize {
         self.input.byte_len()

@@ -20,7 +20,7 @@ use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter,
     SendTo as SendOp,
 };
-use comm_core::{Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Op, Rank, ReduceOp, Work};
+use comm_core::{Backend, Collective, CommError, Completer, DType, Group, HostBuffer, InOut, Op, Rank, ReduceOp, Work};
 
 use crate::reference;
 
@@ -395,9 +395,12 @@ impl LocalOp for AllGather {
     fn sig(&self) -> Sig {
         data_sig(Self::NAME, &self.input)
     }
-    fn run(reqs: Vec<Self>, _: &GroupCtx) -> Result<Vec<HostBuffer>, CommError> {
+    fn run(reqs: Vec<Self>, _: &GroupCtx) -> Result<Vec<InOut>, CommError> {
         let all = reference::concat(&reqs.iter().map(|r| &r.input).collect::<Vec<_>>());
-        Ok(reqs.into_iter().map(|r| r.output.map_or_else(|| all.clone(), |o| fill(o, &all))).collect())
+        Ok(reqs
+            .into_iter()
+            .map(|r| InOut { output: r.output.map_or_else(|| all.clone(), |o| fill(o, &all)), input: r.input })
+            .collect())
     }
 }
 
@@ -405,9 +408,13 @@ impl LocalOp for ReduceScatter {
     fn sig(&self) -> Sig {
         Sig { reduce: Some(self.op), ..data_sig(Self::NAME, &self.input) }
     }
-    fn run(reqs: Vec<Self>, _: &GroupCtx) -> Result<Vec<HostBuffer>, CommError> {
+    fn run(reqs: Vec<Self>, _: &GroupCtx) -> Result<Vec<InOut>, CommError> {
         let blocks = reference::reduce_scatter(&reqs.iter().map(|r| &r.input).collect::<Vec<_>>(), reqs[0].op);
-        Ok(reqs.into_iter().zip(blocks).map(|(r, b)| r.output.map_or(b.clone(), |o| fill(o, &b))).collect())
+        Ok(reqs
+            .into_iter()
+            .zip(blocks)
+            .map(|(r, b)| InOut { output: r.output.map_or(b.clone(), |o| fill(o, &b)), input: r.input })
+            .collect())
     }
 }
 
@@ -416,7 +423,7 @@ impl LocalOp for AllToAll {
         // Lengths may differ per rank (uneven splits); `run` checks the splits pairwise.
         Sig { dtype: Some(self.input.dtype()), ..Sig::new(Self::NAME) }
     }
-    fn run(reqs: Vec<Self>, _: &GroupCtx) -> Result<Vec<HostBuffer>, CommError> {
+    fn run(reqs: Vec<Self>, _: &GroupCtx) -> Result<Vec<InOut>, CommError> {
         let n = reqs.len();
         let splits: Vec<(Vec<usize>, Vec<usize>)> = reqs.iter().map(|r| r.splits(n as u32)).collect();
         for (i, (ins, _)) in splits.iter().enumerate() {
@@ -434,7 +441,11 @@ impl LocalOp for AllToAll {
         }
         let ins: Vec<Vec<usize>> = splits.into_iter().map(|s| s.0).collect();
         let outs = reference::all_to_all(&reqs.iter().map(|r| &r.input).collect::<Vec<_>>(), &ins);
-        Ok(reqs.into_iter().zip(outs).map(|(r, b)| r.output.map_or(b.clone(), |o| fill(o, &b))).collect())
+        Ok(reqs
+            .into_iter()
+            .zip(outs)
+            .map(|(r, b)| InOut { output: r.output.map_or(b.clone(), |o| fill(o, &b)), input: r.input })
+            .collect())
     }
 }
 
@@ -442,11 +453,18 @@ impl LocalOp for Scatter {
     fn sig(&self) -> Sig {
         Sig { root: Some(self.root), ..data_sig(Self::NAME, &self.output) }
     }
-    fn run(reqs: Vec<Self>, _: &GroupCtx) -> Result<Vec<HostBuffer>, CommError> {
+    fn run(reqs: Vec<Self>, _: &GroupCtx) -> Result<Vec<InOut>, CommError> {
         let root = reqs[0].root as usize;
         let input = reqs[root].input.as_ref().expect("validate makes the root pass its input");
         let blocks = reference::scatter(input, reqs.len() as u32);
-        Ok(reqs.into_iter().zip(blocks).map(|(r, b)| fill(r.output, &b)).collect())
+        Ok(reqs
+            .into_iter()
+            .zip(blocks)
+            .map(|(r, b)| {
+                let input = r.input.unwrap_or_else(|| HostBuffer::zeroed(r.output.dtype(), 0));
+                InOut { output: fill(r.output, &b), input }
+            })
+            .collect())
     }
 }
 
@@ -454,16 +472,19 @@ impl LocalOp for Gather {
     fn sig(&self) -> Sig {
         Sig { root: Some(self.root), ..data_sig(Self::NAME, &self.input) }
     }
-    fn run(reqs: Vec<Self>, _: &GroupCtx) -> Result<Vec<HostBuffer>, CommError> {
+    fn run(reqs: Vec<Self>, _: &GroupCtx) -> Result<Vec<InOut>, CommError> {
         let root = reqs[0].root as usize;
         let all = reference::concat(&reqs.iter().map(|r| &r.input).collect::<Vec<_>>());
         Ok(reqs
             .into_iter()
             .enumerate()
-            .map(|(i, r)| match (i == root, r.output) {
-                (true, Some(o)) => fill(o, &all),
-                (true, None) => all.clone(),
-                (false, _) => r.input,
+            .map(|(i, r)| {
+                let output = match (i == root, r.output) {
+                    (true, Some(o)) => fill(o, &all),
+                    (true, None) => all.clone(),
+                    (false, o) => o.unwrap_or_else(|| HostBuffer::zeroed(r.input.dtype(), 0)),
+                };
+                InOut { input: r.input, output }
             })
             .collect())
     }

@@ -207,10 +207,13 @@ pub fn scatter(root_input: &HostBuffer, world: u32) -> Vec<HostBuffer> {
     (0..n).map(|r| slice(root_input, r * k, k)).collect()
 }
 
-/// `gather`: the root gets the concatenation in rank order; every other rank gets its input back.
+/// `gather`'s outputs: the root's is the concatenation in rank order; the others' are empty
+/// (they passed no output).
 pub fn gather(inputs: &[&HostBuffer], root: Rank) -> Vec<HostBuffer> {
     let all = concat(inputs);
-    (0..inputs.len()).map(|r| if r == root as usize { all.clone() } else { inputs[r].clone() }).collect()
+    (0..inputs.len())
+        .map(|r| if r == root as usize { all.clone() } else { HostBuffer::zeroed(inputs[r].dtype(), 0) })
+        .collect()
 }
 
 /// `send`/`recv`: the sender gets its buffer back unchanged, the receiver a copy of it.
@@ -448,7 +451,7 @@ mod tests {
         assert_eq!(a2a[0].to_vec::<i32>().unwrap(), [10, 20, 30]);
         assert_eq!(a2a[1].to_vec::<i32>().unwrap(), [1, 2, 3, 4, 40]);
         let g = gather(&refs(&ins), 1);
-        assert_eq!(g[0], ins[0]);
+        assert_eq!(g[0].len(), 0);
         assert_eq!(g[1].to_vec::<i32>().unwrap(), [1, 2, 3, 4, 10, 20, 30, 40]);
         let s = scatter(&g[1], 4);
         assert_eq!(s[3].to_vec::<i32>().unwrap(), [30, 40]);

@@ -38,10 +38,15 @@ use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter,
     SendTo as SendOp,
 };
-use comm_core::{Backend, Collective, CommError, DType, HostBuffer, Op, Rank, ReduceOp, Work};
+use comm_core::{Backend, Collective, CommError, DType, HostBuffer, InOut, Op, Rank, ReduceOp, Work};
 use futures::future::join_all;
 
 use crate::reference;
+
+/// The filled buffer of an op that hands back input and output.
+fn output(io: InOut) -> HostBuffer {
+    io.output
+}
 
 /// What the suite covers. Start from [`SuiteConfig::default`] (or [`SuiteConfig::quick`]) and
 /// change fields.
@@ -303,6 +308,23 @@ impl<'a> Runner<'a> {
         }
     }
 
+    /// An op that reads one buffer and fills another: `output` as wanted, and `input` handed back
+    /// unchanged.
+    fn check_io(&mut self, what: &str, got: Result<InOut, CommError>, input: &HostBuffer, want: &HostBuffer) {
+        match got {
+            Ok(io) => {
+                let r = reference::compare(&io.output, want, &self.what(what), self.me).and_then(|()| {
+                    reference::compare(&io.input, input, &self.what(&format!("{what}: its input handed back")), self.me)
+                });
+                match r {
+                    Ok(()) => self.tally.passed += 1,
+                    Err(e) => self.tally.fail(e),
+                }
+            }
+            Err(e) => self.error(what, e),
+        }
+    }
+
     fn check_ok<T>(&mut self, what: &str, got: Result<T, CommError>) -> Option<T> {
         match got {
             Ok(v) => {
@@ -470,7 +492,8 @@ impl<'a> Runner<'a> {
         let want = reference::concat(&refs(&ins));
         let output = into.then(|| junk(d, len * self.n as usize));
         let got = submit(&self.b, AllGather { input: ins[self.me()].clone(), output }).await;
-        self.check(&format!("all_gather{} {d} × {len}", if into { "_into" } else { "" }), got, &want);
+        let what = format!("all_gather{} {d} × {len}", if into { "_into" } else { "" });
+        self.check_io(&what, got, &ins[self.me()], &want);
     }
 
     async fn reduce_scatter(&mut self, d: DType, len: usize, op: ReduceOp, into: bool) {
@@ -480,7 +503,7 @@ impl<'a> Runner<'a> {
         let output = into.then(|| junk(d, len));
         let got = submit(&self.b, ReduceScatter { input: ins[self.me()].clone(), op, output }).await;
         let into = if into { "_into" } else { "" };
-        self.check(&format!("reduce_scatter{into}({op}) {d} × {len} per rank"), got, &want);
+        self.check_io(&format!("reduce_scatter{into}({op}) {d} × {len} per rank"), got, &ins[self.me()], &want);
     }
 
     async fn all_to_all_equal(&mut self, d: DType, len: usize, into: bool) {
@@ -491,7 +514,7 @@ impl<'a> Runner<'a> {
         let req = AllToAll { input: ins[self.me()].clone(), output, input_splits: None, output_splits: None };
         let got = submit(&self.b, req).await;
         let into = if into { " into an output buffer" } else { "" };
-        self.check(&format!("all_to_all (equal splits{into}) {d} × {len} per peer"), got, &want);
+        self.check_io(&format!("all_to_all (equal splits{into}) {d} × {len} per peer"), got, &ins[self.me()], &want);
     }
 
     async fn all_to_all_uneven(&mut self, d: DType, len: usize, pattern: u8, into: bool) {
@@ -511,16 +534,17 @@ impl<'a> Runner<'a> {
         };
         let got = submit(&self.b, req).await;
         let into = if into { " into an output buffer" } else { "" };
-        self.check(&format!("all_to_all (uneven splits {splits:?}{into}) {d}"), got, &want);
+        self.check_io(&format!("all_to_all (uneven splits {splits:?}{into}) {d}"), got, &ins[self.me()], &want);
     }
 
     async fn scatter(&mut self, d: DType, len: usize, root: Rank) {
         let salt = self.next_salt();
         let all = reference::input(d, len * self.n as usize, self.members[root as usize], salt);
         let want = reference::scatter(&all, self.n).swap_remove(self.me());
-        let input = (self.me == root).then_some(all);
-        let got = submit(&self.b, Scatter { output: junk(d, len), input, root }).await;
-        self.check(&format!("scatter(root {root}) {d} × {len} per rank"), got, &want);
+        let input = if self.me == root { all } else { HostBuffer::zeroed(d, 0) };
+        let req = Scatter { output: junk(d, len), input: (self.me == root).then(|| input.clone()), root };
+        let got = submit(&self.b, req).await;
+        self.check_io(&format!("scatter(root {root}) {d} × {len} per rank"), got, &input, &want);
     }
 
     async fn gather(&mut self, d: DType, len: usize, root: Rank, into: bool) {
@@ -530,7 +554,7 @@ impl<'a> Runner<'a> {
         let output = (into && self.me == root).then(|| junk(d, len * self.n as usize));
         let got = submit(&self.b, Gather { input: ins[self.me()].clone(), output, root }).await;
         let into = if into { "_into" } else { "" };
-        self.check(&format!("gather{into}(root {root}) {d} × {len} per rank"), got, &want);
+        self.check_io(&format!("gather{into}(root {root}) {d} × {len} per rank"), got, &ins[self.me()], &want);
     }
 
     /// Rank r sends to r+1 and receives from r-1; the send is issued first on every rank and
@@ -607,7 +631,7 @@ impl<'a> Runner<'a> {
         let want = reference::concat(&refs(&ins));
         pending.push((
             "all_gather bf16".into(),
-            submit(&self.b, AllGather { input: ins[me].clone(), output: None }),
+            submit(&self.b, AllGather { input: ins[me].clone(), output: None }).map(output),
             want,
         ));
 
@@ -615,7 +639,7 @@ impl<'a> Runner<'a> {
         let ins = self.inputs(ReduceOp::Max, DType::F64, 5 * n, s);
         let want = reference::reduce_scatter(&refs(&ins), ReduceOp::Max).swap_remove(me);
         let req = ReduceScatter { input: ins[me].clone(), op: ReduceOp::Max, output: None };
-        pending.push(("reduce_scatter(max) f64".into(), submit(&self.b, req), want));
+        pending.push(("reduce_scatter(max) f64".into(), submit(&self.b, req).map(output), want));
 
         let barrier = submit(&self.b, Barrier);
 
@@ -623,7 +647,7 @@ impl<'a> Runner<'a> {
         let ins = self.inputs(ReduceOp::Sum, DType::U8, 3 * n, s);
         let want = reference::all_to_all_equal(&refs(&ins)).swap_remove(me);
         let req = AllToAll { input: ins[me].clone(), output: None, input_splits: None, output_splits: None };
-        pending.push(("all_to_all u8".into(), submit(&self.b, req), want));
+        pending.push(("all_to_all u8".into(), submit(&self.b, req).map(output), want));
 
         let s = self.next_salt();
         let ins = self.inputs(ReduceOp::BXor, DType::I8, 9, s);
@@ -638,7 +662,7 @@ impl<'a> Runner<'a> {
         let ins = self.inputs(ReduceOp::Sum, DType::F16, 4, s);
         let want = reference::gather(&refs(&ins), 0).swap_remove(me);
         let req = Gather { input: ins[me].clone(), output: None, root: 0 };
-        pending.push(("gather f16".into(), submit(&self.b, req), want));
+        pending.push(("gather f16".into(), submit(&self.b, req).map(output), want));
 
         // Detached: dropping the work must not cancel the op or upset the next one.
         let s = self.next_salt();

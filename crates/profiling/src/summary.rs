@@ -354,7 +354,8 @@ impl CommsLogger {
         padded.resize(max, 0);
         let lists =
             without_profiling(|| group.submit(AllGather { input: HostBuffer::from_slice(&padded), output: None }))
-                .await?;
+                .await?
+                .output;
         let lists: Vec<Vec<(&str, usize)>> = (0..n)
             .map(|r| {
                 let raw = &lists.as_bytes()[r * max..(r + 1) * max];
@@ -403,6 +404,7 @@ impl CommsLogger {
         } else {
             without_profiling(|| group.submit(AllGather { input: HostBuffer::from_slice(&mine), output: None }))
                 .await?
+                .output
                 .to_vec::<f64>()?
         };
 

@@ -149,7 +149,8 @@ impl Timeline {
             let t = self.now_ns() as i64;
             let all =
                 without_profiling(|| group.submit(AllGather { input: HostBuffer::from_slice(&[t]), output: None }))
-                    .await?;
+                    .await?
+                    .output;
             offsets.push(all.as_slice::<i64>()?[0] - t);
         }
         offsets.sort_unstable();
@@ -172,7 +173,7 @@ impl Timeline {
         let max = max.as_slice::<i64>()?[0].max(0) as usize;
         let mut padded = HostBuffer::zeroed(DType::U8, max);
         padded.as_bytes_mut()[..mine.len()].copy_from_slice(&mine);
-        let all = without_profiling(|| group.submit(AllGather { input: padded, output: None })).await?;
+        let all = without_profiling(|| group.submit(AllGather { input: padded, output: None })).await?.output;
         if group.rank() != 0 {
             return Ok(None);
         }

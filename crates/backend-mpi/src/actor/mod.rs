@@ -25,7 +25,7 @@ use comm_core::handle::Poison;
 use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
-use comm_core::{CommError, Completer, DType, HostBuffer, OpKind, Rank, ReduceOp};
+use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
 
 use crate::raw::{self, Bufs, Comm, PendingDup, Polled, Request};
 use crate::{global, kernels, Reduction};

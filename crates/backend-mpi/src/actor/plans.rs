@@ -68,6 +68,7 @@ pub(super) enum Step {
 
 pub(super) enum Out {
     Buf(HostBuffer),
+    Io(InOut),
     Unit,
     Comm(Option<Comm>),
 }
@@ -81,6 +82,11 @@ pub(super) fn wait(
 
 pub(super) fn done(b: HostBuffer) -> Result<Step, CommError> {
     Ok(Step::Done(Out::Buf(b)))
+}
+
+/// A finished op that hands back the buffer it read and the one it filled.
+pub(super) fn done_io(input: HostBuffer, output: HostBuffer) -> Result<Step, CommError> {
+    Ok(Step::Done(Out::Io(InOut { input, output })))
 }
 
 pub(super) fn internal(what: &str) -> CommError {
@@ -97,6 +103,7 @@ pub(super) type Born = Vec<(Gid, Option<Comm>, Completer<Option<GroupInfo>>)>;
 /// Who gets the result.
 pub(super) enum Reply {
     Buf(Completer<HostBuffer>),
+    Io(Completer<InOut>),
     Unit(Completer<()>),
     Group(Completer<Option<GroupInfo>>),
 }
@@ -106,6 +113,7 @@ impl Reply {
     pub(super) fn complete(self, out: Out) -> Option<(Option<Comm>, Completer<Option<GroupInfo>>)> {
         match (self, out) {
             (Reply::Buf(d), Out::Buf(b)) => d.complete(Ok(b)),
+            (Reply::Io(d), Out::Io(io)) => d.complete(Ok(io)),
             (Reply::Unit(d), Out::Unit) => d.complete(Ok(())),
             (Reply::Group(d), Out::Comm(c)) => return Some((c, d)),
             (r, _) => r.fail(internal("an op finished with the wrong kind of output")),
@@ -116,6 +124,7 @@ impl Reply {
     pub(super) fn fail(self, e: CommError) {
         match self {
             Reply::Buf(d) => d.complete(Err(e)),
+            Reply::Io(d) => d.complete(Err(e)),
             Reply::Unit(d) => d.complete(Err(e)),
             Reply::Group(d) => d.complete(Err(e)),
         }
@@ -348,17 +357,16 @@ pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
         let out = r.output.unwrap_or_else(|| env.buffer(dtype, block));
         if !local_reduction(env.params, dtype) {
             let req = raw::ireduce_scatter_block(env.comm, r.input, out, mpi_op(env, dtype, op)?)?;
-            return Ok(wait(req, move |env, b| {
-                env.recycle(b.send);
+            return Ok(wait(req, move |_, b| {
                 let mut out = take(b.recv)?;
                 if op == ReduceOp::Avg {
                     kernels::divide(&mut out, n);
                 }
-                done(out)
+                done_io(take(b.send)?, out)
             }));
         }
         if block == 0 {
-            return done(out);
+            return done_io(r.input, out);
         }
         // Block j of every input to rank j, which reduces them in rank order; chunk by chunk.
         let per = (env.params.chunk / n / dtype.size()).max(16);
@@ -389,8 +397,7 @@ pub(super) fn scatter_reduce(
         if off + clen < c.len {
             return scatter_reduce(env, input, out, off + clen, c);
         }
-        env.recycle(Some(input));
-        done(out)
+        done_io(input, out)
     }))
 }
 
@@ -408,10 +415,7 @@ pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply) -> Plan {
         let input = r.input;
         let exchange = move |env: &Env<'_>| -> Result<Step, CommError> {
             let req = raw::ialltoallv(env.comm, input, &send_parts, out, &recv_parts)?;
-            Ok(wait(req, |env, b| {
-                env.recycle(b.send);
-                done(take(b.recv)?)
-            }))
+            Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
         };
         if !env.params.check || n == 1 {
             return exchange(env);
@@ -469,14 +473,14 @@ impl MpiOp for Reduce {
 }
 
 impl MpiOp for ReduceScatter {
-    fn job(self, d: Completer<HostBuffer>) -> Job {
-        Job::Collective(plan_reduce_scatter(self, Reply::Buf(d)))
+    fn job(self, d: Completer<InOut>) -> Job {
+        Job::Collective(plan_reduce_scatter(self, Reply::Io(d)))
     }
 }
 
 impl MpiOp for AllToAll {
-    fn job(self, d: Completer<HostBuffer>) -> Job {
-        Job::Collective(plan_all_to_all(self, Reply::Buf(d)))
+    fn job(self, d: Completer<InOut>) -> Job {
+        Job::Collective(plan_all_to_all(self, Reply::Io(d)))
     }
 }
 
@@ -508,7 +512,7 @@ impl MpiOp for AllGather {
         small(self.input.byte_len(), size)
     }
 
-    fn job(self, d: Completer<HostBuffer>) -> Job {
+    fn job(self, d: Completer<InOut>) -> Job {
         let AllGather { input, output } = self;
         let (dtype, len) = (input.dtype(), input.len());
         let header = Header::new(Self::KIND, Some(dtype), len, None, None);
@@ -520,52 +524,52 @@ impl MpiOp for AllGather {
                 for p in 0..env.size {
                     out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(ex.data(p, b));
                 }
-                return done(out);
+                return done_io(input, out);
             }
             let req = raw::iallgather(env.comm, input, out)?;
-            Ok(wait(req, |env, b| {
-                env.recycle(b.send);
-                done(take(b.recv)?)
-            }))
+            Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
         };
-        Job::Collective(Plan { name: Self::NAME, header, payload, start: Box::new(start), reply: Reply::Buf(d) })
+        Job::Collective(Plan { name: Self::NAME, header, payload, start: Box::new(start), reply: Reply::Io(d) })
     }
 }
 
 impl MpiOp for Scatter {
-    fn job(self, d: Completer<HostBuffer>) -> Job {
+    fn job(self, d: Completer<InOut>) -> Job {
         let Scatter { input, output, root } = self;
-        let header = Header::new(Self::KIND, Some(output.dtype()), output.len(), Some(root), None);
+        let dtype = output.dtype();
+        let header = Header::new(Self::KIND, Some(dtype), output.len(), Some(root), None);
         let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
-            let input = input.filter(|_| env.rank == root as usize);
+            // Off the root MPI reads no input: one passed anyway comes back as it is.
+            let (input, spare) = if env.rank == root as usize { (input, None) } else { (None, input) };
             let req = raw::iscatter(env.comm, input, output, root as i32)?;
-            Ok(wait(req, |env, b| {
-                env.recycle(b.send);
-                done(take(b.recv)?)
+            Ok(wait(req, move |_, b| {
+                let input = b.send.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
+                done_io(input, take(b.recv)?)
             }))
         };
-        Job::Collective(Plan { name: Self::NAME, header, payload: None, start: Box::new(start), reply: Reply::Buf(d) })
+        Job::Collective(Plan { name: Self::NAME, header, payload: None, start: Box::new(start), reply: Reply::Io(d) })
     }
 }
 
 impl MpiOp for Gather {
-    fn job(self, d: Completer<HostBuffer>) -> Job {
+    fn job(self, d: Completer<InOut>) -> Job {
         let Gather { input, output, root } = self;
         let (dtype, len) = (input.dtype(), input.len());
         let header = Header::new(Self::KIND, Some(dtype), len, Some(root), None);
         let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
             let is_root = env.rank == root as usize;
-            let out = is_root.then(|| output.unwrap_or_else(|| env.buffer(dtype, len * env.size)));
+            // Off the root MPI fills no output: one passed anyway comes back as it is.
+            let (out, spare) = match is_root {
+                true => (Some(output.unwrap_or_else(|| env.buffer(dtype, len * env.size))), None),
+                false => (None, output),
+            };
             let req = raw::igather(env.comm, input, out, root as i32)?;
-            Ok(wait(req, move |env, b| {
-                if !is_root {
-                    return done(take(b.send)?);
-                }
-                env.recycle(b.send);
-                done(take(b.recv)?)
+            Ok(wait(req, move |_, b| {
+                let output = b.recv.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
+                done_io(take(b.send)?, output)
             }))
         };
-        Job::Collective(Plan { name: Self::NAME, header, payload: None, start: Box::new(start), reply: Reply::Buf(d) })
+        Job::Collective(Plan { name: Self::NAME, header, payload: None, start: Box::new(start), reply: Reply::Io(d) })
     }
 }
 

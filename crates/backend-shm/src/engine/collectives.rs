@@ -85,9 +85,10 @@ impl Engine {
         Ok(())
     }
 
-    pub(crate) fn all_gather(&mut self, r: AllGather) -> Result<HostBuffer> {
+    /// Fills `r`'s output (taken from it, or allocated); `r.input` stays.
+    pub(crate) fn all_gather(&mut self, r: &mut AllGather) -> Result<HostBuffer> {
         let (dtype, count, es, n) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world);
-        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n));
+        let mut out = r.output.take().unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n));
         let hdr = self.header(OpKind::AllGather, dtype, count, 0, None);
         let input = r.input.as_bytes();
         let dst = out.as_bytes_mut();
@@ -110,10 +111,11 @@ impl Engine {
         Ok(out)
     }
 
-    pub(crate) fn reduce_scatter(&mut self, r: ReduceScatter) -> Result<HostBuffer> {
+    /// Fills `r`'s output (taken from it, or allocated); `r.input` stays.
+    pub(crate) fn reduce_scatter(&mut self, r: &mut ReduceScatter) -> Result<HostBuffer> {
         let (dtype, es, n, me, op) = (r.input.dtype(), r.input.dtype().size(), self.world, self.rank, r.op);
         let block = r.input.len() / n;
-        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, block));
+        let mut out = r.output.take().unwrap_or_else(|| HostBuffer::zeroed(dtype, block));
         let hdr = self.header(OpKind::ReduceScatter, dtype, r.input.len(), 0, Some(op));
         let input = r.input.as_bytes();
         let dst = out.as_bytes_mut();
@@ -139,11 +141,12 @@ impl Engine {
         Ok(out)
     }
 
-    pub(crate) fn all_to_all(&mut self, r: AllToAll) -> Result<HostBuffer> {
+    /// Fills `r`'s output (taken from it, or allocated); `r.input` stays.
+    pub(crate) fn all_to_all(&mut self, r: &mut AllToAll) -> Result<HostBuffer> {
         let (dtype, es, n, me) = (r.input.dtype(), r.input.dtype().size(), self.world, self.rank);
         let (ins, outs) = r.splits(n as u32);
         let out_len: usize = outs.iter().sum();
-        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, out_len));
+        let mut out = r.output.take().unwrap_or_else(|| HostBuffer::zeroed(dtype, out_len));
         // Equal blocks need no agreement beyond the length, which the header checks. Uneven
         // ones start with a step where everyone publishes its send splits, so each rank checks
         // that what it expects from every peer is what that peer sends, and all agree on the
@@ -220,7 +223,7 @@ impl Engine {
         Ok(out)
     }
 
-    pub(crate) fn scatter(&mut self, r: Scatter) -> Result<HostBuffer> {
+    pub(crate) fn scatter(&mut self, r: Scatter) -> Result<InOut> {
         let (dtype, es, n, me, root) =
             (r.output.dtype(), r.output.dtype().size(), self.world, self.rank, r.root as usize);
         let block = r.output.len();
@@ -233,7 +236,7 @@ impl Engine {
             if let Some(s) = src {
                 dst.copy_from_slice(s);
             }
-            return Ok(out);
+            return Ok(InOut { input: input.unwrap_or_else(|| HostBuffer::zeroed(dtype, 0)), output: out });
         }
         for (off, len) in pieces(block, self.lay.window / es / n) {
             let b = len * es;
@@ -249,16 +252,25 @@ impl Engine {
                 Io::Read(views, _) => dst[off * es..off * es + b].copy_from_slice(&views[root][me * b..(me + 1) * b]),
             })?;
         }
-        Ok(out)
+        Ok(InOut { input: input.unwrap_or_else(|| HostBuffer::zeroed(dtype, 0)), output: out })
     }
 
-    pub(crate) fn gather(&mut self, r: Gather) -> Result<HostBuffer> {
+    /// The root's output is the concatenation; elsewhere the output passed (or an empty one)
+    /// comes back as it is.
+    pub(crate) fn gather(&mut self, r: Gather) -> Result<InOut> {
         let (dtype, count, es, n, root) =
             (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, r.root as usize);
         let hdr = self.header(OpKind::Gather, dtype, count, root as Rank, None);
         let is_root = self.rank == root;
-        let mut out = is_root.then(|| r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n)));
+        let (mut out, spare) = match is_root {
+            true => (Some(r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n))), None),
+            false => (None, r.output),
+        };
         let input = r.input;
+        let done = |out: Option<HostBuffer>, input| {
+            let output = out.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
+            InOut { input, output }
+        };
         {
             let src = input.as_bytes();
             let mut dst = out.as_mut().map(HostBuffer::as_bytes_mut);
@@ -266,7 +278,7 @@ impl Engine {
                 if let Some(d) = dst {
                     d.copy_from_slice(src);
                 }
-                return Ok(out.unwrap_or(input));
+                return Ok(done(out, input));
             }
             for (off, len) in pieces(count, self.lay.window / es) {
                 let piece = &src[off * es..(off + len) * es];
@@ -283,6 +295,6 @@ impl Engine {
                 })?;
             }
         }
-        Ok(out.unwrap_or(input))
+        Ok(done(out, input))
     }
 }

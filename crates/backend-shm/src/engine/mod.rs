@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
 use comm_core::ops::{AllGather, AllToAll, Gather, RecvFrom, ReduceScatter, Scatter, SendTo};
-use comm_core::{CommError, Completer, DType, HostBuffer, OpKind, Rank, ReduceOp};
+use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
 
 use crate::layout::*;
 use crate::segment::Segment;
@@ -45,8 +45,9 @@ pub(crate) trait Queued: Send {
 }
 
 /// The completer of a one-step op, by output type.
-pub(crate) enum Done {
+pub enum Done {
     Buf(Completer<HostBuffer>),
+    Io(Completer<InOut>),
     Unit(Completer<()>),
 }
 
@@ -54,6 +55,7 @@ impl Done {
     fn complete(self, r: Result<OneShot>) {
         match self {
             Done::Buf(c) => c.complete(r.map(OneShot::into_buffer)),
+            Done::Io(c) => c.complete(r.map(OneShot::into_in_out)),
             Done::Unit(c) => c.complete(r.map(drop)),
         }
     }
@@ -156,7 +158,7 @@ struct RecvOp {
     started: Instant,
 }
 
-pub(crate) struct Engine {
+pub struct Engine {
     rank: usize,
     world: usize,
     lay: Layout,

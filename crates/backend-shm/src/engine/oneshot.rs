@@ -4,7 +4,7 @@ use super::*;
 
 /// A collective that takes exactly one step (its data fits the window). These are the
 /// latency-bound ops, which the caller's thread runs inline when the group is idle.
-pub(crate) enum OneShot {
+pub enum OneShot {
     /// all_reduce (`root: None`) or reduce, by every rank reducing all inputs.
     AllReduce {
         buf: HostBuffer,
@@ -39,8 +39,22 @@ impl OneShot {
     pub(crate) fn into_buffer(self) -> HostBuffer {
         match self {
             OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf,
-            OneShot::AllGather { out, .. } | OneShot::ReduceScatter { out, .. } | OneShot::AllToAll { out, .. } => out,
-            OneShot::Barrier => HostBuffer::zeroed(DType::U8, 0),
+            other => other.into_in_out().output,
+        }
+    }
+
+    /// Input and output of an op that reads one buffer and fills another.
+    pub(crate) fn into_in_out(self) -> InOut {
+        match self {
+            OneShot::AllGather { input, out }
+            | OneShot::ReduceScatter { input, out, .. }
+            | OneShot::AllToAll { input, out, .. } => InOut { input, output: out },
+            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => {
+                InOut { output: HostBuffer::zeroed(buf.dtype(), 0), input: buf }
+            }
+            OneShot::Barrier => {
+                InOut { input: HostBuffer::zeroed(DType::U8, 0), output: HostBuffer::zeroed(DType::U8, 0) }
+            }
         }
     }
 

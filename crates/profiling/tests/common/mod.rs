@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use comm_core::ops::{AllGather, AllReduce, Barrier, Broadcast, ReduceScatter, SendTo as SendOp};
-use comm_core::{Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Op, Rank, Work};
+use comm_core::{Backend, Collective, CommError, Completer, DType, Group, HostBuffer, InOut, Op, Rank, Work};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::Subscriber;
@@ -99,13 +99,13 @@ impl Collective<Broadcast> for Mock {
     }
 }
 impl Collective<AllGather> for Mock {
-    fn submit(&self, req: AllGather) -> Work<HostBuffer> {
-        self.run(req.input)
+    fn submit(&self, req: AllGather) -> Work<InOut> {
+        self.run(InOut { output: req.input.clone(), input: req.input })
     }
 }
 impl Collective<ReduceScatter> for Mock {
-    fn submit(&self, req: ReduceScatter) -> Work<HostBuffer> {
-        self.run(req.input)
+    fn submit(&self, req: ReduceScatter) -> Work<InOut> {
+        self.run(InOut { output: req.input.clone(), input: req.input })
     }
 }
 impl Collective<SendOp> for Mock {
