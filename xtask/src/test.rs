@@ -10,9 +10,9 @@ use crate::{cargo, mpi, root, run, run_bounded, step, target_dir, Failure, Resul
 
 /// Wall-clock bound of one launched job (examples, smoke bench).
 const JOB_TIMEOUT: Duration = Duration::from_secs(300);
-/// The features that build the mpi backend into comm-api and comm-bench.
 /// Sizes that keep the examples quick in `test` (the tensor-parallel MLP defaults to hidden 4096).
 const EXAMPLE_ENV: [(&str, &str); 2] = [("TP_MLP_HIDDEN", "256"), ("TP_MLP_TOKENS", "5")];
+/// The features that build the mpi backend into comm-api and comm-bench.
 const MPI_FEATURES: &str = "comm-api/mpi,comm-bench/mpi,comm-bench/mpi-raw";
 /// The feature that builds the nccl backend into comm-api (builds without CUDA).
 const NCCL_FEATURES: &str = "comm-api/nccl";
