@@ -7,19 +7,29 @@
 //! communicator (`ncclCommAbort`, which also stops NCCL kernels waiting for peers) and poisons
 //! the group. A call into NCCL that blocks the host (connection setup waiting for a dead peer)
 //! is aborted from the watchdog thread instead (see `ffi::CommState`).
+//!
+//! Here: the requests the actor takes ([`Plan`], [`Prepared`], [`Body`]), bootstrap and the
+//! loop. `staging`: [`Cx`], host buffers staged through pooled pinned and device memory.
+//! `deadline`: [`Once`] (bootstrap steps bounded by the timeout) and the [`watchdog`].
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
-use std::sync::{Arc, Mutex};
-use std::thread::Thread;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
-use comm_core::{CommError, Completer, Op, ReduceOp, Work};
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
+use comm_core::{CommError, Completer, Op, ReduceOp};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use crate::error::{call_error, cuda_error};
-use crate::ffi::{self, Call, CallError, Comm, CommState, DevPtr, Pinned, ID_BYTES};
+use crate::ffi::{self, Call, CallError, Comm, CommState, DevPtr, ID_BYTES};
+
+mod deadline;
+mod staging;
+
+pub(crate) use deadline::{watchdog, Once};
+use staging::Pool;
+pub(crate) use staging::{Cx, Staged};
 
 /// What the handle sends to the actor.
 pub(crate) enum Command {
@@ -90,153 +100,6 @@ pub(crate) struct Body {
     pub(crate) group: bool,
     pub(crate) staged: Vec<Staged>,
 }
-
-/// One host buffer's staging: device memory and the pinned host memory it is copied through.
-pub(crate) struct Staged {
-    dev: Option<CudaSlice<u8>>,
-    host: Option<Pinned>,
-    bytes: usize,
-    download: bool,
-}
-
-impl Staged {
-    /// The bytes downloaded from the device (only called once the op's event fired).
-    pub(crate) fn bytes(&self) -> &[u8] {
-        match &self.host {
-            Some(h) => h.read(self.bytes),
-            None => &[],
-        }
-    }
-}
-
-/// The actor's resources that plans use.
-pub struct Cx {
-    pub(crate) rank: u32,
-    pub(crate) world: u32,
-    pub(crate) ctx: Arc<CudaContext>,
-    pub(crate) stream: Arc<CudaStream>,
-    pool: Pool,
-    scratch: Option<CudaSlice<u8>>,
-}
-
-impl Cx {
-    /// Stages `data` on the device (upload enqueued now); `download` copies it back after the
-    /// op (in-place ops).
-    pub(crate) fn stage_in(&mut self, data: &[u8], download: bool) -> Result<Staged, CommError> {
-        let mut s = self.stage(data.len(), download)?;
-        if let (Some(host), Some(dev)) = (&mut s.host, &s.dev) {
-            host.write(data);
-            host.upload(&self.stream, DevPtr::of(dev, &self.stream, 0), data.len()).map_err(|e| call_error(e, ""))?;
-        }
-        Ok(s)
-    }
-
-    /// Device memory for an output of `bytes`, downloaded after the op.
-    pub(crate) fn stage_out(&mut self, bytes: usize) -> Result<Staged, CommError> {
-        self.stage(bytes, true)
-    }
-
-    fn stage(&mut self, bytes: usize, download: bool) -> Result<Staged, CommError> {
-        if bytes == 0 {
-            return Ok(Staged { dev: None, host: None, bytes, download: false });
-        }
-        let dev = self.pool.device(&self.stream, bytes)?;
-        let host = self.pool.pinned(&self.ctx, bytes)?;
-        Ok(Staged { dev: Some(dev), host: Some(host), bytes, download })
-    }
-
-    /// The device address of byte `offset` of a staged buffer.
-    pub(crate) fn ptr(&self, s: &Staged, offset: usize) -> DevPtr {
-        match &s.dev {
-            Some(d) => DevPtr::of(d, &self.stream, 0).add(offset),
-            None => DevPtr::NULL,
-        }
-    }
-
-    /// The device address of element `offset` of a caller's device buffer; the stream first
-    /// waits for the work already queued on the buffer's own stream.
-    pub(crate) fn user_ptr<T>(&self, s: &CudaSlice<T>, offset: usize) -> Result<DevPtr, CommError> {
-        if !Arc::ptr_eq(s.stream(), &self.stream) {
-            self.stream.join(s.stream()).map_err(|e| cuda_error("cuStreamWaitEvent", &e))?;
-        }
-        Ok(if s.is_empty() { DevPtr::NULL } else { DevPtr::of(s, &self.stream, offset) })
-    }
-
-    /// A one-element (f32) device buffer for barriers.
-    pub(crate) fn scratch(&mut self) -> Result<DevPtr, CommError> {
-        if self.scratch.is_none() {
-            let s = self.stream.alloc_zeros::<u8>(8).map_err(|e| cuda_error("cuMemAllocAsync", &e))?;
-            self.scratch = Some(s);
-        }
-        let s = self.scratch.as_ref().expect("just set");
-        Ok(DevPtr::of(s, &self.stream, 0))
-    }
-}
-
-/// Staging memory kept for reuse, by power-of-two size class (idle buffers only).
-struct Pool {
-    dev: HashMap<usize, Vec<CudaSlice<u8>>>,
-    host: HashMap<usize, Vec<Pinned>>,
-    kept_dev: usize,
-    kept_host: usize,
-    limit: usize,
-}
-
-fn class(bytes: usize) -> usize {
-    bytes.next_power_of_two().max(4096)
-}
-
-/// Keeps `item` (of size class `c`) for reuse. When that would pass `limit`, buffers of other
-/// classes go first, the largest first: the sizes in use now are the ones worth keeping (a
-/// large op after many smaller ones would otherwise allocate pinned memory on every call).
-fn keep<T>(map: &mut HashMap<usize, Vec<T>>, kept: &mut usize, limit: usize, c: usize, item: T) {
-    if c > limit {
-        return;
-    }
-    while *kept + c > limit {
-        let Some(other) = map.iter().filter(|(&k, v)| k != c && !v.is_empty()).map(|(&k, _)| k).max() else {
-            return;
-        };
-        map.get_mut(&other).and_then(Vec::pop);
-        *kept -= other;
-    }
-    *kept += c;
-    map.entry(c).or_default().push(item);
-}
-
-impl Pool {
-    fn device(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Result<CudaSlice<u8>, CommError> {
-        let c = class(bytes);
-        if let Some(d) = self.dev.get_mut(&c).and_then(Vec::pop) {
-            self.kept_dev -= c;
-            return Ok(d);
-        }
-        ffi::alloc_device(stream, c).map_err(|e| cuda_error("cuMemAllocAsync", &e))
-    }
-
-    fn pinned(&mut self, ctx: &CudaContext, bytes: usize) -> Result<Pinned, CommError> {
-        let c = class(bytes);
-        if let Some(h) = self.host.get_mut(&c).and_then(Vec::pop) {
-            self.kept_host -= c;
-            return Ok(h);
-        }
-        Pinned::alloc(ctx, c).map_err(|e| cuda_error("cuMemHostAlloc", &e))
-    }
-
-    fn recycle(&mut self, staged: Vec<Staged>) {
-        for s in staged {
-            if let Some(d) = s.dev {
-                let c = d.len();
-                keep(&mut self.dev, &mut self.kept_dev, self.limit, c, d);
-            }
-            if let Some(h) = s.host {
-                let c = h.cap();
-                keep(&mut self.host, &mut self.kept_host, self.limit, c, h);
-            }
-        }
-    }
-}
-
 struct InFlight {
     name: &'static str,
     event: Arc<CudaEvent>,
@@ -716,123 +579,5 @@ impl Actor {
         for done in self.shutdown.take().unwrap_or_default() {
             done.complete(Ok(()));
         }
-    }
-}
-
-/// A completer that either its owner or a deadline completes, whichever comes first.
-pub(crate) struct Once<T> {
-    slot: Arc<Mutex<Option<Completer<T>>>>,
-    timer: Thread,
-}
-
-impl<T: Send + 'static> Once<T> {
-    /// A pending `Work` that completes with [`CommError::Timeout`] about `what` unless the
-    /// returned `Once` completes it first, within `timeout`.
-    pub(crate) fn with_deadline(timeout: Duration, what: String) -> Result<(Once<T>, Work<T>), CommError> {
-        let (done, work) = Work::pending();
-        let slot = Arc::new(Mutex::new(Some(done)));
-        let timer_slot = slot.clone();
-        let start = Instant::now();
-        let timer = std::thread::Builder::new()
-            .name("comm-nccl-deadline".into())
-            .spawn(move || loop {
-                let mut guard = timer_slot.lock().unwrap_or_else(|p| p.into_inner());
-                if guard.is_none() {
-                    return;
-                }
-                let left = timeout.saturating_sub(start.elapsed());
-                if left.is_zero() {
-                    if let Some(c) = guard.take() {
-                        c.complete(Err(CommError::Timeout {
-                            op: what,
-                            after: timeout,
-                            detail: "not every rank got there in time (is every rank running, on its own GPU?)".into(),
-                        }));
-                    }
-                    return;
-                }
-                drop(guard);
-                std::thread::park_timeout(left.min(Duration::from_millis(200)));
-            })
-            .map_err(|e| CommError::io("starting the nccl deadline thread", e))?;
-        Ok((Once { slot, timer: timer.thread().clone() }, work))
-    }
-
-    /// Completes the work unless the deadline passed; returns whether this call completed it.
-    pub(crate) fn complete(self, r: Result<T, CommError>) -> bool {
-        let taken = self.slot.lock().unwrap_or_else(|p| p.into_inner()).take();
-        self.timer.unpark();
-        match taken {
-            Some(c) => {
-                c.complete(r);
-                true
-            }
-            None => false,
-        }
-    }
-}
-
-/// Watches the actor's calls into NCCL and aborts a call blocked for longer than `timeout`.
-pub(crate) fn watchdog(state: Arc<CommState>, timeout: Duration, poison: Poison, rank: u32) {
-    let tick = (timeout / 4).clamp(Duration::from_millis(10), Duration::from_millis(500));
-    let (mut last, mut since) = (state.seq(), Instant::now());
-    while !state.is_gone() {
-        std::thread::sleep(tick);
-        let seq = state.seq();
-        if seq != last {
-            (last, since) = (seq, Instant::now());
-            continue;
-        }
-        if seq % 2 == 1 && since.elapsed() > timeout && state.abort_if_stuck(seq) {
-            let cause = format!("rank {rank}: a call into NCCL blocked for more than {timeout:?}; the watchdog aborted the communicator");
-            tracing::error!(rank, "nccl: {cause}");
-            poison.set(cause);
-            return;
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn size_classes() {
-        assert_eq!(class(1), 4096);
-        assert_eq!(class(4097), 8192);
-        assert_eq!(class(1 << 20), 1 << 20);
-    }
-
-    #[test]
-    fn the_pool_keeps_the_sizes_in_use_now() {
-        let (mut map, mut kept, limit) = (HashMap::<usize, Vec<u32>>::new(), 0, 256);
-        for (c, id) in [(128, 1), (64, 2), (32, 3), (16, 4)] {
-            keep(&mut map, &mut kept, limit, c, id);
-        }
-        assert_eq!(kept, 240);
-        // A buffer as large as the whole pool evicts the others, the largest first.
-        keep(&mut map, &mut kept, limit, 256, 5);
-        assert_eq!((kept, map[&256].as_slice()), (256, &[5][..]));
-        assert!(map.iter().all(|(&c, v)| c == 256 || v.is_empty()));
-        // A second one of the same class does not evict the first; one over the limit is dropped.
-        keep(&mut map, &mut kept, limit, 256, 6);
-        keep(&mut map, &mut kept, limit, 512, 7);
-        assert_eq!((kept, map[&256].as_slice()), (256, &[5][..]));
-        assert!(!map.contains_key(&512));
-        // Smaller ones evict it only as far as needed.
-        keep(&mut map, &mut kept, limit, 64, 8);
-        assert_eq!((kept, map[&64].as_slice()), (64, &[8][..]));
-    }
-
-    #[test]
-    fn deadline_completes_once() {
-        let (once, work) = Once::<u8>::with_deadline(Duration::from_millis(20), "test wait".into()).unwrap();
-        let e = work.wait().unwrap_err();
-        assert!(matches!(e, CommError::Timeout { .. }), "{e}");
-        assert!(!once.complete(Ok(1)), "too late");
-
-        let (once, work) = Once::<u8>::with_deadline(Duration::from_secs(60), "test wait".into()).unwrap();
-        assert!(once.complete(Ok(7)));
-        assert_eq!(work.wait().unwrap(), 7);
     }
 }
