@@ -64,6 +64,9 @@ mod raw;
 /// The f16/bf16 MPI reduction ops, for code that calls MPI itself (comm-bench's `mpi-raw`).
 #[doc(hidden)]
 pub use raw::HalfOps;
+/// The MPI datatype that carries each dtype, for code that calls MPI itself (comm-bench's `mpi-raw`).
+#[doc(hidden)]
+pub use raw::datatype as mpi_datatype;
 
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::mpsc::{channel, Sender};
@@ -347,8 +350,8 @@ impl MpiBackend {
         self.inner.info.local_size
     }
 
-    /// The largest point-to-point tag this MPI allows (`MPI_TAG_UB >> 3`: the low 3 bits of
-    /// MPI's tag carry the dtype).
+    /// The largest point-to-point tag this MPI allows (`(MPI_TAG_UB >> 3) - 1`: the low 3 bits
+    /// of MPI's tag carry the dtype, and the top block of tags is the backend's own).
     pub fn max_tag(&self) -> u32 {
         self.inner.info.tag_max
     }

@@ -14,6 +14,7 @@ use std::ptr;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
+use backend_mpi::mpi_datatype as datatype;
 use comm_api::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
@@ -85,21 +86,6 @@ pub(crate) fn init() -> Result<ProcessGroup, CommError> {
     world.world_size = mpi.size;
     world.source = WorldSource { launcher: Launcher::Explicit, variables: Vec::new() };
     Ok(ProcessGroup::from_backend(Arc::new(RawMpi(Arc::new(mpi))), world))
-}
-
-fn datatype(d: DType) -> ffi::MPI_Datatype {
-    // SAFETY: reading constants of the MPI library.
-    unsafe {
-        match d {
-            DType::U8 => ffi::RSMPI_UINT8_T,
-            DType::I8 => ffi::RSMPI_INT8_T,
-            DType::I32 => ffi::RSMPI_INT32_T,
-            DType::I64 => ffi::RSMPI_INT64_T,
-            DType::F16 | DType::BF16 => ffi::RSMPI_UINT16_T,
-            DType::F32 => ffi::RSMPI_FLOAT,
-            _ => ffi::RSMPI_DOUBLE,
-        }
-    }
 }
 
 fn count(n: usize) -> Result<c_int, CommError> {

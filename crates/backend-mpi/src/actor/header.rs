@@ -16,8 +16,8 @@ pub(super) fn exchange(
 ) -> Result<(Request, Cont), CommError> {
     let slot = exchange_slot_bytes(size);
     let payload = payload.filter(|p| p.len() <= inline_max(size));
-    let mine = exchange_slot(slot, &header, payload.as_deref());
-    let req = raw::iallgather(comm, mine, HostBuffer::zeroed(DType::U8, slot * size))?;
+    let mine = exchange_slot(&header, payload.as_deref());
+    let req = raw::iexchange(comm, mine, slot, HostBuffer::zeroed(DType::U8, slot * size))?;
     let inline = payload.is_some();
     let cont: Cont = Box::new(move |env: &Env<'_>, bufs: Bufs| {
         let ex = Exchange { all: take(bufs.recv)?, slot };
@@ -27,13 +27,13 @@ pub(super) fn exchange(
     Ok((req, cont))
 }
 
-/// This rank's slot of the exchange before a collective: the header, then a small op's data.
-pub(super) fn exchange_slot(slot: usize, header: &Header, payload: Option<&[u8]>) -> HostBuffer {
-    let mut mine = HostBuffer::zeroed(DType::U8, slot);
+/// What this rank puts in its slot of the exchange before a collective: the header, then a
+/// small op's data (the rest of the slot stays zero).
+pub(super) fn exchange_slot(header: &Header, payload: Option<&[u8]>) -> HostBuffer {
+    let p = payload.unwrap_or_default();
+    let mut mine = HostBuffer::zeroed(DType::U8, 32 + p.len());
     mine.as_bytes_mut()[..32].copy_from_slice(bytemuck::cast_slice(&header.encode()));
-    if let Some(p) = payload {
-        mine.as_bytes_mut()[32..32 + p.len()].copy_from_slice(p);
-    }
+    mine.as_bytes_mut()[32..].copy_from_slice(p);
     mine
 }
 

@@ -69,7 +69,8 @@ pub struct GroupInfo {
     pub(crate) gid: Gid,
     pub(crate) rank: Rank,
     pub(crate) size: u32,
-    /// Largest user tag (MPI_TAG_UB >> 3: the low 3 bits carry the dtype).
+    /// Largest user tag (`(MPI_TAG_UB >> 3) - 1`: the low 3 bits carry the dtype, the top block
+    /// of tags is the header exchange's).
     pub(crate) tag_max: u32,
     pub(crate) poison: Poison,
     /// Created by `MpiBackend::init` (its shutdown ends MPI for the process).
@@ -143,7 +144,8 @@ impl Actor {
             raw::world_errors_return().map_err(fail)?;
             let (rank, size) = raw::world_rank_size().map_err(fail)?;
             let (local_rank, local_size) = raw::node_rank_size().map_err(fail)?;
-            let tag_max = (raw::tag_ub().max(0) as u32) >> 3;
+            // The top block of tags is the header exchange's (`raw::exchange_tag`).
+            let tag_max = ((raw::tag_ub().max(0) as u32) >> 3).saturating_sub(1);
             Ok(World { rank, local_rank, local_size, tag_max, refuse: launcher_disagrees(size) })
         };
         let world = match setup() {

@@ -92,7 +92,8 @@ pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Ins
 /// peer is waiting with another tag or dtype, else a timeout.
 pub(super) fn p2p_timeout(p: &P2p, comm: &Comm, after: Duration) -> CommError {
     if p.recv {
-        if let Some((t, bytes)) = raw::probe(comm, p.peer as i32) {
+        // A header exchange's message (the peer is in a collective already) says nothing here.
+        if let Some((t, bytes)) = raw::probe(comm, p.peer as i32).filter(|(t, _)| *t != raw::exchange_tag()) {
             let (tag, code) = ((t as u32) >> 3, (t as u32 & 7) as u8);
             if let Some(d) = DType::from_code(code) {
                 return CommError::Mismatch {

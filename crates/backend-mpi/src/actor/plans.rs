@@ -625,7 +625,7 @@ fn check_tag(op: &'static str, tag: u32, info: &GroupInfo) -> Result<(), CommErr
         return Err(CommError::invalid(
             op,
             format!(
-                "tag {tag} is above this MPI's limit of {} (MPI_TAG_UB >> 3; 3 bits carry the dtype)",
+                "tag {tag} is above this MPI's limit of {} ((MPI_TAG_UB >> 3) - 1: 3 bits carry the dtype, the top tags are the backend's)",
                 info.tag_max
             ),
         ));

@@ -1,0 +1,276 @@
+//! The nonblocking (and the two blocking) collective calls, each moving its buffers into a
+//! [`Request`].
+
+use super::*;
+
+/// `MPI_Ibarrier`.
+pub(crate) fn ibarrier(comm: &Comm) -> Result<Request, CommError> {
+    // SAFETY: reading a constant initialised at load time.
+    let dt = unsafe { ffi::RSMPI_UINT8_T };
+    Request::start("MPI_Ibarrier", dt, Bufs::default(), vec![], |_, _, _, req| {
+        // SAFETY: no buffers.
+        unsafe { ffi::MPI_Ibarrier(comm.raw, req) }
+    })
+}
+
+/// `MPI_Ibcast` of `buf` in place from `root`.
+pub(crate) fn ibcast(comm: &Comm, buf: HostBuffer, root: i32) -> Result<Request, CommError> {
+    let (dt, n) = (datatype(buf.dtype()), count("broadcast", buf.len())?);
+    Request::start("MPI_Ibcast", dt, Bufs { send: None, recv: Some(buf) }, vec![], |_, r, _, req| {
+        // SAFETY: `r` points to `n` elements of the owned buffer (rule 2).
+        unsafe { ffi::MPI_Ibcast(r, n, dt, root, comm.raw, req) }
+    })
+}
+
+/// `MPI_Allgather`, blocking (only where every rank is known to be in this same call, as for
+/// [`allreduce`]).
+pub(crate) fn allgather(comm: &Comm, send: &HostBuffer, recv: &mut HostBuffer) -> Result<(), CommError> {
+    let dt = datatype(send.dtype());
+    let n = count("all_gather", send.len())?;
+    assert_eq!(recv.byte_len(), send.byte_len() * comm.size as usize, "allgather: wrong output size");
+    let (s, r) = (send.as_bytes().as_ptr().cast::<c_void>(), recv.as_bytes_mut().as_mut_ptr().cast::<c_void>());
+    // SAFETY: `s` holds `n` elements and `r` `size × n`, both outliving the (blocking) call.
+    check("MPI_Allgather", unsafe { ffi::MPI_Allgather(s, n, dt, r, n, dt, comm.raw) }).map_err(MpiError::into_comm)
+}
+
+/// `MPI_Iallgather`: every rank's `send` (same length) concatenated into `recv`.
+pub(crate) fn iallgather(comm: &Comm, send: HostBuffer, recv: HostBuffer) -> Result<Request, CommError> {
+    let dt = datatype(send.dtype());
+    let n = count("all_gather", send.len())?;
+    debug_assert_eq!(recv.len(), send.len() * comm.size as usize);
+    Request::start("MPI_Iallgather", dt, Bufs { send: Some(send), recv: Some(recv) }, vec![], |s, r, _, req| {
+        // SAFETY: `s` holds `n` elements and `r` holds `size × n` (rule 2).
+        unsafe { ffi::MPI_Iallgather(s, n, dt, r, n, dt, comm.raw, req) }
+    })
+}
+
+/// The tag of [`iexchange`]'s messages: the top block of tags, which user tags (`tag << 3 |
+/// dtype`, tag ≤ `(MPI_TAG_UB >> 3) - 1`) never reach.
+pub(crate) fn exchange_tag() -> i32 {
+    (tag_ub() >> 3) << 3
+}
+
+/// An all-gather of small slots by point-to-point messages: `send` (at most `slot` bytes) goes
+/// to every other rank, and rank `p`'s lands at `p × slot` of `recv` (`size × slot` bytes; ours
+/// is copied). Cheaper than `MPI_Iallgather`, whose schedule (Open MPI's libnbc) costs
+/// microseconds per call; messages between two ranks on one tag match in order, as the
+/// collectives they start are issued.
+pub(crate) fn iexchange(
+    comm: &Comm,
+    send: HostBuffer,
+    slot: usize,
+    mut recv: HostBuffer,
+) -> Result<Request, CommError> {
+    let (me, size) = (comm.rank as usize, comm.size as usize);
+    let bytes = send.byte_len();
+    if bytes > slot || recv.byte_len() != slot * size {
+        return Err(CommError::invalid("mpi exchange", format!("{bytes} bytes for {size} slots of {slot}")));
+    }
+    recv.as_bytes_mut()[me * slot..me * slot + bytes].copy_from_slice(send.as_bytes());
+    let (n_send, n_slot, tag) = (count("exchange", bytes)?, count("exchange", slot)?, exchange_tag());
+    let dt = datatype(DType::U8);
+    let mut bufs = Bufs { send: Some(send), recv: Some(recv) };
+    let (s, r) = (send_ptr(&bufs.send), recv_ptr(&mut bufs.recv));
+    // SAFETY: reading a constant initialised at load time.
+    let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+    let mut req =
+        Request { raw: null, many: vec![null; 2 * (size - 1)], bufs, _arrays: Vec::new(), datatype: dt, done: false };
+    let peers = (0..size).filter(|&p| p != me);
+    for (i, p) in peers.clone().enumerate() {
+        // SAFETY: slot `p` of the owned receive buffer: `slot` writable bytes (checked above).
+        let rc = unsafe {
+            ffi::MPI_Irecv(r.cast::<u8>().add(p * slot).cast(), n_slot, dt, p as c_int, tag, comm.raw, &mut req.many[i])
+        };
+        if let Err(e) = check("MPI_Irecv", rc) {
+            // Calls already issued may still use the buffers: keep (leak) them.
+            std::mem::forget(req);
+            return Err(e.into_comm());
+        }
+    }
+    for (i, p) in peers.enumerate() {
+        // SAFETY: the owned send buffer holds `bytes` readable bytes.
+        let rc = unsafe { ffi::MPI_Isend(s, n_send, dt, p as c_int, tag, comm.raw, &mut req.many[size - 1 + i]) };
+        if let Err(e) = check("MPI_Isend", rc) {
+            std::mem::forget(req);
+            return Err(e.into_comm());
+        }
+    }
+    Ok(req)
+}
+
+/// `MPI_Iallgatherv`: rank `j`'s `send` (`counts[j]` elements) lands at `displs[j]` of `recv`.
+pub(crate) fn iallgatherv(
+    comm: &Comm,
+    send: HostBuffer,
+    recv: HostBuffer,
+    parts: &[(usize, usize)],
+) -> Result<Request, CommError> {
+    let dt = datatype(send.dtype());
+    let n = count("all_reduce", send.len())?;
+    let c = counts("all_reduce", &parts.iter().map(|p| p.1).collect::<Vec<_>>())?;
+    let d = counts("all_reduce", &parts.iter().map(|p| p.0).collect::<Vec<_>>())?;
+    debug_assert!(parts.iter().all(|&(at, len)| at + len <= recv.len()));
+    Request::start("MPI_Iallgatherv", dt, Bufs { send: Some(send), recv: Some(recv) }, vec![c, d], |s, r, a, req| {
+        // SAFETY: `s` holds `n` elements; every (displacement, count) lies inside `r` (checked
+        // above); the arrays live in the request (rule 2).
+        unsafe { ffi::MPI_Iallgatherv(s, n, dt, r, a[0].as_ptr(), a[1].as_ptr(), dt, comm.raw, req) }
+    })
+}
+
+/// `MPI_Igather` to `root`; `recv` (`size × send.len()`) only on the root.
+pub(crate) fn igather(
+    comm: &Comm,
+    send: HostBuffer,
+    recv: Option<HostBuffer>,
+    root: i32,
+) -> Result<Request, CommError> {
+    let dt = datatype(send.dtype());
+    let n = count("gather", send.len())?;
+    debug_assert!(recv.as_ref().is_none_or(|r| r.len() == send.len() * comm.size as usize));
+    debug_assert_eq!(recv.is_some(), comm.rank == root);
+    Request::start("MPI_Igather", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
+        // SAFETY: `s` holds `n` elements; on the root `r` holds `size × n` (rule 2); elsewhere
+        // the receive arguments are ignored by MPI.
+        unsafe { ffi::MPI_Igather(s, n, dt, r, n, dt, root, comm.raw, req) }
+    })
+}
+
+/// `MPI_Igatherv` to `root`: rank `j`'s `send` lands at `parts[j]` of the root's `recv`.
+pub(crate) fn igatherv(
+    comm: &Comm,
+    send: HostBuffer,
+    recv: Option<HostBuffer>,
+    parts: &[(usize, usize)],
+    root: i32,
+) -> Result<Request, CommError> {
+    let dt = datatype(send.dtype());
+    let n = count("reduce", send.len())?;
+    let c = counts("reduce", &parts.iter().map(|p| p.1).collect::<Vec<_>>())?;
+    let d = counts("reduce", &parts.iter().map(|p| p.0).collect::<Vec<_>>())?;
+    debug_assert!(recv.as_ref().is_none_or(|r| parts.iter().all(|&(at, len)| at + len <= r.len())));
+    Request::start("MPI_Igatherv", dt, Bufs { send: Some(send), recv }, vec![c, d], |s, r, a, req| {
+        // SAFETY: `s` holds `n` elements; on the root every part lies inside `r` (checked
+        // above); the arrays live in the request (rule 2).
+        unsafe { ffi::MPI_Igatherv(s, n, dt, r, a[0].as_ptr(), a[1].as_ptr(), dt, root, comm.raw, req) }
+    })
+}
+
+/// `MPI_Iscatter` from `root`: block `j` of the root's `send` to rank `j`'s `recv`.
+pub(crate) fn iscatter(
+    comm: &Comm,
+    send: Option<HostBuffer>,
+    recv: HostBuffer,
+    root: i32,
+) -> Result<Request, CommError> {
+    let dt = datatype(recv.dtype());
+    let n = count("scatter", recv.len())?;
+    debug_assert!(send.as_ref().is_none_or(|s| s.len() == recv.len() * comm.size as usize));
+    Request::start("MPI_Iscatter", dt, Bufs { send, recv: Some(recv) }, vec![], |s, r, _, req| {
+        // SAFETY: on the root `s` holds `size × n` elements (ignored elsewhere); `r` holds `n`.
+        unsafe { ffi::MPI_Iscatter(s, n, dt, r, n, dt, root, comm.raw, req) }
+    })
+}
+
+/// `MPI_Ialltoallv`: `send_parts[j]` of `send` to rank `j`, whose block lands at
+/// `recv_parts[i]` of rank `j`'s `recv` for sender `i`. Parts are `(offset, len)` in elements.
+pub(crate) fn ialltoallv(
+    comm: &Comm,
+    send: HostBuffer,
+    send_parts: &[(usize, usize)],
+    recv: HostBuffer,
+    recv_parts: &[(usize, usize)],
+) -> Result<Request, CommError> {
+    let dt = datatype(send.dtype());
+    let arr = |f: fn(&(usize, usize)) -> usize, p: &[(usize, usize)]| {
+        counts("all_to_all", &p.iter().map(f).collect::<Vec<_>>())
+    };
+    let arrays = vec![
+        arr(|p| p.1, send_parts)?,
+        arr(|p| p.0, send_parts)?,
+        arr(|p| p.1, recv_parts)?,
+        arr(|p| p.0, recv_parts)?,
+    ];
+    if send_parts.iter().any(|&(at, len)| at + len > send.len())
+        || recv_parts.iter().any(|&(at, len)| at + len > recv.len())
+    {
+        return Err(CommError::invalid("all_to_all", "a block lies outside its buffer"));
+    }
+    Request::start("MPI_Ialltoallv", dt, Bufs { send: Some(send), recv: Some(recv) }, arrays, |s, r, a, req| {
+        // SAFETY: every (displacement, count) lies inside its buffer (checked above); the arrays
+        // live in the request (rule 2).
+        unsafe {
+            ffi::MPI_Ialltoallv(s, a[0].as_ptr(), a[1].as_ptr(), dt, r, a[2].as_ptr(), a[3].as_ptr(), dt, comm.raw, req)
+        }
+    })
+}
+
+/// `MPI_Iallreduce` of `send` into `recv` (same length) with `op`.
+pub(crate) fn iallreduce(
+    comm: &Comm,
+    send: HostBuffer,
+    recv: HostBuffer,
+    op: ffi::MPI_Op,
+) -> Result<Request, CommError> {
+    let dt = datatype(send.dtype());
+    let n = count("all_reduce", send.len())?;
+    debug_assert_eq!(send.len(), recv.len());
+    Request::start("MPI_Iallreduce", dt, Bufs { send: Some(send), recv: Some(recv) }, vec![], |s, r, _, req| {
+        // SAFETY: `s` and `r` both hold `n` elements (rule 2).
+        unsafe { ffi::MPI_Iallreduce(s, r, n, dt, op, comm.raw, req) }
+    })
+}
+
+/// `MPI_Allreduce` of `send` into `recv` (same length) with `op`, blocking: only where every
+/// rank is known to be in this same call (after the header exchange), as for [`Comm::split`].
+pub(crate) fn allreduce(
+    comm: &Comm,
+    send: &HostBuffer,
+    recv: &mut HostBuffer,
+    op: ffi::MPI_Op,
+) -> Result<(), CommError> {
+    let dt = datatype(send.dtype());
+    let n = count("all_reduce", send.len())?;
+    assert_eq!(send.byte_len(), recv.byte_len(), "allreduce: buffers of different sizes");
+    let (s, r) = (send.as_bytes().as_ptr().cast::<c_void>(), recv.as_bytes_mut().as_mut_ptr().cast::<c_void>());
+    // SAFETY: both buffers hold `n` elements of `dt` and outlive the (blocking) call.
+    check("MPI_Allreduce", unsafe { ffi::MPI_Allreduce(s, r, n, dt, op, comm.raw) }).map_err(MpiError::into_comm)
+}
+
+/// `MPI_Ireduce` of `send` into the root's `recv` with `op`.
+pub(crate) fn ireduce(
+    comm: &Comm,
+    send: HostBuffer,
+    recv: Option<HostBuffer>,
+    op: ffi::MPI_Op,
+    root: i32,
+) -> Result<Request, CommError> {
+    let dt = datatype(send.dtype());
+    let n = count("reduce", send.len())?;
+    debug_assert!(recv.as_ref().is_none_or(|r| r.len() == send.len()));
+    Request::start("MPI_Ireduce", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
+        // SAFETY: `s` holds `n` elements, and so does `r` on the root (ignored elsewhere).
+        unsafe { ffi::MPI_Ireduce(s, r, n, dt, op, root, comm.raw, req) }
+    })
+}
+
+/// `MPI_Ireduce_scatter_block`: `send` (`size × k`) reduced, block `rank` into `recv` (`k`).
+pub(crate) fn ireduce_scatter_block(
+    comm: &Comm,
+    send: HostBuffer,
+    recv: HostBuffer,
+    op: ffi::MPI_Op,
+) -> Result<Request, CommError> {
+    let dt = datatype(send.dtype());
+    let n = count("reduce_scatter", recv.len())?;
+    debug_assert_eq!(send.len(), recv.len() * comm.size as usize);
+    Request::start(
+        "MPI_Ireduce_scatter_block",
+        dt,
+        Bufs { send: Some(send), recv: Some(recv) },
+        vec![],
+        |s, r, _, req| {
+            // SAFETY: `s` holds `size × n` elements and `r` holds `n` (rule 2).
+            unsafe { ffi::MPI_Ireduce_scatter_block(s, r, n, dt, op, comm.raw, req) }
+        },
+    )
+}

@@ -1,0 +1,233 @@
+//! Requests with owned buffers: what a nonblocking call returns, polled until MPI is done
+//! with its buffers; point-to-point calls.
+
+use super::*;
+
+/// The buffers a request uses, handed back on completion.
+#[derive(Debug, Default)]
+pub(crate) struct Bufs {
+    /// What MPI reads (or, for in-place calls such as `MPI_Ibcast`, nothing).
+    pub(crate) send: Option<HostBuffer>,
+    /// What MPI writes (or reads and writes, in place).
+    pub(crate) recv: Option<HostBuffer>,
+}
+
+/// How a completed request ended.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Completion {
+    /// Elements received (receives only).
+    pub(crate) count: Option<usize>,
+}
+
+/// What [`Request::test`] saw.
+#[derive(Debug)]
+pub(crate) enum Polled {
+    /// Still in flight.
+    Pending,
+    /// Completed successfully.
+    Done(Completion),
+    /// MPI reported an error; `completed` says whether the request is finished (its buffers
+    /// can be taken back) or in an unknown state (they stay with the request).
+    Failed { err: MpiError, completed: bool },
+}
+
+/// A nonblocking MPI operation in flight, owning every buffer it uses.
+pub(crate) struct Request {
+    pub(super) raw: ffi::MPI_Request,
+    /// Instead of `raw` (then null): the requests of an op made of several calls, complete
+    /// together (`iexchange`).
+    pub(super) many: Vec<ffi::MPI_Request>,
+    pub(super) bufs: Bufs,
+    /// Count and displacement arrays the call points into.
+    pub(super) _arrays: Vec<Vec<c_int>>,
+    pub(super) datatype: ffi::MPI_Datatype,
+    pub(super) done: bool,
+}
+
+// SAFETY: a request moves to another thread only where MPI provides MPI_THREAD_MULTIPLE (a
+// caller's direct op that did not finish at once is handed to the actor, see `SharedComm`),
+// and MPI request handles are then valid on any thread; its buffers are owned (rule 2).
+unsafe impl Send for Request {}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request").field("done", &self.done).finish()
+    }
+}
+
+/// A buffer's length as an MPI count.
+pub(crate) fn count(op: &'static str, n: usize) -> Result<c_int, CommError> {
+    c_int::try_from(n).map_err(|_| CommError::InvalidArgument {
+        op,
+        reason: format!("{n} elements do not fit MPI's int counts (at most {} per call)", c_int::MAX),
+    })
+}
+
+pub(super) fn counts(op: &'static str, v: &[usize]) -> Result<Vec<c_int>, CommError> {
+    v.iter().map(|&n| count(op, n)).collect()
+}
+
+pub(super) fn send_ptr(b: &Option<HostBuffer>) -> *const c_void {
+    b.as_ref().map_or(std::ptr::null(), |b| b.as_bytes().as_ptr().cast())
+}
+
+pub(super) fn recv_ptr(b: &mut Option<HostBuffer>) -> *mut c_void {
+    b.as_mut().map_or(std::ptr::null_mut(), |b| b.as_bytes_mut().as_mut_ptr().cast())
+}
+
+impl Request {
+    /// Moves `bufs` and `arrays` into a new request and issues it with `issue`, which gets the
+    /// buffers' pointers, the arrays and the request slot.
+    pub(super) fn start(
+        call: &'static str,
+        datatype: ffi::MPI_Datatype,
+        mut bufs: Bufs,
+        arrays: Vec<Vec<c_int>>,
+        issue: impl FnOnce(*const c_void, *mut c_void, &[Vec<c_int>], *mut ffi::MPI_Request) -> c_int,
+    ) -> Result<Request, CommError> {
+        let s = send_ptr(&bufs.send);
+        let r = recv_ptr(&mut bufs.recv);
+        // SAFETY: reading a constant initialised at load time.
+        let mut req = Request {
+            raw: unsafe { ffi::RSMPI_REQUEST_NULL },
+            many: Vec::new(),
+            bufs,
+            _arrays: Vec::new(),
+            datatype,
+            done: false,
+        };
+        req._arrays = arrays;
+        let rc = issue(s, r, &req._arrays, &mut req.raw);
+        if let Err(e) = check(call, rc) {
+            // MPI's state after a failed issue is undefined: keep (leak) what it was given.
+            std::mem::forget(req);
+            return Err(e.into_comm());
+        }
+        Ok(req)
+    }
+
+    /// Polls the request once (this also drives MPI's progress engine).
+    pub(crate) fn test(&mut self) -> Polled {
+        if self.done {
+            return Polled::Done(Completion { count: None });
+        }
+        if !self.many.is_empty() {
+            return self.test_many();
+        }
+        let mut flag: c_int = 0;
+        let mut status = MaybeUninit::<ffi::MPI_Status>::zeroed();
+        // SAFETY: `self.raw` is our live request; `status` is a zeroed out-parameter.
+        let rc = unsafe { ffi::MPI_Test(&mut self.raw, &mut flag, status.as_mut_ptr()) };
+        if rc != ffi::MPI_SUCCESS as c_int {
+            let err = error("MPI_Test", rc);
+            if flag != 0 {
+                // Completed with an error: MPI keeps such a request allocated; release it.
+                self.done = true;
+                // SAFETY: the request is complete; freeing it is allowed and it is not used again.
+                unsafe {
+                    if self.raw != ffi::RSMPI_REQUEST_NULL {
+                        ffi::MPI_Request_free(&mut self.raw);
+                    }
+                }
+            }
+            return Polled::Failed { err, completed: flag != 0 };
+        }
+        if flag == 0 {
+            return Polled::Pending;
+        }
+        self.done = true;
+        let mut n: c_int = -1;
+        // SAFETY: `status` was filled by the successful MPI_Test above.
+        let got = unsafe { ffi::MPI_Get_count(status.as_ptr(), self.datatype, &mut n) };
+        let count = (got == ffi::MPI_SUCCESS as c_int && n >= 0).then_some(n as usize);
+        Polled::Done(Completion { count })
+    }
+
+    fn test_many(&mut self) -> Polled {
+        let mut flag: c_int = 0;
+        let n = self.many.len() as c_int;
+        // SAFETY: `self.many` holds our live requests (completed ones are set to null by MPI).
+        let rc = unsafe { ffi::MPI_Testall(n, self.many.as_mut_ptr(), &mut flag, ffi::RSMPI_STATUSES_IGNORE) };
+        if rc != ffi::MPI_SUCCESS as c_int {
+            // Which calls completed is not known: keep the buffers (as for a request in flight).
+            return Polled::Failed { err: error("MPI_Testall", rc), completed: false };
+        }
+        if flag == 0 {
+            return Polled::Pending;
+        }
+        self.done = true;
+        Polled::Done(Completion { count: None })
+    }
+
+    /// Asks MPI to cancel a receive that has not matched (used when it times out). Poll again
+    /// to see it complete.
+    pub(crate) fn cancel(&mut self) {
+        if !self.done {
+            // SAFETY: `self.raw` is our live request.
+            unsafe {
+                ffi::MPI_Cancel(&mut self.raw);
+            }
+        }
+    }
+
+    /// Whether MPI is finished with the request (its buffers can be taken back).
+    pub(crate) fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// The buffers, once the request completed; `None` (and the buffers stay leaked with the
+    /// request) if it did not.
+    pub(crate) fn into_bufs(mut self) -> Option<Bufs> {
+        if self.done {
+            Some(std::mem::take(&mut self.bufs))
+        } else {
+            None
+        }
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if !self.done {
+            // MPI may still read or write these: never free them.
+            std::mem::forget(std::mem::take(&mut self.bufs));
+            std::mem::forget(std::mem::take(&mut self._arrays));
+        }
+    }
+}
+
+/// `MPI_Isend` of the whole buffer.
+pub(crate) fn isend(comm: &Comm, buf: HostBuffer, dst: i32, tag: i32) -> Result<Request, CommError> {
+    let (dt, n) = (datatype(buf.dtype()), count("send", buf.len())?);
+    let bufs = Bufs { send: Some(buf), recv: None };
+    Request::start("MPI_Isend", dt, bufs, vec![], |s, _, _, req| {
+        // SAFETY: `s` points to `n` elements of the owned send buffer (rule 2).
+        unsafe { ffi::MPI_Isend(s, n, dt, dst, tag, comm.raw, req) }
+    })
+}
+
+/// `MPI_Irecv` into the whole buffer.
+pub(crate) fn irecv(comm: &Comm, buf: HostBuffer, src: i32, tag: i32) -> Result<Request, CommError> {
+    let (dt, n) = (datatype(buf.dtype()), count("recv", buf.len())?);
+    let bufs = Bufs { send: None, recv: Some(buf) };
+    Request::start("MPI_Irecv", dt, bufs, vec![], |_, r, _, req| {
+        // SAFETY: `r` points to `n` writable elements of the owned receive buffer (rule 2).
+        unsafe { ffi::MPI_Irecv(r, n, dt, src, tag, comm.raw, req) }
+    })
+}
+
+/// A message from `src` waiting to be received, whatever its tag: `(tag, bytes)`.
+pub(crate) fn probe(comm: &Comm, src: i32) -> Option<(i32, usize)> {
+    let mut flag: c_int = 0;
+    let mut status = MaybeUninit::<ffi::MPI_Status>::zeroed();
+    let mut n: c_int = -1;
+    // SAFETY: out-parameters to locals; `status` is read only when a message was found.
+    unsafe {
+        let rc = ffi::MPI_Iprobe(src, ffi::RSMPI_ANY_TAG, comm.raw, &mut flag, status.as_mut_ptr());
+        if rc != ffi::MPI_SUCCESS as c_int || flag == 0 {
+            return None;
+        }
+        ffi::MPI_Get_count(status.as_ptr(), ffi::RSMPI_UINT8_T, &mut n);
+        Some((status.assume_init().MPI_TAG, n.max(0) as usize))
+    }
+}
