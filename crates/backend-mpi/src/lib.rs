@@ -114,7 +114,7 @@ pub struct MpiOptions {
     /// How floating-point reductions are computed.
     pub reduction: Reduction,
     /// Exchange a header before every collective so mismatched calls fail with
-    /// [`CommError::Mismatch`] (costs one small all-gather per collective).
+    /// [`CommError::Mismatch`] (costs one small point-to-point exchange per collective).
     pub check: bool,
     /// Exact float reductions of at most this many bytes × (ranks − 1) gather every input to
     /// every rank (one round); larger ones use reduce-scatter + all-gather.
