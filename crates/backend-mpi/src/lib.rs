@@ -61,12 +61,12 @@ use comm_kernels as kernels;
 #[allow(unsafe_code)] // the one audited module; see its docs
 mod raw;
 
-/// The f16/bf16 MPI reduction ops, for code that calls MPI itself (comm-bench's `mpi-raw`).
-#[doc(hidden)]
-pub use raw::HalfOps;
 /// The MPI datatype that carries each dtype, for code that calls MPI itself (comm-bench's `mpi-raw`).
 #[doc(hidden)]
 pub use raw::datatype as mpi_datatype;
+/// The f16/bf16 MPI reduction ops, for code that calls MPI itself (comm-bench's `mpi-raw`).
+#[doc(hidden)]
+pub use raw::HalfOps;
 
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::mpsc::{channel, Sender};

@@ -12,7 +12,7 @@ pub(super) fn exchange(
     header: Header,
     payload: Option<Vec<u8>>,
     start: Start,
-    what: String,
+    what: OpLabel,
 ) -> Result<(Request, Cont), CommError> {
     let slot = exchange_slot_bytes(size);
     let payload = payload.filter(|p| p.len() <= inline_max(size));
@@ -21,7 +21,7 @@ pub(super) fn exchange(
     let inline = payload.is_some();
     let cont: Cont = Box::new(move |env: &Env<'_>, bufs: Bufs| {
         let ex = Exchange { all: take(bufs.recv)?, slot };
-        verify(&ex, env.size, &header, env.rank, &what)?;
+        verify(&ex, env.size, &header, env.rank, what)?;
         start(env, inline.then_some(&ex))
     });
     Ok((req, cont))
@@ -160,9 +160,24 @@ impl Exchange {
     }
 }
 
-/// The op name in "all_reduce #3".
-pub(super) fn op_of(what: &str) -> &'static str {
-    what.split(' ').next().and_then(OpKind::from_name).map_or("collective", OpKind::name)
+/// Names a collective in messages ("all_reduce #3", "barrier (direct #7)"), formatted only
+/// when a message needs it: the direct path must not pay for it on every op.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct OpLabel {
+    pub(super) name: &'static str,
+    /// The group's collective number (direct ops: the lane's count).
+    pub(super) seq: u64,
+    /// Run on a caller's thread.
+    pub(super) direct: bool,
+}
+
+impl std::fmt::Display for OpLabel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.direct {
+            true => write!(f, "{} (direct #{})", self.name, self.seq),
+            false => write!(f, "{} #{}", self.name, self.seq),
+        }
+    }
 }
 
 /// Starts a group's next collective: the header exchange first (with checking on), else the
@@ -180,11 +195,11 @@ pub(super) fn start_collective(
     if g.params.panic_at == Some(name) {
         panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", g.info.rank);
     }
-    let what = format!("{name} #{}", g.seq);
+    let what = OpLabel { name, seq: g.seq, direct: false };
     let checked = g.info.size > 1 && (g.params.check || header.op == OpKind::NewGroup.code());
     let env = g.env(half, pool);
     let first = if checked {
-        exchange(env.comm, env.size, header, payload, start, what.clone()).map(|(req, cont)| Step::Wait(req, cont))
+        exchange(env.comm, env.size, header, payload, start, what).map(|(req, cont)| Step::Wait(req, cont))
     } else {
         start(&env, None)
     };
@@ -203,7 +218,7 @@ pub(super) fn start_collective(
 }
 
 /// Compares every rank's header with rank 0's (so every rank reaches the same verdict).
-pub(super) fn verify(ex: &Exchange, n: usize, mine: &Header, me: usize, what: &str) -> Result<(), CommError> {
+pub(super) fn verify(ex: &Exchange, n: usize, mine: &Header, me: usize, what: OpLabel) -> Result<(), CommError> {
     let headers: Vec<Option<Header>> = (0..n).map(|p| ex.header(p)).collect();
     let op = op_name(mine.op);
     let Some(first) = headers[0] else {

@@ -68,12 +68,12 @@ pub(crate) fn submit_direct<R: MpiOp>(
         return Some((op, Some(Ticket(lane.clone()))));
     }
     st.seq += 1;
-    let what = format!("{} (direct #{})", R::NAME, st.seq);
+    let what = OpLabel { name: R::NAME, seq: st.seq, direct: true };
     let Some(comm) = &st.comm else { unreachable!("checked above") };
     let Job::Collective(Plan { header, payload, start, reply, .. }) = op.req.job(op.done) else {
         unreachable!("point-to-point ops return above")
     };
-    let r = match comm.with(|comm| exchange_direct(comm, &st.pool, lane, info, header, payload, start, &what)) {
+    let r = match comm.with(|comm| exchange_direct(comm, &st.pool, lane, info, header, payload, start, what)) {
         Ok(Direct::Done(out)) => Ok(out),
         Err(e) => Err(e),
         Ok(Direct::Waiting(req, cont, started)) => {
@@ -130,10 +130,10 @@ pub(super) fn exchange_direct(
     header: Header,
     payload: Option<Vec<u8>>,
     start: Start,
-    what: &str,
+    what: OpLabel,
 ) -> Result<Direct, CommError> {
     let (size, rank) = (info.size as usize, info.rank as usize);
-    let (mut req, finish) = exchange(comm, size, header, payload, start, what.to_owned())?;
+    let (mut req, finish) = exchange(comm, size, header, payload, start, what)?;
     let started = Instant::now();
     let mut yields = 0;
     let bufs = loop {
@@ -167,7 +167,7 @@ pub(super) fn exchange_direct(
                 Polled::Pending if started.elapsed() >= lane.params.timeout => {
                     // The request stays with MPI: dropping it leaks its buffers (raw rule 3).
                     return Err(CommError::Timeout {
-                        op: what.to_owned(),
+                        op: what.to_string(),
                         after: lane.params.timeout,
                         detail: format!("a rank of the group of {size} stopped in the middle of it (died, or hangs)"),
                     });

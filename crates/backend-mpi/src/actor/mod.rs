@@ -401,7 +401,7 @@ impl Actor {
                     Polled::Pending => {
                         if now.duration_since(a.started) >= g.params.timeout {
                             let e = CommError::Timeout {
-                                op: a.what.clone(),
+                                op: a.what.to_string(),
                                 after: g.params.timeout,
                                 detail: format!(
                                     "not every rank of the group of {} joined it: a peer died, hangs, or called another op (MPI cannot tell which; set COMM_TIMEOUT to wait longer)",
@@ -420,7 +420,7 @@ impl Actor {
                         let a = g.active.take().expect("active checked above");
                         let e = if err.is_truncation() {
                             CommError::Mismatch {
-                                op: op_of(&a.what),
+                                op: a.what.name,
                                 detail: format!("{}: ranks passed different sizes ({err})", a.what),
                             }
                         } else {
@@ -697,6 +697,7 @@ mod tests {
         }
         assert_ne!(mpi_tag(5, DType::F32), mpi_tag(5, DType::I32));
         assert_eq!(mpi_tag(5, DType::F64) as u32 >> 3, 5);
-        assert_eq!(op_of("all_to_all #3"), "all_to_all");
+        assert_eq!(OpLabel { name: "all_to_all", seq: 3, direct: false }.to_string(), "all_to_all #3");
+        assert_eq!(OpLabel { name: "barrier", seq: 7, direct: true }.to_string(), "barrier (direct #7)");
     }
 }

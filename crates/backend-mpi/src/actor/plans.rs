@@ -135,7 +135,7 @@ impl Reply {
 pub(crate) struct Active {
     /// Keeps the op counted in its group's lane until it is done.
     pub(super) ticket: Option<Ticket>,
-    pub(super) what: String,
+    pub(super) what: OpLabel,
     pub(super) started: Instant,
     pub(super) req: Request,
     pub(super) cont: Cont,
