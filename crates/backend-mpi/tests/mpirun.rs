@@ -116,7 +116,8 @@ fn conformance_native_reductions_2_ranks() {
 }
 
 /// DeepSpeed's isend blocked until matched (PR 8303): here rank 0's 8 MiB isend is in flight
-/// while both ranks run collectives, and rank 1 posts the matching recv only after them.
+/// while both ranks run collectives, and rank 1 posts the matching recv only after them. Then
+/// messages on the largest user tag cross a collective.
 #[test]
 fn an_isend_does_not_block_collectives() {
     let Some(job) = job(2, "overlap", &[], Duration::from_secs(120)) else { return };
@@ -358,6 +359,18 @@ async fn overlap() -> i32 {
             w.submit(RecvFrom { buf: HostBuffer::zeroed(comm_core::DType::F32, big), src: 0, tag: 9 }).await.unwrap();
         assert_eq!(got.to_vec::<f32>().unwrap(), data);
     }
+    // The largest user tag works while collectives run (their header exchange has the tag
+    // block above it to itself; u8 is dtype code 0, the exchange's low bits), and the next
+    // one is refused.
+    let (top, peer) = (w.max_tag(), 1 - me);
+    let e = w.submit(SendTo { buf: f32s(&[1.0]), dst: peer, tag: top + 1 }).await.unwrap_err();
+    assert!(matches!(e, CommError::InvalidArgument { .. }), "{e}");
+    let recv = w.submit(RecvFrom { buf: HostBuffer::from_slice(&[0u8; 3]), src: peer, tag: top });
+    let sum = w.submit(AllReduce { buf: f32s(&[1.0]), op: ReduceOp::Sum });
+    let send = w.submit(SendTo { buf: HostBuffer::from_slice(&[me as u8; 3]), dst: peer, tag: top });
+    assert_eq!(sum.await.unwrap().to_vec::<f32>().unwrap(), [2.0]);
+    send.await.unwrap();
+    assert_eq!(recv.await.unwrap().to_vec::<u8>().unwrap(), [peer as u8; 3]);
     println!("OVERLAP-OK rank {me} in {:.1?}", t.elapsed());
     w.shutdown().await.unwrap();
     0
