@@ -14,7 +14,7 @@
 //! - [`Timeline`]: every op as a slice of its rank's track in Chrome's trace-event format
 //!   (Perfetto, `chrome://tracing`), clocks aligned across ranks, merged on rank 0
 //!   ([`ProfilingLayer::with_timeline`]).
-//! - `otel` (feature): [`otel::OtelConfig`] builds a `tracing-opentelemetry` layer exporting
+//! - `otel` (feature): `otel::OtelConfig` builds a `tracing-opentelemetry` layer exporting
 //!   to an OTLP/HTTP endpoint (`OTEL_EXPORTER_OTLP_ENDPOINT`) or stdout, with the resource
 //!   attributes `service.name` and `rank`.
 //!
