@@ -49,7 +49,27 @@ pub enum Src<'a> {
 /// number of inputs. All slices have `out.len()` bytes, aligned for `dtype`, and the op was
 /// validated for the dtype (`ReduceOp::applies_to`).
 pub fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
-    let srcs: Vec<Src<'_>> = inputs.iter().map(|b| Src::Buf(b)).collect();
+    debug_assert!(inputs.iter().all(|b| b.len() == out.len()));
+    reduce_leading(dtype, op, inputs, out);
+}
+
+/// [`reduce`] of the first `out.len()` bytes of each input (a window holding more).
+///
+/// # Panics
+/// When an input is shorter than `out`.
+pub fn reduce_leading(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
+    // A small all_reduce's reduction takes tens of nanoseconds: the inputs' list lives on the
+    // stack rather than costing an allocation as long again.
+    const STACK: usize = 16;
+    let len = out.len();
+    if inputs.len() <= STACK {
+        let mut srcs = [Src::Out; STACK];
+        for (s, b) in srcs.iter_mut().zip(inputs) {
+            *s = Src::Buf(&b[..len]);
+        }
+        return reduce_to(dtype, op, &srcs[..inputs.len()], out, None);
+    }
+    let srcs: Vec<Src<'_>> = inputs.iter().map(|b| Src::Buf(&b[..len])).collect();
     reduce_to(dtype, op, &srcs, out, None);
 }
 
@@ -131,6 +151,20 @@ pub fn divide(buf: &mut comm_core::HostBuffer, n: usize) {
 mod tests {
     use super::*;
     use comm_core::HostBuffer;
+
+    #[test]
+    fn leading_bytes_of_few_and_many_inputs() {
+        for n in [1, 2, 16, 17, 40] {
+            // Inputs 5 elements long; the reduction covers their first 3.
+            let ins: Vec<HostBuffer> =
+                (0..n).map(|r| HostBuffer::from_slice(&[r as i32, 1, -(r as i32), 1000, 1000])).collect();
+            let views: Vec<&[u8]> = ins.iter().map(|b| b.as_bytes()).collect();
+            let mut out = HostBuffer::zeroed(DType::I32, 3);
+            reduce_leading(DType::I32, ReduceOp::Sum, &views, out.as_bytes_mut());
+            let s = (0..n as i32).sum::<i32>();
+            assert_eq!(out.to_vec::<i32>().unwrap(), [s, n as i32, -s], "{n} inputs");
+        }
+    }
 
     fn red(op: ReduceOp, ins: &[HostBuffer]) -> HostBuffer {
         let mut out = HostBuffer::zeroed(ins[0].dtype(), ins[0].len());

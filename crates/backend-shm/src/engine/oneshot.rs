@@ -91,7 +91,7 @@ impl OneShot {
         match (self, io) {
             (OneShot::AllReduce { buf, .. }, Io::Write(w)) => w[..buf.byte_len()].copy_from_slice(buf.as_bytes()),
             (OneShot::AllReduce { buf, op, root }, Io::Read(views, _)) if root.is_none_or(|r| r as usize == me) => {
-                reduce_views(buf.dtype(), *op, views, buf.as_bytes_mut());
+                kernels::reduce_leading(buf.dtype(), *op, views, buf.as_bytes_mut());
             }
             (OneShot::Broadcast { buf, root }, Io::Write(w)) if *root as usize == me => {
                 w[..buf.byte_len()].copy_from_slice(buf.as_bytes())
@@ -160,12 +160,6 @@ impl OneShot {
             other => other,
         }
     }
-}
-
-/// `out = views[0][..] ⊕ views[1][..] ⊕ ...` over `out.len()` bytes, in rank order.
-fn reduce_views(dtype: DType, op: ReduceOp, views: &[&[u8]], out: &mut [u8]) {
-    let ins: Vec<&[u8]> = views.iter().map(|v| &v[..out.len()]).collect();
-    kernels::reduce(dtype, op, &ins, out);
 }
 
 /// What an inline attempt came to.
