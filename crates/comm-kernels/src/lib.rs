@@ -154,7 +154,7 @@ mod tests {
 
     #[test]
     fn leading_bytes_of_few_and_many_inputs() {
-        for n in [1, 2, 16, 17, 40] {
+        for n in [1usize, 2, 16, 17, 40] {
             // Inputs 5 elements long; the reduction covers their first 3.
             let ins: Vec<HostBuffer> =
                 (0..n).map(|r| HostBuffer::from_slice(&[r as i32, 1, -(r as i32), 1000, 1000])).collect();
