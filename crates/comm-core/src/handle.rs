@@ -11,7 +11,14 @@ use crate::{CommError, Op, Rank, Work};
 /// Why a group stopped working, shared by its handles and its worker. The first cause wins:
 /// later failures are consequences of it.
 #[derive(Clone, Debug, Default)]
-pub struct Poison(Arc<Mutex<Option<String>>>);
+pub struct Poison(Arc<PoisonState>);
+
+#[derive(Debug, Default)]
+struct PoisonState {
+    /// Set once `cause` is: every op checks it, so a healthy group's check is one load.
+    set: AtomicBool,
+    cause: Mutex<Option<String>>,
+}
 
 impl Poison {
     /// A healthy group's flag.
@@ -21,17 +28,21 @@ impl Poison {
 
     /// Marks the group unusable; returns whether this call did it (false: it already was).
     pub fn set(&self, cause: impl Into<String>) -> bool {
-        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = self.0.cause.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_some() {
             return false;
         }
         *slot = Some(cause.into());
+        self.0.set.store(true, SeqCst);
         true
     }
 
     /// The cause, once poisoned.
     pub fn cause(&self) -> Option<String> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        if !self.0.set.load(SeqCst) {
+            return None;
+        }
+        self.0.cause.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// `Err(Poisoned)` once poisoned.

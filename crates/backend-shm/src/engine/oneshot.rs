@@ -256,8 +256,10 @@ impl Engine {
             return Err(e);
         }
         let me = self.rank;
-        let (views, next) = self.views(k);
-        op.io(me, Io::Read(&views, next));
+        {
+            let (views, next) = self.views(k);
+            op.io(me, Io::Read(&views, next));
+        }
         self.phase = Phase::Idle;
         Ok(())
     }

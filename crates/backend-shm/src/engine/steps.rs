@@ -162,13 +162,13 @@ impl Engine {
 
     /// Every rank's buffer for step `k` (index = rank) and our buffer for step `k + 1`,
     /// while step `k` is readable.
-    pub(super) fn views(&mut self, k: u64) -> (Vec<&[u8]>, &mut [u8]) {
+    pub(super) fn views(&mut self, k: u64) -> (Views<'_>, &mut [u8]) {
         assert!(matches!(self.phase, Phase::Readable(s) if s == k), "views outside the read phase of step {k}");
         let off = self.lay.step_data(k);
         // SAFETY: read phase of step `k` (checked): every rank published `k`, and none writes
         // its buffer `k % 2` again before all of us publish `k + 1`, which we do only after
         // these slices are gone (`step`/`begin` take `&mut self`).
-        let views = self.segs.iter().map(|s| unsafe { s.bytes(off, self.lay.window) }).collect();
+        let views = self.segs.iter().map(|s| unsafe { s.bytes(off, self.lay.window) }).collect::<Views<'_>>();
         // SAFETY: our buffer `(k + 1) % 2` was last read by peers in step `k - 1`, and all of
         // them published `k`; it is a different range from every slice above.
         let next = unsafe { self.me().bytes_mut(self.lay.step_data(k + 1), self.lay.window) };
@@ -264,3 +264,7 @@ pub(super) fn read_chunk<'a>(src: &'a Segment, lay: &Layout, me: usize, chunk: u
     // borrow ends.
     unsafe { src.bytes(lay.msg_data(me, chunk), len) }
 }
+
+/// Every rank's window of a step: on the stack up to 16 ranks (a small op's step is a few
+/// hundred nanoseconds, an allocation a noticeable part of it).
+pub(super) type Views<'a> = smallvec::SmallVec<[&'a [u8]; 16]>;
