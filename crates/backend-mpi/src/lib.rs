@@ -49,7 +49,7 @@
 //! broadcast `MPI_Ibcast`; all_gather `MPI_Iallgather`; scatter `MPI_Iscatter`; gather
 //! `MPI_Igather`; all_to_all `MPI_Ialltoallv`; barrier: the header exchange (or `MPI_Ibarrier`
 //! with checking off); all_reduce / reduce / reduce_scatter as above (native mode:
-//! `MPI_Iallreduce` / `MPI_Ireduce` / `MPI_Ireduce_scatter_block`); send/recv
+//! `MPI_Iallreduce` in place / `MPI_Ireduce` / `MPI_Ireduce_scatter_block`); send/recv
 //! `MPI_Isend` / `MPI_Irecv`; `new_group` `MPI_Comm_split` (after a header exchange, so it
 //! never waits on a missing rank); each world group is an `MPI_Comm_idup` of
 //! `MPI_COMM_WORLD`.

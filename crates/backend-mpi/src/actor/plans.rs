@@ -223,20 +223,18 @@ pub(super) fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, rep
             // and MPI's blocking call (its fastest algorithms) cannot wait on a missing one.
             // Wherever it runs (a caller's thread or the actor): blocking and nonblocking
             // collectives do not match each other in MPI, so all ranks must make the same call.
-            let mut out = env.buffer(dtype, len);
-            raw::allreduce(env.comm, &buf, &mut out, mpi_op(env, dtype, op)?)?;
-            env.recycle(Some(buf));
+            let mut buf = buf;
+            raw::allreduce_in_place(env.comm, &mut buf, mpi_op(env, dtype, op)?)?;
             if op == ReduceOp::Avg {
-                kernels::divide(&mut out, n);
+                kernels::divide(&mut buf, n);
             }
-            return done(out);
+            return done(buf);
         }
         if !local_reduction(env.params, dtype) {
             let mpi = mpi_op(env, dtype, op)?;
-            let recv = keep.then(|| env.buffer(dtype, len));
             let req = match root {
-                None => raw::iallreduce(env.comm, buf, take(recv)?, mpi)?,
-                Some(r) => raw::ireduce(env.comm, buf, recv, mpi, r as i32)?,
+                None => raw::iallreduce_in_place(env.comm, buf, mpi)?,
+                Some(r) => raw::ireduce(env.comm, buf, keep.then(|| env.buffer(dtype, len)), mpi, r as i32)?,
             };
             return Ok(wait(req, move |env, b| {
                 if !keep {

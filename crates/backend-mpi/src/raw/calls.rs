@@ -204,36 +204,27 @@ pub(crate) fn ialltoallv(
     })
 }
 
-/// `MPI_Iallreduce` of `send` into `recv` (same length) with `op`.
-pub(crate) fn iallreduce(
-    comm: &Comm,
-    send: HostBuffer,
-    recv: HostBuffer,
-    op: ffi::MPI_Op,
-) -> Result<Request, CommError> {
-    let dt = datatype(send.dtype());
-    let n = count("all_reduce", send.len())?;
-    debug_assert_eq!(send.len(), recv.len());
-    Request::start("MPI_Iallreduce", dt, Bufs { send: Some(send), recv: Some(recv) }, vec![], |s, r, _, req| {
-        // SAFETY: `s` and `r` both hold `n` elements (rule 2).
-        unsafe { ffi::MPI_Iallreduce(s, r, n, dt, op, comm.raw, req) }
+/// `MPI_Iallreduce` of `buf` in place (`MPI_IN_PLACE`): MPI reduces into the buffer it reads,
+/// with no copy of the input into a separate output first.
+pub(crate) fn iallreduce_in_place(comm: &Comm, buf: HostBuffer, op: ffi::MPI_Op) -> Result<Request, CommError> {
+    let dt = datatype(buf.dtype());
+    let n = count("all_reduce", buf.len())?;
+    Request::start("MPI_Iallreduce", dt, Bufs { send: None, recv: Some(buf) }, vec![], |_, r, _, req| {
+        // SAFETY: `r` holds `n` elements (rule 2); MPI_IN_PLACE makes it the input too.
+        unsafe { ffi::MPI_Iallreduce(in_place(), r, n, dt, op, comm.raw, req) }
     })
 }
 
-/// `MPI_Allreduce` of `send` into `recv` (same length) with `op`, blocking: only where every
-/// rank is known to be in this same call (after the header exchange), as for [`Comm::split`].
-pub(crate) fn allreduce(
-    comm: &Comm,
-    send: &HostBuffer,
-    recv: &mut HostBuffer,
-    op: ffi::MPI_Op,
-) -> Result<(), CommError> {
-    let dt = datatype(send.dtype());
-    let n = count("all_reduce", send.len())?;
-    assert_eq!(send.byte_len(), recv.byte_len(), "allreduce: buffers of different sizes");
-    let (s, r) = (send.as_bytes().as_ptr().cast::<c_void>(), recv.as_bytes_mut().as_mut_ptr().cast::<c_void>());
-    // SAFETY: both buffers hold `n` elements of `dt` and outlive the (blocking) call.
-    check("MPI_Allreduce", unsafe { ffi::MPI_Allreduce(s, r, n, dt, op, comm.raw) }).map_err(MpiError::into_comm)
+/// `MPI_Allreduce` of `buf` in place (`MPI_IN_PLACE`), blocking: only where every rank is
+/// known to be in this same call (after the header exchange), as for [`Comm::split`].
+pub(crate) fn allreduce_in_place(comm: &Comm, buf: &mut HostBuffer, op: ffi::MPI_Op) -> Result<(), CommError> {
+    let dt = datatype(buf.dtype());
+    let n = count("all_reduce", buf.len())?;
+    let r = buf.as_bytes_mut().as_mut_ptr().cast::<c_void>();
+    // SAFETY: `r` holds `n` elements of `dt` and outlives the (blocking) call; MPI_IN_PLACE
+    // makes it the input too.
+    check("MPI_Allreduce", unsafe { ffi::MPI_Allreduce(in_place(), r, n, dt, op, comm.raw) })
+        .map_err(MpiError::into_comm)
 }
 
 /// `MPI_Ireduce` of `send` into the root's `recv` with `op`.

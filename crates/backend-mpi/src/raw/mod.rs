@@ -216,6 +216,14 @@ pub(crate) fn abort(code: i32) {
 
 extern "C" {
     fn atexit(callback: extern "C" fn()) -> c_int;
+    /// `MPI_IN_PLACE` of the MPI the crate is built against (`csrc/in_place.c`).
+    fn comm_mpi_in_place() -> *mut c_void;
+}
+
+/// `MPI_IN_PLACE`, for a send buffer that is the receive buffer.
+fn in_place() -> *const c_void {
+    // SAFETY: a C function with no arguments that returns a constant.
+    unsafe { comm_mpi_in_place() }
 }
 
 /// Registers `f` to run at process exit (C `atexit`: after `main` returns or `exit` is called).
