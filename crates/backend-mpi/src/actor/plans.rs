@@ -279,7 +279,14 @@ pub(super) fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, rep
         // reduces slice j of the chunk of every input (in rank order), then the reduced slices
         // are gathered (to every rank, or the root).
         let per = (env.params.chunk / es).max(16 * n);
-        large_reduce(env, buf, 0, Chunks { dtype, op, len, root, per })
+        let chunks = Chunks { dtype, op, len, root, per };
+        if root.is_none() && env.params.check {
+            // After a completed exchange: MPI's blocking calls (see the native case).
+            let mut buf = buf;
+            all_reduce_blocking(env, &mut buf, chunks)?;
+            return done(buf);
+        }
+        large_reduce(env, buf, 0, chunks)
     };
     Plan { name, header, payload, start: Box::new(start), reply }
 }
@@ -294,16 +301,43 @@ pub(super) struct Chunks {
     pub(super) per: usize,
 }
 
-/// Chunk `[off, off + per)` of a large exact reduction, then the next one.
-pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks) -> Result<Step, CommError> {
-    let (me, n, dtype) = (env.rank, env.size, c.dtype);
-    let clen = c.per.min(c.len - off);
-    let parts: Vec<(usize, usize)> = (0..n)
+/// The slices of a chunk of `clen` elements at `off`: rank `j` reduces part `j`.
+fn chunk_parts(off: usize, clen: usize, n: usize) -> Vec<(usize, usize)> {
+    (0..n)
         .map(|j| {
             let (lo, l) = slice_of(clen, n, j);
             (off + lo, l)
         })
-        .collect();
+        .collect()
+}
+
+/// A large exact all_reduce with MPI's blocking calls, chunk by chunk: the same slices, rank
+/// order and kernel as [`large_reduce`], each rank's reduced slice written in place and
+/// gathered in place (`MPI_IN_PLACE`).
+fn all_reduce_blocking(env: &Env<'_>, buf: &mut HostBuffer, c: Chunks) -> Result<(), CommError> {
+    let (me, n, dtype, es) = (env.rank, env.size, c.dtype, c.dtype.size());
+    let mut off = 0;
+    while off < c.len {
+        let clen = c.per.min(c.len - off);
+        let parts = chunk_parts(off, clen, n);
+        let (at, mine) = parts[me];
+        let recv_parts: Vec<(usize, usize)> = (0..n).map(|i| (i * mine, mine)).collect();
+        let mut slices = env.buffer(dtype, n * mine);
+        raw::alltoallv(env.comm, buf, &parts, &mut slices, &recv_parts)?;
+        // The call returned, so our slice of `buf` was sent: it may take the result.
+        kernels::reduce(dtype, c.op, &blocks(&slices, n, mine), &mut buf.as_bytes_mut()[at * es..(at + mine) * es]);
+        env.recycle(Some(slices));
+        raw::allgatherv_in_place(env.comm, buf, &parts)?;
+        off += clen;
+    }
+    Ok(())
+}
+
+/// Chunk `[off, off + per)` of a large exact reduction, then the next one.
+pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks) -> Result<Step, CommError> {
+    let (me, n, dtype) = (env.rank, env.size, c.dtype);
+    let clen = c.per.min(c.len - off);
+    let parts = chunk_parts(off, clen, n);
     let mine = parts[me].1;
     let recv_parts: Vec<(usize, usize)> = (0..n).map(|i| (i * mine, mine)).collect();
     let req = raw::ialltoallv(env.comm, buf, &parts, env.buffer(dtype, n * mine), &recv_parts)?;

@@ -265,3 +265,52 @@ pub(crate) fn ireduce_scatter_block(
         },
     )
 }
+
+/// `MPI_Alltoallv`, blocking (see [`allreduce_in_place`] for when that is allowed): as
+/// [`ialltoallv`], with borrowed buffers.
+pub(crate) fn alltoallv(
+    comm: &Comm,
+    send: &HostBuffer,
+    send_parts: &[(usize, usize)],
+    recv: &mut HostBuffer,
+    recv_parts: &[(usize, usize)],
+) -> Result<(), CommError> {
+    let dt = datatype(send.dtype());
+    let arr = |f: fn(&(usize, usize)) -> usize, p: &[(usize, usize)]| {
+        counts("all_to_all", &p.iter().map(f).collect::<Vec<_>>())
+    };
+    let (sc, sd) = (arr(|p| p.1, send_parts)?, arr(|p| p.0, send_parts)?);
+    let (rc, rd) = (arr(|p| p.1, recv_parts)?, arr(|p| p.0, recv_parts)?);
+    if send_parts.iter().any(|&(at, len)| at + len > send.len())
+        || recv_parts.iter().any(|&(at, len)| at + len > recv.len())
+    {
+        return Err(CommError::invalid("all_to_all", "a block lies outside its buffer"));
+    }
+    let (s, r) = (send.as_bytes().as_ptr().cast::<c_void>(), recv.as_bytes_mut().as_mut_ptr().cast::<c_void>());
+    // SAFETY: every (displacement, count) lies inside its buffer (checked above); buffers and
+    // arrays outlive the blocking call.
+    check("MPI_Alltoallv", unsafe {
+        ffi::MPI_Alltoallv(s, sc.as_ptr(), sd.as_ptr(), dt, r, rc.as_ptr(), rd.as_ptr(), dt, comm.raw)
+    })
+    .map_err(MpiError::into_comm)
+}
+
+/// `MPI_Allgatherv` in place, blocking (see [`allreduce_in_place`]): rank `j`'s part
+/// `parts[j]` of `buf`, already in place on rank `j`, lands at the same place on every rank.
+pub(crate) fn allgatherv_in_place(
+    comm: &Comm,
+    buf: &mut HostBuffer,
+    parts: &[(usize, usize)],
+) -> Result<(), CommError> {
+    let dt = datatype(buf.dtype());
+    let c = counts("all_reduce", &parts.iter().map(|p| p.1).collect::<Vec<_>>())?;
+    let d = counts("all_reduce", &parts.iter().map(|p| p.0).collect::<Vec<_>>())?;
+    if parts.iter().any(|&(at, len)| at + len > buf.len()) {
+        return Err(CommError::invalid("all_reduce", "a part lies outside its buffer"));
+    }
+    let r = buf.as_bytes_mut().as_mut_ptr().cast::<c_void>();
+    // SAFETY: every (displacement, count) lies inside `buf` (checked above); MPI_IN_PLACE
+    // takes this rank's part from it; buffer and arrays outlive the blocking call.
+    check("MPI_Allgatherv", unsafe { ffi::MPI_Allgatherv(in_place(), 0, dt, r, c.as_ptr(), d.as_ptr(), dt, comm.raw) })
+        .map_err(MpiError::into_comm)
+}
