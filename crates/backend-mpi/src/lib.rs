@@ -61,12 +61,13 @@ use comm_kernels as kernels;
 #[allow(unsafe_code)] // the one audited module; see its docs
 mod raw;
 
-/// The MPI datatype that carries each dtype, for code that calls MPI itself (comm-bench's `mpi-raw`).
-#[doc(hidden)]
-pub use raw::datatype as mpi_datatype;
 /// The f16/bf16 MPI reduction ops, for code that calls MPI itself (comm-bench's `mpi-raw`).
 #[doc(hidden)]
 pub use raw::HalfOps;
+/// The MPI datatype that carries each dtype, and MPI's built-in op for each reduce op, for code
+/// that calls MPI itself (comm-bench's `mpi-raw`).
+#[doc(hidden)]
+pub use raw::{builtin_op as mpi_builtin_op, datatype as mpi_datatype};
 
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::mpsc::{channel, Sender};

@@ -14,7 +14,7 @@ use std::ptr;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use backend_mpi::mpi_datatype as datatype;
+use backend_mpi::{mpi_builtin_op, mpi_datatype as datatype};
 use comm_api::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
@@ -101,19 +101,7 @@ impl RawMpi {
                 _ => self.0.half.as_ref().and_then(|h| h.get(dtype, op)).ok_or_else(unsupported),
             };
         }
-        // SAFETY: reading constants of the MPI library.
-        Ok(unsafe {
-            match op {
-                ReduceOp::Sum => ffi::RSMPI_SUM,
-                ReduceOp::Prod => ffi::RSMPI_PROD,
-                ReduceOp::Min => ffi::RSMPI_MIN,
-                ReduceOp::Max => ffi::RSMPI_MAX,
-                ReduceOp::BAnd => ffi::RSMPI_BAND,
-                ReduceOp::BOr => ffi::RSMPI_BOR,
-                ReduceOp::BXor => ffi::RSMPI_BXOR,
-                _ => return Err(unsupported()),
-            }
-        })
+        mpi_builtin_op(op).ok_or_else(unsupported)
     }
 
     /// The receive buffer for a reduction of `like`'s shape.

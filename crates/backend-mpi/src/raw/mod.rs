@@ -113,7 +113,7 @@ pub fn datatype(d: DType) -> ffi::MPI_Datatype {
 
 /// MPI's built-in op for `op` (for integers, and for f32/f64 in native mode). `Avg` has none:
 /// callers sum and divide.
-pub(crate) fn builtin_op(op: ReduceOp) -> Option<ffi::MPI_Op> {
+pub fn builtin_op(op: ReduceOp) -> Option<ffi::MPI_Op> {
     // SAFETY: reading constants that mpi-sys's C shim initialises at load time.
     unsafe {
         Some(match op {
