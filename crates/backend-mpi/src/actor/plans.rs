@@ -174,10 +174,10 @@ pub(super) fn local_reduction(params: &Params, dtype: DType) -> bool {
     params.reduction == Reduction::Exact || matches!(dtype, DType::U8 | DType::I8)
 }
 
-/// Whether a native all_reduce of `dtype` runs as a blocking `MPI_Allreduce` after the
-/// exchange: MPI reduces it with a built-in op (f16/bf16 take our user ops, which live on the
-/// actor: a caller's thread cannot reach them, so these stay nonblocking everywhere).
-pub(super) fn blocking_native(params: &Params, dtype: DType) -> bool {
+/// Whether a caller's thread may run a native all_reduce of `dtype`: MPI reduces it with a
+/// built-in op (f16/bf16 take our user ops, which live on the actor, so those always run
+/// there).
+pub(super) fn direct_native(params: &Params, dtype: DType) -> bool {
     !local_reduction(params, dtype) && !matches!(dtype, DType::F16 | DType::BF16)
 }
 
@@ -218,7 +218,7 @@ pub(super) fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, rep
             }
             return done(buf);
         }
-        if root.is_none() && env.params.check && blocking_native(env.params, dtype) {
+        if root.is_none() && env.params.check && !local_reduction(env.params, dtype) {
             // Every rank completed the header exchange, so every rank is in this all_reduce
             // and MPI's blocking call (its fastest algorithms) cannot wait on a missing one.
             // Wherever it runs (a caller's thread or the actor): blocking and nonblocking
@@ -486,7 +486,7 @@ impl MpiOp for AllReduce {
     /// actor).
     fn direct(&self, params: &Params, size: usize) -> bool {
         let dtype = self.buf.dtype();
-        small(self.buf.byte_len(), size) || local_reduction(params, dtype) || blocking_native(params, dtype)
+        small(self.buf.byte_len(), size) || local_reduction(params, dtype) || direct_native(params, dtype)
     }
 
     fn job(self, d: Completer<HostBuffer>) -> Job {
