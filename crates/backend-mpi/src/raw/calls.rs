@@ -98,6 +98,16 @@ pub(crate) fn iexchange(
     Ok(req)
 }
 
+/// Counts and displacements of `parts` (`(offset, len)` in elements) of a buffer of `len`
+/// elements, as MPI's v-calls take them; an error when a part lies outside the buffer.
+fn parts_arrays(op: &'static str, parts: &[(usize, usize)], len: usize) -> Result<[Vec<c_int>; 2], CommError> {
+    if parts.iter().any(|&(at, n)| at.checked_add(n).is_none_or(|end| end > len)) {
+        return Err(CommError::invalid(op, "a block lies outside its buffer"));
+    }
+    let counts_of = |f: fn(&(usize, usize)) -> usize| counts(op, &parts.iter().map(f).collect::<Vec<_>>());
+    Ok([counts_of(|p| p.1)?, counts_of(|p| p.0)?])
+}
+
 /// `MPI_Iallgatherv`: rank `j`'s `send` (`counts[j]` elements) lands at `displs[j]` of `recv`.
 pub(crate) fn iallgatherv(
     comm: &Comm,
@@ -107,9 +117,7 @@ pub(crate) fn iallgatherv(
 ) -> Result<Request, CommError> {
     let dt = datatype(send.dtype());
     let n = count("all_reduce", send.len())?;
-    let c = counts("all_reduce", &parts.iter().map(|p| p.1).collect::<Vec<_>>())?;
-    let d = counts("all_reduce", &parts.iter().map(|p| p.0).collect::<Vec<_>>())?;
-    debug_assert!(parts.iter().all(|&(at, len)| at + len <= recv.len()));
+    let [c, d] = parts_arrays("all_reduce", parts, recv.len())?;
     Request::start("MPI_Iallgatherv", dt, Bufs { send: Some(send), recv: Some(recv) }, vec![c, d], |s, r, a, req| {
         // SAFETY: `s` holds `n` elements; every (displacement, count) lies inside `r` (checked
         // above); the arrays live in the request (rule 2).
@@ -145,9 +153,8 @@ pub(crate) fn igatherv(
 ) -> Result<Request, CommError> {
     let dt = datatype(send.dtype());
     let n = count("reduce", send.len())?;
-    let c = counts("reduce", &parts.iter().map(|p| p.1).collect::<Vec<_>>())?;
-    let d = counts("reduce", &parts.iter().map(|p| p.0).collect::<Vec<_>>())?;
-    debug_assert!(recv.as_ref().is_none_or(|r| parts.iter().all(|&(at, len)| at + len <= r.len())));
+    // Off the root MPI reads no receive parts: only their counts must fit an int.
+    let [c, d] = parts_arrays("reduce", parts, recv.as_ref().map_or(usize::MAX, HostBuffer::len))?;
     Request::start("MPI_Igatherv", dt, Bufs { send: Some(send), recv }, vec![c, d], |s, r, a, req| {
         // SAFETY: `s` holds `n` elements; on the root every part lies inside `r` (checked
         // above); the arrays live in the request (rule 2).
@@ -181,20 +188,9 @@ pub(crate) fn ialltoallv(
     recv_parts: &[(usize, usize)],
 ) -> Result<Request, CommError> {
     let dt = datatype(send.dtype());
-    let arr = |f: fn(&(usize, usize)) -> usize, p: &[(usize, usize)]| {
-        counts("all_to_all", &p.iter().map(f).collect::<Vec<_>>())
-    };
-    let arrays = vec![
-        arr(|p| p.1, send_parts)?,
-        arr(|p| p.0, send_parts)?,
-        arr(|p| p.1, recv_parts)?,
-        arr(|p| p.0, recv_parts)?,
-    ];
-    if send_parts.iter().any(|&(at, len)| at + len > send.len())
-        || recv_parts.iter().any(|&(at, len)| at + len > recv.len())
-    {
-        return Err(CommError::invalid("all_to_all", "a block lies outside its buffer"));
-    }
+    let [sc, sd] = parts_arrays("all_to_all", send_parts, send.len())?;
+    let [rc, rd] = parts_arrays("all_to_all", recv_parts, recv.len())?;
+    let arrays = vec![sc, sd, rc, rd];
     Request::start("MPI_Ialltoallv", dt, Bufs { send: Some(send), recv: Some(recv) }, arrays, |s, r, a, req| {
         // SAFETY: every (displacement, count) lies inside its buffer (checked above); the arrays
         // live in the request (rule 2).
@@ -276,16 +272,8 @@ pub(crate) fn alltoallv(
     recv_parts: &[(usize, usize)],
 ) -> Result<(), CommError> {
     let dt = datatype(send.dtype());
-    let arr = |f: fn(&(usize, usize)) -> usize, p: &[(usize, usize)]| {
-        counts("all_to_all", &p.iter().map(f).collect::<Vec<_>>())
-    };
-    let (sc, sd) = (arr(|p| p.1, send_parts)?, arr(|p| p.0, send_parts)?);
-    let (rc, rd) = (arr(|p| p.1, recv_parts)?, arr(|p| p.0, recv_parts)?);
-    if send_parts.iter().any(|&(at, len)| at + len > send.len())
-        || recv_parts.iter().any(|&(at, len)| at + len > recv.len())
-    {
-        return Err(CommError::invalid("all_to_all", "a block lies outside its buffer"));
-    }
+    let [sc, sd] = parts_arrays("all_to_all", send_parts, send.len())?;
+    let [rc, rd] = parts_arrays("all_to_all", recv_parts, recv.len())?;
     let (s, r) = (send.as_bytes().as_ptr().cast::<c_void>(), recv.as_bytes_mut().as_mut_ptr().cast::<c_void>());
     // SAFETY: every (displacement, count) lies inside its buffer (checked above); buffers and
     // arrays outlive the blocking call.
@@ -303,11 +291,7 @@ pub(crate) fn allgatherv_in_place(
     parts: &[(usize, usize)],
 ) -> Result<(), CommError> {
     let dt = datatype(buf.dtype());
-    let c = counts("all_reduce", &parts.iter().map(|p| p.1).collect::<Vec<_>>())?;
-    let d = counts("all_reduce", &parts.iter().map(|p| p.0).collect::<Vec<_>>())?;
-    if parts.iter().any(|&(at, len)| at + len > buf.len()) {
-        return Err(CommError::invalid("all_reduce", "a part lies outside its buffer"));
-    }
+    let [c, d] = parts_arrays("all_reduce", parts, buf.len())?;
     let r = buf.as_bytes_mut().as_mut_ptr().cast::<c_void>();
     // SAFETY: every (displacement, count) lies inside `buf` (checked above); MPI_IN_PLACE
     // takes this rank's part from it; buffer and arrays outlive the blocking call.
