@@ -133,12 +133,22 @@ fn wake(st: &mut State, key: &[u8]) {
 
 /// Reads exactly `n` bytes, recording them; `None` when the peer closed.
 struct Conn {
+    id: u64,
+    state: Arc<Mutex<State>>,
     rd: TcpStream,
     wr: Arc<Mutex<TcpStream>>,
     raw: Vec<u8>,
 }
 
 impl Conn {
+    /// Logs the bytes of the command read so far. Called before any answer goes out, so a
+    /// client that has its answer always finds its request in the log.
+    fn record(&mut self) {
+        if !self.raw.is_empty() {
+            let raw = std::mem::take(&mut self.raw);
+            self.state.lock().unwrap().log.push((self.id, raw));
+        }
+    }
     fn bytes(&mut self, n: usize) -> Option<Vec<u8>> {
         let mut b = vec![0; n];
         self.rd.read_exact(&mut b).ok()?;
@@ -162,7 +172,8 @@ impl Conn {
         }
         self.bytes(n as usize)
     }
-    fn reply(&self, b: &[u8]) -> Option<()> {
+    fn reply(&mut self, b: &[u8]) -> Option<()> {
+        self.record();
         self.wr.lock().unwrap().write_all(b).ok()
     }
 }
@@ -173,17 +184,16 @@ fn vec_reply(v: &[u8]) -> Vec<u8> {
 
 fn serve(stream: TcpStream, id: u64, state: Arc<Mutex<State>>) {
     let wr = Arc::new(Mutex::new(stream.try_clone().unwrap()));
-    let mut c = Conn { rd: stream, wr, raw: Vec::new() };
+    let mut c = Conn { id, state: state.clone(), rd: stream, wr, raw: Vec::new() };
     // Until validated, torch ignores the client (it never answers anything).
     if c.u8() != Some(0) || c.u32() != Some(MAGIC) {
         let mut sink = [0u8; 4096];
         while matches!(c.rd.read(&mut sink), Ok(n) if n > 0) {}
         return;
     }
-    state.lock().unwrap().log.push((id, std::mem::take(&mut c.raw)));
+    c.record();
     while command(&mut c, id, &state).is_some() {
-        let raw = std::mem::take(&mut c.raw);
-        state.lock().unwrap().log.push((id, raw));
+        c.record();
     }
     state.lock().unwrap().waiting.remove(&id);
     let _ = c.rd.shutdown(Shutdown::Both);
@@ -247,6 +257,8 @@ fn command(c: &mut Conn, id: u64, state: &Mutex<State>) -> Option<()> {
         // WAIT
         6 => {
             let keys = keys(c)?;
+            // Logged before registering: another connection may answer this wait.
+            c.record();
             let mut st = state.lock().unwrap();
             let missing: HashSet<Vec<u8>> = keys.into_iter().filter(|k| !st.kv.contains_key(k)).collect();
             if missing.is_empty() {
