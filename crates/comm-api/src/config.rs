@@ -20,6 +20,8 @@ pub enum BackendKind {
     Mpi,
     /// NCCL through cudarc (feature `nccl`).
     Nccl,
+    /// Shared memory within each host, MPI between hosts (feature `mpi`; `backend_hier`).
+    Hier,
 }
 
 impl std::str::FromStr for BackendKind {
@@ -30,7 +32,10 @@ impl std::str::FromStr for BackendKind {
             "shm" => Ok(BackendKind::Shm),
             "mpi" => Ok(BackendKind::Mpi),
             "nccl" => Ok(BackendKind::Nccl),
-            other => Err(CommError::Config(format!("unknown backend `{other}` (expected auto, shm, mpi or nccl)"))),
+            "hier" => Ok(BackendKind::Hier),
+            other => {
+                Err(CommError::Config(format!("unknown backend `{other}` (expected auto, shm, mpi, nccl or hier)")))
+            }
         }
     }
 }
@@ -42,6 +47,7 @@ impl fmt::Display for BackendKind {
             BackendKind::Shm => "shm",
             BackendKind::Mpi => "mpi",
             BackendKind::Nccl => "nccl",
+            BackendKind::Hier => "hier",
         })
     }
 }
@@ -270,14 +276,37 @@ impl Builder {
         let (kind, why) = resolve(backend, &world, Available::compiled())?;
         tracing::debug!(backend = %kind, why = %why, "comm: backend chosen");
         #[cfg(feature = "mpi")]
-        if kind == BackendKind::Mpi {
+        if matches!(kind, BackendKind::Mpi | BackendKind::Hier) {
             // MPI brings its own rendezvous (the launcher); rank and size come from MPI itself
             // and must agree with what the environment said.
             let opts = backend_mpi::MpiOptions { timeout, ..backend_mpi::MpiOptions::from_env()? };
             let b = backend_mpi::MpiBackend::init(opts).await.map_err(|e| startup_context(e, &world))?;
             let world = b.reconcile(&world)?;
-            tracing::debug!(backend = "mpi", "comm: backend ready");
-            return Ok(ProcessGroup::new(layers.apply(Arc::new(b)), world, None, why));
+            let b: Arc<dyn Backend> = Arc::new(b);
+            // Auto looks at the hosts MPI started ranks on: several, with more than one rank on
+            // some host, make it hier.
+            let hier = match (kind, backend) {
+                (BackendKind::Hier, _) => Some(true),
+                (_, BackendKind::Auto) => Some(false),
+                _ => None,
+            };
+            let (b, server, why) = match hier {
+                None => (b, None, why),
+                Some(asked) => {
+                    match crate::hier::start(b, asked, timeout).await.map_err(|e| startup_context(e, &world))? {
+                        crate::hier::Started::Hier { backend, server, describe } => {
+                            let why = match asked {
+                                true => format!("asked for; {describe}"),
+                                false => format!("auto: launched by {:?} on {describe}", world.source.launcher),
+                            };
+                            (backend, server, why)
+                        }
+                        crate::hier::Started::Flat(b) => (b, None, why),
+                    }
+                }
+            };
+            tracing::debug!(backend = b.backend_name(), "comm: backend ready");
+            return Ok(ProcessGroup::new(layers.apply(b), world, server.map(Arc::new), why));
         }
         let (store, server) = discovery::rendezvous(&world, timeout).await?;
         let started: Result<Arc<dyn Backend>, CommError> = match kind {
@@ -343,7 +372,8 @@ fn startup_context(e: CommError, world: &WorldInfo) -> CommError {
 fn not_compiled(kind: BackendKind) -> CommError {
     let backend = match kind {
         BackendKind::Shm => "shm",
-        BackendKind::Mpi => "mpi",
+        // hier is the mpi feature's (with shm).
+        BackendKind::Mpi | BackendKind::Hier => "mpi",
         BackendKind::Nccl => "nccl",
         BackendKind::Auto => "auto",
     };
@@ -472,6 +502,7 @@ fn resolve(kind: BackendKind, world: &WorldInfo, have: Available) -> Result<(Bac
             Ok((BackendKind::Shm, format!("asked for; {hosts}")))
         }
         BackendKind::Mpi if have.mpi => Ok((BackendKind::Mpi, "asked for".into())),
+        BackendKind::Hier if have.mpi && have.shm => Ok((BackendKind::Hier, "asked for".into())),
         BackendKind::Nccl if have.nccl && have.gpu => Ok((BackendKind::Nccl, "asked for".into())),
         // Compiled in, but this machine lacks the driver, NCCL or a GPU: say which.
         BackendKind::Nccl if have.nccl => Err(nccl_unavailable()

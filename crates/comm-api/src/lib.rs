@@ -50,6 +50,8 @@
 mod barrier;
 mod config;
 mod group;
+#[cfg(feature = "mpi")]
+mod hier;
 mod objects;
 
 pub use barrier::MONITORED_BARRIER_TAG;

@@ -172,7 +172,14 @@ pub fn group_members(ranks: &[Rank], world: u32) -> Result<Vec<Rank>, CommError>
 
 /// Who this host is: boot id and host name. Ranks with equal values share a machine (memory,
 /// GPUs); a container or namespace with its own host name counts as another host.
+///
+/// `COMM_HOST_ID`, when set, replaces both: ranks with equal values count as one host. It is
+/// for layouts the two cannot describe (containers of one pod that share `/dev/shm` but not a
+/// host name), and stands in for separate hosts in tests where namespaces are unavailable.
 pub fn host_identity() -> String {
+    if let Some(id) = crate::config::env_var("COMM_HOST_ID").filter(|v| !v.trim().is_empty()) {
+        return format!("id:{}", id.trim());
+    }
     let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_owned()).unwrap_or_default();
     format!("{}@{}", read("/proc/sys/kernel/random/boot_id"), read("/proc/sys/kernel/hostname"))
 }

@@ -78,6 +78,8 @@ struct Slot<T> {
     waker: Option<Waker>,
     taken: bool,
     hook: Option<Hook>,
+    /// Where the result goes instead of `result` ([`Work::forward`]).
+    forward: Option<Completer<T>>,
 }
 
 impl<T> Shared<T> {
@@ -104,7 +106,7 @@ impl<T: Send + 'static> Work<T> {
     pub fn pending() -> (Completer<T>, Work<T>) {
         let shared = Arc::new(Shared {
             done: AtomicBool::new(false),
-            slot: Mutex::new(Slot { result: None, waker: None, taken: false, hook: None }),
+            slot: Mutex::new(Slot { result: None, waker: None, taken: false, hook: None, forward: None }),
             cond: Condvar::new(),
         });
         (Completer { shared: Some(shared.clone()) }, Work { inner: Inner::Shared(shared) })
@@ -204,6 +206,44 @@ impl<T: Send + 'static> Work<T> {
                 }
             }
             Inner::Boxed(b) => b.add_hook(hook),
+        }
+    }
+
+    /// Completes `to` with this op's result once it has one, on the thread that completes this
+    /// op (or at once): for a layer that hands out its own [`Work`] before the op it forwards
+    /// to was issued. Handles built with [`map`](Work::map) or [`join_all`](Work::join_all)
+    /// are waited on by a helper thread.
+    ///
+    /// ```
+    /// use comm_core::Work;
+    /// let (outer_done, outer) = Work::<u8>::pending();
+    /// let (inner_done, inner) = Work::<u8>::pending();
+    /// inner.forward(outer_done);
+    /// assert!(!outer.is_completed());
+    /// inner_done.complete(Ok(3));
+    /// assert_eq!(outer.wait().unwrap(), 3);
+    /// ```
+    pub fn forward(self, to: Completer<T>) {
+        match self.inner {
+            Inner::Ready(mut r) => to.complete(r.take().expect("Ready work holds its result until taken")),
+            Inner::Shared(s) => {
+                let mut slot = s.lock();
+                match slot.result.take() {
+                    Some(r) => {
+                        slot.taken = true;
+                        drop(slot);
+                        to.complete(r);
+                    }
+                    None => slot.forward = Some(to),
+                }
+            }
+            Inner::Boxed(mut b) => {
+                let spawned = std::thread::Builder::new().name("comm-work-forward".into()).spawn(move || {
+                    to.complete(b.wait());
+                });
+                // Without a thread the completer is dropped: the forwarded Work reports Shutdown.
+                drop(spawned);
+            }
         }
     }
 
@@ -400,20 +440,33 @@ impl<T> Completer<T> {
 
     fn finish(&mut self, result: Result<T, CommError>) {
         let Some(shared) = self.shared.take() else { return };
-        let waker = {
+        let (waker, forward) = {
             let mut slot = shared.lock();
             if let Some(hook) = slot.hook.take() {
                 // Under the lock, so a hook added concurrently is either taken here or sees the
                 // result; only our `shared` is left when the `Work` is gone.
                 hook(Completion { error: result.as_ref().err(), detached: Arc::strong_count(&shared) == 1 });
             }
-            slot.result = Some(result);
+            let forward = match slot.forward.take() {
+                Some(to) => {
+                    slot.taken = true;
+                    Some((to, result))
+                }
+                None => {
+                    slot.result = Some(result);
+                    None
+                }
+            };
             shared.done.store(true, Ordering::Release);
-            slot.waker.take()
+            (slot.waker.take(), forward)
         };
         shared.cond.notify_all();
         if let Some(w) = waker {
             w.wake();
+        }
+        // Outside our lock: the target's completion may run hooks of its own.
+        if let Some((to, result)) = forward {
+            to.complete(result);
         }
     }
 }

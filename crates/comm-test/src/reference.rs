@@ -48,6 +48,34 @@ pub fn reduce(inputs: &[&HostBuffer], op: ReduceOp) -> HostBuffer {
     }
 }
 
+/// The reduction of a group whose ranks sit on several hosts and reduce per host first (the
+/// `hier` backend): each host's inputs in rank order (rounded to the dtype once), then the
+/// host results in the order of `hosts` (rounded once more). `Avg` sums both ways and then
+/// divides by the number of ranks (in `f32` for f16/bf16, rounding once more).
+///
+/// # Panics
+/// As [`reduce`], and when a rank of `hosts` has no input.
+pub fn reduce_grouped(inputs: &[&HostBuffer], op: ReduceOp, hosts: &[Vec<Rank>]) -> HostBuffer {
+    let partial = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+    let per_host: Vec<HostBuffer> =
+        hosts.iter().map(|h| reduce(&h.iter().map(|&r| inputs[r as usize]).collect::<Vec<_>>(), partial)).collect();
+    let mut total = reduce(&per_host.iter().collect::<Vec<_>>(), partial);
+    if op == ReduceOp::Avg {
+        let n = inputs.len();
+        fn each<T: Element>(b: &mut HostBuffer, f: impl Fn(T) -> T) {
+            b.as_mut_slice::<T>().expect("dtype checked").iter_mut().for_each(|x| *x = f(*x));
+        }
+        match total.dtype() {
+            DType::F16 => each::<f16>(&mut total, |x| f16::from_f32(x.to_f32() / n as f32)),
+            DType::BF16 => each::<bf16>(&mut total, |x| bf16::from_f32(x.to_f32() / n as f32)),
+            DType::F32 => each::<f32>(&mut total, |x| x / n as f32),
+            DType::F64 => each::<f64>(&mut total, |x| x / n as f64),
+            other => panic!("reference::reduce_grouped: avg does not apply to {other}"),
+        }
+    }
+    total
+}
+
 /// Arithmetic of an accumulator type. Integer ops wrap; the ops that do not apply to a type
 /// (`Avg` on integers, bitwise on floats) are never called because [`reduce`] checks first.
 trait Arith: Copy + PartialOrd {

@@ -17,7 +17,7 @@ impl Runner<'_> {
     pub(super) async fn all_reduce(&mut self, d: DType, len: usize, op: ReduceOp) {
         let salt = self.next_salt();
         let ins = self.inputs(op, d, len, salt);
-        let want = reference::reduce(&refs(&ins), op);
+        let want = self.expected(&ins, op);
         let got = submit(&self.b, AllReduce { buf: ins[self.me()].clone(), op }).await;
         self.check(&format!("all_reduce({op}) {d} × {len}"), got, &want);
     }
@@ -33,7 +33,7 @@ impl Runner<'_> {
     pub(super) async fn reduce(&mut self, d: DType, len: usize, op: ReduceOp, root: Rank) {
         let salt = self.next_salt();
         let ins = self.inputs(op, d, len, salt);
-        let want = reference::reduce_to_root(&refs(&ins), op, root).swap_remove(self.me());
+        let want = self.expected_at_root(&ins, op, root);
         let got = submit(&self.b, Reduce { buf: ins[self.me()].clone(), op, root }).await;
         self.check(&format!("reduce({op}, root {root}) {d} × {len}"), got, &want);
     }
@@ -51,7 +51,7 @@ impl Runner<'_> {
     pub(super) async fn reduce_scatter(&mut self, d: DType, len: usize, op: ReduceOp, into: bool) {
         let salt = self.next_salt();
         let ins = self.inputs(op, d, len * self.n as usize, salt);
-        let want = reference::reduce_scatter(&refs(&ins), op).swap_remove(self.me());
+        let want = self.expected_block(&ins, op);
         let output = into.then(|| junk(d, len));
         let got = submit(&self.b, ReduceScatter { input: ins[self.me()].clone(), op, output }).await;
         let into = if into { "_into" } else { "" };

@@ -72,6 +72,11 @@ pub struct SuiteConfig {
     /// instead of failed (for backends that legitimately lack an op or dtype; every rank must then
     /// report it alike).
     pub allow_unsupported: bool,
+    /// For a backend that reduces per host first (`hier`): the world's ranks by host, hosts in
+    /// the order their results are combined. Reductions of the whole group are then checked
+    /// against [`reference::reduce_grouped`](crate::reference::reduce_grouped). Default: `None`
+    /// (rank order).
+    pub hosts: Option<Vec<Vec<Rank>>>,
 }
 
 impl Default for SuiteConfig {
@@ -86,6 +91,7 @@ impl Default for SuiteConfig {
             bad_input: true,
             sub_groups: true,
             allow_unsupported: false,
+            hosts: None,
         }
     }
 }
@@ -127,6 +133,7 @@ pub async fn run(backend: Arc<dyn Backend>, cfg: &SuiteConfig) -> Result<SuiteRe
         return Err(format!("backend reports rank {me} in a group of {n} ranks"));
     }
     let mut r = Runner::new(backend.clone(), cfg, (0..n).collect(), String::new(), cfg.salt);
+    r.hosts = cfg.hosts.clone();
     r.full().await;
     let t = r.tally;
     let name = backend.backend_name();

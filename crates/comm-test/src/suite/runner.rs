@@ -93,6 +93,9 @@ pub(super) struct Runner<'a> {
     pub(super) members: Vec<Rank>,
     /// Prefix naming the group in messages ("" for the world).
     pub(super) label: String,
+    /// The group's hosts when reductions go per host first ([`SuiteConfig::hosts`]; the
+    /// world's runner only: sub-groups reduce in rank order).
+    pub(super) hosts: Option<Vec<Vec<Rank>>>,
     /// Cases run so far; every case gets its own salt. A sub-group has its own counter so the
     /// world's sequence stays the same on members and non-members.
     pub(super) case: u64,
@@ -103,7 +106,31 @@ pub(super) struct Runner<'a> {
 impl<'a> Runner<'a> {
     pub(super) fn new(b: Arc<dyn Backend>, cfg: &'a SuiteConfig, members: Vec<Rank>, label: String, salt: u64) -> Self {
         let (me, n) = (b.rank(), b.world_size());
-        Runner { b, cfg, me, n, members, label, case: 0, salt, tally: Tally::default() }
+        Runner { b, cfg, me, n, members, label, hosts: None, case: 0, salt, tally: Tally::default() }
+    }
+
+    /// The reduction of every member's input, in the order this group reduces in.
+    pub(super) fn expected(&self, ins: &[HostBuffer], op: ReduceOp) -> HostBuffer {
+        match &self.hosts {
+            Some(hosts) => reference::reduce_grouped(&refs(ins), op, hosts),
+            None => reference::reduce(&refs(ins), op),
+        }
+    }
+
+    /// What a reduce to `root` leaves on this rank.
+    pub(super) fn expected_at_root(&self, ins: &[HostBuffer], op: ReduceOp, root: Rank) -> HostBuffer {
+        if self.me == root {
+            self.expected(ins, op)
+        } else {
+            ins[self.me()].clone()
+        }
+    }
+
+    /// This rank's block of a reduce_scatter.
+    pub(super) fn expected_block(&self, ins: &[HostBuffer], op: ReduceOp) -> HostBuffer {
+        let all = self.expected(ins, op);
+        let k = all.len() / self.n as usize;
+        reference::slice(&all, self.me() * k, k)
     }
 
     pub(super) fn next_salt(&mut self) -> u64 {

@@ -23,7 +23,7 @@ impl<'a> Runner<'a> {
 
         let s = self.next_salt();
         let ins = self.inputs(ReduceOp::Sum, DType::F32, 1000, s);
-        let want = reference::reduce(&refs(&ins), ReduceOp::Sum);
+        let want = self.expected(&ins, ReduceOp::Sum);
         pending.push((
             "all_reduce(sum) f32".into(),
             submit(&self.b, AllReduce { buf: ins[me].clone(), op: ReduceOp::Sum }),
@@ -46,7 +46,7 @@ impl<'a> Runner<'a> {
 
         let s = self.next_salt();
         let ins = self.inputs(ReduceOp::Max, DType::F64, 5 * n, s);
-        let want = reference::reduce_scatter(&refs(&ins), ReduceOp::Max).swap_remove(me);
+        let want = self.expected_block(&ins, ReduceOp::Max);
         let req = ReduceScatter { input: ins[me].clone(), op: ReduceOp::Max, output: None };
         pending.push(("reduce_scatter(max) f64".into(), submit(&self.b, req).map(output), want));
 
@@ -60,7 +60,7 @@ impl<'a> Runner<'a> {
 
         let s = self.next_salt();
         let ins = self.inputs(ReduceOp::BXor, DType::I8, 9, s);
-        let want = reference::reduce(&refs(&ins), ReduceOp::BXor);
+        let want = self.expected(&ins, ReduceOp::BXor);
         pending.push((
             "all_reduce(bxor) i8".into(),
             submit(&self.b, AllReduce { buf: ins[me].clone(), op: ReduceOp::BXor }),
@@ -79,7 +79,7 @@ impl<'a> Runner<'a> {
         drop(submit(&self.b, AllReduce { buf: ins[me].clone(), op: ReduceOp::Sum }));
         let s = self.next_salt();
         let ins = self.inputs(ReduceOp::Sum, DType::I32, 5, s);
-        let want = reference::reduce(&refs(&ins), ReduceOp::Sum);
+        let want = self.expected(&ins, ReduceOp::Sum);
         let req = AllReduce { buf: ins[me].clone(), op: ReduceOp::Sum };
         pending.push(("all_reduce(sum) i32 after a detached op".into(), submit(&self.b, req), want));
 

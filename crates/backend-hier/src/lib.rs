@@ -1,0 +1,267 @@
+//! The hierarchical backend: shared memory inside each host, MPI between hosts.
+//!
+//! A [`HierBackend`] is composed from two groups it is handed: the *world* group (every rank;
+//! in practice the MPI backend) and this host's *local* group (the ranks that share this
+//! host; in practice the shm backend). At start-up it derives from the world group, with
+//! `new_group`, the *rails* (ranks with the same local index on every host, when every host
+//! has as many ranks) and the *leaders* (the first rank of each host). It depends on
+//! `comm-core` only; `comm-api` builds the groups and picks this backend (`hier`) when an MPI
+//! launcher spread ranks over several hosts with more than one on some host.
+//!
+//! | op | how |
+//! |---|---|
+//! | all_reduce | reduce-scatter on the host → all_reduce of each slice on its rail → all_gather on the host; small messages (under [`HierOptions::rail_min`]) or uneven hosts: reduce to the leader → all_reduce among leaders → broadcast on the host |
+//! | reduce, reduce_scatter | that all_reduce, then the root's result / this rank's block |
+//! | broadcast | on the root's host → among leaders → on every other host |
+//! | all_gather | on the host → leaders all_gather every host's block (padded to the largest host) → broadcast on the host |
+//! | barrier | on the host → among leaders → on the host |
+//! | all_to_all, scatter, gather, send, recv | straight to the world group |
+//! | new_group | a world sub-group (flat), sequenced with this group's ops |
+//!
+//! **Reduction order**, fixed and the same on every rank: each host reduces its ranks' inputs
+//! in rank order (rounding f16/bf16 once), then the host results are reduced in host order
+//! (hosts ordered by their first rank; on a rail, by its members' ranks, the same order for
+//! block and round-robin placements) and rounded once more; `Avg` sums both ways and divides
+//! by the world size at the end. With the MPI backend's default exact reduction this is
+//! deterministic; `comm_test::reference::reduce_grouped` computes it.
+//!
+//! Every op of the group and of its sub-groups takes one lane (see `lane`), so every rank
+//! issues its inner groups' ops in one order, as MPI requires of collectives on overlapping
+//! communicators. A failed phase poisons the group.
+
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use comm_core::config;
+use comm_core::handle::{group_members, shutdown_done, Admission, Poison};
+use comm_core::{Backend, Collective, CommError, Group, Op, Rank, Work};
+
+mod lane;
+mod layout;
+mod plans;
+
+use lane::{Issued, Lane};
+pub use layout::{from_leader, Layout};
+use plans::{Parts, Plan};
+
+/// Tuning of a [`HierBackend`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HierOptions {
+    /// Ops of at most this many bytes run on the caller's thread when the group is idle
+    /// (`COMM_HIER_INLINE_MAX`); larger ones are handed to the group's thread. 0: none (a
+    /// caller then never blocks, which several ranks driven by one thread need).
+    pub inline_max: usize,
+    /// all_reduce of at least this many bytes goes over the rails (every rank sends a slice);
+    /// smaller ones through the host leaders only (fewer, larger messages between hosts)
+    /// (`COMM_HIER_RAIL_MIN`).
+    pub rail_min: usize,
+}
+
+impl Default for HierOptions {
+    fn default() -> Self {
+        HierOptions { inline_max: 64 << 10, rail_min: 16 << 10 }
+    }
+}
+
+impl HierOptions {
+    /// Defaults with the `COMM_HIER_*` variables applied.
+    pub fn from_env() -> Result<Self, CommError> {
+        let d = HierOptions::default();
+        Ok(HierOptions {
+            inline_max: config::env_parse("COMM_HIER_INLINE_MAX", config::parse_size)?.unwrap_or(d.inline_max),
+            rail_min: config::env_parse("COMM_HIER_RAIL_MIN", config::parse_size)?.unwrap_or(d.rail_min),
+        })
+    }
+}
+
+/// A group whose ranks span hosts: see the crate docs.
+pub struct HierBackend {
+    parts: Arc<Parts>,
+    lane: Arc<Lane>,
+    admission: Admission,
+}
+
+impl HierBackend {
+    /// Composes a hierarchical group from the `world` group and this host's `local` group
+    /// (whose rank `i` is this host's `i`-th rank of `layout`). Collective over `world`:
+    /// creates the rails and the leaders' group.
+    pub async fn new(
+        world: Arc<dyn Backend>,
+        local: Arc<dyn Backend>,
+        layout: Layout,
+        opts: HierOptions,
+    ) -> Result<HierBackend, CommError> {
+        let bad = |why: String| Err(CommError::invalid("hier init", why));
+        if (world.rank(), world.world_size()) != (layout.rank(), layout.world_size()) {
+            return bad(format!(
+                "the world group is rank {} of {}, the layout rank {} of {}",
+                world.rank(),
+                world.world_size(),
+                layout.rank(),
+                layout.world_size()
+            ));
+        }
+        if (local.rank() as usize, local.world_size() as usize) != (layout.local_index(), layout.local_size()) {
+            return bad(format!(
+                "the local group is rank {} of {}, the layout says local index {} of {}",
+                local.rank(),
+                local.world_size(),
+                layout.local_index(),
+                layout.local_size()
+            ));
+        }
+        let hosts = layout.hosts().to_vec();
+        let mut rail = None;
+        if hosts.len() > 1 && layout.is_even() && layout.local_size() > 1 {
+            // Every rank takes part in creating every rail (new_group is collective).
+            for i in 0..layout.local_size() {
+                let mut ranks: Vec<Rank> = hosts.iter().map(|h| h[i]).collect();
+                ranks.sort_unstable();
+                let g = world.new_group(&ranks).await?;
+                if i == layout.local_index() {
+                    rail = g;
+                }
+            }
+        }
+        let leaders = match hosts.len() {
+            1 => None,
+            _ => world.new_group(&hosts.iter().map(|h| h[0]).collect::<Vec<_>>()).await?,
+        };
+        let poison = Poison::new();
+        let lane = Lane::start(format!("comm-hier-r{}", layout.rank()), poison.clone())?;
+        let admission = Admission::new(layout.rank(), layout.world_size(), poison);
+        let parts = Parts { world, local, rail, leaders, layout, inline_max: opts.inline_max, rail_min: opts.rail_min };
+        Ok(HierBackend { parts: Arc::new(parts), lane: Arc::new(lane), admission })
+    }
+
+    /// The hosts and ranks this group spans.
+    pub fn layout(&self) -> &Layout {
+        &self.parts.layout
+    }
+
+    /// A few words on the hosts, the rails and the leaders, for `describe()`.
+    pub fn describe(&self) -> String {
+        let l = &self.parts.layout;
+        let rails = match &self.parts.rail {
+            Some(_) => format!("{} rails of {} ranks (one per local index)", l.local_size(), l.hosts().len()),
+            None if l.hosts().len() > 1 && l.max_local() > 1 => "no rails (hosts differ in rank count)".into(),
+            None => "no rails".into(),
+        };
+        let leaders: Vec<Rank> = l.hosts().iter().map(|h| h[0]).collect();
+        format!(
+            "{}; shm within each host ({}), MPI between hosts: {rails}, leaders {leaders:?}",
+            l.describe(),
+            self.parts.local.backend_name()
+        )
+    }
+}
+
+/// Runs `op` on `lane`: fails it fast if the group is poisoned, and poisons the group when a
+/// phase fails (the inner groups may be left mid-op).
+fn on_lane<R: Plan>(lane: &Lane, parts: &Arc<Parts>, poison: &Poison, req: R) -> Work<R::Output> {
+    let (parts, poison) = (parts.clone(), poison.clone());
+    let inline = req.inline(&parts);
+    lane.run(inline, move || {
+        if let Err(e) = poison.check() {
+            return Issued::Done(Err(e));
+        }
+        let issued = req.issue(&parts);
+        if let Issued::Done(Err(e)) = &issued {
+            poison.set(format!("{} failed: {e}", R::NAME));
+        }
+        issued
+    })
+}
+
+#[async_trait]
+impl Group for HierBackend {
+    fn rank(&self) -> Rank {
+        self.admission.rank()
+    }
+    fn world_size(&self) -> u32 {
+        self.admission.world()
+    }
+    fn backend_name(&self) -> &'static str {
+        "hier"
+    }
+    async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
+        let ranks = group_members(ranks, self.world_size())?;
+        self.admission.check_open()?;
+        let world = self.parts.world.clone();
+        let made = self.lane.run(false, move || Issued::Done(futures::executor::block_on(world.new_group(&ranks))));
+        let lane = self.lane.clone();
+        Ok(made.await?.map(|inner| Arc::new(Sub { lane, inner }) as Arc<dyn Backend>))
+    }
+    async fn shutdown(&self) -> Result<(), CommError> {
+        if !self.admission.begin_shutdown() {
+            return Ok(());
+        }
+        let p = self.parts.clone();
+        let done = self.lane.run(false, move || {
+            Issued::Done(futures::executor::block_on(async {
+                let mut first = Ok(());
+                let groups = [Some(&p.local), p.rail.as_ref(), p.leaders.as_ref(), Some(&p.world)];
+                for g in groups.into_iter().flatten() {
+                    let r = g.shutdown().await;
+                    if first.is_ok() {
+                        first = r;
+                    }
+                }
+                first
+            }))
+        });
+        shutdown_done(done).await
+    }
+}
+
+impl<R: Plan> Collective<R> for HierBackend {
+    fn submit(&self, req: R) -> Work<R::Output> {
+        if let Err(e) = self.admission.admit(&req) {
+            return Work::ready(Err(e));
+        }
+        on_lane(&self.lane, &self.parts, self.admission.poison(), req)
+    }
+}
+
+/// A sub-group made by [`HierBackend::new_group`]: a world sub-group whose ops take the
+/// parent's lane, so they stay in program order with the parent's.
+struct Sub {
+    lane: Arc<Lane>,
+    inner: Arc<dyn Backend>,
+}
+
+#[async_trait]
+impl Group for Sub {
+    fn rank(&self) -> Rank {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> u32 {
+        self.inner.world_size()
+    }
+    fn backend_name(&self) -> &'static str {
+        self.inner.backend_name()
+    }
+    async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
+        let (inner, ranks) = (self.inner.clone(), ranks.to_vec());
+        let made = self.lane.run(false, move || Issued::Done(futures::executor::block_on(inner.new_group(&ranks))));
+        let lane = self.lane.clone();
+        Ok(made.await?.map(|inner| Arc::new(Sub { lane, inner }) as Arc<dyn Backend>))
+    }
+    async fn shutdown(&self) -> Result<(), CommError> {
+        let inner = self.inner.clone();
+        let done = self.lane.run(false, move || Issued::Done(futures::executor::block_on(inner.shutdown())));
+        shutdown_done(done).await
+    }
+}
+
+impl<R: Op> Collective<R> for Sub
+where
+    dyn Backend: Collective<R>,
+{
+    fn submit(&self, req: R) -> Work<R::Output> {
+        let inner = self.inner.clone();
+        self.lane.run(true, move || Issued::Straight(Collective::<R>::submit(&*inner, req)))
+    }
+}

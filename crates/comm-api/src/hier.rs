@@ -1,0 +1,51 @@
+//! Starting the hierarchical backend (`backend_hier`) on top of a started MPI world: the
+//! hosts from one all_gather of host identities, then per host an shm group whose rendezvous
+//! store the host's leader serves on loopback (its port and token shared over MPI).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use backend_hier::{HierBackend, HierOptions, Layout};
+use backend_shm::{ShmBackend, ShmOptions};
+use comm_core::{handle, Backend, CommError, Store};
+use discovery::{StoreServer, TcpStore};
+
+/// What [`start`] made.
+pub(crate) enum Started {
+    /// A hierarchical group over the hosts described.
+    Hier { backend: Arc<dyn Backend>, server: Option<StoreServer>, describe: String },
+    /// The world group as it was (auto found one host, or one rank per host).
+    Flat(Arc<dyn Backend>),
+}
+
+/// Builds the hierarchical group over `world` (collective over it) when `asked`, or when the
+/// ranks are on several hosts with more than one on some host.
+pub(crate) async fn start(world: Arc<dyn Backend>, asked: bool, timeout: Duration) -> Result<Started, CommError> {
+    let layout = Layout::discover(&*world, &handle::host_identity()).await?;
+    if !asked && !layout.is_hierarchical() {
+        return Ok(Started::Flat(world));
+    }
+    // The leader serves its host's store on loopback: reachable from exactly its host.
+    let (server, mine) = if layout.is_leader() {
+        let mut raw = [0u8; 16];
+        getrandom::fill(&mut raw).map_err(|e| CommError::Store(format!("random store token: {e}")))?;
+        let token: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+        let server = StoreServer::bind("127.0.0.1", 0, &token)?;
+        let payload = format!("{} {token}", server.local_addr().port());
+        (Some(server), payload)
+    } else {
+        (None, String::new())
+    };
+    let theirs = backend_hier::from_leader(&*world, &layout, mine.as_bytes()).await?;
+    let theirs = String::from_utf8_lossy(&theirs).into_owned();
+    let (port, token) = theirs
+        .split_once(' ')
+        .and_then(|(p, t)| Some((p.parse::<u16>().ok()?, t.to_owned())))
+        .ok_or_else(|| CommError::Store(format!("malformed host store address `{theirs}` from the host leader")))?;
+    let store: Arc<dyn Store> = Arc::new(TcpStore::connect("127.0.0.1", port, &token, timeout).await?);
+    let opts = ShmOptions { timeout, ..ShmOptions::from_env()? };
+    let local = ShmBackend::new(store, layout.local_index() as u32, layout.local_size() as u32, opts).await?;
+    let hier = HierBackend::new(world, Arc::new(local), layout, HierOptions::from_env()?).await?;
+    let describe = hier.describe();
+    Ok(Started::Hier { backend: Arc::new(hier), server, describe })
+}
