@@ -8,7 +8,12 @@ use std::process::Command;
 use crate::{cargo, cargo_features, mpi, progress, root, run, step, target_dir, Failure, Result};
 
 /// Backends `--backend` knows about; each must be a feature of comm-bench to be usable.
-const BACKENDS: [&str; 4] = ["shm", "mpi", "mpi-raw", "nccl"];
+const BACKENDS: [&str; 5] = ["shm", "mpi", "mpi-raw", "hier", "nccl"];
+
+/// Whether `backend` runs under mpirun.
+fn mpi_launched(backend: &str) -> bool {
+    backend.starts_with("mpi") || backend == "hier"
+}
 
 #[derive(Debug, PartialEq)]
 struct BenchArgs {
@@ -26,6 +31,9 @@ struct BenchArgs {
     progress: bool,
     /// `--rounds`: how many times each backend runs, interleaved with the others.
     rounds: u32,
+    /// `--hosts 2,2`: run the MPI-launched backends on simulated hosts of these sizes
+    /// (`scripts/simhosts`, MPI over TCP).
+    hosts: Option<Vec<u32>>,
     /// Flags passed through to comm-bench.
     forward: Vec<String>,
 }
@@ -42,6 +50,7 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
         baseline: Vec::new(),
         progress: true,
         rounds: 1,
+        hosts: None,
         forward: Vec::new(),
     };
     let mut it = args.iter();
@@ -62,7 +71,9 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
             Some((f, v)) if f.starts_with("--") => (f, Some(v.to_owned())),
             _ => (arg.as_str(), None),
         };
-        if !["--backend", "--np", "--svg", "--baseline", "--rounds"].contains(&flag) && !FORWARDED.contains(&flag) {
+        if !["--backend", "--np", "--svg", "--baseline", "--rounds", "--hosts"].contains(&flag)
+            && !FORWARDED.contains(&flag)
+        {
             return Err(Failure::usage(format!("`bench` does not take `{arg}`")));
         }
         let value = match inline {
@@ -93,6 +104,17 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
                     .filter(|&n: &u32| n >= 1)
                     .ok_or_else(|| Failure::usage(format!("--rounds {value}: expected a number of rounds ≥ 1")))?;
             }
+            "--hosts" => {
+                let sizes = value
+                    .split(',')
+                    .map(|n| n.trim().parse().ok().filter(|&n: &u32| n >= 1))
+                    .collect::<Option<Vec<u32>>>()
+                    .filter(|v| v.len() >= 2)
+                    .ok_or_else(|| {
+                        Failure::usage(format!("--hosts {value}: expected ranks per host for 2 or more hosts (e.g. 2,2)"))
+                    })?;
+                b.hosts = Some(sizes);
+            }
             "--json" => b.json = Some(PathBuf::from(value)),
             "--svg" => b.svg = Some(PathBuf::from(value)),
             "--baseline" => b.baseline.extend(value.split(',').filter(|s| !s.is_empty()).map(PathBuf::from)),
@@ -102,7 +124,53 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
     if b.backends.is_empty() {
         return Err(Failure::usage("--backend needs at least one backend"));
     }
+    if let Some(sizes) = &b.hosts {
+        let np: u32 = sizes.iter().sum();
+        if args.iter().any(|a| a == "--np" || a.starts_with("--np=")) && b.nps != [np] {
+            return Err(Failure::usage(format!("--hosts {sizes:?} means {np} ranks: leave out --np")));
+        }
+        if let Some(k) = b.backends.iter().find(|k| !mpi_launched(k)) {
+            return Err(Failure::usage(format!("--hosts runs ranks under mpirun: `{k}` is not an MPI backend")));
+        }
+        (b.np, b.nps) = (np, vec![np]);
+    }
     Ok(b)
+}
+
+/// Hosts simulated on this machine for `--hosts` (`scripts/simhosts`); removed when dropped.
+struct SimHosts {
+    dir: PathBuf,
+    layout: String,
+    np: u32,
+}
+
+impl SimHosts {
+    fn script() -> PathBuf {
+        root().join("scripts/simhosts")
+    }
+
+    fn up(sizes: &[u32]) -> Result<SimHosts> {
+        let dir = env::temp_dir().join(format!("comm-bench-hosts-{}", std::process::id()));
+        let mut c = Command::new(Self::script());
+        c.arg("up").arg(&dir).arg(sizes.len().to_string());
+        run(c)?;
+        let layout = sizes.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        Ok(SimHosts { dir, layout, np: sizes.iter().sum() })
+    }
+
+    /// mpirun of every rank onto its host, MPI over TCP as between hosts; the program follows.
+    fn mpirun(&self) -> Command {
+        let mut c = mpi::mpirun(self.np);
+        c.env("OMPI_MCA_btl", "tcp,self");
+        c.arg(Self::script()).arg("run").arg(&self.dir).arg(&self.layout).arg("--");
+        c
+    }
+}
+
+impl Drop for SimHosts {
+    fn drop(&mut self) {
+        let _ = Command::new(Self::script()).arg("down").arg(&self.dir).status();
+    }
 }
 
 /// Checks the backends against those comm-bench can be built with; returns the cargo
@@ -174,7 +242,7 @@ fn expand_backends(
                     continue;
                 }
                 let usable = match k {
-                    "mpi" | "mpi-raw" => {
+                    "mpi" | "mpi-raw" | "hier" => {
                         if mpi_ok.is_some() {
                             mpi_known = Some(mpi_ok.take().map_or(Ok(false), |f| f())?);
                         }
@@ -191,7 +259,7 @@ fn expand_backends(
                 };
                 if usable {
                     v.push(k.to_owned());
-                } else if k.starts_with("mpi") {
+                } else if mpi_launched(k) {
                     println!("note: --backend all: MPI is not installed here, skipping {k}");
                 }
             }
@@ -312,7 +380,7 @@ pub(crate) fn bench(args: &[String]) -> Result {
     }
     let baseline = baseline_files(&b.baseline)?;
     let progress = b.progress && !b.forward.iter().any(|a| a == "--progress" || a.starts_with("--progress="));
-    if b.backends.iter().any(|x| x.starts_with("mpi")) && !mpi::ensure_packages()? {
+    if b.backends.iter().any(|x| mpi_launched(x)) && !mpi::ensure_packages()? {
         return Err(Failure { code: 2, msg: "the mpi backend needs MPI installed (see the note above)".into() });
     }
     step("build (release)", || {
@@ -324,6 +392,10 @@ pub(crate) fn bench(args: &[String]) -> Result {
     let target = target_root.join("release");
     let rev = git_rev();
     let several = b.backends.len() > 1;
+    let hosts = match &b.hosts {
+        Some(sizes) => Some(SimHosts::up(sizes)?),
+        None => None,
+    };
     let mut first_failure = None;
     let mut reports = Vec::new();
     for &np in &b.nps {
@@ -346,7 +418,9 @@ pub(crate) fn bench(args: &[String]) -> Result {
                 n => format!("bench {backend}, {np} ranks, round {round} of {n}"),
             };
             let r = step(&label, || {
-                let mut c = if backend.starts_with("mpi") {
+                let mut c = if let Some(h) = &hosts {
+                    h.mpirun()
+                } else if mpi_launched(backend) {
                     mpi::mpirun(np)
                 } else {
                     let mut c = Command::new(target.join("commrun"));
@@ -475,6 +549,16 @@ mod tests {
         assert!(parse_bench(&args("--np")).is_err());
         assert!(parse_bench(&args("--frobnicate 3")).is_err());
         assert!(parse_bench(&args("--backend ,")).is_err());
+        assert!(parse_bench(&args("--hosts 4")).is_err(), "one host is not a layout");
+        assert!(parse_bench(&args("--hosts 2,2 --backend shm")).is_err(), "shm does not run under mpirun");
+        assert!(parse_bench(&args("--hosts 2,2 --backend hier --np 2")).is_err(), "--np contradicts --hosts");
+    }
+
+    #[test]
+    fn hosts_set_the_rank_count() {
+        let b = parse_bench(&args("--hosts 3,1 --backend hier,mpi,mpi-raw")).unwrap();
+        assert_eq!((b.hosts, b.np, b.nps), (Some(vec![3, 1]), 4, vec![4]));
+        assert!(parse_bench(&args("--hosts 2,2 --np 4 --backend hier")).is_ok());
     }
 
     #[test]
@@ -500,15 +584,16 @@ mod tests {
 
     #[test]
     fn backend_all_is_what_can_run_here() {
-        let features: Vec<String> = ["default", "shm", "mpi", "mpi-raw", "nccl", "profiling"].map(String::from).into();
+        let features: Vec<String> =
+            ["default", "shm", "mpi", "mpi-raw", "hier", "nccl", "profiling"].map(String::from).into();
         let all = |req: &str, np: u32, mpi: bool, gpus: usize| {
             let req: Vec<String> = req.split(',').map(String::from).collect();
             expand_backends(&req, &features, np, || Ok(mpi), || gpus).unwrap()
         };
-        assert_eq!(all("all", 2, true, 2), ["shm", "mpi", "mpi-raw", "nccl"]);
+        assert_eq!(all("all", 2, true, 2), ["shm", "mpi", "mpi-raw", "hier", "nccl"]);
         assert_eq!(all("all", 2, false, 0), ["shm"]);
-        assert_eq!(all("all", 4, true, 2), ["shm", "mpi", "mpi-raw"], "fewer GPUs than ranks");
-        assert_eq!(all("mpi,all", 2, true, 0), ["mpi", "shm", "mpi-raw"], "no duplicates, given order first");
+        assert_eq!(all("all", 4, true, 2), ["shm", "mpi", "mpi-raw", "hier"], "fewer GPUs than ranks");
+        assert_eq!(all("mpi,all", 2, true, 0), ["mpi", "shm", "mpi-raw", "hier"], "no duplicates, given order first");
         assert_eq!(all("shm,mpi", 2, false, 0), ["shm", "mpi"], "named backends are kept (and checked later)");
         let shm_only: Vec<String> = vec!["shm".into()];
         let r = expand_backends(&["all".into()], &shm_only, 2, || panic!("mpi not asked"), || panic!("gpus")).unwrap();

@@ -13,7 +13,7 @@ const JOB_TIMEOUT: Duration = Duration::from_secs(300);
 /// Sizes that keep the examples quick in `test` (the tensor-parallel MLP defaults to hidden 4096).
 const EXAMPLE_ENV: [(&str, &str); 2] = [("TP_MLP_HIDDEN", "256"), ("TP_MLP_TOKENS", "5")];
 /// The features that build the mpi backend into comm-api and comm-bench.
-const MPI_FEATURES: &str = "comm-api/mpi,comm-bench/mpi,comm-bench/mpi-raw";
+const MPI_FEATURES: &str = "comm-api/mpi,comm-bench/mpi,comm-bench/mpi-raw,comm-bench/hier";
 /// The feature that builds the nccl backend into comm-api (builds without CUDA).
 const NCCL_FEATURES: &str = "comm-api/nccl";
 /// The features of the profiling layer, its OpenTelemetry export and comm-bench's --profile.
@@ -89,6 +89,12 @@ pub(crate) fn test(args: &[String]) -> Result {
             c.args(["test", "-p", "backend-mpi", "--", "--test-threads=1", "--nocapture"]);
             run(c)
         })?;
+        step("hier backend: suite on 2 × 2 and 3 + 1 simulated hosts, a killed rank (mpirun, MPI over TCP)", || {
+            let mut c = cargo();
+            c.args(["test", "-p", "comm-api", "--features", "mpi", "--test", "hier"]);
+            c.args(["--", "--test-threads=1", "--nocapture"]);
+            run(c)
+        })?;
     }
     step("build commrun, comm-bench, examples", || {
         let mut c = cargo();
@@ -138,7 +144,7 @@ pub(crate) fn test(args: &[String]) -> Result {
                 run_bounded(c, JOB_TIMEOUT)
             })?;
         }
-        for backend in ["mpi", "mpi-raw"] {
+        for backend in ["mpi", "mpi-raw", "hier"] {
             step(&format!("bench smoke (comm-bench, {backend}, mpirun -np 2)"), || {
                 let mut c = mpi::mpirun(2);
                 c.current_dir(root()).env("COMM_TIMEOUT", "120").env("COMM_BACKEND", backend);

@@ -1,0 +1,205 @@
+//! The `hier` backend for real: ranks started by `mpirun` on hosts simulated with
+//! `scripts/simhosts` (each host a UTS + mount namespace: its own host name and `/dev/shm`;
+//! `COMM_HOST_ID` where namespaces are unavailable), MPI forced to TCP as between real hosts.
+//! `Auto` must pick `hier`; the conformance suite runs on 2 hosts × 2 ranks and on 3 + 1; a
+//! rank killed on one host ends the job on every host.
+//!
+//! Each test re-executes this binary under mpirun with `COMM_HIER_CHILD=<scenario>`; the
+//! `child` test runs it on every rank. Tests skip, with a message, without `mpirun`.
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use comm_api::{Backend, Config, HostBuffer, Rank, ReduceOp};
+
+const CHILD: &str = "COMM_HIER_CHILD";
+const LAYOUT: &str = "COMM_HIER_TEST_LAYOUT";
+
+static ONE_JOB: Mutex<()> = Mutex::new(());
+
+struct Job {
+    code: Option<i32>,
+    output: String,
+    elapsed: Duration,
+}
+
+impl std::fmt::Display for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "exit {:?} after {:.1?}; output:\n{}", self.code, self.elapsed, self.output)
+    }
+}
+
+impl Job {
+    fn lines(&self, tag: &str) -> Vec<&str> {
+        self.output.lines().filter(|l| l.contains(tag)).collect()
+    }
+}
+
+fn simhosts() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/simhosts")
+}
+
+/// The simulated hosts of one job; removed when dropped.
+struct Hosts(PathBuf);
+
+impl Hosts {
+    fn up(count: usize) -> Hosts {
+        let dir = std::env::temp_dir().join(format!("comm-simhosts-{}", std::process::id()));
+        let ok = Command::new(simhosts()).arg("up").arg(&dir).arg(count.to_string()).status();
+        assert!(ok.is_ok_and(|s| s.success()), "simhosts up failed");
+        Hosts(dir)
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        let _ = Command::new(simhosts()).arg("down").arg(&self.0).status();
+    }
+}
+
+/// Runs `scenario` on hosts of `sizes` ranks; `None` when mpirun is not installed.
+fn job(sizes: &[usize], scenario: &str, envs: &[(&str, &str)], limit: Duration) -> Option<Job> {
+    let name = std::env::var("MPIRUN").unwrap_or_else(|_| "mpirun".into());
+    let version = Command::new(&name).arg("--version").stdin(Stdio::null()).output().ok().filter(|o| o.status.success());
+    let Some(version) = version else {
+        eprintln!("skipped: `mpirun` not found (install openmpi-bin, or set MPIRUN)");
+        return None;
+    };
+    let open_mpi = String::from_utf8_lossy(&version.stdout).contains("Open MPI");
+    let _one = ONE_JOB.lock().unwrap_or_else(|p| p.into_inner());
+    let hosts = Hosts::up(sizes.len());
+    let layout = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+    let np: usize = sizes.iter().sum();
+    let mut cmd = Command::new("timeout");
+    cmd.args(["-k", "5", &limit.as_secs().to_string(), &name]);
+    if open_mpi {
+        // TCP between all ranks, as between hosts (shared memory stays with our shm groups).
+        cmd.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--mca", "btl", "tcp,self"]);
+    }
+    cmd.args(["-np", &np.to_string()]).arg(simhosts()).arg("run").arg(&hosts.0).arg(&layout).arg("--");
+    cmd.arg(std::env::current_exe().unwrap()).args(["child", "--exact", "--nocapture", "--test-threads=1"]);
+    cmd.env(CHILD, scenario).env(LAYOUT, &layout);
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    let start = Instant::now();
+    let out = cmd.stdin(Stdio::null()).output().expect("running timeout/mpirun");
+    let elapsed = start.elapsed();
+    drop(hosts);
+    let output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("mpirun {layout} {scenario}: {elapsed:.1?}, exit {:?}", out.status.code());
+    for line in output.lines().filter(|l| ["-OK", "KILL-", "DESCRIBE"].iter().any(|t| l.contains(t))) {
+        println!("    {}", line.trim_start_matches("test child ... "));
+    }
+    Some(Job { code: out.status.code(), output, elapsed })
+}
+
+#[test]
+fn conformance_two_hosts_of_two() {
+    let Some(job) = job(&[2, 2], "suite", &[], Duration::from_secs(600)) else { return };
+    assert_eq!(job.code, Some(0), "{job}");
+    assert_eq!(job.lines("SUITE-OK").len(), 4, "{job}");
+    let described = job.lines("DESCRIBE rank 0");
+    assert!(described.iter().any(|l| l.contains("hier (auto") && l.contains("simhost-1") && l.contains("rails")), "{job}");
+}
+
+#[test]
+fn conformance_three_plus_one() {
+    let Some(job) = job(&[3, 1], "suite", &[], Duration::from_secs(600)) else { return };
+    assert_eq!(job.code, Some(0), "{job}");
+    assert_eq!(job.lines("SUITE-OK").len(), 4, "{job}");
+    assert!(job.lines("DESCRIBE rank 3").iter().any(|l| l.contains("no rails")), "{job}");
+}
+
+#[test]
+fn a_killed_rank_ends_the_job_on_every_host() {
+    let envs = [("COMM_TIMEOUT", "10")];
+    let Some(job) = job(&[2, 2], "kill", &envs, Duration::from_secs(120)) else { return };
+    assert_ne!(job.code, Some(0), "a killed rank fails the job: {job}");
+    assert_eq!(job.lines("KILL-BEFORE").len(), 1, "rank 3 got as far as killing itself: {job}");
+    assert!(job.lines("KILL-UNEXPECTED").is_empty(), "{job}");
+    // The survivors' timeout is 10 s; mpirun usually ends the job sooner.
+    assert!(job.elapsed < Duration::from_secs(60), "the job ended within the timeout: {job}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child side (one process per rank)
+
+#[test]
+fn child() {
+    let Ok(scenario) = std::env::var(CHILD) else { return };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let code = rt.block_on(async {
+        match scenario.as_str() {
+            "suite" => suite().await,
+            "kill" => kill().await,
+            other => {
+                eprintln!("unknown scenario {other}");
+                2
+            }
+        }
+    });
+    if code != 0 {
+        std::process::exit(code);
+    }
+}
+
+/// The hosts of this job (block placement, as `simhosts run` puts ranks).
+fn hosts() -> Vec<Vec<Rank>> {
+    let mut first = 0;
+    let sizes = std::env::var(LAYOUT).unwrap();
+    sizes
+        .split(',')
+        .map(|s| {
+            let n: Rank = s.parse().unwrap();
+            first += n;
+            (first - n..first).collect()
+        })
+        .collect()
+}
+
+async fn suite() -> i32 {
+    let pg = comm_api::init(Config::from_env().unwrap()).await.expect("init");
+    let me = pg.rank();
+    println!("DESCRIBE rank {me}: {}", pg.describe().replace('\n', " | "));
+    if pg.backend_name() != "hier" {
+        eprintln!("rank {me}: auto chose {} instead of hier", pg.backend_name());
+        return 1;
+    }
+    let mut cfg = comm_test::SuiteConfig::default();
+    cfg.hosts = Some(hosts());
+    let b: Arc<dyn Backend> = pg.backend().clone();
+    let code = match comm_test::suite::run(b, &cfg).await {
+        Ok(r) => {
+            println!("SUITE-OK rank {me}: {} checks passed in {:.2?}", r.checks, r.elapsed);
+            0
+        }
+        Err(e) => {
+            eprintln!("SUITE-FAILED rank {me}: {e}");
+            1
+        }
+    };
+    pg.shutdown().await.expect("shutdown");
+    code
+}
+
+async fn kill() -> i32 {
+    let pg = comm_api::init(Config::from_env().unwrap()).await.expect("init");
+    let me = pg.rank();
+    for i in 0..100_000 {
+        if me == 3 && i == 20 {
+            println!("KILL-BEFORE rank 3 kills itself (SIGKILL)");
+            let _ = Command::new("kill").args(["-9", &std::process::id().to_string()]).status();
+        }
+        let buf = HostBuffer::from_slice(&[1.0f32; 4096]);
+        if let Err(e) = pg.all_reduce(buf, ReduceOp::Sum).await {
+            println!("KILL-SEEN rank {me} after {i} ops: {e}");
+            return 3;
+        }
+    }
+    println!("KILL-UNEXPECTED rank {me} finished every op");
+    0
+}
