@@ -111,7 +111,9 @@ fn parse_bench(args: &[String]) -> Result<BenchArgs> {
                     .collect::<Option<Vec<u32>>>()
                     .filter(|v| v.len() >= 2)
                     .ok_or_else(|| {
-                        Failure::usage(format!("--hosts {value}: expected ranks per host for 2 or more hosts (e.g. 2,2)"))
+                        Failure::usage(format!(
+                            "--hosts {value}: expected ranks per host for 2 or more hosts (e.g. 2,2)"
+                        ))
                     })?;
                 b.hosts = Some(sizes);
             }

@@ -107,6 +107,15 @@ impl Layout {
         self.hosts.len() > 1 && self.max_local() > 1
     }
 
+    /// Ranks that run on this machine's cores: this host's, and those of hosts with the same
+    /// boot id (containers or namespaces of one machine, such as simulated hosts).
+    pub fn ranks_on_this_machine(&self) -> usize {
+        let boot = |id: &str| id.split_once('@').map(|(b, _)| b.to_owned());
+        let mine = boot(&self.names[self.host]);
+        let same = |h: usize| h == self.host || (mine.is_some() && boot(&self.names[h]) == mine);
+        (0..self.hosts.len()).filter(|&h| same(h)).map(|h| self.hosts[h].len()).sum()
+    }
+
     /// A host's name for people: the host name part of its identity.
     pub fn host_name(&self, h: usize) -> &str {
         let id = &self.names[h];
@@ -165,6 +174,10 @@ mod tests {
         assert!(l.is_even() && l.is_hierarchical() && !l.is_leader());
         assert_eq!(l.host_of(2), Some(0));
         assert_eq!(l.describe(), "2 host(s): b [0, 2], a [1, 3]");
+        // One boot id: two containers of one machine share its cores.
+        assert_eq!(l.ranks_on_this_machine(), 4);
+        let other_machine = vec!["m1@a".to_owned(), "m2@b".to_owned(), "m1@a".to_owned()];
+        assert_eq!(Layout::from_ids(&other_machine, 0).unwrap().ranks_on_this_machine(), 2);
     }
 
     #[test]

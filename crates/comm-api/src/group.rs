@@ -131,11 +131,17 @@ impl ProcessGroup {
         let w = &*self.world;
         let vars =
             if w.source.variables.is_empty() { "(no variables)".to_owned() } else { w.source.variables.join(" ") };
-        let store = match w.store {
-            StoreKind::Rank0 if w.world_size == 1 => "in-process (single rank)".to_owned(),
-            StoreKind::Rank0 => format!("served by rank 0 at {}:{}", w.master_addr, w.master_port),
-            StoreKind::External => format!("external, at {}:{}", w.master_addr, w.master_port),
-            StoreKind::Torch => {
+        let store = match (self.backend_name(), w.store) {
+            // MPI's launcher connects the ranks; no store of ours is involved.
+            ("mpi", _) => "none (the MPI launcher connects the ranks)".to_owned(),
+            ("hier", _) => {
+                "none between hosts (the MPI launcher connects them); each host's first rank serves its shm group's on 127.0.0.1"
+                    .to_owned()
+            }
+            (_, StoreKind::Rank0) if w.world_size == 1 => "in-process (single rank)".to_owned(),
+            (_, StoreKind::Rank0) => format!("served by rank 0 at {}:{}", w.master_addr, w.master_port),
+            (_, StoreKind::External) => format!("external, at {}:{}", w.master_addr, w.master_port),
+            (_, StoreKind::Torch) => {
                 format!("torch TCPStore at {}:{} (torchrun's agent store)", w.master_addr, w.master_port)
             }
             _ => format!("at {}:{}", w.master_addr, w.master_port),

@@ -43,7 +43,13 @@ pub(crate) async fn start(world: Arc<dyn Backend>, asked: bool, timeout: Duratio
         .and_then(|(p, t)| Some((p.parse::<u16>().ok()?, t.to_owned())))
         .ok_or_else(|| CommError::Store(format!("malformed host store address `{theirs}` from the host leader")))?;
     let store: Arc<dyn Store> = Arc::new(TcpStore::connect("127.0.0.1", port, &token, timeout).await?);
-    let opts = ShmOptions { timeout, ..ShmOptions::from_env()? };
+    let mut opts = ShmOptions { timeout, ..ShmOptions::from_env()? };
+    // shm spins only when its ranks have a core each; hosts sharing one machine (containers,
+    // simulated hosts) count too, or their spinning ranks take the cores the others need.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if opts.spin.is_none() && layout.ranks_on_this_machine() > cores {
+        opts.spin = Some(Duration::ZERO);
+    }
     let local = ShmBackend::new(store, layout.local_index() as u32, layout.local_size() as u32, opts).await?;
     let hier = HierBackend::new(world, Arc::new(local), layout, HierOptions::from_env()?).await?;
     let describe = hier.describe();

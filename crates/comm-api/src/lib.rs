@@ -25,13 +25,15 @@
 //! | feature | default | backend | needs to build | needs to run |
 //! |---|---|---|---|---|
 //! | `shm` | yes | same-host shared memory | nothing | every rank on one host; `/dev/shm` room for `2 × window + 512 KiB × (world − 1)` per rank, the window being half a core's L2 (64 KiB..1 MiB): 1–3 MiB per rank at 2 ranks |
-//! | `mpi` | no | MPI (Open MPI, MPICH) through rsmpi | an MPI dev package, libclang, pkg-config, a C compiler (Debian: `apt-get install --no-install-recommends libopenmpi-dev openmpi-bin libclang-dev pkg-config`; `cargo xtask test` installs them as root); elsewhere an MPI whose `mpicc` is on `PATH` (or `MPI_PKG_CONFIG` naming its `.pc`) and libclang (`LIBCLANG_PATH`) | ranks started by that MPI's `mpirun`/`mpiexec` (as root `--allow-run-as-root`; more ranks than cores `--oversubscribe`; Open MPI pins 2 ranks to one core each unless `--bind-to none`) |
+//! | `mpi` | no | MPI (Open MPI, MPICH) through rsmpi; with `shm`, which it turns on, `hier` (shm within each host, MPI between hosts) | an MPI dev package, libclang, pkg-config, a C compiler (Debian: `apt-get install --no-install-recommends libopenmpi-dev openmpi-bin libclang-dev pkg-config`; `cargo xtask test` installs them as root); elsewhere an MPI whose `mpicc` is on `PATH` (or `MPI_PKG_CONFIG` naming its `.pc`) and libclang (`LIBCLANG_PATH`) | ranks started by that MPI's `mpirun`/`mpiexec` (as root `--allow-run-as-root`; more ranks than cores `--oversubscribe`; Open MPI pins 2 ranks to one core each unless `--bind-to none`) |
 //! | `nccl` | no | NCCL (GPUs) through cudarc | nothing (libcuda and libnccl are loaded at run time, so it builds and its tests pass without CUDA, GPU tests printing `skipped: no CUDA device`; cudarc pinned to CUDA 12.8 bindings, `nccl-unpinned` + `backend-nccl/cuda-*` or `CUDARC_CUDA_VERSION` for others) | an NVIDIA driver, NCCL ≥ 2.10 loadable as `libnccl.so` (a pip NCCL has only `libnccl.so.2`: symlink it), one GPU per rank (`LOCAL_RANK`, or `COMM_NCCL_DEVICE`; `backend_nccl::is_available()` says what is missing); `cargo xtask gpu-test` runs the GPU tests for real |
 //! | `profiling` | no | — (a `tracing` span per op, the `CommsLogger` summary; `Builder::profiling`, `comm_api::profiling`) | nothing (pure Rust) | nothing for the summary (`ProfilingLayer::with_logger`); a `tracing` subscriber that wants the spans for anything else — none costs nothing |
 //! | `otel` | no | — (`profiling` + OpenTelemetry export, `profiling::otel`) | nothing native (OTLP over HTTP/protobuf through a small std client: no TLS, no async runtime) | an OTLP/HTTP collector at `http://` (`OTEL_EXPORTER_OTLP_ENDPOINT`, default `http://localhost:4318`), or `OTEL_TRACES_EXPORTER=console` for stdout |
 //!
 //! `Auto` picks `nccl` when the feature is on and a GPU is usable, else `mpi` when an MPI
-//! launcher started the process and the feature is on. Asking for a backend that was not
+//! launcher started the process and the feature is on — `hier` when that launcher put ranks on
+//! several hosts with more than one on some host (found at start-up from every rank's host
+//! identity; see `backend_hier`). Asking for a backend that was not
 //! compiled in fails with [`CommError::Unavailable`] naming the feature to enable; asking for
 //! `nccl` where it cannot run fails with `Unavailable` naming what is missing (driver, NCCL,
 //! device). Device buffers (`CudaSlice`) go zero-copy through `backend_nccl`'s request types on
@@ -44,7 +46,9 @@
 //! were used); under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) the ranks meet in the
 //! agent's torch TCPStore; `COMM_STORE` (`rank0`, `external`, `torch`) and `COMM_BIND_ADDR`
 //! (the local IP to reach the store from); `COMM_TIMEOUT` (seconds, default 300) bounds every wait;
-//! `COMM_BACKEND` (`auto`, `shm`, `mpi`, `nccl`); `COMM_SHM_WINDOW` and friends tune shm;
+//! `COMM_BACKEND` (`auto`, `shm`, `mpi`, `nccl`, `hier`); `COMM_HOST_ID` (which ranks share a
+//! host, instead of host name + boot id); `COMM_SHM_WINDOW` and friends tune shm;
+//! `COMM_HIER_INLINE_MAX` and `COMM_HIER_RAIL_MIN` tune hier (see `backend_hier::HierOptions`);
 //! `COMM_MPI_REDUCTION` (`exact`, `native`) and friends tune mpi (see `backend_mpi::MpiOptions`).
 
 mod barrier;

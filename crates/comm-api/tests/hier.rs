@@ -63,7 +63,8 @@ impl Drop for Hosts {
 /// Runs `scenario` on hosts of `sizes` ranks; `None` when mpirun is not installed.
 fn job(sizes: &[usize], scenario: &str, envs: &[(&str, &str)], limit: Duration) -> Option<Job> {
     let name = std::env::var("MPIRUN").unwrap_or_else(|_| "mpirun".into());
-    let version = Command::new(&name).arg("--version").stdin(Stdio::null()).output().ok().filter(|o| o.status.success());
+    let version =
+        Command::new(&name).arg("--version").stdin(Stdio::null()).output().ok().filter(|o| o.status.success());
     let Some(version) = version else {
         eprintln!("skipped: `mpirun` not found (install openmpi-bin, or set MPIRUN)");
         return None;
@@ -103,7 +104,10 @@ fn conformance_two_hosts_of_two() {
     assert_eq!(job.code, Some(0), "{job}");
     assert_eq!(job.lines("SUITE-OK").len(), 4, "{job}");
     let described = job.lines("DESCRIBE rank 0");
-    assert!(described.iter().any(|l| l.contains("hier (auto") && l.contains("simhost-1") && l.contains("rails")), "{job}");
+    assert!(
+        described.iter().any(|l| l.contains("hier (auto") && l.contains("simhost-1") && l.contains("rails")),
+        "{job}"
+    );
 }
 
 #[test]
