@@ -10,7 +10,7 @@
 //!
 //! | op | how |
 //! |---|---|
-//! | all_reduce | reduce-scatter on the host → all_reduce of each slice on its rail → all_gather on the host; small messages (under [`HierOptions::rail_min`]) or uneven hosts: reduce to the leader → all_reduce among leaders → broadcast on the host |
+//! | all_reduce | reduce-scatter on the host → all_reduce of each slice on its rail → all_gather on the host; small messages (under [`HierOptions::rail_min`]), uneven hosts or machines with fewer cores than ranks: reduce to the leader → all_reduce among leaders → broadcast on the host |
 //! | reduce, reduce_scatter | that all_reduce, then the root's result / this rank's block |
 //! | broadcast | on the root's host → among leaders → on every other host |
 //! | all_gather | on the host → leaders all_gather every host's block (padded to the largest host) → broadcast on the host |
@@ -36,7 +36,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use comm_core::config;
 use comm_core::handle::{group_members, shutdown_done, Admission, Poison};
-use comm_core::{Backend, Collective, CommError, Group, Op, Rank, Work};
+use comm_core::ops::AllReduce;
+use comm_core::{Backend, Collective, CommError, Group, HostBuffer, Op, Rank, ReduceOp, Work};
 
 mod lane;
 mod layout;
@@ -44,7 +45,7 @@ mod plans;
 
 use lane::{Issued, Lane};
 pub use layout::{from_leader, Layout};
-use plans::{Parts, Plan};
+use plans::{Inner, Parts, Plan};
 
 /// Tuning of a [`HierBackend`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,13 +56,15 @@ pub struct HierOptions {
     pub inline_max: usize,
     /// all_reduce of at least this many bytes goes over the rails (every rank sends a slice);
     /// smaller ones through the host leaders only (fewer, larger messages between hosts)
-    /// (`COMM_HIER_RAIL_MIN`).
-    pub rail_min: usize,
+    /// (`COMM_HIER_RAIL_MIN`). `None`: 16 KiB when every rank has a core of its own on its
+    /// machine, else never (on a machine whose cores its ranks share — containers, simulated
+    /// hosts — a rank driving each rail only takes cores from the others); agreed by all ranks.
+    pub rail_min: Option<usize>,
 }
 
 impl Default for HierOptions {
     fn default() -> Self {
-        HierOptions { inline_max: 64 << 10, rail_min: 16 << 10 }
+        HierOptions { inline_max: 64 << 10, rail_min: None }
     }
 }
 
@@ -71,7 +74,7 @@ impl HierOptions {
         let d = HierOptions::default();
         Ok(HierOptions {
             inline_max: config::env_parse("COMM_HIER_INLINE_MAX", config::parse_size)?.unwrap_or(d.inline_max),
-            rail_min: config::env_parse("COMM_HIER_RAIL_MIN", config::parse_size)?.unwrap_or(d.rail_min),
+            rail_min: config::env_parse("COMM_HIER_RAIL_MIN", config::parse_size)?.or(d.rail_min),
         })
     }
 }
@@ -117,22 +120,30 @@ impl HierBackend {
         if hosts.len() > 1 && layout.is_even() && layout.local_size() > 1 {
             // Every rank takes part in creating every rail (new_group is collective).
             for i in 0..layout.local_size() {
-                let mut ranks: Vec<Rank> = hosts.iter().map(|h| h[i]).collect();
-                ranks.sort_unstable();
-                let g = world.new_group(&ranks).await?;
+                let mut members: Vec<Rank> = hosts.iter().map(|h| h[i]).collect();
+                members.sort_unstable();
+                let g = world.new_group(&members).await?;
                 if i == layout.local_index() {
-                    rail = g;
+                    rail = g.map(|group| Inner { group, members, name: "rail" });
                 }
             }
         }
         let leaders = match hosts.len() {
             1 => None,
-            _ => world.new_group(&hosts.iter().map(|h| h[0]).collect::<Vec<_>>()).await?,
+            _ => {
+                let members: Vec<Rank> = hosts.iter().map(|h| h[0]).collect();
+                world.new_group(&members).await?.map(|group| Inner { group, members, name: "leaders" })
+            }
         };
+        let local = Inner { group: local, members: hosts[layout.host()].clone(), name: "host" };
         let poison = Poison::new();
         let lane = Lane::start(format!("comm-hier-r{}", layout.rank()), poison.clone())?;
         let admission = Admission::new(layout.rank(), layout.world_size(), poison);
-        let parts = Parts { world, local, rail, leaders, layout, inline_max: opts.inline_max, rail_min: opts.rail_min };
+        let rail_min = match opts.rail_min {
+            Some(min) => min,
+            None => default_rail_min(&*world, &layout).await?,
+        };
+        let parts = Parts { world, local, rail, leaders, layout, inline_max: opts.inline_max, rail_min };
         Ok(HierBackend { parts: Arc::new(parts), lane: Arc::new(lane), admission })
     }
 
@@ -153,9 +164,19 @@ impl HierBackend {
         format!(
             "{}; shm within each host ({}), MPI between hosts: {rails}, leaders {leaders:?}",
             l.describe(),
-            self.parts.local.backend_name()
+            self.parts.local.group.backend_name()
         )
     }
+}
+
+/// [`HierOptions::rail_min`]'s default: 16 KiB unless some rank's machine has fewer cores than
+/// ranks (one all_reduce over `world`, so every rank decides alike).
+async fn default_rail_min(world: &dyn Backend, layout: &Layout) -> Result<usize, CommError> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let crowded = i32::from(layout.ranks_on_this_machine() > cores);
+    let req = AllReduce { buf: HostBuffer::from_slice(&[crowded]), op: ReduceOp::Max };
+    let any = Collective::<AllReduce>::submit(world, req).await?;
+    Ok(if any.as_slice::<i32>()?[0] == 0 { 16 << 10 } else { usize::MAX })
 }
 
 /// Runs `op` on `lane`: fails it fast if the group is poisoned, and poisons the group when a
@@ -202,8 +223,8 @@ impl Group for HierBackend {
         let done = self.lane.run(false, move || {
             Issued::Done(futures::executor::block_on(async {
                 let mut first = Ok(());
-                let groups = [Some(&p.local), p.rail.as_ref(), p.leaders.as_ref(), Some(&p.world)];
-                for g in groups.into_iter().flatten() {
+                let inner = [Some(&p.local), p.rail.as_ref(), p.leaders.as_ref()];
+                for g in inner.into_iter().flatten().map(|i| &i.group).chain([&p.world]) {
                     let r = g.shutdown().await;
                     if first.is_ok() {
                         first = r;

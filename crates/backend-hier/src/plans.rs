@@ -6,7 +6,7 @@ use std::sync::Arc;
 use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, InOut, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
-use comm_core::{Backend, Collective, CommError, DType, HostBuffer, Op, ReduceOp};
+use comm_core::{Backend, Collective, CommError, DType, HostBuffer, Op, Rank, ReduceOp};
 
 use crate::lane::Issued;
 use crate::Layout;
@@ -14,11 +14,11 @@ use crate::Layout;
 /// What the ops run on (shared with the lane). Public only in name, like [`Plan`].
 pub struct Parts {
     pub(crate) world: Arc<dyn Backend>,
-    pub(crate) local: Arc<dyn Backend>,
+    pub(crate) local: Inner,
     /// This rank's rail, when every host has as many ranks (and there are several hosts).
-    pub(crate) rail: Option<Arc<dyn Backend>>,
+    pub(crate) rail: Option<Inner>,
     /// The leaders' group, on leaders, when there are several hosts.
-    pub(crate) leaders: Option<Arc<dyn Backend>>,
+    pub(crate) leaders: Option<Inner>,
     pub(crate) layout: Layout,
     pub(crate) inline_max: usize,
     pub(crate) rail_min: usize,
@@ -36,12 +36,34 @@ pub trait Plan: Op + Sized {
     fn issue(self, p: &Parts) -> Issued<Self::Output>;
 }
 
-/// Waits for an inner op.
-fn wait<R: Op>(group: &Arc<dyn Backend>, req: R) -> Result<R::Output, CommError>
+/// One of the groups the phases run on.
+pub(crate) struct Inner {
+    pub(crate) group: Arc<dyn Backend>,
+    /// The world rank of each of its ranks.
+    pub(crate) members: Vec<Rank>,
+    /// `"host"`, `"rail"` or `"leaders"`, for errors.
+    pub(crate) name: &'static str,
+}
+
+/// Waits for an inner op; its errors name world ranks and the group they came from.
+fn wait<R: Op>(inner: &Inner, req: R) -> Result<R::Output, CommError>
 where
     dyn Backend: Collective<R>,
 {
-    Collective::<R>::submit(&**group, req).wait()
+    let (name, members) = (inner.name, &inner.members);
+    Collective::<R>::submit(&*inner.group, req).wait().map_err(|e| match e {
+        CommError::PeerLost { rank, detail } => CommError::PeerLost {
+            rank: members.get(rank as usize).copied().unwrap_or(rank),
+            detail: format!("{detail} (seen in the {name} group {members:?})"),
+        },
+        CommError::Mismatch { op, detail } => {
+            CommError::Mismatch { op, detail: format!("{detail} (in the {name} group {members:?}, by its own ranks)") }
+        }
+        CommError::Timeout { op, after, detail } => {
+            CommError::Timeout { op, after, detail: format!("{detail} (in the {name} group {members:?})") }
+        }
+        other => other,
+    })
 }
 
 /// Copies `n` elements of `dtype` from `src` at element `from` to `dst` at element `to`.

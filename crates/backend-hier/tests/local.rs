@@ -35,7 +35,7 @@ fn never_inline() -> HierOptions {
 }
 
 async fn conformance(sizes: &[usize], rail_min: usize) {
-    let (group, hosts) = hier(sizes, HierOptions { rail_min, ..never_inline() }).await;
+    let (group, hosts) = hier(sizes, HierOptions { rail_min: Some(rail_min), ..never_inline() }).await;
     assert_eq!(group[0].backend_name(), "hier");
     let mut cfg = SuiteConfig::default();
     cfg.hosts = Some(hosts);
@@ -67,7 +67,7 @@ async fn sums_are_grouped_by_host_and_differ_from_rank_order() {
     // comparison would not notice a backend that ignored the grouping.
     let vals: [f32; 4] = [1e-8, 1.0, -1.0, 1e-8];
     for rail_min in [0, usize::MAX] {
-        let (group, hosts) = hier(&[2, 2], HierOptions { rail_min, ..never_inline() }).await;
+        let (group, hosts) = hier(&[2, 2], HierOptions { rail_min: Some(rail_min), ..never_inline() }).await;
         let ins: Vec<HostBuffer> = vals.iter().map(|&v| HostBuffer::from_slice(&[v, v])).collect();
         let works = group.iter().zip(&ins).map(|(g, b)| g.submit(AllReduce { buf: b.clone(), op: ReduceOp::Sum }));
         let got: Vec<HostBuffer> = join_all(works).await.into_iter().map(Result::unwrap).collect();
