@@ -156,7 +156,15 @@ impl HierBackend {
     pub fn describe(&self) -> String {
         let l = &self.parts.layout;
         let rails = match &self.parts.rail {
-            Some(_) => format!("{} rails of {} ranks (one per local index)", l.local_size(), l.hosts().len()),
+            Some(_) if self.parts.rail_min == usize::MAX => {
+                format!("{} rails, unused (a machine has fewer cores than ranks)", l.local_size())
+            }
+            Some(_) => format!(
+                "{} rails of {} ranks (one per local index) from {} B",
+                l.local_size(),
+                l.hosts().len(),
+                self.parts.rail_min
+            ),
             None if l.hosts().len() > 1 && l.max_local() > 1 => "no rails (hosts differ in rank count)".into(),
             None => "no rails".into(),
         };
