@@ -628,4 +628,32 @@ mod tests {
         c.complete(Ok(3));
         assert!(matches!(Pin::new(&mut w).poll(&mut cx), Poll::Ready(Ok(3))));
     }
+
+    #[test]
+    fn forward_hands_over_results_whenever_they_come() {
+        // Completed before forwarding, with an error.
+        let (c, inner) = Work::<u8>::pending();
+        c.complete(Err(CommError::Store("x".into())));
+        let (to, outer) = Work::pending();
+        inner.forward(to);
+        assert!(matches!(outer.wait(), Err(CommError::Store(_))));
+        // Forwarded first; the inner op's hooks still run, and its completer going away
+        // reaches the outer work as a shutdown.
+        let (log, hook) = recorder();
+        let (c, inner) = Work::<u8>::pending();
+        let (to, outer) = Work::pending();
+        inner.on_complete(hook("inner")).forward(to);
+        drop(c);
+        assert!(matches!(outer.wait(), Err(CommError::Shutdown(_))));
+        assert_eq!(log.lock().unwrap().len(), 1);
+        // Ready and mapped handles.
+        let (to, outer) = Work::pending();
+        Work::ready(Ok(4u8)).forward(to);
+        assert_eq!(outer.wait().unwrap(), 4);
+        let (c, inner) = Work::<u8>::pending();
+        let (to, outer) = Work::pending();
+        inner.map(|x| x * 2).forward(to);
+        c.complete(Ok(5));
+        assert_eq!(outer.wait().unwrap(), 10);
+    }
 }
