@@ -135,6 +135,9 @@ pub(super) fn exchange_slot_bytes(n: usize) -> usize {
     1 << (usize::BITS - 1 - x.leading_zeros())
 }
 
+/// What any group's exchange slot holds besides the header.
+pub(super) const INLINE_ANY: usize = 256 - 32;
+
 /// The most data a small op ships inside the exchange (and then needs no other MPI call).
 pub(super) fn inline_max(n: usize) -> usize {
     exchange_slot_bytes(n) - 32

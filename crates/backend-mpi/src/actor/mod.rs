@@ -669,6 +669,9 @@ mod tests {
         assert_eq!(slots, [1024, 1024, 1024, 1024, 1024, 1024, 256, 256]);
         assert_eq!(exchange_slot_bytes(32), 512);
         assert_eq!(inline_max(2), 992);
+        // What a scatter's root may always ship: every group's slot has room for it.
+        assert!((1..5000).all(|n| inline_max(n) >= INLINE_ANY));
+        assert_eq!(inline_max(1 << 20), INLINE_ANY);
     }
 
     #[test]

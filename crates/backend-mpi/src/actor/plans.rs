@@ -383,10 +383,18 @@ pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks
 pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
     let (dtype, len, op) = (r.input.dtype(), r.input.len(), r.op);
     let header = Header::new(OpKind::ReduceScatter, Some(dtype), len, None, Some(op));
-    let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+    let payload = inline(r.input.byte_len(), || r.input.as_bytes().to_vec());
+    let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
         let n = env.size;
         let block = len / n;
-        let out = r.output.unwrap_or_else(|| env.buffer(dtype, block));
+        let mut out = r.output.unwrap_or_else(|| env.buffer(dtype, block));
+        if let Some(ex) = ex {
+            // Every input came with the headers: reduce this rank's block of each, in rank order.
+            let (b, all) = (block * dtype.size(), len * dtype.size());
+            let ins: Vec<&[u8]> = (0..n).map(|p| &ex.data(p, all)[env.rank * b..(env.rank + 1) * b]).collect();
+            kernels::reduce(dtype, op, &ins, out.as_bytes_mut());
+            return done_io(r.input, out);
+        }
         if !local_reduction(env.params, dtype) {
             let req = raw::ireduce_scatter_block(env.comm, r.input, out, mpi_op(env, dtype, op)?)?;
             return Ok(wait(req, move |_, b| {
@@ -404,7 +412,7 @@ pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
         let per = (env.params.chunk / n / dtype.size()).max(16);
         scatter_reduce(env, r.input, out, 0, Chunks { dtype, op, len: block, root: None, per })
     };
-    Plan { name: "reduce_scatter", header, payload: None, start: Box::new(start), reply }
+    Plan { name: "reduce_scatter", header, payload, start: Box::new(start), reply }
 }
 
 /// Chunk `[off, off + per)` of every block of a large exact reduce_scatter into `out`, then
@@ -505,6 +513,10 @@ impl MpiOp for Reduce {
 }
 
 impl MpiOp for ReduceScatter {
+    fn direct(&self, _: &Params, size: usize) -> bool {
+        small(self.input.byte_len(), size)
+    }
+
     fn job(self, d: Completer<InOut>) -> Job {
         Job::Collective(plan_reduce_scatter(self, Reply::Io(d)))
     }
@@ -565,43 +577,85 @@ impl MpiOp for AllGather {
     }
 }
 
+/// Whether a scatter of `block` bytes per rank ships its data in the exchange.
+fn scatter_inline(block: usize, size: usize) -> bool {
+    block.checked_mul(size).is_some_and(|all| all <= INLINE_ANY)
+}
+
 impl MpiOp for Scatter {
+    fn direct(&self, _: &Params, size: usize) -> bool {
+        scatter_inline(self.output.byte_len(), size)
+    }
+
     fn job(self, d: Completer<InOut>) -> Job {
         let Scatter { input, output, root } = self;
         let dtype = output.dtype();
         let header = Header::new(Self::KIND, Some(dtype), output.len(), Some(root), None);
-        let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+        // The root's blocks ride in the exchange when they fit in any group's slot; every
+        // payload then fits (an input passed off the root too), so every rank gets the
+        // exchange's data and decides from the sizes alone, alike.
+        let payload = Some(match &input {
+            Some(all) if all.byte_len() <= INLINE_ANY => all.as_bytes().to_vec(),
+            _ => Vec::new(),
+        });
+        let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
             // Off the root MPI reads no input: one passed anyway comes back as it is.
             let (input, spare) = if env.rank == root as usize { (input, None) } else { (None, input) };
+            let b = output.byte_len();
+            if let (Some(ex), true) = (ex, scatter_inline(b, env.size)) {
+                let mut output = output;
+                output.as_bytes_mut().copy_from_slice(&ex.data(root as usize, b * env.size)[env.rank * b..][..b]);
+                let input = input.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
+                return done_io(input, output);
+            }
             let req = raw::iscatter(env.comm, input, output, root as i32)?;
             Ok(wait(req, move |_, b| {
                 let input = b.send.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
                 done_io(input, take(b.recv)?)
             }))
         };
-        Job::Collective(Plan { name: Self::NAME, header, payload: None, start: Box::new(start), reply: Reply::Io(d) })
+        Job::Collective(Plan { name: Self::NAME, header, payload, start: Box::new(start), reply: Reply::Io(d) })
     }
 }
 
 impl MpiOp for Gather {
+    fn direct(&self, _: &Params, size: usize) -> bool {
+        small(self.input.byte_len(), size)
+    }
+
     fn job(self, d: Completer<InOut>) -> Job {
         let Gather { input, output, root } = self;
         let (dtype, len) = (input.dtype(), input.len());
         let header = Header::new(Self::KIND, Some(dtype), len, Some(root), None);
-        let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+        let payload = inline(input.byte_len(), || input.as_bytes().to_vec());
+        let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
             let is_root = env.rank == root as usize;
             // Off the root MPI fills no output: one passed anyway comes back as it is.
             let (out, spare) = match is_root {
                 true => (Some(output.unwrap_or_else(|| env.buffer(dtype, len * env.size))), None),
                 false => (None, output),
             };
+            if let Some(ex) = ex {
+                // Every rank's input came with the headers.
+                let b = input.byte_len();
+                let output = match out {
+                    Some(mut out) => {
+                        for p in 0..env.size {
+                            out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(ex.data(p, b));
+                        }
+                        out
+                    }
+                    None => spare.unwrap_or_else(|| HostBuffer::zeroed(dtype, 0)),
+                };
+                return done_io(input, output);
+            }
             let req = raw::igather(env.comm, input, out, root as i32)?;
             Ok(wait(req, move |_, b| {
                 let output = b.recv.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
                 done_io(take(b.send)?, output)
             }))
         };
-        Job::Collective(Plan { name: Self::NAME, header, payload: None, start: Box::new(start), reply: Reply::Io(d) })
+        Job::Collective(Plan { name: Self::NAME, header, payload, start: Box::new(start), reply: Reply::Io(d) })
     }
 }
 
