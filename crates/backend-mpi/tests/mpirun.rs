@@ -391,12 +391,17 @@ async fn mismatch() -> i32 {
         other => panic!("expected Poisoned after a mismatch, got {other:?}"),
     }
 
-    // One rank's data fits the header exchange, the other's does not: the exchange is the
+    // One rank's data rides in the header exchange, the other's does not: the exchange is the
     // same call on both, so both see the mismatch (neither hangs in a second call).
     let w = MpiBackend::init(short.clone()).await.unwrap();
     let len = if me == 0 { 2 } else { 1 << 16 };
     let got = w.submit(AllReduce { buf: f32s(&vec![1.0; len]), op: ReduceOp::Sum }).await;
     expect_mismatch("inline", me, got, &["f32 × 65536", "f32 × 2"]);
+    // One small, one whole in the exchange (16 KiB).
+    let w = MpiBackend::init(short.clone()).await.unwrap();
+    let len = if me == 0 { 2 } else { 1 << 12 };
+    let got = w.submit(AllReduce { buf: f32s(&vec![1.0; len]), op: ReduceOp::Sum }).await;
+    expect_mismatch("whole", me, got, &["f32 × 4096", "f32 × 2"]);
 
     // Different ops.
     let w = MpiBackend::init(short.clone()).await.unwrap();

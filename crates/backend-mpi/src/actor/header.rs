@@ -9,20 +9,38 @@ use super::*;
 pub(super) fn exchange(
     comm: &Comm,
     size: usize,
-    header: Header,
+    params: &Params,
+    pool: &Pool,
+    mut header: Header,
     payload: Option<Vec<u8>>,
     start: Start,
     what: OpLabel,
 ) -> Result<(Request, Cont), CommError> {
     let slot = exchange_slot_bytes(size);
-    let payload = payload.filter(|p| p.len() <= inline_max(size));
+    // An exact all_reduce's whole input may ride along when the gather of every input it then
+    // needs is small (`small_max`, as for the all-gather it saves) and fits any rank's slot:
+    // one round trip for the op.
+    let whole = |p: &Vec<u8>| {
+        header.op == OpKind::AllReduce.code()
+            && p.len() <= whole_max(size)
+            && p.len().saturating_mul(size - 1) <= params.small_max
+    };
+    let payload = payload.filter(|p| p.len() <= inline_max(size) || whole(p));
+    if let Some(p) = payload.as_ref().filter(|p| p.len() > inline_max(size)) {
+        // Ranks that decided otherwise (other sizes, other settings) fail the header check.
+        header.extra = p.len() as u64;
+    }
     let mine = exchange_slot(&header, payload.as_deref());
-    let req = raw::iexchange(comm, mine, slot, HostBuffer::zeroed(DType::U8, slot * size))?;
+    // Not zeroed when kept from an earlier op: every message starts with a whole header, and
+    // data is read only from peers whose header (so whose length) matches.
+    let req = raw::iexchange(comm, mine, slot, pool.buffer(DType::U8, slot * size))?;
     let inline = payload.is_some();
     let cont: Cont = Box::new(move |env: &Env<'_>, bufs: Bufs| {
         let ex = Exchange { all: take(bufs.recv)?, slot };
         verify(&ex, env.size, &header, env.rank, what)?;
-        start(env, inline.then_some(&ex))
+        let step = start(env, inline.then_some(&ex));
+        env.recycle(Some(ex.all));
+        step
     });
     Ok((req, cont))
 }
@@ -125,14 +143,33 @@ pub(super) fn hash_ranks(ranks: &[Rank]) -> u64 {
         .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
-/// Bytes per rank of the exchange before every collective in a group of `n`: the 32-byte
-/// header, then up to [`inline_max`] bytes of data. One size per group, so the first MPI call
-/// of every op has the same count on every rank whatever the ranks called (MPI cannot detect
-/// mismatched counts): 1 KiB up to 16 ranks, halving with more (16 KiB gathered in all), at
-////// least 256 bytes (a larger slot makes every op's exchange slower).
+/// Bytes per rank received in the exchange before every collective in a group of `n`: the
+/// 32-byte header, then up to [`inline_max`] bytes of a small op's data, or [`whole_max`] of an
+/// all_reduce's. One size per group, so every receive holds whatever a peer sends, whatever
+/// the ranks called: 64 KiB + 64 up to 8 ranks (a pooled buffer; messages are only as long as
+/// their data), else 1 KiB up to 16 ranks, halving with more (16 KiB in all), at least 256.
 pub(super) fn exchange_slot_bytes(n: usize) -> usize {
+    if n <= WHOLE_RANKS {
+        return (32 + WHOLE_MAX).next_multiple_of(64);
+    }
     let x = ((16 << 10) / n.max(1)).clamp(256, 1 << 10);
     1 << (usize::BITS - 1 - x.leading_zeros())
+}
+
+/// Groups of at most this many ranks receive slots that hold a whole all_reduce input of up to
+/// [`WHOLE_MAX`] bytes (an MPI receive must never be shorter than what a peer may send: a
+/// truncated message is an error, and in Open MPI's single-copy path worse).
+const WHOLE_RANKS: usize = 8;
+/// See [`WHOLE_RANKS`].
+const WHOLE_MAX: usize = 64 << 10;
+
+/// The largest all_reduce input the exchange carries whole in a group of `n`.
+pub(super) fn whole_max(n: usize) -> usize {
+    if n <= WHOLE_RANKS {
+        WHOLE_MAX
+    } else {
+        0
+    }
 }
 
 /// What any group's exchange slot holds besides the header.
@@ -140,6 +177,9 @@ pub(super) const INLINE_ANY: usize = 256 - 32;
 
 /// The most data a small op ships inside the exchange (and then needs no other MPI call).
 pub(super) fn inline_max(n: usize) -> usize {
+    if n <= WHOLE_RANKS {
+        return (1 << 10) - 32;
+    }
     exchange_slot_bytes(n) - 32
 }
 
@@ -202,7 +242,8 @@ pub(super) fn start_collective(
     let checked = g.info.size > 1 && (g.params.check || header.op == OpKind::NewGroup.code());
     let env = g.env(half, pool);
     let first = if checked {
-        exchange(env.comm, env.size, header, payload, start, what).map(|(req, cont)| Step::Wait(req, cont))
+        exchange(env.comm, env.size, env.params, env.pool, header, payload, start, what)
+            .map(|(req, cont)| Step::Wait(req, cont))
     } else {
         start(&env, None)
     };

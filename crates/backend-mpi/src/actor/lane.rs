@@ -70,7 +70,7 @@ pub(crate) fn submit_direct<R: MpiOp>(
     st.seq += 1;
     let what = OpLabel { name: R::NAME, seq: st.seq, direct: true };
     let Some(comm) = &st.comm else { unreachable!("checked above") };
-    let Job::Collective(Plan { header, payload, start, reply, .. }) = op.req.job(op.done) else {
+    let Job::Collective(Plan { header, payload, start, reply, .. }) = op.req.job(op.done, &lane.params) else {
         unreachable!("point-to-point ops return above")
     };
     let r = match comm.with(|comm| exchange_direct(comm, &st.pool, lane, info, header, payload, start, what)) {
@@ -133,13 +133,20 @@ pub(super) fn exchange_direct(
     what: OpLabel,
 ) -> Result<Direct, CommError> {
     let (size, rank) = (info.size as usize, info.rank as usize);
-    let (mut req, finish) = exchange(comm, size, header, payload, start, what)?;
+    let (mut req, finish) = exchange(comm, size, &lane.params, pool, header, payload, start, what)?;
     let started = Instant::now();
     let mut yields = 0;
     let bufs = loop {
         match req.test() {
             Polled::Done(_) => {
                 break req.into_bufs().ok_or_else(|| internal("a completed request kept its buffers"))?
+            }
+            // A peer's slot longer than ours: it called another op (or size).
+            Polled::Failed { err, .. } if err.is_truncation() => {
+                return Err(CommError::Mismatch {
+                    op: what.name,
+                    detail: format!("{what}: ranks passed different sizes ({err})"),
+                })
             }
             Polled::Failed { err, .. } => return Err(err.into_comm()),
             Polled::Pending if started.elapsed() < lane.spin => std::hint::spin_loop(),

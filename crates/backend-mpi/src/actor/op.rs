@@ -23,7 +23,7 @@ pub trait MpiOp: Op + Sized {
     }
 
     /// What it becomes on the actor, or on a caller's thread for a direct op.
-    fn job(self, done: Completer<Self::Output>) -> Job;
+    fn job(self, done: Completer<Self::Output>, params: &Params) -> Job;
 }
 
 /// An op ready to run.
@@ -51,7 +51,7 @@ pub(super) fn small(bytes: usize, size: usize) -> bool {
 
 /// An op handed to the actor, whatever its type.
 pub(crate) trait Queued: Send {
-    fn job(self: Box<Self>) -> Job;
+    fn job(self: Box<Self>, params: &Params) -> Job;
     fn fail(self: Box<Self>, e: CommError);
 }
 
@@ -62,9 +62,9 @@ pub(crate) struct Pending<R: MpiOp> {
 }
 
 impl<R: MpiOp> Queued for Pending<R> {
-    fn job(self: Box<Self>) -> Job {
+    fn job(self: Box<Self>, params: &Params) -> Job {
         let Pending { req, done } = *self;
-        req.job(done)
+        req.job(done, params)
     }
 
     fn fail(self: Box<Self>, e: CommError) {

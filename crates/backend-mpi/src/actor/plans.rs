@@ -25,14 +25,13 @@ impl Pool {
     const MIN: usize = 64 << 10;
     /// At most this many bytes are kept.
     const MAX_BYTES: usize = 256 << 20;
-}
 
-impl Env<'_> {
-    /// A buffer of `len` elements whose contents will all be overwritten.
+    /// A buffer of `len` elements whose contents will all be overwritten (a kept one when
+    /// there is one of that size: not zeroed).
     pub(super) fn buffer(&self, dtype: DType, len: usize) -> HostBuffer {
         let bytes = len * dtype.size();
         if bytes >= Pool::MIN {
-            let mut spare = self.pool.spare.borrow_mut();
+            let mut spare = self.spare.borrow_mut();
             if let Some(i) = spare.iter().position(|b| b.byte_len() == bytes) {
                 let mut b = spare.swap_remove(i);
                 b.reshape(dtype, len);
@@ -40,6 +39,13 @@ impl Env<'_> {
             }
         }
         HostBuffer::zeroed(dtype, len)
+    }
+}
+
+impl Env<'_> {
+    /// A buffer of `len` elements whose contents will all be overwritten.
+    pub(super) fn buffer(&self, dtype: DType, len: usize) -> HostBuffer {
+        self.pool.buffer(dtype, len)
     }
 
     /// Keeps a buffer nobody uses any more for [`Env::buffer`].
@@ -198,11 +204,17 @@ pub(super) fn blocks(all: &HostBuffer, n: usize, len: usize) -> Vec<&[u8]> {
 }
 
 /// all_reduce (`root == None`) or reduce to `root`. Non-roots get their input back.
-pub(super) fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply) -> Plan {
+pub(super) fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply, params: &Params) -> Plan {
     let (dtype, len) = (buf.dtype(), buf.len());
     let (name, code) = if root.is_some() { ("reduce", OpKind::Reduce) } else { ("all_reduce", OpKind::AllReduce) };
     let header = Header::new(code, Some(dtype), len, root, Some(op));
-    let payload = inline(buf.byte_len(), || buf.as_bytes().to_vec());
+    // An exact all_reduce may ship its whole input in the exchange (the group's size decides:
+    // see `exchange`).
+    let whole = root.is_none() && local_reduction(params, dtype) && buf.byte_len() <= params.small_max;
+    let payload = match whole {
+        true => Some(buf.as_bytes().to_vec()),
+        false => inline(buf.byte_len(), || buf.as_bytes().to_vec()),
+    };
     let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
         let (me, n) = (env.rank, env.size);
         let root = root.map(|r| r as usize);
@@ -497,8 +509,8 @@ impl MpiOp for AllReduce {
         small(self.buf.byte_len(), size) || local_reduction(params, dtype) || direct_native(params, dtype)
     }
 
-    fn job(self, d: Completer<HostBuffer>) -> Job {
-        Job::Collective(plan_reduce(self.buf, self.op, None, Reply::Buf(d)))
+    fn job(self, d: Completer<HostBuffer>, params: &Params) -> Job {
+        Job::Collective(plan_reduce(self.buf, self.op, None, Reply::Buf(d), params))
     }
 }
 
@@ -507,8 +519,8 @@ impl MpiOp for Reduce {
         small(self.buf.byte_len(), size)
     }
 
-    fn job(self, d: Completer<HostBuffer>) -> Job {
-        Job::Collective(plan_reduce(self.buf, self.op, Some(self.root), Reply::Buf(d)))
+    fn job(self, d: Completer<HostBuffer>, params: &Params) -> Job {
+        Job::Collective(plan_reduce(self.buf, self.op, Some(self.root), Reply::Buf(d), params))
     }
 }
 
@@ -517,13 +529,13 @@ impl MpiOp for ReduceScatter {
         small(self.input.byte_len(), size)
     }
 
-    fn job(self, d: Completer<InOut>) -> Job {
+    fn job(self, d: Completer<InOut>, _: &Params) -> Job {
         Job::Collective(plan_reduce_scatter(self, Reply::Io(d)))
     }
 }
 
 impl MpiOp for AllToAll {
-    fn job(self, d: Completer<InOut>) -> Job {
+    fn job(self, d: Completer<InOut>, _: &Params) -> Job {
         Job::Collective(plan_all_to_all(self, Reply::Io(d)))
     }
 }
@@ -533,7 +545,7 @@ impl MpiOp for Broadcast {
         small(self.buf.byte_len(), size)
     }
 
-    fn job(self, d: Completer<HostBuffer>) -> Job {
+    fn job(self, d: Completer<HostBuffer>, _: &Params) -> Job {
         let Broadcast { buf, root } = self;
         let header = Header::new(Self::KIND, Some(buf.dtype()), buf.len(), Some(root), None);
         let payload = inline(buf.byte_len(), || buf.as_bytes().to_vec());
@@ -556,7 +568,7 @@ impl MpiOp for AllGather {
         small(self.input.byte_len(), size)
     }
 
-    fn job(self, d: Completer<InOut>) -> Job {
+    fn job(self, d: Completer<InOut>, _: &Params) -> Job {
         let AllGather { input, output } = self;
         let (dtype, len) = (input.dtype(), input.len());
         let header = Header::new(Self::KIND, Some(dtype), len, None, None);
@@ -587,7 +599,7 @@ impl MpiOp for Scatter {
         scatter_inline(self.output.byte_len(), size)
     }
 
-    fn job(self, d: Completer<InOut>) -> Job {
+    fn job(self, d: Completer<InOut>, _: &Params) -> Job {
         let Scatter { input, output, root } = self;
         let dtype = output.dtype();
         let header = Header::new(Self::KIND, Some(dtype), output.len(), Some(root), None);
@@ -623,7 +635,7 @@ impl MpiOp for Gather {
         small(self.input.byte_len(), size)
     }
 
-    fn job(self, d: Completer<InOut>) -> Job {
+    fn job(self, d: Completer<InOut>, _: &Params) -> Job {
         let Gather { input, output, root } = self;
         let (dtype, len) = (input.dtype(), input.len());
         let header = Header::new(Self::KIND, Some(dtype), len, Some(root), None);
@@ -665,7 +677,7 @@ impl MpiOp for Barrier {
         small(0, size)
     }
 
-    fn job(self, d: Completer<()>) -> Job {
+    fn job(self, d: Completer<()>, _: &Params) -> Job {
         let start = |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
             // With checking on, the header exchange already was a barrier.
             if env.params.check || env.size == 1 {
@@ -684,7 +696,7 @@ impl MpiOp for Barrier {
 }
 
 impl MpiOp for NewGroup {
-    fn job(self, d: Completer<Option<GroupInfo>>) -> Job {
+    fn job(self, d: Completer<Option<GroupInfo>>, _: &Params) -> Job {
         let ranks = self.ranks;
         let mut header = Header::new(Self::KIND, None, ranks.len(), None, None);
         header.extra = hash_ranks(&ranks);
@@ -726,7 +738,7 @@ impl MpiOp for SendTo {
         check_tag(Self::NAME, self.tag, info)
     }
 
-    fn job(self, done: Completer<HostBuffer>) -> Job {
+    fn job(self, done: Completer<HostBuffer>, _: &Params) -> Job {
         Job::P2p(Post { recv: false, buf: self.buf, peer: self.dst, tag: self.tag, done })
     }
 }
@@ -738,7 +750,7 @@ impl MpiOp for RecvFrom {
         check_tag(Self::NAME, self.tag, info)
     }
 
-    fn job(self, done: Completer<HostBuffer>) -> Job {
+    fn job(self, done: Completer<HostBuffer>, _: &Params) -> Job {
         Job::P2p(Post { recv: true, buf: self.buf, peer: self.src, tag: self.tag, done })
     }
 }

@@ -57,9 +57,11 @@ impl std::fmt::Display for MpiError {
 impl std::error::Error for MpiError {}
 
 impl MpiError {
-    /// The message was longer than the posted receive buffer.
+    /// The message was longer than the posted receive buffer (for several requests tested
+    /// at once, `MPI_ERR_IN_STATUS`: their statuses are not kept, and of the errors one
+    /// receive of a collective can meet, truncation is the one a live peer causes).
     pub(crate) fn is_truncation(&self) -> bool {
-        self.class == ffi::MPI_ERR_TRUNCATE as c_int
+        self.class == ffi::MPI_ERR_TRUNCATE as c_int || self.class == ffi::MPI_ERR_IN_STATUS as c_int
     }
 
     pub(crate) fn into_comm(self) -> CommError {
