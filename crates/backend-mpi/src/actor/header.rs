@@ -7,15 +7,13 @@ use super::*;
 /// one fixed-size slot each); the continuation checks the headers and starts the op, from the
 /// slots when they carry its data. The same on the actor and on a caller's thread.
 pub(super) fn exchange(
-    comm: &Comm,
-    size: usize,
-    params: &Params,
-    pool: &Pool,
+    env: &Env<'_>,
     mut header: Header,
     payload: Option<Vec<u8>>,
     start: Start,
     what: OpLabel,
 ) -> Result<(Request, Cont), CommError> {
+    let (comm, size, params, pool) = (env.comm, env.size, env.params, env.pool);
     let slot = exchange_slot_bytes(size);
     // An exact all_reduce's whole input may ride along when the gather of every input it then
     // needs is small (`small_max`, as for the all-gather it saves) and fits any rank's slot:
@@ -242,8 +240,7 @@ pub(super) fn start_collective(
     let checked = g.info.size > 1 && (g.params.check || header.op == OpKind::NewGroup.code());
     let env = g.env(half, pool);
     let first = if checked {
-        exchange(env.comm, env.size, env.params, env.pool, header, payload, start, what)
-            .map(|(req, cont)| Step::Wait(req, cont))
+        exchange(&env, header, payload, start, what).map(|(req, cont)| Step::Wait(req, cont))
     } else {
         start(&env, None)
     };

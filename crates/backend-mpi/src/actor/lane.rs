@@ -133,7 +133,8 @@ pub(super) fn exchange_direct(
     what: OpLabel,
 ) -> Result<Direct, CommError> {
     let (size, rank) = (info.size as usize, info.rank as usize);
-    let (mut req, finish) = exchange(comm, size, &lane.params, pool, header, payload, start, what)?;
+    let env = Env { comm, rank, size, params: &lane.params, half: None, pool };
+    let (mut req, finish) = exchange(&env, header, payload, start, what)?;
     let started = Instant::now();
     let mut yields = 0;
     let bufs = loop {
@@ -157,7 +158,6 @@ pub(super) fn exchange_direct(
             Polled::Pending => return Ok(Direct::Waiting(req, finish, started)),
         }
     };
-    let env = Env { comm, rank, size, params: &lane.params, half: None, pool };
     // Every rank is in the op now: its further steps (a large exact reduction) run here too.
     let mut step = finish(&env, bufs)?;
     loop {
