@@ -15,9 +15,9 @@ pub(super) fn exchange(
 ) -> Result<(Request, Cont), CommError> {
     let (comm, size, params, pool) = (env.comm, env.size, env.params, env.pool);
     let slot = exchange_slot_bytes(size);
-    // An exact all_reduce's whole input may ride along when the gather of every input it then
-    // needs is small (`small_max`, as for the all-gather it saves) and fits any rank's slot:
-    // one round trip for the op.
+    // An all_reduce's whole input may ride along when the gather of every input it then needs
+    // is small (`small_max`, as for exact mode's all-gather) and fits any rank's slot: one
+    // round trip for the op, reduced by us in rank order (in native mode too, as small ops).
     let whole = |p: &Vec<u8>| {
         header.op == OpKind::AllReduce.code()
             && p.len() <= whole_max(size)
@@ -144,8 +144,8 @@ pub(super) fn hash_ranks(ranks: &[Rank]) -> u64 {
 /// Bytes per rank received in the exchange before every collective in a group of `n`: the
 /// 32-byte header, then up to [`inline_max`] bytes of a small op's data, or [`whole_max`] of an
 /// all_reduce's. One size per group, so every receive holds whatever a peer sends, whatever
-/// the ranks called: 64 KiB + 64 up to 8 ranks (a pooled buffer; messages are only as long as
-/// their data), else 1 KiB up to 16 ranks, halving with more (16 KiB in all), at least 256.
+/// the ranks called: 64 KiB up to 8 ranks (a pooled buffer; messages are only as long as their
+/// data), else 1 KiB up to 16 ranks, halving with more (16 KiB in all), at least 256.
 pub(super) fn exchange_slot_bytes(n: usize) -> usize {
     if n <= WHOLE_RANKS {
         return (32 + WHOLE_MAX).next_multiple_of(64);
@@ -158,8 +158,13 @@ pub(super) fn exchange_slot_bytes(n: usize) -> usize {
 /// [`WHOLE_MAX`] bytes (an MPI receive must never be shorter than what a peer may send: a
 /// truncated message is an error, and in Open MPI's single-copy path worse).
 const WHOLE_RANKS: usize = 8;
-/// See [`WHOLE_RANKS`].
-const WHOLE_MAX: usize = 64 << 10;
+/// See [`WHOLE_RANKS`]. With the header a message stays within 64 KiB, Open MPI's TCP eager
+/// limit (a longer one costs a rendezvous round trip, the one the exchange saves).
+const WHOLE_MAX: usize = (64 << 10) - 32;
+
+/// The largest all_reduce input the exchange carries whole in any group (what is worth
+/// copying into a payload before the group's size is looked at).
+pub(super) const WHOLE_MAX_ANY: usize = WHOLE_MAX;
 
 /// The largest all_reduce input the exchange carries whole in a group of `n`.
 pub(super) fn whole_max(n: usize) -> usize {

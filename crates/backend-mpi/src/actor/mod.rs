@@ -667,10 +667,11 @@ mod tests {
     fn the_exchange_slot_follows_the_group_size() {
         let slots: Vec<usize> = [1, 2, 4, 5, 8, 16, 64, 1000].iter().map(|&n| exchange_slot_bytes(n)).collect();
         // Up to 8 ranks a slot holds a 64 KiB all_reduce input; small ops inline up to 992 B.
-        assert_eq!(slots, [65600, 65600, 65600, 65600, 65600, 1024, 256, 256]);
+        assert_eq!(slots, [65536, 65536, 65536, 65536, 65536, 1024, 256, 256]);
         assert_eq!(exchange_slot_bytes(32), 512);
         assert_eq!((inline_max(2), inline_max(8), inline_max(16)), (992, 992, 992));
-        assert_eq!((whole_max(8), whole_max(9)), (64 << 10, 0));
+        assert_eq!((whole_max(8), whole_max(9)), ((64 << 10) - 32, 0));
+        assert_eq!(WHOLE_MAX_ANY, whole_max(2));
         assert!((1..5000).all(|n| whole_max(n).max(inline_max(n)) + 32 <= exchange_slot_bytes(n)));
         // What a scatter's root may always ship: every group's slot has room for it.
         assert!((1..5000).all(|n| inline_max(n) >= INLINE_ANY));

@@ -208,9 +208,9 @@ pub(super) fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, rep
     let (dtype, len) = (buf.dtype(), buf.len());
     let (name, code) = if root.is_some() { ("reduce", OpKind::Reduce) } else { ("all_reduce", OpKind::AllReduce) };
     let header = Header::new(code, Some(dtype), len, root, Some(op));
-    // An exact all_reduce may ship its whole input in the exchange (the group's size decides:
-    // see `exchange`).
-    let whole = root.is_none() && local_reduction(params, dtype) && buf.byte_len() <= params.small_max;
+    // An all_reduce may ship its whole input in the exchange (the group's size decides: see
+    // `exchange`).
+    let whole = root.is_none() && buf.byte_len() <= params.small_max.min(WHOLE_MAX_ANY);
     let payload = match whole {
         true => Some(buf.as_bytes().to_vec()),
         false => inline(buf.byte_len(), || buf.as_bytes().to_vec()),
