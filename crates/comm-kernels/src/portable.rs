@@ -120,7 +120,9 @@ fn run<T: Lane>(
 ) {
     let out: &mut [T] = bytemuck::cast_slice_mut(dst.out);
     let mut copy: Option<&mut [T]> = dst.copy.map(bytemuck::cast_slice_mut);
-    let bufs: Vec<In<'_, T>> = inputs
+    // On the stack for up to 16 inputs: at a few elements the allocation would cost more than
+    // the reduction (8 B of f32: 31 ns with it).
+    let bufs: smallvec::SmallVec<[In<'_, T>; 16]> = inputs
         .iter()
         .map(|s| match s {
             Src::Buf(b) => In::Buf(bytemuck::cast_slice::<u8, T>(b)),
