@@ -128,6 +128,10 @@ fn a_killed_rank_ends_the_job_on_every_host() {
     assert_ne!(job.code, Some(0), "a killed rank fails the job: {job}");
     assert_eq!(job.lines("KILL-BEFORE").len(), 1, "rank 3 got as far as killing itself: {job}");
     assert!(job.lines("KILL-UNEXPECTED").is_empty(), "{job}");
+    // A survivor that saw the loss itself names the dead rank by its world rank.
+    for seen in job.lines("KILL-SEEN").iter().filter(|l| l.contains("lost")) {
+        assert!(seen.contains("peer rank 3 lost"), "{job}");
+    }
     // The survivors' timeout is 10 s; mpirun usually ends the job sooner.
     assert!(job.elapsed < Duration::from_secs(60), "the job ended within the timeout: {job}");
 }
