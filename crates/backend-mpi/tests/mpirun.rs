@@ -129,9 +129,9 @@ fn an_isend_does_not_block_collectives() {
 fn mismatched_calls_are_errors_not_aborts() {
     let Some(job) = job(2, "mismatch", &[], Duration::from_secs(120)) else { return };
     assert_eq!(job.code, Some(0), "mismatches must not abort the job: {job}");
-    for want in ["size", "inline", "op", "splits", "truncated", "short", "dtype", "poisoned"] {
+    for want in ["size", "inline", "whole", "op", "splits", "truncated", "long", "short", "dtype", "poisoned"] {
         let seen = lines(&job, &format!("MISMATCH-OK {want}"));
-        let expect = if matches!(want, "truncated" | "short" | "dtype") { 1 } else { 2 };
+        let expect = if matches!(want, "truncated" | "long" | "short" | "dtype") { 1 } else { 2 };
         assert_eq!(seen.len(), expect, "`{want}` reported by {expect} rank(s): {job}");
     }
 }
@@ -425,6 +425,17 @@ async fn mismatch() -> i32 {
     } else {
         let got = w.submit(RecvFrom { buf: f32s(&[0.0; 5]), src: 0, tag: 3 }).await;
         expect_mismatch("truncated", me, got, &["more than the 5 elements"]);
+    }
+
+    // The same above every eager limit: in Open MPI's shared-memory single-copy path a receive
+    // posted shorter than the message is overrun, so receives are posted only once their
+    // message is matched, at its length.
+    let w = MpiBackend::init(short.clone()).await.unwrap();
+    if me == 0 {
+        w.submit(SendTo { buf: f32s(&vec![2.0; 1 << 16]), dst: 1, tag: 3 }).await.unwrap();
+    } else {
+        let got = w.submit(RecvFrom { buf: f32s(&[0.0; 1000]), src: 0, tag: 3 }).await;
+        expect_mismatch("long", me, got, &["sent 65536 elements", "more than the 1000 elements"]);
     }
 
     // A receive longer than the message.

@@ -60,12 +60,14 @@ impl Group {
             a.reply.fail(err());
             bury(a.req, graveyard);
         }
-        for mut p in self.p2p.drain(..) {
-            if p.recv {
-                p.req.cancel();
-            }
+        for p in self.p2p.drain(..) {
             p.done.complete(Err(err()));
-            bury(p.req, graveyard);
+            if let Some(mut req) = p.req {
+                if p.recv {
+                    req.cancel();
+                }
+                bury(req, graveyard);
+            }
         }
         for (plan, _) in self.queue.drain(..) {
             plan.reply.fail(err());

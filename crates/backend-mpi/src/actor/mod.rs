@@ -362,12 +362,27 @@ impl Actor {
         let Post { recv, buf, peer, tag, done } = post;
         let (dtype, len) = (buf.dtype(), buf.len());
         let t = mpi_tag(tag, dtype);
-        let issued =
-            if recv { raw::irecv(&g.comm, buf, peer as i32, t) } else { raw::isend(&g.comm, buf, peer as i32, t) };
-        match issued {
+        let deadline = Instant::now() + g.params.timeout;
+        if recv {
+            // Posted once its message is matched (`p2p::progress_p2p`).
+            let buf = Some(buf);
+            g.p2p.push(P2p { recv, peer, tag, dtype, len, deadline, req: None, buf, too_long: None, done });
+            return;
+        }
+        match raw::isend(&g.comm, buf, peer as i32, t) {
             Ok(req) => {
-                let deadline = Instant::now() + g.params.timeout;
-                g.p2p.push(P2p { recv, peer, tag, dtype, len, deadline, req, done });
+                g.p2p.push(P2p {
+                    recv,
+                    peer,
+                    tag,
+                    dtype,
+                    len,
+                    deadline,
+                    req: Some(req),
+                    buf: None,
+                    too_long: None,
+                    done,
+                });
             }
             Err(e) => {
                 if e.poisons_group() {
@@ -581,7 +596,9 @@ impl Actor {
             }
             for p in g.p2p.drain(..) {
                 p.done.complete(Err(cause.duplicate()));
-                bury(p.req, &mut self.graveyard);
+                if let Some(req) = p.req {
+                    bury(req, &mut self.graveyard);
+                }
             }
             for (plan, _) in g.queue.drain(..) {
                 plan.reply.fail(cause.duplicate());

@@ -15,7 +15,14 @@ pub(super) struct P2p {
     pub(super) dtype: DType,
     pub(super) len: usize,
     pub(super) deadline: Instant,
-    pub(super) req: Request,
+    /// The send, or the receive once its message is matched.
+    pub(super) req: Option<Request>,
+    /// A receive's buffer until its message is matched (`raw::improbe`, so that the receive
+    /// posted for it is never shorter than the message).
+    pub(super) buf: Option<HostBuffer>,
+    /// The length of a matched message longer than the receive: taken into a scratch buffer
+    /// (so it leaves MPI's queue), then reported.
+    pub(super) too_long: Option<usize>,
     pub(super) done: Completer<HostBuffer>,
 }
 
@@ -26,18 +33,72 @@ impl P2p {
     }
 }
 
+/// Matches a receive's message, and posts the receive for it. `Ok(false)`: none yet.
+fn match_recv(p: &mut P2p, comm: &Comm) -> Result<bool, CommError> {
+    let Some(m) = raw::improbe(comm, p.peer as i32, mpi_tag(p.tag, p.dtype))? else { return Ok(false) };
+    let buf = p.buf.take().ok_or_else(|| internal("a receive lost its buffer"))?;
+    let into = if m.bytes > buf.byte_len() {
+        p.too_long = Some(m.bytes / p.dtype.size());
+        HostBuffer::try_zeroed(p.dtype, m.bytes.div_ceil(p.dtype.size()))?
+    } else {
+        buf
+    };
+    p.req = Some(raw::imrecv(m, into)?);
+    Ok(true)
+}
+
 pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Instant) -> bool {
     let mut any = false;
     let mut failure: Option<CommError> = None;
     let mut i = 0;
     while i < g.p2p.len() {
         let p = &mut g.p2p[i];
-        let result = match p.req.test() {
+        if p.req.is_none() {
+            // Receives are matched in the order they were posted (the list keeps it), as
+            // MPI matches posted receives.
+            match match_recv(p, &g.comm) {
+                Ok(true) => any = true,
+                Ok(false) if now < p.deadline => {
+                    i += 1;
+                    continue;
+                }
+                Ok(false) => {
+                    let e = p2p_timeout(p, &g.comm, g.params.timeout);
+                    let p = g.p2p.remove(i);
+                    p.done.complete(Err(e.duplicate()));
+                    failure.get_or_insert(e);
+                    any = true;
+                    continue;
+                }
+                Err(e) => {
+                    let p = g.p2p.remove(i);
+                    p.done.complete(Err(e.duplicate()));
+                    failure.get_or_insert(e);
+                    any = true;
+                    continue;
+                }
+            }
+        }
+        let p = &mut g.p2p[i];
+        let Some(req) = p.req.as_mut() else { unreachable!("matched above") };
+        let result = match req.test() {
             Polled::Pending if now < p.deadline => {
                 i += 1;
                 continue;
             }
             Polled::Pending => Err(p2p_timeout(p, &g.comm, g.params.timeout)),
+            Polled::Done(_) if p.too_long.is_some() => Err(CommError::Mismatch {
+                op: "recv",
+                detail: format!(
+                    "rank {} sent {} elements of {}, more than the {} elements rank {} posted a recv for (tag {})",
+                    p.peer,
+                    p.too_long.unwrap_or(0),
+                    p.dtype,
+                    p.len,
+                    g.info.rank,
+                    p.tag
+                ),
+            }),
             Polled::Done(c) => {
                 if p.recv && c.count.is_some_and(|n| n != p.len) {
                     Err(CommError::Mismatch {
@@ -66,18 +127,19 @@ pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Ins
             Polled::Failed { err, .. } => Err(err.into_comm()),
         };
         any = true;
-        let mut p = g.p2p.swap_remove(i);
+        let p = g.p2p.remove(i);
+        let Some(mut req) = p.req else { unreachable!("matched above") };
         match result {
-            Ok(()) => match p.req.into_bufs() {
+            Ok(()) => match req.into_bufs() {
                 Some(b) => p.done.complete(if p.recv { take(b.recv) } else { take(b.send) }),
                 None => p.done.complete(Err(internal("a completed request kept its buffers"))),
             },
             Err(e) => {
-                if p.recv && !p.req.is_done() {
-                    p.req.cancel();
+                if p.recv && !req.is_done() {
+                    req.cancel();
                 }
                 p.done.complete(Err(e.duplicate()));
-                bury(p.req, graveyard);
+                bury(req, graveyard);
                 failure.get_or_insert(e);
             }
         }

@@ -206,13 +206,51 @@ pub(crate) fn isend(comm: &Comm, buf: HostBuffer, dst: i32, tag: i32) -> Result<
     })
 }
 
-/// `MPI_Irecv` into the whole buffer.
-pub(crate) fn irecv(comm: &Comm, buf: HostBuffer, src: i32, tag: i32) -> Result<Request, CommError> {
+/// A message matched by [`improbe`] and not yet received: only [`imrecv`] may take it.
+pub(crate) struct Matched {
+    message: ffi::MPI_Message,
+    /// Its length in bytes.
+    pub(crate) bytes: usize,
+}
+
+// SAFETY: a matched message is a handle owned by the actor thread, like a request; it moves
+// only with the `P2p` that holds it and is used by the thread that matched it.
+unsafe impl Send for Matched {}
+
+/// `MPI_Improbe`: the next message from `src` with `tag`, taken out of matching (so a
+/// receive of exactly its length can be posted for it: a shorter receive is an error in MPI,
+/// and Open MPI's single-copy shared-memory path overruns it).
+pub(crate) fn improbe(comm: &Comm, src: i32, tag: i32) -> Result<Option<Matched>, CommError> {
+    let mut flag: c_int = 0;
+    let mut status = MaybeUninit::<ffi::MPI_Status>::zeroed();
+    // SAFETY: reading a constant initialised at load time.
+    let mut message = unsafe { ffi::RSMPI_MESSAGE_NULL };
+    // SAFETY: out-parameters to locals; `status` is read only when a message was matched.
+    let rc = unsafe { ffi::MPI_Improbe(src, tag, comm.raw, &mut flag, &mut message, status.as_mut_ptr()) };
+    check("MPI_Improbe", rc).map_err(MpiError::into_comm)?;
+    if flag == 0 {
+        return Ok(None);
+    }
+    let mut n: c_int = -1;
+    // SAFETY: `status` was filled by the successful MPI_Improbe above.
+    let rc = unsafe { ffi::MPI_Get_count(status.as_ptr(), ffi::RSMPI_UINT8_T, &mut n) };
+    check("MPI_Get_count", rc).map_err(MpiError::into_comm)?;
+    Ok(Some(Matched { message, bytes: n.max(0) as usize }))
+}
+
+/// `MPI_Imrecv` of a matched message into `buf`, which must hold all of it.
+pub(crate) fn imrecv(m: Matched, buf: HostBuffer) -> Result<Request, CommError> {
+    if m.bytes > buf.byte_len() {
+        return Err(CommError::invalid("recv", format!("{} bytes do not fit {} bytes", m.bytes, buf.byte_len())));
+    }
     let (dt, n) = (datatype(buf.dtype()), count("recv", buf.len())?);
+    let mut message = m.message;
     let bufs = Bufs { send: None, recv: Some(buf) };
-    Request::start("MPI_Irecv", dt, bufs, vec![], |_, r, _, req| {
-        // SAFETY: `r` points to `n` writable elements of the owned receive buffer (rule 2).
-        unsafe { ffi::MPI_Irecv(r, n, dt, src, tag, comm.raw, req) }
+    Request::start("MPI_Imrecv", dt, bufs, vec![], |_, r, _, req| {
+        // SAFETY: `r` points to `n` writable elements of the owned receive buffer (rule 2),
+        // at least the message's length (checked above); `message` was matched by
+        // `improbe` and is received once (MPI sets it to null).
+        unsafe { ffi::MPI_Imrecv(r, n, dt, &mut message, req) }
     })
 }
 
