@@ -16,7 +16,7 @@
 //! | all_gather | on the host → leaders all_gather every host's block (padded to the largest host) → broadcast on the host |
 //! | barrier | on the host → among leaders → on the host |
 //! | all_to_all, scatter, gather, send, recv | straight to the world group |
-//! | new_group | a world sub-group (flat), sequenced with this group's ops |
+//! | new_group | ranks of one host: a sub-group of the host's group (shm); else of the world group (MPI); either sequenced with this group's ops |
 //!
 //! **Reduction order**, fixed and the same on every rank: each host reduces its ranks' inputs
 //! in rank order (rounding f16/bf16 once), then the host results are reduced in host order
@@ -218,8 +218,22 @@ impl Group for HierBackend {
     async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
         let ranks = group_members(ranks, self.world_size())?;
         self.admission.check_open()?;
-        let world = self.parts.world.clone();
-        let made = self.lane.run(false, move || Issued::Done(futures::executor::block_on(world.new_group(&ranks))));
+        let l = &self.parts.layout;
+        let host = l.host_of(ranks[0]).expect("members checked");
+        // Ranks of one host form a sub-group of the host's group (shared memory); only that
+        // host's ranks take part. Others span hosts: a sub-group of the MPI world.
+        let (parent, ranks) = if ranks.iter().all(|&r| l.host_of(r) == Some(host)) {
+            if l.host() != host {
+                return Ok(None);
+            }
+            let on_host = &l.hosts()[host];
+            let local: Vec<Rank> =
+                ranks.iter().map(|r| on_host.iter().position(|x| x == r).expect("on this host") as Rank).collect();
+            (self.parts.local.group.clone(), local)
+        } else {
+            (self.parts.world.clone(), ranks)
+        };
+        let made = self.lane.run(false, move || Issued::Done(futures::executor::block_on(parent.new_group(&ranks))));
         let lane = self.lane.clone();
         Ok(made.await?.map(|inner| Arc::new(Sub { lane, inner }) as Arc<dyn Backend>))
     }

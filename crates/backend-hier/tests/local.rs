@@ -101,3 +101,21 @@ async fn the_caller_runs_small_ops_itself_when_idle() {
         assert_eq!(got.as_slice::<f32>().unwrap(), &[1.0; 8]);
     }
 }
+
+#[tokio::test]
+async fn sub_groups_of_one_host_stay_on_it() {
+    let (group, _) = hier(&[2, 2], never_inline()).await;
+    // Only host 1's ranks take part in a sub-group of host 1 (its host group's new_group).
+    let subs = join_all(group[2..].iter().map(|g| g.new_group(&[2, 3]))).await;
+    for g in &group[..2] {
+        assert!(g.new_group(&[2, 3]).await.unwrap().is_none());
+    }
+    let subs: Vec<Arc<dyn Backend>> = subs.into_iter().map(|s| s.unwrap().unwrap()).collect();
+    assert_eq!((subs[0].rank(), subs[1].rank(), subs[0].world_size()), (0, 1, 2));
+    let works = subs
+        .iter()
+        .map(|s| s.submit(AllReduce { buf: HostBuffer::from_slice(&[s.rank() as i32 + 5]), op: ReduceOp::Sum }));
+    for got in join_all(works).await {
+        assert_eq!(got.unwrap().as_slice::<i32>().unwrap(), &[11]);
+    }
+}

@@ -180,8 +180,26 @@ async fn suite() -> i32 {
         eprintln!("rank {me}: auto chose {} instead of hier", pg.backend_name());
         return 1;
     }
+    // A sub-group of one host's ranks runs on shared memory, one across hosts on MPI.
+    let hosts = hosts();
+    for members in [hosts[0].clone(), vec![0, pg.world_size() - 1]] {
+        let sub = pg.new_group(&members).await.expect("new_group");
+        let want = if members == hosts[0] { "shm" } else { "mpi" };
+        match sub {
+            Some(sub) if sub.backend_name() != want => {
+                eprintln!("rank {me}: sub-group {members:?} runs on {}, not {want}", sub.backend_name());
+                return 1;
+            }
+            Some(sub) => {
+                let got = sub.all_reduce(HostBuffer::from_slice(&[me as f32]), ReduceOp::Sum).await.unwrap();
+                let sum: u32 = members.iter().sum();
+                assert_eq!(got.as_slice::<f32>().unwrap(), &[sum as f32], "sub-group {members:?}");
+            }
+            None => assert!(!members.contains(&me), "rank {me} is a member of {members:?}"),
+        }
+    }
     let mut cfg = comm_test::SuiteConfig::default();
-    cfg.hosts = Some(hosts());
+    cfg.hosts = Some(hosts);
     let b: Arc<dyn Backend> = pg.backend().clone();
     let code = match comm_test::suite::run(b, &cfg).await {
         Ok(r) => {
