@@ -26,18 +26,28 @@ pub(crate) async fn start(world: Arc<dyn Backend>, asked: bool, timeout: Duratio
         return Ok(Started::Flat(world));
     }
     // The leader serves its host's store on loopback: reachable from exactly its host.
+    // A leader that cannot serve says so in its payload: its host's ranks fail with its reason
+    // instead of waiting for a store that never comes.
     let (server, mine) = if layout.is_leader() {
-        let mut raw = [0u8; 16];
-        getrandom::fill(&mut raw).map_err(|e| CommError::Store(format!("random store token: {e}")))?;
-        let token: String = raw.iter().map(|b| format!("{b:02x}")).collect();
-        let server = StoreServer::bind("127.0.0.1", 0, &token)?;
-        let payload = format!("{} {token}", server.local_addr().port());
-        (Some(server), payload)
+        match serve_host_store() {
+            Ok((server, payload)) => (Some(server), payload),
+            Err(e) => {
+                // At most what one slot of the exchange holds.
+                let mut why = format!("! {e}");
+                while why.len() > 250 {
+                    why.pop();
+                }
+                (None, why)
+            }
+        }
     } else {
         (None, String::new())
     };
     let theirs = backend_hier::from_leader(&*world, &layout, mine.as_bytes()).await?;
     let theirs = String::from_utf8_lossy(&theirs).into_owned();
+    if let Some(why) = theirs.strip_prefix("! ") {
+        return Err(CommError::Store(format!("the first rank of this host could not serve its shm store: {why}")));
+    }
     let (port, token) = theirs
         .split_once(' ')
         .and_then(|(p, t)| Some((p.parse::<u16>().ok()?, t.to_owned())))
@@ -54,4 +64,15 @@ pub(crate) async fn start(world: Arc<dyn Backend>, asked: bool, timeout: Duratio
     let hier = HierBackend::new(world, Arc::new(local), layout, HierOptions::from_env()?).await?;
     let describe = hier.describe();
     Ok(Started::Hier { backend: Arc::new(hier), server, describe })
+}
+
+/// The host's rendezvous store, on loopback with a random token; and `port token` for the
+/// host's ranks.
+fn serve_host_store() -> Result<(StoreServer, String), CommError> {
+    let mut raw = [0u8; 16];
+    getrandom::fill(&mut raw).map_err(|e| CommError::Store(format!("random store token: {e}")))?;
+    let token: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+    let server = StoreServer::bind("127.0.0.1", 0, &token)?;
+    let payload = format!("{} {token}", server.local_addr().port());
+    Ok((server, payload))
 }
