@@ -9,74 +9,35 @@
 //! mpi-sys does not rebuild when `MPICC` changes:
 //! `MPICC=mpicc.mpich MPIRUN=mpiexec.mpich CARGO_TARGET_DIR=target-mpich cargo test -p backend-mpi`.
 
-use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backend_mpi::{MpiBackend, MpiOptions};
 use comm_core::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, RecvFrom, SendTo};
 use comm_core::{Backend, Collective, CommError, Group, HostBuffer, ReduceOp};
+use comm_test::mpirun::{Job, Launch};
 
 const CHILD: &str = "COMM_MPI_CHILD";
 
 // ---------------------------------------------------------------------------------------------
 // Parent side
 
-static ONE_JOB: Mutex<()> = Mutex::new(());
-
-struct Job {
-    code: Option<i32>,
-    output: String,
-    elapsed: Duration,
-}
-
-/// The launcher (`$MPIRUN` or `mpirun`) and whether it is Open MPI's; `None` if missing.
-fn mpirun() -> Option<(String, bool)> {
-    let name = std::env::var("MPIRUN").unwrap_or_else(|_| "mpirun".into());
-    let out = Command::new(&name).arg("--version").stdin(Stdio::null()).output().ok().filter(|o| o.status.success())?;
-    let open_mpi = String::from_utf8_lossy(&out.stdout).contains("Open MPI");
-    Some((name, open_mpi))
-}
-
 /// Runs `scenario` on `np` ranks; `None` when mpirun is not installed.
 fn job(np: u32, scenario: &str, envs: &[(&str, &str)], limit: Duration) -> Option<Job> {
-    let Some((mpirun, open_mpi)) = mpirun() else {
-        eprintln!("skipped: `mpirun` not found (install openmpi-bin, or set MPIRUN)");
-        return None;
-    };
-    let _one = ONE_JOB.lock().unwrap_or_else(|p| p.into_inner());
-    let exe = std::env::current_exe().expect("test binary path");
-    let mut cmd = Command::new("timeout");
-    cmd.args(["-k", "5", &limit.as_secs().to_string(), &mpirun]);
-    if open_mpi {
-        cmd.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]);
-    }
-    cmd.args(["-np", &np.to_string()]);
-    cmd.arg(&exe).args(["child", "--exact", "--nocapture", "--test-threads=1"]);
-    cmd.env(CHILD, scenario);
-    for (k, v) in envs {
-        cmd.env(k, v);
-    }
-    let start = Instant::now();
-    let out = cmd.output().expect("running timeout/mpirun");
-    let elapsed = start.elapsed();
-    let output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    // The whole output goes into failure messages; a summary is enough otherwise.
-    println!("mpirun -np {np} {scenario}: {elapsed:.1?}, exit {:?}", out.status.code());
-    for line in output.lines().filter(|l| ["-OK", "KILL-", "calling MPI_Abort"].iter().any(|t| l.contains(t))) {
-        println!("    {}", line.trim_start_matches("test child ... "));
-    }
-    Some(Job { code: out.status.code(), output, elapsed })
-}
-
-impl std::fmt::Display for Job {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "exit {:?} after {:.1?}; output:\n{}", self.code, self.elapsed, self.output)
-    }
+    comm_test::mpirun::run(Launch {
+        np,
+        child: (CHILD, scenario),
+        envs,
+        limit,
+        open_mpi_args: &[],
+        wrapper: Vec::new(),
+        summary: &["-OK", "KILL-", "calling MPI_Abort"],
+    })
 }
 
 fn lines<'a>(job: &'a Job, tag: &str) -> Vec<&'a str> {
-    job.output.lines().filter(|l| l.contains(tag)).collect()
+    job.lines(tag)
 }
 
 fn conformance(np: u32, envs: &[(&str, &str)]) {
@@ -228,18 +189,8 @@ fn opts(timeout: Duration) -> MpiOptions {
 
 async fn suite() -> i32 {
     let world = MpiBackend::init(MpiOptions::from_env().unwrap()).await.expect("init");
-    let (me, n) = (world.rank(), world.world_size());
     let b: Arc<dyn Backend> = Arc::new(world.clone());
-    let code = match comm_test::suite::run(b, &comm_test::SuiteConfig::default()).await {
-        Ok(r) => {
-            println!("SUITE-OK rank {me}/{n}: {} checks passed in {:.2?}", r.checks, r.elapsed);
-            0
-        }
-        Err(e) => {
-            eprintln!("SUITE-FAILED rank {me}/{n}: {e}");
-            1
-        }
-    };
+    let code = comm_test::mpirun::suite_child(b, &comm_test::SuiteConfig::default()).await;
     world.shutdown().await.expect("shutdown");
     code
 }

@@ -9,34 +9,14 @@
 #![cfg(feature = "mpi")]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use comm_api::{Backend, Config, HostBuffer, Rank, ReduceOp};
+use comm_api::{Config, HostBuffer, Rank, ReduceOp};
+use comm_test::mpirun::{Job, Launch};
 
 const CHILD: &str = "COMM_HIER_CHILD";
 const LAYOUT: &str = "COMM_HIER_TEST_LAYOUT";
-
-static ONE_JOB: Mutex<()> = Mutex::new(());
-
-struct Job {
-    code: Option<i32>,
-    output: String,
-    elapsed: Duration,
-}
-
-impl std::fmt::Display for Job {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "exit {:?} after {:.1?}; output:\n{}", self.code, self.elapsed, self.output)
-    }
-}
-
-impl Job {
-    fn lines(&self, tag: &str) -> Vec<&str> {
-        self.output.lines().filter(|l| l.contains(tag)).collect()
-    }
-}
 
 fn simhosts() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/simhosts")
@@ -47,7 +27,11 @@ struct Hosts(PathBuf);
 
 impl Hosts {
     fn up(count: usize) -> Hosts {
-        let dir = std::env::temp_dir().join(format!("comm-simhosts-{}", std::process::id()));
+        // One directory per job: tests may set up hosts concurrently (their jobs then run one
+        // at a time).
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("comm-simhosts-{}-{n}", std::process::id()));
         let ok = Command::new(simhosts()).arg("up").arg(&dir).arg(count.to_string()).status();
         assert!(ok.is_ok_and(|s| s.success()), "simhosts up failed");
         Hosts(dir)
@@ -60,42 +44,24 @@ impl Drop for Hosts {
     }
 }
 
-/// Runs `scenario` on hosts of `sizes` ranks; `None` when mpirun is not installed.
+/// Runs `scenario` on hosts of `sizes` ranks, MPI over TCP as between hosts (shared memory
+/// stays with our shm groups); `None` when mpirun is not installed.
 fn job(sizes: &[usize], scenario: &str, envs: &[(&str, &str)], limit: Duration) -> Option<Job> {
-    let name = std::env::var("MPIRUN").unwrap_or_else(|_| "mpirun".into());
-    let version =
-        Command::new(&name).arg("--version").stdin(Stdio::null()).output().ok().filter(|o| o.status.success());
-    let Some(version) = version else {
-        eprintln!("skipped: `mpirun` not found (install openmpi-bin, or set MPIRUN)");
-        return None;
-    };
-    let open_mpi = String::from_utf8_lossy(&version.stdout).contains("Open MPI");
-    let _one = ONE_JOB.lock().unwrap_or_else(|p| p.into_inner());
+    comm_test::mpirun::launcher()?;
     let hosts = Hosts::up(sizes.len());
     let layout = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
-    let np: usize = sizes.iter().sum();
-    let mut cmd = Command::new("timeout");
-    cmd.args(["-k", "5", &limit.as_secs().to_string(), &name]);
-    if open_mpi {
-        // TCP between all ranks, as between hosts (shared memory stays with our shm groups).
-        cmd.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--mca", "btl", "tcp,self"]);
-    }
-    cmd.args(["-np", &np.to_string()]).arg(simhosts()).arg("run").arg(&hosts.0).arg(&layout).arg("--");
-    cmd.arg(std::env::current_exe().unwrap()).args(["child", "--exact", "--nocapture", "--test-threads=1"]);
-    cmd.env(CHILD, scenario).env(LAYOUT, &layout);
-    for (k, v) in envs {
-        cmd.env(k, v);
-    }
-    let start = Instant::now();
-    let out = cmd.stdin(Stdio::null()).output().expect("running timeout/mpirun");
-    let elapsed = start.elapsed();
-    drop(hosts);
-    let output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("mpirun {layout} {scenario}: {elapsed:.1?}, exit {:?}", out.status.code());
-    for line in output.lines().filter(|l| ["-OK", "KILL-", "DESCRIBE"].iter().any(|t| l.contains(t))) {
-        println!("    {}", line.trim_start_matches("test child ... "));
-    }
-    Some(Job { code: out.status.code(), output, elapsed })
+    let mut all: Vec<(&str, &str)> = vec![(LAYOUT, &layout)];
+    all.extend_from_slice(envs);
+    let wrapper = [simhosts().into(), "run".into(), hosts.0.clone().into(), layout.clone().into(), "--".into()];
+    comm_test::mpirun::run(Launch {
+        np: sizes.iter().sum::<usize>() as u32,
+        child: (CHILD, scenario),
+        envs: &all,
+        limit,
+        open_mpi_args: &["--mca", "btl", "tcp,self"],
+        wrapper: wrapper.to_vec(),
+        summary: &["-OK", "KILL-", "DESCRIBE"],
+    })
 }
 
 #[test]
@@ -200,17 +166,7 @@ async fn suite() -> i32 {
     }
     let mut cfg = comm_test::SuiteConfig::default();
     cfg.hosts = Some(hosts);
-    let b: Arc<dyn Backend> = pg.backend().clone();
-    let code = match comm_test::suite::run(b, &cfg).await {
-        Ok(r) => {
-            println!("SUITE-OK rank {me}: {} checks passed in {:.2?}", r.checks, r.elapsed);
-            0
-        }
-        Err(e) => {
-            eprintln!("SUITE-FAILED rank {me}: {e}");
-            1
-        }
-    };
+    let code = comm_test::mpirun::suite_child(pg.backend().clone(), &cfg).await;
     pg.shutdown().await.expect("shutdown");
     code
 }

@@ -8,8 +8,10 @@
 //! - [`suite`]: the one conformance suite every backend runs on every rank.
 //! - [`multiprocess`]: runs a test body as N real OS processes by re-executing the test binary,
 //!   with torchrun-style environment variables.
+//! - [`mpirun`]: the same under `mpirun`, for backends whose ranks MPI starts.
 
 mod local;
+pub mod mpirun;
 pub mod multiprocess;
 pub mod reference;
 pub mod suite;
