@@ -116,6 +116,12 @@ impl Layout {
         (0..self.hosts.len()).filter(|&h| same(h)).map(|h| self.hosts[h].len()).sum()
     }
 
+    /// Whether this machine has fewer cores than the ranks that run on it (then waits should
+    /// not spin, and a rank per rail only competes for the cores).
+    pub fn is_crowded(&self) -> bool {
+        self.ranks_on_this_machine() > std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+
     /// A host's name for people: the host name part of its identity.
     pub fn host_name(&self, h: usize) -> &str {
         let id = &self.names[h];

@@ -180,8 +180,7 @@ impl HierBackend {
 /// [`HierOptions::rail_min`]'s default: 16 KiB unless some rank's machine has fewer cores than
 /// ranks (one all_reduce over `world`, so every rank decides alike).
 async fn default_rail_min(world: &dyn Backend, layout: &Layout) -> Result<usize, CommError> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let crowded = i32::from(layout.ranks_on_this_machine() > cores);
+    let crowded = i32::from(layout.is_crowded());
     let req = AllReduce { buf: HostBuffer::from_slice(&[crowded]), op: ReduceOp::Max };
     let any = Collective::<AllReduce>::submit(world, req).await?;
     Ok(if any.as_slice::<i32>()?[0] == 0 { 16 << 10 } else { usize::MAX })
@@ -233,9 +232,7 @@ impl Group for HierBackend {
         } else {
             (self.parts.world.clone(), ranks)
         };
-        let made = self.lane.run(false, move || Issued::Done(futures::executor::block_on(parent.new_group(&ranks))));
-        let lane = self.lane.clone();
-        Ok(made.await?.map(|inner| Arc::new(Sub { lane, inner }) as Arc<dyn Backend>))
+        sub_group(&self.lane, parent, ranks).await
     }
     async fn shutdown(&self) -> Result<(), CommError> {
         if !self.admission.begin_shutdown() {
@@ -268,7 +265,19 @@ impl<R: Plan> Collective<R> for HierBackend {
     }
 }
 
-/// A sub-group made by [`HierBackend::new_group`]: a world sub-group whose ops take the
+/// `parent.new_group(ranks)` on `lane` (in order with the group's ops; never on the caller's
+/// thread: it waits for every member), the members' group wrapped to take the lane too.
+async fn sub_group(
+    lane: &Arc<Lane>,
+    parent: Arc<dyn Backend>,
+    ranks: Vec<Rank>,
+) -> Result<Option<Arc<dyn Backend>>, CommError> {
+    let made = lane.run(false, move || Issued::Done(futures::executor::block_on(parent.new_group(&ranks))));
+    let lane = lane.clone();
+    Ok(made.await?.map(|inner| Arc::new(Sub { lane, inner }) as Arc<dyn Backend>))
+}
+
+/// A sub-group made by [`HierBackend::new_group`]: a host or world sub-group whose ops take the
 /// parent's lane, so they stay in program order with the parent's.
 struct Sub {
     lane: Arc<Lane>,
@@ -287,10 +296,7 @@ impl Group for Sub {
         self.inner.backend_name()
     }
     async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
-        let (inner, ranks) = (self.inner.clone(), ranks.to_vec());
-        let made = self.lane.run(false, move || Issued::Done(futures::executor::block_on(inner.new_group(&ranks))));
-        let lane = self.lane.clone();
-        Ok(made.await?.map(|inner| Arc::new(Sub { lane, inner }) as Arc<dyn Backend>))
+        sub_group(&self.lane, self.inner.clone(), ranks.to_vec()).await
     }
     async fn shutdown(&self) -> Result<(), CommError> {
         let inner = self.inner.clone();

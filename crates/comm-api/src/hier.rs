@@ -56,8 +56,7 @@ pub(crate) async fn start(world: Arc<dyn Backend>, asked: bool, timeout: Duratio
     let mut opts = ShmOptions { timeout, ..ShmOptions::from_env()? };
     // shm spins only when its ranks have a core each; hosts sharing one machine (containers,
     // simulated hosts) count too, or their spinning ranks take the cores the others need.
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if opts.spin.is_none() && layout.ranks_on_this_machine() > cores {
+    if opts.spin.is_none() && layout.is_crowded() {
         opts.spin = Some(Duration::ZERO);
     }
     let local = ShmBackend::new(store, layout.local_index() as u32, layout.local_size() as u32, opts).await?;

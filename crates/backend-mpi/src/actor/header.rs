@@ -159,12 +159,9 @@ pub(super) fn exchange_slot_bytes(n: usize) -> usize {
 /// truncated message is an error, and in Open MPI's single-copy path worse).
 const WHOLE_RANKS: usize = 8;
 /// See [`WHOLE_RANKS`]. With the header a message stays within 64 KiB, Open MPI's TCP eager
-/// limit (a longer one costs a rendezvous round trip, the one the exchange saves).
-const WHOLE_MAX: usize = (64 << 10) - 32;
-
-/// The largest all_reduce input the exchange carries whole in any group (what is worth
-/// copying into a payload before the group's size is looked at).
-pub(super) const WHOLE_MAX_ANY: usize = WHOLE_MAX;
+/// limit (a longer one costs a rendezvous round trip, the one the exchange saves). Inputs up
+/// to this are copied into a payload before the group's size is looked at.
+pub(super) const WHOLE_MAX: usize = (64 << 10) - 32;
 
 /// The largest all_reduce input the exchange carries whole in a group of `n`.
 pub(super) fn whole_max(n: usize) -> usize {

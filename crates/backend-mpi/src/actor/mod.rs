@@ -688,7 +688,7 @@ mod tests {
         assert_eq!(exchange_slot_bytes(32), 512);
         assert_eq!((inline_max(2), inline_max(8), inline_max(16)), (992, 992, 992));
         assert_eq!((whole_max(8), whole_max(9)), ((64 << 10) - 32, 0));
-        assert_eq!(WHOLE_MAX_ANY, whole_max(2));
+        assert_eq!(WHOLE_MAX, whole_max(2));
         assert!((1..5000).all(|n| whole_max(n).max(inline_max(n)) + 32 <= exchange_slot_bytes(n)));
         // What a scatter's root may always ship: every group's slot has room for it.
         assert!((1..5000).all(|n| inline_max(n) >= INLINE_ANY));

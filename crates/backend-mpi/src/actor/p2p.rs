@@ -56,27 +56,21 @@ pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Ins
         if p.req.is_none() {
             // Receives are matched in the order they were posted (the list keeps it), as
             // MPI matches posted receives.
-            match match_recv(p, &g.comm) {
-                Ok(true) => any = true,
+            let failed = match match_recv(p, &g.comm) {
+                Ok(true) => None,
                 Ok(false) if now < p.deadline => {
                     i += 1;
                     continue;
                 }
-                Ok(false) => {
-                    let e = p2p_timeout(p, &g.comm, g.params.timeout);
-                    let p = g.p2p.remove(i);
-                    p.done.complete(Err(e.duplicate()));
-                    failure.get_or_insert(e);
-                    any = true;
-                    continue;
-                }
-                Err(e) => {
-                    let p = g.p2p.remove(i);
-                    p.done.complete(Err(e.duplicate()));
-                    failure.get_or_insert(e);
-                    any = true;
-                    continue;
-                }
+                Ok(false) => Some(p2p_timeout(p, &g.comm, g.params.timeout)),
+                Err(e) => Some(e),
+            };
+            any = true;
+            if let Some(e) = failed {
+                // Nothing was posted for it: no request to cancel or keep.
+                g.p2p.remove(i).done.complete(Err(e.duplicate()));
+                failure.get_or_insert(e);
+                continue;
             }
         }
         let p = &mut g.p2p[i];

@@ -210,7 +210,7 @@ pub(super) fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, rep
     let header = Header::new(code, Some(dtype), len, root, Some(op));
     // An all_reduce may ship its whole input in the exchange (the group's size decides: see
     // `exchange`).
-    let whole = root.is_none() && buf.byte_len() <= params.small_max.min(WHOLE_MAX_ANY);
+    let whole = root.is_none() && buf.byte_len() <= params.small_max.min(WHOLE_MAX);
     let payload = match whole {
         true => Some(buf.as_bytes().to_vec()),
         false => inline(buf.byte_len(), || buf.as_bytes().to_vec()),
