@@ -69,6 +69,13 @@ fn conformance_4_ranks() {
     conformance(4, &[]);
 }
 
+/// Four ranks with a large gather threshold, so the suite's large all_reduces (100 003
+/// elements) send their whole inputs beside the header exchange.
+#[test]
+fn conformance_4_ranks_inputs_beside_the_exchange() {
+    conformance(4, &[("COMM_MPI_SMALL_MAX", "4M")]);
+}
+
 /// MPI's own reductions (built-in ops for f32/f64, our user-defined ops for f16/bf16) are
 /// exact at two ranks (one combination per element), so the suite passes there too.
 #[test]
@@ -353,6 +360,21 @@ async fn mismatch() -> i32 {
     let len = if me == 0 { 2 } else { 1 << 12 };
     let got = w.submit(AllReduce { buf: f32s(&vec![1.0; len]), op: ReduceOp::Sum }).await;
     expect_mismatch("whole", me, got, &["f32 × 4096", "f32 × 2"]);
+
+    // Both inputs sent beside the exchange, of different lengths: each rank drains the
+    // other's (else it would stay queued in MPI, and MPI_Finalize below could hang on it).
+    let w = MpiBackend::init(short.clone()).await.unwrap();
+    let len = if me == 0 { 20_000 } else { 30_000 };
+    let got = w.submit(AllReduce { buf: f32s(&vec![1.0; len]), op: ReduceOp::Sum }).await;
+    expect_mismatch("bulk", me, got, &["f32 × 30000", "f32 × 20000"]);
+    // One beside the exchange, the other rank in another op.
+    let w = MpiBackend::init(short.clone()).await.unwrap();
+    let got = if me == 0 {
+        w.submit(AllReduce { buf: f32s(&vec![1.0; 40_000]), op: ReduceOp::Sum }).await
+    } else {
+        w.submit(Broadcast { buf: f32s(&[1.0; 4]), root: 0 }).await
+    };
+    expect_mismatch("bulk-op", me, got, &["all_reduce (f32 × 40000", "broadcast"]);
 
     // Different ops.
     let w = MpiBackend::init(short.clone()).await.unwrap();

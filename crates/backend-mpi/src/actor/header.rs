@@ -4,50 +4,95 @@
 use super::*;
 
 /// Issues the exchange before a collective (the header, and a small op's data, of every rank in
-/// one fixed-size slot each); the continuation checks the headers and starts the op, from the
-/// slots when they carry its data. The same on the actor and on a caller's thread.
+/// one fixed-size slot each; what an all_reduce's input has beyond its slot beside it, as a
+/// message of its own); the continuation checks the headers and starts the op, from the
+/// exchanged data when it carried the op's. The same on the actor and on a caller's thread.
 pub(super) fn exchange(
     env: &Env<'_>,
-    mut header: Header,
+    header: Header,
     payload: Option<Vec<u8>>,
+    bulk: Option<HostBuffer>,
     start: Start,
     what: OpLabel,
 ) -> Result<(Request, Cont), CommError> {
-    let (comm, size, params, pool) = (env.comm, env.size, env.params, env.pool);
+    let (comm, size, pool) = (env.comm, env.size, env.pool);
     let slot = exchange_slot_bytes(size);
-    // An all_reduce's whole input may ride along when the gather of every input it then needs
-    // is small (`small_max`, as for exact mode's all-gather) and fits any rank's slot: one
-    // round trip for the op, reduced by us in rank order (in native mode too, as small ops).
-    let whole = |p: &Vec<u8>| {
-        header.op == OpKind::AllReduce.code()
-            && p.len() <= whole_max(size)
-            && p.len().saturating_mul(size - 1) <= params.small_max
-    };
-    let payload = payload.filter(|p| p.len() <= inline_max(size) || whole(p));
-    if let Some(p) = payload.as_ref().filter(|p| p.len() > inline_max(size)) {
-        // Ranks that decided otherwise (other sizes, other settings) fail the header check.
-        header.extra = p.len() as u64;
+    if payload.as_ref().is_some_and(|p| p.len() > slot_max(size)) {
+        return Err(internal("an exchange payload longer than the slot"));
     }
-    let mine = exchange_slot(&header, payload.as_deref());
+    let mine = exchange_slot(pool, &header, payload.as_deref());
     // Not zeroed when kept from an earlier op: every message starts with a whole header, and
     // data is read only from peers whose header (so whose length) matches.
     let req = raw::iexchange(comm, mine, slot, pool.buffer(DType::U8, slot * size))?;
-    let inline = payload.is_some();
+    // Sent now, so its transfer overlaps the headers' round trip; received once the headers
+    // agree (its length is in them: `header.extra`).
+    let sends = bulk.map(|b| raw::isend_all(comm, b, slot_max(size), raw::bulk_tag())).transpose()?;
+    let inline = payload.is_some() || sends.is_some();
     let cont: Cont = Box::new(move |env: &Env<'_>, bufs: Bufs| {
-        let ex = Exchange { all: take(bufs.recv)?, slot };
-        verify(&ex, env.size, &header, env.rank, what)?;
-        let step = start(env, inline.then_some(&ex));
-        env.recycle(Some(ex.all));
-        step
+        env.recycle(bufs.send);
+        let mut ex = Exchange { all: take(bufs.recv)?, slot, bulk: None };
+        if let Err(e) = verify(&ex, env.size, &header, env.rank, what) {
+            return drain(env, &ex, sends, e);
+        }
+        let Some(sends) = sends else {
+            let step = start(env, inline.then_some(&mut ex));
+            env.recycle(Some(ex.all));
+            return step;
+        };
+        let len = bulk_len(&header, env.size).ok_or_else(|| internal("an all_reduce sent a rest it has not"))?;
+        let parts: Vec<_> = (0..env.size).filter(|&p| p != env.rank).map(|p| (p, p * len, len)).collect();
+        let recvs = raw::irecv_parts(env.comm, env.buffer(DType::U8, len * env.size), &parts, raw::bulk_tag())?;
+        Ok(wait(recvs, move |_, b| {
+            let peers = take(b.recv)?;
+            Ok(wait(sends, move |env, b| {
+                ex.bulk = Some(Bulk { peers, len, input: Some(take(b.send)?) });
+                let step = start(env, Some(&mut ex));
+                env.recycle(Some(ex.all));
+                env.recycle(ex.bulk.map(|b| b.peers));
+                step
+            }))
+        }))
     });
     Ok((req, cont))
 }
 
-/// What this rank puts in its slot of the exchange before a collective: the header, then a
-/// small op's data (the rest of the slot stays zero).
-pub(super) fn exchange_slot(header: &Header, payload: Option<&[u8]>) -> HostBuffer {
+/// After a failed header check: receives (and drops) every input a peer's header says it sent
+/// beside the exchange, and completes our own sends, so no message of the failed op stays in
+/// MPI's queues; then fails with `e`.
+fn drain(env: &Env<'_>, ex: &Exchange, sends: Option<Request>, e: CommError) -> Result<Step, CommError> {
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for p in (0..env.size).filter(|&p| p != env.rank) {
+        if let Some(len) = ex.header(p).and_then(|h| bulk_len(&h, env.size)) {
+            parts.push((p, at, len));
+            at += len;
+        }
+    }
+    let fail = move |_: &Env<'_>, _: Bufs| -> Result<Step, CommError> { Err(e) };
+    let then = move |env: &Env<'_>, b: Bufs| match sends {
+        Some(sends) => Ok(wait(sends, fail)),
+        None => fail(env, b),
+    };
+    if parts.is_empty() {
+        return then(env, Bufs::default());
+    }
+    let recvs = raw::irecv_parts(env.comm, HostBuffer::zeroed(DType::U8, at), &parts, raw::bulk_tag())?;
+    Ok(wait(recvs, then))
+}
+
+/// How many bytes a rank with header `h` sent beside the exchange of a group of `n` (the rest
+/// of an all_reduce's input longer than its slot), if it did.
+pub(super) fn bulk_len(h: &Header, n: usize) -> Option<usize> {
+    let len = h.extra as usize;
+    (h.op == OpKind::AllReduce.code() && len > slot_max(n)).then(|| len - slot_max(n))
+}
+
+/// What this rank sends in its slot of the exchange before a collective: the header, then a
+/// small op's data (a kept buffer when there is one of that length: a slot's data is read only
+/// up to the length its header gives).
+pub(super) fn exchange_slot(pool: &Pool, header: &Header, payload: Option<&[u8]>) -> HostBuffer {
     let p = payload.unwrap_or_default();
-    let mut mine = HostBuffer::zeroed(DType::U8, 32 + p.len());
+    let mut mine = pool.buffer(DType::U8, 32 + p.len());
     mine.as_bytes_mut()[..32].copy_from_slice(bytemuck::cast_slice(&header.encode()));
     mine.as_bytes_mut()[32..].copy_from_slice(p);
     mine
@@ -142,7 +187,7 @@ pub(super) fn hash_ranks(ranks: &[Rank]) -> u64 {
 }
 
 /// Bytes per rank received in the exchange before every collective in a group of `n`: the
-/// 32-byte header, then up to [`inline_max`] bytes of a small op's data, or [`whole_max`] of an
+/// 32-byte header, then up to [`inline_max`] bytes of a small op's data, or [`slot_max`] of an
 /// all_reduce's. One size per group, so every receive holds whatever a peer sends, whatever
 /// the ranks called: 64 KiB up to 8 ranks (a pooled buffer; messages are only as long as their
 /// data), else 1 KiB up to 16 ranks, halving with more (16 KiB in all), at least 256.
@@ -159,17 +204,12 @@ pub(super) fn exchange_slot_bytes(n: usize) -> usize {
 /// truncated message is an error, and in Open MPI's single-copy path worse).
 const WHOLE_RANKS: usize = 8;
 /// See [`WHOLE_RANKS`]. With the header a message stays within 64 KiB, Open MPI's TCP eager
-/// limit (a longer one costs a rendezvous round trip, the one the exchange saves). Inputs up
-/// to this are copied into a payload before the group's size is looked at.
-pub(super) const WHOLE_MAX: usize = (64 << 10) - 32;
+/// limit (a longer one costs a rendezvous round trip).
+const WHOLE_MAX: usize = (64 << 10) - 32;
 
-/// The largest all_reduce input the exchange carries whole in a group of `n`.
-pub(super) fn whole_max(n: usize) -> usize {
-    if n <= WHOLE_RANKS {
-        WHOLE_MAX
-    } else {
-        0
-    }
+/// The most data a rank's exchange slot carries in a group of `n`.
+pub(super) fn slot_max(n: usize) -> usize {
+    exchange_slot_bytes(n) - 32
 }
 
 /// What any group's exchange slot holds besides the header.
@@ -180,20 +220,43 @@ pub(super) fn inline_max(n: usize) -> usize {
     if n <= WHOLE_RANKS {
         return (1 << 10) - 32;
     }
-    exchange_slot_bytes(n) - 32
+    slot_max(n)
 }
 
-/// Every rank's exchange slot, gathered.
+/// Every rank's exchange slot, gathered, and the inputs sent beside it.
 pub(super) struct Exchange {
     pub(super) all: HostBuffer,
     pub(super) slot: usize,
+    pub(super) bulk: Option<Bulk>,
+}
+
+/// The rests of all_reduce inputs exchanged beside the slots.
+pub(super) struct Bulk {
+    /// Peer `p`'s at `p × len` (this rank's block unused).
+    peers: HostBuffer,
+    len: usize,
+    /// This rank's input, back from its sends.
+    input: Option<HostBuffer>,
 }
 
 impl Exchange {
-    /// The first `len` bytes of rank `p`'s data.
+    /// The first `len` bytes of rank `p`'s data in its slot.
     pub(super) fn data(&self, p: usize, len: usize) -> &[u8] {
-        let at = p * self.slot + 32;
-        &self.all.as_bytes()[at..at + len]
+        &self.all.as_bytes()[p * self.slot + 32..][..len]
+    }
+
+    /// Bytes `[lo, hi)` of rank `p`'s data: in its slot, or in the rest sent beside it.
+    pub(super) fn range(&self, p: usize, lo: usize, hi: usize) -> &[u8] {
+        let in_slot = self.slot - 32;
+        match &self.bulk {
+            Some(b) if lo >= in_slot => &b.peers.as_bytes()[p * b.len..][lo - in_slot..hi - in_slot],
+            _ => &self.data(p, hi)[lo..],
+        }
+    }
+
+    /// This rank's input, when it was sent beside the exchange.
+    pub(super) fn take_input(&mut self) -> Option<HostBuffer> {
+        self.bulk.as_mut()?.input.take()
     }
 
     /// Rank `p`'s header.
@@ -234,7 +297,7 @@ pub(super) fn start_collective(
     graveyard: &mut Vec<Request>,
     born: &mut Born,
 ) {
-    let Plan { name, header, payload, start, reply } = plan;
+    let Plan { name, header, payload, bulk, start, reply } = plan;
     if g.params.panic_at == Some(name) {
         panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", g.info.rank);
     }
@@ -242,7 +305,9 @@ pub(super) fn start_collective(
     let checked = g.info.size > 1 && (g.params.check || header.op == OpKind::NewGroup.code());
     let env = g.env(half, pool);
     let first = if checked {
-        exchange(&env, header, payload, start, what).map(|(req, cont)| Step::Wait(req, cont))
+        exchange(&env, header, payload, bulk, start, what).map(|(req, cont)| Step::Wait(req, cont))
+    } else if bulk.is_some() {
+        Err(internal("an input planned beside an exchange that does not happen"))
     } else {
         start(&env, None)
     };
@@ -250,8 +315,13 @@ pub(super) fn start_collective(
         Ok(Step::Wait(req, cont)) => {
             g.active = Some(Active { ticket, what, started: Instant::now(), req, cont, reply })
         }
-        Ok(Step::Done(out)) => born.extend(reply.complete(out).map(|(c, d)| (g.info.gid, c, d))),
+        Ok(Step::Done(out)) => {
+            // The lane is free before the caller hears (see `Actor::progress`).
+            drop(ticket);
+            born.extend(reply.complete(out).map(|(c, d)| (g.info.gid, c, d)))
+        }
         Err(e) => {
+            drop(ticket);
             if e.poisons_group() {
                 g.poison(&e, graveyard);
             }

@@ -144,7 +144,10 @@ impl Actor {
             raw::world_errors_return().map_err(fail)?;
             let (rank, size) = raw::world_rank_size().map_err(fail)?;
             let (local_rank, local_size) = raw::node_rank_size().map_err(fail)?;
-            // The top block of tags is the header exchange's (`raw::exchange_tag`).
+            // The top block of tags is the header exchange's (`raw::exchange_tag`, `bulk_tag`).
+            if raw::tag_ub() % 8 == 0 {
+                return Err(format!("MPI_TAG_UB is {}: the backend needs it to be 2^k - 1", raw::tag_ub()));
+            }
             let tag_max = ((raw::tag_ub().max(0) as u32) >> 3).saturating_sub(1);
             Ok(World { rank, local_rank, local_size, tag_max, refuse: launcher_disagrees(size) })
         };
@@ -286,7 +289,7 @@ impl Actor {
                 if let Some(e) = g.poison_error() {
                     return cmd.fail(e);
                 }
-                match cmd.job(&g.params) {
+                match cmd.job(&g.params, g.info.size as usize) {
                     Job::P2p(post) => self.start_p2p(gid, post),
                     Job::Collective(plan) => g.queue.push_back((plan, ticket)),
                 }
@@ -464,10 +467,15 @@ impl Actor {
                             Ok(Step::Wait(req, cont)) => {
                                 g.active = Some(Active { ticket, what, started, req, cont, reply })
                             }
+                            // The lane is free before the caller learns the op is done:
+                            // else its next op, submitted at once, would find the actor busy
+                            // and queue behind nothing, and so would every op after it.
                             Ok(Step::Done(out)) => {
+                                drop(ticket);
                                 born.extend(reply.complete(out).map(|(c, d)| (gid, c, d)));
                             }
                             Err(e) => {
+                                drop(ticket);
                                 if e.poisons_group() {
                                     g.poison(&e, &mut self.graveyard);
                                 }
@@ -687,9 +695,8 @@ mod tests {
         assert_eq!(slots, [65536, 65536, 65536, 65536, 65536, 1024, 256, 256]);
         assert_eq!(exchange_slot_bytes(32), 512);
         assert_eq!((inline_max(2), inline_max(8), inline_max(16)), (992, 992, 992));
-        assert_eq!((whole_max(8), whole_max(9)), ((64 << 10) - 32, 0));
-        assert_eq!(WHOLE_MAX, whole_max(2));
-        assert!((1..5000).all(|n| whole_max(n).max(inline_max(n)) + 32 <= exchange_slot_bytes(n)));
+        assert_eq!((slot_max(8), slot_max(9)), ((64 << 10) - 32, 992));
+        assert!((1..5000).all(|n| inline_max(n) <= slot_max(n)));
         // What a scatter's root may always ship: every group's slot has room for it.
         assert!((1..5000).all(|n| inline_max(n) >= INLINE_ANY));
         assert_eq!(inline_max(1 << 20), INLINE_ANY);

@@ -22,8 +22,9 @@ pub trait MpiOp: Op + Sized {
         false
     }
 
-    /// What it becomes on the actor, or on a caller's thread for a direct op.
-    fn job(self, done: Completer<Self::Output>, params: &Params) -> Job;
+    /// What it becomes in a group of `size` ranks, on the actor or on a caller's thread for a
+    /// direct op.
+    fn job(self, done: Completer<Self::Output>, params: &Params, size: usize) -> Job;
 }
 
 /// An op ready to run.
@@ -51,7 +52,7 @@ pub(super) fn small(bytes: usize, size: usize) -> bool {
 
 /// An op handed to the actor, whatever its type.
 pub(crate) trait Queued: Send {
-    fn job(self: Box<Self>, params: &Params) -> Job;
+    fn job(self: Box<Self>, params: &Params, size: usize) -> Job;
     fn fail(self: Box<Self>, e: CommError);
 }
 
@@ -62,9 +63,9 @@ pub(crate) struct Pending<R: MpiOp> {
 }
 
 impl<R: MpiOp> Queued for Pending<R> {
-    fn job(self: Box<Self>, params: &Params) -> Job {
+    fn job(self: Box<Self>, params: &Params, size: usize) -> Job {
         let Pending { req, done } = *self;
-        req.job(done, params)
+        req.job(done, params, size)
     }
 
     fn fail(self: Box<Self>, e: CommError) {

@@ -21,8 +21,8 @@ pub(super) struct Pool {
 }
 
 impl Pool {
-    /// Smaller buffers are cheap to allocate.
-    const MIN: usize = 64 << 10;
+    /// Smaller buffers are cheap to allocate (zeroing one costs about what reusing it saves).
+    const MIN: usize = 16 << 10;
     /// At most this many bytes are kept.
     const MAX_BYTES: usize = 256 << 20;
 
@@ -62,8 +62,9 @@ impl Env<'_> {
 pub(super) type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + Send>;
 
 /// How a planned collective starts, once every rank agreed on its header; given the gathered
-/// exchange when it carried every rank's [`Plan::payload`] (then a small op finishes from it).
-pub(super) type Start = Box<dyn FnOnce(&Env<'_>, Option<&Exchange>) -> Result<Step, CommError> + Send>;
+/// exchange when it carried every rank's [`Plan::payload`] or [`Plan::bulk`] (then the op
+/// finishes from it).
+pub(super) type Start = Box<dyn FnOnce(&Env<'_>, Option<&mut Exchange>) -> Result<Step, CommError> + Send>;
 
 pub(super) enum Step {
     /// Wait for the request, then continue.
@@ -155,14 +156,17 @@ pub struct Plan {
     /// What this rank ships in the exchange for an op small enough to finish from it (every
     /// rank of an op with a matching header has one, possibly empty).
     pub(super) payload: Option<Vec<u8>>,
+    /// An all_reduce's input sent beside the exchange (too long for its slot); it comes back
+    /// in the exchange ([`Exchange::take_input`]).
+    pub(super) bulk: Option<HostBuffer>,
     pub(super) start: Start,
     pub(super) reply: Reply,
 }
 
-/// The payload of an op whose data (`bytes` on every rank, by the header) may fit the exchange
-/// (whether it does depends on the group's size: [`inline_max`]).
-pub(super) fn inline(bytes: usize, data: impl FnOnce() -> Vec<u8>) -> Option<Vec<u8>> {
-    (bytes <= inline_max(1)).then(data)
+/// The payload of an op whose data (`bytes` on every rank, by the header) fits the exchange of
+/// a group of `n`.
+pub(super) fn inline(bytes: usize, n: usize, data: impl FnOnce() -> Vec<u8>) -> Option<Vec<u8>> {
+    small(bytes, n).then(data)
 }
 
 /// Slice `i` of `len` elements cut in `parts`, boundaries on 16 elements: `(offset, len)`.
@@ -203,33 +207,54 @@ pub(super) fn blocks(all: &HostBuffer, n: usize, len: usize) -> Vec<&[u8]> {
     (0..n).map(|i| &all.as_bytes()[i * b..(i + 1) * b]).collect()
 }
 
-/// all_reduce (`root == None`) or reduce to `root`. Non-roots get their input back.
-pub(super) fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, reply: Reply, params: &Params) -> Plan {
-    let (dtype, len) = (buf.dtype(), buf.len());
+/// all_reduce (`root == None`) or reduce to `root` in a group of `n`. Non-roots get their
+/// input back.
+pub(super) fn plan_reduce(
+    buf: HostBuffer,
+    op: ReduceOp,
+    root: Option<Rank>,
+    reply: Reply,
+    params: &Params,
+    n: usize,
+) -> Plan {
+    let (dtype, len, bytes) = (buf.dtype(), buf.len(), buf.byte_len());
     let (name, code) = if root.is_some() { ("reduce", OpKind::Reduce) } else { ("all_reduce", OpKind::AllReduce) };
-    let header = Header::new(code, Some(dtype), len, root, Some(op));
-    // An all_reduce may ship its whole input in the exchange (the group's size decides: see
-    // `exchange`).
-    let whole = root.is_none() && buf.byte_len() <= params.small_max.min(WHOLE_MAX);
-    let payload = match whole {
-        true => Some(buf.as_bytes().to_vec()),
-        false => inline(buf.byte_len(), || buf.as_bytes().to_vec()),
+    let mut header = Header::new(code, Some(dtype), len, root, Some(op));
+    // An all_reduce whose gather of every input stays small (`small_max`, as for exact mode's
+    // all-gather) ships its whole input with the header: one round trip, reduced by us in rank
+    // order (in native mode too: as fast at these sizes, and exact). In the exchange slot, and
+    // what does not fit there as a message of its own beside it (so an input of exactly 64
+    // KiB is two eager messages over TCP, not a rendezvous).
+    let gather = root.is_none() && n > 1 && params.check && bytes.saturating_mul(n - 1) <= params.small_max;
+    let (payload, bulk, input) = if gather && !small(bytes, n) {
+        // Ranks that decided otherwise (other sizes, other settings) fail the header check.
+        header.extra = bytes as u64;
+        let payload = Some(buf.as_bytes()[..bytes.min(slot_max(n))].to_vec());
+        match bytes <= slot_max(n) {
+            true => (payload, None, Some(buf)),
+            false => (payload, Some(buf), None),
+        }
+    } else {
+        (inline(bytes, n, || buf.as_bytes().to_vec()), None, Some(buf))
     };
-    let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+    let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
         let (me, n) = (env.rank, env.size);
         let root = root.map(|r| r as usize);
         let keep = root.is_none_or(|r| r == me);
         if let Some(ex) = ex {
-            // Every input came with the headers: reduce them in rank order, no other call (in
-            // native mode too: as fast, and exact).
-            let mut buf = buf;
-            if keep {
-                let bytes = buf.byte_len();
-                let ins: Vec<&[u8]> = (0..n).map(|p| ex.data(p, bytes)).collect();
-                kernels::reduce(dtype, op, &ins, buf.as_bytes_mut());
+            // Every input came with the headers: reduce them in rank order, no other call.
+            let mut buf = input.or_else(|| ex.take_input()).ok_or_else(|| internal("an all_reduce lost its input"))?;
+            // In two ranges when part of the inputs came beside the slots.
+            let split = bytes.min(slot_max(n));
+            for (lo, hi) in [(0, split), (split, bytes)].into_iter().filter(|(lo, hi)| lo < hi && keep) {
+                let ins: Vec<kernels::Src<'_>> = (0..n)
+                    .map(|p| if p == me { kernels::Src::Out } else { kernels::Src::Buf(ex.range(p, lo, hi)) })
+                    .collect();
+                kernels::reduce_to(dtype, op, &ins, &mut buf.as_bytes_mut()[lo..hi], None);
             }
             return done(buf);
         }
+        let buf = input.ok_or_else(|| internal("an all_reduce's input went beside an exchange that did not happen"))?;
         if root.is_none() && env.params.check && !local_reduction(env.params, dtype) {
             // Every rank completed the header exchange, so every rank is in this all_reduce
             // and MPI's blocking call (its fastest algorithms) cannot wait on a missing one.
@@ -300,7 +325,7 @@ pub(super) fn plan_reduce(buf: HostBuffer, op: ReduceOp, root: Option<Rank>, rep
         }
         large_reduce(env, buf, 0, chunks)
     };
-    Plan { name, header, payload, start: Box::new(start), reply }
+    Plan { name, header, payload, bulk, start: Box::new(start), reply }
 }
 
 /// A large exact all_reduce / reduce, processed `per` elements at a time.
@@ -392,11 +417,11 @@ pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks
     }))
 }
 
-pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
+pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply, n: usize) -> Plan {
     let (dtype, len, op) = (r.input.dtype(), r.input.len(), r.op);
     let header = Header::new(OpKind::ReduceScatter, Some(dtype), len, None, Some(op));
-    let payload = inline(r.input.byte_len(), || r.input.as_bytes().to_vec());
-    let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+    let payload = inline(r.input.byte_len(), n, || r.input.as_bytes().to_vec());
+    let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
         let n = env.size;
         let block = len / n;
         let mut out = r.output.unwrap_or_else(|| env.buffer(dtype, block));
@@ -424,7 +449,7 @@ pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply) -> Plan {
         let per = (env.params.chunk / n / dtype.size()).max(16);
         scatter_reduce(env, r.input, out, 0, Chunks { dtype, op, len: block, root: None, per })
     };
-    Plan { name: "reduce_scatter", header, payload, start: Box::new(start), reply }
+    Plan { name: "reduce_scatter", header, payload, bulk: None, start: Box::new(start), reply }
 }
 
 /// Chunk `[off, off + per)` of every block of a large exact reduce_scatter into `out`, then
@@ -456,7 +481,7 @@ pub(super) fn scatter_reduce(
 pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply) -> Plan {
     let dtype = r.input.dtype();
     let header = Header::new(OpKind::AllToAll, Some(dtype), 0, None, None);
-    let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+    let start = move |env: &Env<'_>, _: Option<&mut Exchange>| -> Result<Step, CommError> {
         let n = env.size;
         let (ins, outs) = r.splits(n as u32);
         let offsets = |v: &[usize]| -> Vec<(usize, usize)> {
@@ -495,7 +520,7 @@ pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply) -> Plan {
             exchange(env)
         }))
     };
-    Plan { name: "all_to_all", header, payload: None, start: Box::new(start), reply }
+    Plan { name: "all_to_all", header, payload: None, bulk: None, start: Box::new(start), reply }
 }
 
 // `d` below is each op's completer (`done` builds a finished step).
@@ -509,8 +534,8 @@ impl MpiOp for AllReduce {
         small(self.buf.byte_len(), size) || local_reduction(params, dtype) || direct_native(params, dtype)
     }
 
-    fn job(self, d: Completer<HostBuffer>, params: &Params) -> Job {
-        Job::Collective(plan_reduce(self.buf, self.op, None, Reply::Buf(d), params))
+    fn job(self, d: Completer<HostBuffer>, params: &Params, n: usize) -> Job {
+        Job::Collective(plan_reduce(self.buf, self.op, None, Reply::Buf(d), params, n))
     }
 }
 
@@ -519,8 +544,8 @@ impl MpiOp for Reduce {
         small(self.buf.byte_len(), size)
     }
 
-    fn job(self, d: Completer<HostBuffer>, params: &Params) -> Job {
-        Job::Collective(plan_reduce(self.buf, self.op, Some(self.root), Reply::Buf(d), params))
+    fn job(self, d: Completer<HostBuffer>, params: &Params, n: usize) -> Job {
+        Job::Collective(plan_reduce(self.buf, self.op, Some(self.root), Reply::Buf(d), params, n))
     }
 }
 
@@ -529,13 +554,13 @@ impl MpiOp for ReduceScatter {
         small(self.input.byte_len(), size)
     }
 
-    fn job(self, d: Completer<InOut>, _: &Params) -> Job {
-        Job::Collective(plan_reduce_scatter(self, Reply::Io(d)))
+    fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
+        Job::Collective(plan_reduce_scatter(self, Reply::Io(d), n))
     }
 }
 
 impl MpiOp for AllToAll {
-    fn job(self, d: Completer<InOut>, _: &Params) -> Job {
+    fn job(self, d: Completer<InOut>, _: &Params, _: usize) -> Job {
         Job::Collective(plan_all_to_all(self, Reply::Io(d)))
     }
 }
@@ -545,11 +570,11 @@ impl MpiOp for Broadcast {
         small(self.buf.byte_len(), size)
     }
 
-    fn job(self, d: Completer<HostBuffer>, _: &Params) -> Job {
+    fn job(self, d: Completer<HostBuffer>, _: &Params, n: usize) -> Job {
         let Broadcast { buf, root } = self;
         let header = Header::new(Self::KIND, Some(buf.dtype()), buf.len(), Some(root), None);
-        let payload = inline(buf.byte_len(), || buf.as_bytes().to_vec());
-        let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+        let payload = inline(buf.byte_len(), n, || buf.as_bytes().to_vec());
+        let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
             let mut buf = buf;
             if let Some(ex) = ex {
                 let bytes = buf.byte_len();
@@ -559,7 +584,14 @@ impl MpiOp for Broadcast {
             let req = raw::ibcast(env.comm, buf, root as i32)?;
             Ok(wait(req, |_, b| done(take(b.recv)?)))
         };
-        Job::Collective(Plan { name: Self::NAME, header, payload, start: Box::new(start), reply: Reply::Buf(d) })
+        Job::Collective(Plan {
+            name: Self::NAME,
+            header,
+            payload,
+            bulk: None,
+            start: Box::new(start),
+            reply: Reply::Buf(d),
+        })
     }
 }
 
@@ -568,12 +600,12 @@ impl MpiOp for AllGather {
         small(self.input.byte_len(), size)
     }
 
-    fn job(self, d: Completer<InOut>, _: &Params) -> Job {
+    fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
         let AllGather { input, output } = self;
         let (dtype, len) = (input.dtype(), input.len());
         let header = Header::new(Self::KIND, Some(dtype), len, None, None);
-        let payload = inline(input.byte_len(), || input.as_bytes().to_vec());
-        let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+        let payload = inline(input.byte_len(), n, || input.as_bytes().to_vec());
+        let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
             let mut out = output.unwrap_or_else(|| env.buffer(dtype, len * env.size));
             if let Some(ex) = ex {
                 let b = input.byte_len();
@@ -585,7 +617,14 @@ impl MpiOp for AllGather {
             let req = raw::iallgather(env.comm, input, out)?;
             Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
         };
-        Job::Collective(Plan { name: Self::NAME, header, payload, start: Box::new(start), reply: Reply::Io(d) })
+        Job::Collective(Plan {
+            name: Self::NAME,
+            header,
+            payload,
+            bulk: None,
+            start: Box::new(start),
+            reply: Reply::Io(d),
+        })
     }
 }
 
@@ -599,7 +638,7 @@ impl MpiOp for Scatter {
         scatter_inline(self.output.byte_len(), size)
     }
 
-    fn job(self, d: Completer<InOut>, _: &Params) -> Job {
+    fn job(self, d: Completer<InOut>, _: &Params, _: usize) -> Job {
         let Scatter { input, output, root } = self;
         let dtype = output.dtype();
         let header = Header::new(Self::KIND, Some(dtype), output.len(), Some(root), None);
@@ -610,7 +649,7 @@ impl MpiOp for Scatter {
             Some(all) if all.byte_len() <= INLINE_ANY => all.as_bytes().to_vec(),
             _ => Vec::new(),
         });
-        let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+        let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
             // Off the root MPI reads no input: one passed anyway comes back as it is.
             let (input, spare) = if env.rank == root as usize { (input, None) } else { (None, input) };
             let b = output.byte_len();
@@ -626,7 +665,14 @@ impl MpiOp for Scatter {
                 done_io(input, take(b.recv)?)
             }))
         };
-        Job::Collective(Plan { name: Self::NAME, header, payload, start: Box::new(start), reply: Reply::Io(d) })
+        Job::Collective(Plan {
+            name: Self::NAME,
+            header,
+            payload,
+            bulk: None,
+            start: Box::new(start),
+            reply: Reply::Io(d),
+        })
     }
 }
 
@@ -635,12 +681,12 @@ impl MpiOp for Gather {
         small(self.input.byte_len(), size)
     }
 
-    fn job(self, d: Completer<InOut>, _: &Params) -> Job {
+    fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
         let Gather { input, output, root } = self;
         let (dtype, len) = (input.dtype(), input.len());
         let header = Header::new(Self::KIND, Some(dtype), len, Some(root), None);
-        let payload = inline(input.byte_len(), || input.as_bytes().to_vec());
-        let start = move |env: &Env<'_>, ex: Option<&Exchange>| -> Result<Step, CommError> {
+        let payload = inline(input.byte_len(), n, || input.as_bytes().to_vec());
+        let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
             let is_root = env.rank == root as usize;
             // Off the root MPI fills no output: one passed anyway comes back as it is.
             let (out, spare) = match is_root {
@@ -667,7 +713,14 @@ impl MpiOp for Gather {
                 done_io(take(b.send)?, output)
             }))
         };
-        Job::Collective(Plan { name: Self::NAME, header, payload, start: Box::new(start), reply: Reply::Io(d) })
+        Job::Collective(Plan {
+            name: Self::NAME,
+            header,
+            payload,
+            bulk: None,
+            start: Box::new(start),
+            reply: Reply::Io(d),
+        })
     }
 }
 
@@ -677,8 +730,8 @@ impl MpiOp for Barrier {
         small(0, size)
     }
 
-    fn job(self, d: Completer<()>, _: &Params) -> Job {
-        let start = |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+    fn job(self, d: Completer<()>, _: &Params, _: usize) -> Job {
+        let start = |env: &Env<'_>, _: Option<&mut Exchange>| -> Result<Step, CommError> {
             // With checking on, the header exchange already was a barrier.
             if env.params.check || env.size == 1 {
                 return Ok(Step::Done(Out::Unit));
@@ -689,6 +742,7 @@ impl MpiOp for Barrier {
             name: Self::NAME,
             header: Header::new(Self::KIND, None, 0, None, None),
             payload: None,
+            bulk: None,
             start: Box::new(start),
             reply: Reply::Unit(d),
         })
@@ -696,11 +750,11 @@ impl MpiOp for Barrier {
 }
 
 impl MpiOp for NewGroup {
-    fn job(self, d: Completer<Option<GroupInfo>>, _: &Params) -> Job {
+    fn job(self, d: Completer<Option<GroupInfo>>, _: &Params, _: usize) -> Job {
         let ranks = self.ranks;
         let mut header = Header::new(Self::KIND, None, ranks.len(), None, None);
         header.extra = hash_ranks(&ranks);
-        let start = move |env: &Env<'_>, _: Option<&Exchange>| -> Result<Step, CommError> {
+        let start = move |env: &Env<'_>, _: Option<&mut Exchange>| -> Result<Step, CommError> {
             // Every rank of the parent passed the header exchange, so all of them are about to
             // call the (blocking) split: it cannot hang on a missing rank.
             let key = ranks.iter().position(|&r| r as usize == env.rank).map(|p| p as i32);
@@ -711,6 +765,7 @@ impl MpiOp for NewGroup {
             name: Self::NAME,
             header,
             payload: None,
+            bulk: None,
             start: Box::new(start),
             reply: Reply::Group(d),
         })
@@ -738,7 +793,7 @@ impl MpiOp for SendTo {
         check_tag(Self::NAME, self.tag, info)
     }
 
-    fn job(self, done: Completer<HostBuffer>, _: &Params) -> Job {
+    fn job(self, done: Completer<HostBuffer>, _: &Params, _: usize) -> Job {
         Job::P2p(Post { recv: false, buf: self.buf, peer: self.dst, tag: self.tag, done })
     }
 }
@@ -750,7 +805,7 @@ impl MpiOp for RecvFrom {
         check_tag(Self::NAME, self.tag, info)
     }
 
-    fn job(self, done: Completer<HostBuffer>, _: &Params) -> Job {
+    fn job(self, done: Completer<HostBuffer>, _: &Params, _: usize) -> Job {
         Job::P2p(Post { recv: true, buf: self.buf, peer: self.src, tag: self.tag, done })
     }
 }

@@ -50,6 +50,13 @@ pub(crate) fn exchange_tag() -> i32 {
     (tag_ub() >> 3) << 3
 }
 
+/// The tag of an all_reduce input sent beside the exchange ([`isend_all`]): the next one in
+/// the same reserved block (`MPI_TAG_UB` is `2^k - 1` in every MPI, so the block has 8; the
+/// actor checks it).
+pub(crate) fn bulk_tag() -> i32 {
+    exchange_tag() + 1
+}
+
 /// An all-gather of small slots by point-to-point messages: `send` (at most `slot` bytes) goes
 /// to every other rank, and rank `p`'s lands at `p × slot` of `recv` (`size × slot` bytes; ours
 /// is copied). Cheaper than `MPI_Iallgather`, whose schedule (Open MPI's libnbc) costs
@@ -67,19 +74,71 @@ pub(crate) fn iexchange(
         return Err(CommError::invalid("mpi exchange", format!("{bytes} bytes for {size} slots of {slot}")));
     }
     recv.as_bytes_mut()[me * slot..me * slot + bytes].copy_from_slice(send.as_bytes());
-    let (n_send, n_slot, tag) = (count("exchange", bytes)?, count("exchange", slot)?, exchange_tag());
+    let from: Vec<(usize, usize, usize)> = peers(comm).map(|p| (p, p * slot, slot)).collect();
+    imessages(comm, exchange_tag(), Some((send, 0)), Some(recv), &from)
+}
+
+/// Every rank of `comm` but this one.
+fn peers(comm: &Comm) -> impl Iterator<Item = usize> + Clone {
+    let me = comm.rank as usize;
+    (0..comm.size as usize).filter(move |&p| p != me)
+}
+
+/// The bytes of `send` from byte `from` on to every other rank on `tag` (the rest of an
+/// all_reduce's input, beside the exchange).
+pub(crate) fn isend_all(comm: &Comm, send: HostBuffer, from: usize, tag: i32) -> Result<Request, CommError> {
+    imessages(comm, tag, Some((send, from)), None, &[])
+}
+
+/// For each `(peer, at, len)`: `len` bytes from `peer` on `tag` into `recv` at byte `at`.
+pub(crate) fn irecv_parts(
+    comm: &Comm,
+    recv: HostBuffer,
+    parts: &[(usize, usize, usize)],
+    tag: i32,
+) -> Result<Request, CommError> {
+    imessages(comm, tag, None, Some(recv), parts)
+}
+
+/// Point-to-point messages on one tag that complete together: the bytes of `send` from its
+/// offset on to every other rank, and for each `(peer, at, len)` of `from`, `len` bytes from
+/// `peer` into `recv` at byte `at` (receives posted first).
+fn imessages(
+    comm: &Comm,
+    tag: i32,
+    send: Option<(HostBuffer, usize)>,
+    recv: Option<HostBuffer>,
+    from: &[(usize, usize, usize)],
+) -> Result<Request, CommError> {
+    let room = recv.as_ref().map_or(0, HostBuffer::byte_len);
+    if from.iter().any(|&(p, at, len)| p >= comm.size as usize || at.checked_add(len).is_none_or(|end| end > room)) {
+        return Err(CommError::invalid("mpi messages", "a receive lies outside its buffer"));
+    }
+    let (send, skip) = send.map_or((None, 0), |(b, at)| (Some(b), at));
+    let n_send = send.as_ref().map_or(Some(0), |b| b.byte_len().checked_sub(skip));
+    let n_send = count(
+        "mpi messages",
+        n_send.ok_or_else(|| CommError::invalid("mpi messages", "a send starts past its buffer"))?,
+    )?;
+    let n_recv = counts("mpi messages", &from.iter().map(|f| f.2).collect::<Vec<_>>())?;
+    let to: Vec<usize> = if send.is_some() { peers(comm).collect() } else { Vec::new() };
     let dt = datatype(DType::U8);
-    let mut bufs = Bufs { send: Some(send), recv: Some(recv) };
+    let mut bufs = Bufs { send, recv };
     let (s, r) = (send_ptr(&bufs.send), recv_ptr(&mut bufs.recv));
     // SAFETY: reading a constant initialised at load time.
     let null = unsafe { ffi::RSMPI_REQUEST_NULL };
-    let mut req =
-        Request { raw: null, many: vec![null; 2 * (size - 1)], bufs, _arrays: Vec::new(), datatype: dt, done: false };
-    let peers = (0..size).filter(|&p| p != me);
-    for (i, p) in peers.clone().enumerate() {
-        // SAFETY: slot `p` of the owned receive buffer: `slot` writable bytes (checked above).
+    let mut req = Request {
+        raw: null,
+        many: vec![null; from.len() + to.len()],
+        bufs,
+        _arrays: Vec::new(),
+        datatype: dt,
+        done: false,
+    };
+    for (i, (&(p, at, _), &n)) in from.iter().zip(&n_recv).enumerate() {
+        // SAFETY: `len` writable bytes at `at` of the owned receive buffer (checked above).
         let rc = unsafe {
-            ffi::MPI_Irecv(r.cast::<u8>().add(p * slot).cast(), n_slot, dt, p as c_int, tag, comm.raw, &mut req.many[i])
+            ffi::MPI_Irecv(r.cast::<u8>().add(at).cast(), n, dt, p as c_int, tag, comm.raw, &mut req.many[i])
         };
         if let Err(e) = check("MPI_Irecv", rc) {
             // Calls already issued may still use the buffers: keep (leak) them.
@@ -87,9 +146,19 @@ pub(crate) fn iexchange(
             return Err(e.into_comm());
         }
     }
-    for (i, p) in peers.enumerate() {
-        // SAFETY: the owned send buffer holds `bytes` readable bytes.
-        let rc = unsafe { ffi::MPI_Isend(s, n_send, dt, p as c_int, tag, comm.raw, &mut req.many[size - 1 + i]) };
+    for (i, &p) in to.iter().enumerate() {
+        // SAFETY: the owned send buffer holds `n_send` readable bytes from `skip` (checked).
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                s.cast::<u8>().add(skip).cast(),
+                n_send,
+                dt,
+                p as c_int,
+                tag,
+                comm.raw,
+                &mut req.many[from.len() + i],
+            )
+        };
         if let Err(e) = check("MPI_Isend", rc) {
             std::mem::forget(req);
             return Err(e.into_comm());
