@@ -11,26 +11,36 @@ pub(super) fn exchange(
     env: &Env<'_>,
     header: Header,
     payload: Option<Vec<u8>>,
-    bulk: Option<HostBuffer>,
+    whole: Option<HostBuffer>,
     start: Start,
     what: OpLabel,
 ) -> Result<(Request, Cont), CommError> {
     let (comm, size, pool) = (env.comm, env.size, env.pool);
-    let slot = exchange_slot_bytes(size);
-    if payload.as_ref().is_some_and(|p| p.len() > slot_max(size)) {
+    let (slot, in_slot) = (exchange_slot_bytes(size), slot_max(size));
+    let data = match (&payload, &whole) {
+        (Some(p), _) => Some(&p[..]),
+        (None, Some(w)) => Some(&w.as_bytes()[..w.byte_len().min(in_slot)]),
+        (None, None) => None,
+    };
+    if data.is_some_and(|d| d.len() > in_slot) {
         return Err(internal("an exchange payload longer than the slot"));
     }
-    let mine = exchange_slot(pool, &header, payload.as_deref());
+    let inline = data.is_some();
+    let mine = exchange_slot(pool, &header, data);
+    // An all_reduce reads its own input from its buffer: only the header is copied over.
+    let own = if whole.is_some() { 32 } else { mine.byte_len() };
     // Not zeroed when kept from an earlier op: every message starts with a whole header, and
     // data is read only from peers whose header (so whose length) matches.
-    let req = raw::iexchange(comm, mine, slot, pool.buffer(DType::U8, slot * size))?;
-    // Sent now, so its transfer overlaps the headers' round trip; received once the headers
-    // agree (its length is in them: `header.extra`).
-    let sends = bulk.map(|b| raw::isend_all(comm, b, slot_max(size), raw::bulk_tag())).transpose()?;
-    let inline = payload.is_some() || sends.is_some();
+    let req = raw::iexchange(comm, mine, slot, own, pool.buffer(DType::U8, slot * size))?;
+    // The rest is sent now, so its transfer overlaps the headers' round trip; received once
+    // the headers agree (its length is in them: `header.extra`).
+    let (sends, input) = match whole {
+        Some(w) if w.byte_len() > in_slot => (Some(raw::isend_all(comm, w, in_slot, raw::bulk_tag())?), None),
+        w => (None, w),
+    };
     let cont: Cont = Box::new(move |env: &Env<'_>, bufs: Bufs| {
         env.recycle(bufs.send);
-        let mut ex = Exchange { all: take(bufs.recv)?, slot, bulk: None };
+        let mut ex = Exchange { all: take(bufs.recv)?, slot, bulk: None, input };
         if let Err(e) = verify(&ex, env.size, &header, env.rank, what) {
             return drain(env, &ex, sends, e);
         }
@@ -45,7 +55,8 @@ pub(super) fn exchange(
         Ok(wait(recvs, move |_, b| {
             let peers = take(b.recv)?;
             Ok(wait(sends, move |env, b| {
-                ex.bulk = Some(Bulk { peers, len, input: Some(take(b.send)?) });
+                ex.input = b.send;
+                ex.bulk = Some(Bulk { peers, len });
                 let step = start(env, Some(&mut ex));
                 env.recycle(Some(ex.all));
                 env.recycle(ex.bulk.map(|b| b.peers));
@@ -189,7 +200,7 @@ pub(super) fn hash_ranks(ranks: &[Rank]) -> u64 {
 /// Bytes per rank received in the exchange before every collective in a group of `n`: the
 /// 32-byte header, then up to [`inline_max`] bytes of a small op's data, or [`slot_max`] of an
 /// all_reduce's. One size per group, so every receive holds whatever a peer sends, whatever
-/// the ranks called: 64 KiB up to 8 ranks (a pooled buffer; messages are only as long as their
+/// the ranks called: 64 KiB - 64 up to 8 ranks (a pooled buffer; messages are only as long as their
 /// data), else 1 KiB up to 16 ranks, halving with more (16 KiB in all), at least 256.
 pub(super) fn exchange_slot_bytes(n: usize) -> usize {
     if n <= WHOLE_RANKS {
@@ -203,9 +214,10 @@ pub(super) fn exchange_slot_bytes(n: usize) -> usize {
 /// [`WHOLE_MAX`] bytes (an MPI receive must never be shorter than what a peer may send: a
 /// truncated message is an error, and in Open MPI's single-copy path worse).
 const WHOLE_RANKS: usize = 8;
-/// See [`WHOLE_RANKS`]. With the header a message stays within 64 KiB, Open MPI's TCP eager
-/// limit (a longer one costs a rendezvous round trip).
-const WHOLE_MAX: usize = (64 << 10) - 32;
+/// See [`WHOLE_RANKS`]. With our header and MPI's own (Open MPI's match header is 14-16 bytes)
+/// a message stays within 64 KiB, Open MPI's TCP eager limit, which counts both: a longer one
+/// costs a rendezvous round trip.
+const WHOLE_MAX: usize = (64 << 10) - 32 - 64;
 
 /// The most data a rank's exchange slot carries in a group of `n`.
 pub(super) fn slot_max(n: usize) -> usize {
@@ -223,11 +235,14 @@ pub(super) fn inline_max(n: usize) -> usize {
     slot_max(n)
 }
 
-/// Every rank's exchange slot, gathered, and the inputs sent beside it.
+/// Every rank's exchange slot, gathered, and an all_reduce's inputs.
 pub(super) struct Exchange {
     pub(super) all: HostBuffer,
     pub(super) slot: usize,
+    /// The rests of the peers' inputs, sent beside the slots.
     pub(super) bulk: Option<Bulk>,
+    /// This rank's whole input ([`Plan::whole`]).
+    pub(super) input: Option<HostBuffer>,
 }
 
 /// The rests of all_reduce inputs exchanged beside the slots.
@@ -235,8 +250,6 @@ pub(super) struct Bulk {
     /// Peer `p`'s at `p × len` (this rank's block unused).
     peers: HostBuffer,
     len: usize,
-    /// This rank's input, back from its sends.
-    input: Option<HostBuffer>,
 }
 
 impl Exchange {
@@ -254,9 +267,9 @@ impl Exchange {
         }
     }
 
-    /// This rank's input, when it was sent beside the exchange.
+    /// This rank's whole input, when it went with the exchange.
     pub(super) fn take_input(&mut self) -> Option<HostBuffer> {
-        self.bulk.as_mut()?.input.take()
+        self.input.take()
     }
 
     /// Rank `p`'s header.
@@ -297,7 +310,7 @@ pub(super) fn start_collective(
     graveyard: &mut Vec<Request>,
     born: &mut Born,
 ) {
-    let Plan { name, header, payload, bulk, start, reply } = plan;
+    let Plan { name, header, payload, whole, start, reply } = plan;
     if g.params.panic_at == Some(name) {
         panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", g.info.rank);
     }
@@ -305,8 +318,8 @@ pub(super) fn start_collective(
     let checked = g.info.size > 1 && (g.params.check || header.op == OpKind::NewGroup.code());
     let env = g.env(half, pool);
     let first = if checked {
-        exchange(&env, header, payload, bulk, start, what).map(|(req, cont)| Step::Wait(req, cont))
-    } else if bulk.is_some() {
+        exchange(&env, header, payload, whole, start, what).map(|(req, cont)| Step::Wait(req, cont))
+    } else if whole.is_some() {
         Err(internal("an input planned beside an exchange that does not happen"))
     } else {
         start(&env, None)

@@ -70,12 +70,12 @@ pub(crate) fn submit_direct<R: MpiOp>(
     st.seq += 1;
     let what = OpLabel { name: R::NAME, seq: st.seq, direct: true };
     let Some(comm) = &st.comm else { unreachable!("checked above") };
-    let Job::Collective(Plan { header, payload, bulk, start, reply, .. }) =
+    let Job::Collective(Plan { header, payload, whole, start, reply, .. }) =
         op.req.job(op.done, &lane.params, info.size as usize)
     else {
         unreachable!("point-to-point ops return above")
     };
-    let r = match comm.with(|comm| exchange_direct(comm, &st.pool, lane, info, header, payload, bulk, start, what)) {
+    let r = match comm.with(|comm| exchange_direct(comm, &st.pool, lane, info, header, payload, whole, start, what)) {
         Ok(Direct::Done(out)) => Ok(out),
         Err(e) => Err(e),
         Ok(Direct::Waiting(req, cont, started)) => {
@@ -131,13 +131,13 @@ pub(super) fn exchange_direct(
     info: &GroupInfo,
     header: Header,
     payload: Option<Vec<u8>>,
-    bulk: Option<HostBuffer>,
+    whole: Option<HostBuffer>,
     start: Start,
     what: OpLabel,
 ) -> Result<Direct, CommError> {
     let (size, rank) = (info.size as usize, info.rank as usize);
     let env = Env { comm, rank, size, params: &lane.params, half: None, pool };
-    let (mut req, finish) = exchange(&env, header, payload, bulk, start, what)?;
+    let (mut req, finish) = exchange(&env, header, payload, whole, start, what)?;
     let started = Instant::now();
     let mut yields = 0;
     let bufs = loop {

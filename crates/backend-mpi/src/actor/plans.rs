@@ -62,7 +62,7 @@ impl Env<'_> {
 pub(super) type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + Send>;
 
 /// How a planned collective starts, once every rank agreed on its header; given the gathered
-/// exchange when it carried every rank's [`Plan::payload`] or [`Plan::bulk`] (then the op
+/// exchange when it carried every rank's [`Plan::payload`] or [`Plan::whole`] (then the op
 /// finishes from it).
 pub(super) type Start = Box<dyn FnOnce(&Env<'_>, Option<&mut Exchange>) -> Result<Step, CommError> + Send>;
 
@@ -156,9 +156,9 @@ pub struct Plan {
     /// What this rank ships in the exchange for an op small enough to finish from it (every
     /// rank of an op with a matching header has one, possibly empty).
     pub(super) payload: Option<Vec<u8>>,
-    /// An all_reduce's input sent beside the exchange (too long for its slot); it comes back
-    /// in the exchange ([`Exchange::take_input`]).
-    pub(super) bulk: Option<HostBuffer>,
+    /// An all_reduce's whole input, shipped with the header (in the slot, what does not fit
+    /// beside it); it comes back in the exchange ([`Exchange::take_input`]).
+    pub(super) whole: Option<HostBuffer>,
     pub(super) start: Start,
     pub(super) reply: Reply,
 }
@@ -226,14 +226,10 @@ pub(super) fn plan_reduce(
     // what does not fit there as a message of its own beside it (so an input of exactly 64
     // KiB is two eager messages over TCP, not a rendezvous).
     let gather = root.is_none() && n > 1 && params.check && bytes.saturating_mul(n - 1) <= params.small_max;
-    let (payload, bulk, input) = if gather && !small(bytes, n) {
+    let (payload, whole, input) = if gather && !small(bytes, n) {
         // Ranks that decided otherwise (other sizes, other settings) fail the header check.
         header.extra = bytes as u64;
-        let payload = Some(buf.as_bytes()[..bytes.min(slot_max(n))].to_vec());
-        match bytes <= slot_max(n) {
-            true => (payload, None, Some(buf)),
-            false => (payload, Some(buf), None),
-        }
+        (None, Some(buf), None)
     } else {
         (inline(bytes, n, || buf.as_bytes().to_vec()), None, Some(buf))
     };
@@ -325,7 +321,7 @@ pub(super) fn plan_reduce(
         }
         large_reduce(env, buf, 0, chunks)
     };
-    Plan { name, header, payload, bulk, start: Box::new(start), reply }
+    Plan { name, header, payload, whole, start: Box::new(start), reply }
 }
 
 /// A large exact all_reduce / reduce, processed `per` elements at a time.
@@ -449,7 +445,7 @@ pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply, n: usize) -> P
         let per = (env.params.chunk / n / dtype.size()).max(16);
         scatter_reduce(env, r.input, out, 0, Chunks { dtype, op, len: block, root: None, per })
     };
-    Plan { name: "reduce_scatter", header, payload, bulk: None, start: Box::new(start), reply }
+    Plan { name: "reduce_scatter", header, payload, whole: None, start: Box::new(start), reply }
 }
 
 /// Chunk `[off, off + per)` of every block of a large exact reduce_scatter into `out`, then
@@ -520,7 +516,7 @@ pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply) -> Plan {
             exchange(env)
         }))
     };
-    Plan { name: "all_to_all", header, payload: None, bulk: None, start: Box::new(start), reply }
+    Plan { name: "all_to_all", header, payload: None, whole: None, start: Box::new(start), reply }
 }
 
 // `d` below is each op's completer (`done` builds a finished step).
@@ -588,7 +584,7 @@ impl MpiOp for Broadcast {
             name: Self::NAME,
             header,
             payload,
-            bulk: None,
+            whole: None,
             start: Box::new(start),
             reply: Reply::Buf(d),
         })
@@ -621,7 +617,7 @@ impl MpiOp for AllGather {
             name: Self::NAME,
             header,
             payload,
-            bulk: None,
+            whole: None,
             start: Box::new(start),
             reply: Reply::Io(d),
         })
@@ -669,7 +665,7 @@ impl MpiOp for Scatter {
             name: Self::NAME,
             header,
             payload,
-            bulk: None,
+            whole: None,
             start: Box::new(start),
             reply: Reply::Io(d),
         })
@@ -717,7 +713,7 @@ impl MpiOp for Gather {
             name: Self::NAME,
             header,
             payload,
-            bulk: None,
+            whole: None,
             start: Box::new(start),
             reply: Reply::Io(d),
         })
@@ -742,7 +738,7 @@ impl MpiOp for Barrier {
             name: Self::NAME,
             header: Header::new(Self::KIND, None, 0, None, None),
             payload: None,
-            bulk: None,
+            whole: None,
             start: Box::new(start),
             reply: Reply::Unit(d),
         })
@@ -765,7 +761,7 @@ impl MpiOp for NewGroup {
             name: Self::NAME,
             header,
             payload: None,
-            bulk: None,
+            whole: None,
             start: Box::new(start),
             reply: Reply::Group(d),
         })

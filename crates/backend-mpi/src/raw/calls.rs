@@ -58,22 +58,23 @@ pub(crate) fn bulk_tag() -> i32 {
 }
 
 /// An all-gather of small slots by point-to-point messages: `send` (at most `slot` bytes) goes
-/// to every other rank, and rank `p`'s lands at `p × slot` of `recv` (`size × slot` bytes; ours
-/// is copied). Cheaper than `MPI_Iallgather`, whose schedule (Open MPI's libnbc) costs
+/// to every other rank, and rank `p`'s lands at `p × slot` of `recv` (`size × slot` bytes; the
+/// first `own` bytes of ours are copied there). Cheaper than `MPI_Iallgather`, whose schedule (Open MPI's libnbc) costs
 /// microseconds per call; messages between two ranks on one tag match in order, as the
 /// collectives they start are issued.
 pub(crate) fn iexchange(
     comm: &Comm,
     send: HostBuffer,
     slot: usize,
+    own: usize,
     mut recv: HostBuffer,
 ) -> Result<Request, CommError> {
     let (me, size) = (comm.rank as usize, comm.size as usize);
     let bytes = send.byte_len();
-    if bytes > slot || recv.byte_len() != slot * size {
+    if bytes > slot || own > bytes || recv.byte_len() != slot * size {
         return Err(CommError::invalid("mpi exchange", format!("{bytes} bytes for {size} slots of {slot}")));
     }
-    recv.as_bytes_mut()[me * slot..me * slot + bytes].copy_from_slice(send.as_bytes());
+    recv.as_bytes_mut()[me * slot..me * slot + own].copy_from_slice(&send.as_bytes()[..own]);
     let from: Vec<(usize, usize, usize)> = peers(comm).map(|p| (p, p * slot, slot)).collect();
     imessages(comm, exchange_tag(), Some((send, 0)), Some(recv), &from)
 }
