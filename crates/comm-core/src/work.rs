@@ -80,6 +80,8 @@ struct Slot<T> {
     hook: Option<Hook>,
     /// Where the result goes instead of `result` ([`Work::forward`]).
     forward: Option<Completer<T>>,
+    /// A thread sleeps in [`Work::wait`] (set under the lock before it sleeps).
+    waiting: bool,
 }
 
 impl<T> Shared<T> {
@@ -106,7 +108,14 @@ impl<T: Send + 'static> Work<T> {
     pub fn pending() -> (Completer<T>, Work<T>) {
         let shared = Arc::new(Shared {
             done: AtomicBool::new(false),
-            slot: Mutex::new(Slot { result: None, waker: None, taken: false, hook: None, forward: None }),
+            slot: Mutex::new(Slot {
+                result: None,
+                waker: None,
+                taken: false,
+                hook: None,
+                forward: None,
+                waiting: false,
+            }),
             cond: Condvar::new(),
         });
         (Completer { shared: Some(shared.clone()) }, Work { inner: Inner::Shared(shared) })
@@ -150,6 +159,7 @@ impl<T: Send + 'static> Work<T> {
             Inner::Shared(s) => {
                 let mut slot = s.lock();
                 while slot.result.is_none() && !slot.taken {
+                    slot.waiting = true;
                     slot = s.cond.wait(slot).unwrap_or_else(|e| e.into_inner());
                 }
                 s.take(slot)
@@ -440,7 +450,7 @@ impl<T> Completer<T> {
 
     fn finish(&mut self, result: Result<T, CommError>) {
         let Some(shared) = self.shared.take() else { return };
-        let (waker, forward) = {
+        let (waker, forward, waiting) = {
             let mut slot = shared.lock();
             if let Some(hook) = slot.hook.take() {
                 // Under the lock, so a hook added concurrently is either taken here or sees the
@@ -458,9 +468,13 @@ impl<T> Completer<T> {
                 }
             };
             shared.done.store(true, Ordering::Release);
-            (slot.waker.take(), forward)
+            (slot.waker.take(), forward, slot.waiting)
         };
-        shared.cond.notify_all();
+        // Only when a thread sleeps in `wait`: std's notify is a futex syscall even with no
+        // waiter, a good part of an op that completes on its caller's thread.
+        if waiting {
+            shared.cond.notify_all();
+        }
         if let Some(w) = waker {
             w.wake();
         }

@@ -283,16 +283,8 @@ pub(super) fn plan_reduce(
         }
         let es = dtype.size();
         if len * es * (n - 1) <= env.params.small_max {
-            // Small: gather every input, reduce all of them in rank order.
-            if root.is_none() && env.params.check {
-                // After a completed exchange: MPI's blocking call (see the native case).
-                let mut all = env.buffer(dtype, n * len);
-                raw::allgather(env.comm, &buf, &mut all)?;
-                let mut buf = buf;
-                kernels::reduce(dtype, op, &blocks(&all, n, len), buf.as_bytes_mut());
-                env.recycle(Some(all));
-                return done(buf);
-            }
+            // Small (a checked all_reduce this small came with the exchange): gather every
+            // input, reduce all of them in rank order.
             let all = keep.then(|| env.buffer(dtype, n * len));
             let req = match root {
                 None => raw::iallgather(env.comm, buf, take(all)?)?,

@@ -22,17 +22,6 @@ pub(crate) fn ibcast(comm: &Comm, buf: HostBuffer, root: i32) -> Result<Request,
     })
 }
 
-/// `MPI_Allgather`, blocking (only where every rank is known to be in this same call, as for
-/// [`allreduce`]).
-pub(crate) fn allgather(comm: &Comm, send: &HostBuffer, recv: &mut HostBuffer) -> Result<(), CommError> {
-    let dt = datatype(send.dtype());
-    let n = count("all_gather", send.len())?;
-    assert_eq!(recv.byte_len(), send.byte_len() * comm.size as usize, "allgather: wrong output size");
-    let (s, r) = (send.as_bytes().as_ptr().cast::<c_void>(), recv.as_bytes_mut().as_mut_ptr().cast::<c_void>());
-    // SAFETY: `s` holds `n` elements and `r` `size × n`, both outliving the (blocking) call.
-    check("MPI_Allgather", unsafe { ffi::MPI_Allgather(s, n, dt, r, n, dt, comm.raw) }).map_err(MpiError::into_comm)
-}
-
 /// `MPI_Iallgather`: every rank's `send` (same length) concatenated into `recv`.
 pub(crate) fn iallgather(comm: &Comm, send: HostBuffer, recv: HostBuffer) -> Result<Request, CommError> {
     let dt = datatype(send.dtype());
