@@ -40,10 +40,13 @@ fn pow2_floor(x: usize) -> usize {
     }
 }
 
-/// The collective window: half a core's L2, so a chunk being copied in and the peer chunk being
-/// reduced into it fit together (64 KiB..1 MiB).
+/// The collective window: a core's L2 (64 KiB..1 MiB). Every step of a large op pays a fixed
+/// cost (the synchronisation, and the slower rank's delay on a shared or virtualised machine),
+/// so steps should be long; what a rank reads in a step was just written by its peers and
+/// crosses cores through L3 at any window size. Beyond L2 a step's copies start to evict the
+/// user data the step reads next.
 pub(crate) fn window(l2: usize) -> usize {
-    pow2_floor(l2 / 2).clamp(64 << 10, 1 << 20)
+    pow2_floor(l2).clamp(64 << 10, 1 << 20)
 }
 
 /// The largest one-step all_reduce: every rank reads all `world` inputs and writes its output,
@@ -58,10 +61,10 @@ mod tests {
 
     #[test]
     fn thresholds_follow_the_cache() {
-        // Zen 1/2 (512 KiB L2): 256 KiB windows, one step up to 128 KiB with 2 ranks.
-        assert_eq!((window(512 << 10), small_max(512 << 10, 2)), (256 << 10, 128 << 10));
-        // Zen 4/5 (1 MiB L2): 512 KiB windows, one step up to 256 KiB with 2 ranks, 128 with 4.
-        assert_eq!((window(1 << 20), small_max(1 << 20, 2), small_max(1 << 20, 4)), (512 << 10, 256 << 10, 128 << 10));
+        // Zen 1/2 (512 KiB L2): 512 KiB windows, one step up to 128 KiB with 2 ranks.
+        assert_eq!((window(512 << 10), small_max(512 << 10, 2)), (512 << 10, 128 << 10));
+        // Zen 4/5 (1 MiB L2): 1 MiB windows, one step up to 256 KiB with 2 ranks, 128 with 4.
+        assert_eq!((window(1 << 20), small_max(1 << 20, 2), small_max(1 << 20, 4)), (1 << 20, 256 << 10, 128 << 10));
         // Sapphire Rapids (2 MiB): capped at 1 MiB windows; many ranks: at least 16 KiB.
         assert_eq!((window(2 << 20), small_max(2 << 20, 32)), (1 << 20, 32 << 10));
         assert_eq!(small_max(256 << 10, 1000), 16 << 10);
