@@ -58,7 +58,9 @@ TIMING:
   algbw = size(B) / time; busbw = algbw * factor with factor 2(n-1)/n for all_reduce,
   (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast and reduce.
   GB/s means 10^9 bytes per second. Without --iters, iterations = clamp(4 GiB / size, 5, 10000);
-  without --warmup, warm-up = clamp(iters / 10, 2, 1000).
+  without --warmup, warm-up = clamp(iters / 10, 2, 1000). Before the first row, its op runs
+  untimed for --settle milliseconds (default 500; not with --profile or --trace): a new
+  process's first few hundred milliseconds can run slow on a shared machine.
   Every op reuses its buffers across iterations, as in nccl-tests: ops that read one buffer
   and fill another hand both back.
 
@@ -131,6 +133,10 @@ struct Cli {
     /// Warm-up iterations per row (default: adaptive).
     #[arg(long, short = 'w')]
     warmup: Option<u64>,
+    /// Milliseconds the first row runs untimed before anything is timed (a new process's
+    /// first few hundred milliseconds can run slow on a shared machine; 0: none).
+    #[arg(long, default_value_t = 500, value_name = "MS")]
+    settle: u64,
     /// Write the results as JSON to this file (rank 0).
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
@@ -192,6 +198,7 @@ struct Plan {
     root: u32,
     iters: Option<usize>,
     warmup: Option<usize>,
+    settle: Duration,
     json: Option<PathBuf>,
     baseline: Option<Baseline>,
     progress: progress::Mode,
@@ -251,6 +258,7 @@ impl Plan {
             root: cli.root,
             iters: cli.iters.map(|n| n as usize),
             warmup: cli.warmup.map(|n| n as usize),
+            settle: Duration::from_millis(cli.settle),
             json: cli.json,
             baseline,
             progress: cli.progress,
@@ -417,6 +425,14 @@ async fn bench(plan: &Plan, pg: &ProcessGroup) -> Result<u64, CommError> {
         .flat_map(|&c| plan.dtypes.iter().flat_map(move |&d| plan.sizes.iter().map(move |&s| (c, d, s))))
         .filter(|&(c, d, s)| shape(c, d, s, n).is_some())
         .count();
+    let first = plan
+        .colls
+        .iter()
+        .flat_map(|&c| plan.dtypes.iter().flat_map(move |&d| plan.sizes.iter().map(move |&s| (c, d, s))));
+    if let Some(shape) = first.filter_map(|(c, d, s)| shape(c, d, s, n).map(|sh| (c, d, sh))).next() {
+        let (coll, dtype, shape) = shape;
+        settle(pg, plan, Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n }).await?;
+    }
     let mut progress = progress::Progress::stderr(plan.progress, total, leader);
     let mut rows = Vec::new();
     for &coll in &plan.colls {
@@ -520,6 +536,26 @@ fn print_preamble(plan: &Plan, pg: &ProcessGroup, git_rev: Option<&str>) {
             b.sources(),
             b.len()
         );
+    }
+}
+
+/// Runs `case` untimed for `plan.settle` (rank 0's clock, so every rank runs as many ops):
+/// on shared VMs a new process's first few hundred milliseconds ran 2-3× slow, whatever the
+/// backend, and the rows timed then were outliers.
+async fn settle(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<(), CommError> {
+    // A profile or trace shows the timed ops only.
+    if plan.settle.is_zero() || plan.profile || plan.trace.is_some() {
+        return Ok(());
+    }
+    let batch = plan.iters_for(case.shape.bytes).min(100);
+    let mut slot = Some(Slot::new(&case, case.input()?)?);
+    let start = Instant::now();
+    loop {
+        run_iters(pg, &case, batch, &mut slot, None).await?;
+        let more = u8::from(start.elapsed() < plan.settle);
+        if quiet(|| pg.broadcast(HostBuffer::from_slice(&[more]), 0)).await?.to_vec::<u8>()?[0] == 0 {
+            return Ok(());
+        }
     }
 }
 
