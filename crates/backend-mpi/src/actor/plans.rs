@@ -466,49 +466,94 @@ pub(super) fn scatter_reduce(
     }))
 }
 
-pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply) -> Plan {
-    let dtype = r.input.dtype();
+pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply, n: usize) -> Plan {
+    let (dtype, es) = (r.input.dtype(), r.input.dtype().size());
     let header = Header::new(OpKind::AllToAll, Some(dtype), 0, None, None);
-    let start = move |env: &Env<'_>, _: Option<&mut Exchange>| -> Result<Step, CommError> {
-        let n = env.size;
-        let (ins, outs) = r.splits(n as u32);
+    let (ins, outs) = r.splits(n as u32);
+    // What this rank sends to and expects from each peer: every rank checks every pair, so
+    // all of them reach the same verdict. It rides in the exchange when it fits (2n counts),
+    // after a flag saying whether the input follows it (when that fits too: then, if every
+    // rank's did, the op finishes from the exchange).
+    let row: Vec<i64> = ins.iter().chain(&outs).map(|&c| c as i64).collect();
+    let with_data = 8 + row.len() * 8 + r.input.byte_len() <= inline_max(n);
+    let payload = inline(8 + row.len() * 8, n, || {
+        let mut p = Vec::with_capacity(8 + row.len() * 8 + if with_data { r.input.byte_len() } else { 0 });
+        p.extend_from_slice(&i64::from(with_data).to_ne_bytes());
+        p.extend_from_slice(bytemuck::cast_slice(&row));
+        if with_data {
+            p.extend_from_slice(r.input.as_bytes());
+        }
+        p
+    });
+    let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
         let offsets = |v: &[usize]| -> Vec<(usize, usize)> {
             v.iter().scan(0, |at, &c| Some((std::mem::replace(at, *at + c), c))).collect()
         };
         let (send_parts, recv_parts) = (offsets(&ins), offsets(&outs));
-        let out = r.output.unwrap_or_else(|| env.buffer(dtype, outs.iter().sum()));
+        let mut out = r.output.unwrap_or_else(|| env.buffer(dtype, outs.iter().sum()));
         let input = r.input;
-        let exchange = move |env: &Env<'_>| -> Result<Step, CommError> {
-            let req = raw::ialltoallv(env.comm, input, &send_parts, out, &recv_parts)?;
-            Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
-        };
         if !env.params.check || n == 1 {
-            return exchange(env);
+            return ialltoallv(env, input, &send_parts, out, &recv_parts);
         }
-        // Every rank publishes what it sends to and expects from each peer; all ranks check
-        // every pair, so they agree on the verdict.
-        let row: Vec<i64> = ins.iter().chain(&outs).map(|&c| c as i64).collect();
+        if let Some(ex) = ex {
+            let head = |p: usize| bytemuck::pod_collect_to_vec::<u8, i64>(ex.data(p, 8 + 16 * n));
+            let heads: Vec<Vec<i64>> = (0..n).map(head).collect();
+            let rows: Vec<i64> = heads.iter().flat_map(|h| h[1..].iter().copied()).collect();
+            check_splits(&rows, n)?;
+            if heads.iter().any(|h| h[0] == 0) {
+                return ialltoallv(env, input, &send_parts, out, &recv_parts);
+            }
+            // Every input came with the headers: take our block of each.
+            let me = env.rank;
+            for (p, h) in heads.iter().enumerate() {
+                let sent = &h[1..=n];
+                let at = sent[..me].iter().sum::<i64>() as usize * es;
+                let len = sent[me] as usize * es;
+                let data = &ex.data(p, 8 + 16 * n + at + len)[8 + 16 * n + at..];
+                let (o, l) = recv_parts[p];
+                out.as_bytes_mut()[o * es..(o + l) * es].copy_from_slice(data);
+            }
+            return done_io(input, out);
+        }
+        // A group too large for the rows in its slots: gather them in a round of their own.
         let req = raw::iallgather(env.comm, HostBuffer::from_slice(&row), HostBuffer::zeroed(DType::I64, 2 * n * n))?;
         Ok(wait(req, move |env, b| {
-            let all = take(b.recv)?;
-            let m = all.as_slice::<i64>()?;
-            for i in 0..n {
-                for j in 0..n {
-                    let (sends, expects) = (m[i * 2 * n + j], m[j * 2 * n + n + i]);
-                    if sends != expects {
-                        return Err(CommError::Mismatch {
-                            op: "all_to_all",
-                            detail: format!(
-                                "rank {i} sends {sends} elements to rank {j}, but rank {j}'s output splits expect {expects} from rank {i}"
-                            ),
-                        });
-                    }
-                }
-            }
-            exchange(env)
+            check_splits(take(b.recv)?.as_slice::<i64>()?, n)?;
+            ialltoallv(env, input, &send_parts, out, &recv_parts)
         }))
     };
-    Plan { name: "all_to_all", header, payload: None, whole: None, start: Box::new(start), reply }
+    Plan { name: "all_to_all", header, payload, whole: None, start: Box::new(start), reply }
+}
+
+/// The transfer of an all_to_all.
+fn ialltoallv(
+    env: &Env<'_>,
+    input: HostBuffer,
+    send_parts: &[(usize, usize)],
+    out: HostBuffer,
+    recv_parts: &[(usize, usize)],
+) -> Result<Step, CommError> {
+    let req = raw::ialltoallv(env.comm, input, send_parts, out, recv_parts)?;
+    Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
+}
+
+/// Checks every rank's all_to_all row (`n` send counts, then `n` receive counts, per rank)
+/// against every other's.
+fn check_splits(m: &[i64], n: usize) -> Result<(), CommError> {
+    for i in 0..n {
+        for j in 0..n {
+            let (sends, expects) = (m[i * 2 * n + j], m[j * 2 * n + n + i]);
+            if sends != expects {
+                return Err(CommError::Mismatch {
+                    op: "all_to_all",
+                    detail: format!(
+                        "rank {i} sends {sends} elements to rank {j}, but rank {j}'s output splits expect {expects} from rank {i}"
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 // `d` below is each op's completer (`done` builds a finished step).
@@ -548,8 +593,13 @@ impl MpiOp for ReduceScatter {
 }
 
 impl MpiOp for AllToAll {
-    fn job(self, d: Completer<InOut>, _: &Params, _: usize) -> Job {
-        Job::Collective(plan_all_to_all(self, Reply::Io(d)))
+    /// Its splits fit the exchange: once every rank is in, the rest waits for the transfer.
+    fn direct(&self, _: &Params, size: usize) -> bool {
+        small(16 * size, size)
+    }
+
+    fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
+        Job::Collective(plan_all_to_all(self, Reply::Io(d), n))
     }
 }
 
