@@ -2,7 +2,9 @@
 //! time ratio of each backend to the first. A backend may come with several reports (rounds of
 //! the same run, interleaved with the other backends' by `cargo xtask bench --rounds N`): each
 //! row then shows the median round and the spread (slowest / fastest round), so a machine that
-//! changed speed during the run shows up as spread instead of as a false ratio.
+//! changed speed during the run shows up as spread instead of as a false ratio, and a second
+//! ratio of the fastest rounds (a slow period that caught most of one backend's rounds of a row
+//! moves the median, but rarely every round).
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -25,6 +27,8 @@ struct Cell {
     median: SavedRow,
     /// Slowest round's time over the fastest's.
     spread: f64,
+    /// The fastest round's time.
+    best: f64,
     wrong: u64,
 }
 
@@ -47,6 +51,7 @@ fn merge(rounds: &[SavedReport]) -> Vec<(Key, Cell)> {
             let cell = Cell {
                 median: all[all.len() / 2].clone(),
                 spread: if fast > 0.0 { slow / fast } else { 1.0 },
+                best: fast,
                 wrong: all.iter().filter_map(|o| o.wrong).sum(),
             };
             (key, cell)
@@ -79,6 +84,9 @@ pub(crate) fn table(series: &[(String, Vec<SavedReport>)]) -> String {
     }
     let other = series.get(1).map_or("x", |x| x.0.as_str());
     let _ = writeln!(s, "# {other}/{base} = time({other}) / time({base}): above 1, {base} is faster");
+    if rounds > 1 {
+        let _ = writeln!(s, "# `best`: the same ratio of each backend's fastest round");
+    }
     let mut head = format!("#{:>13} {:>6} {:>12}", "op", "type", "size(B)");
     for (b, _) in series {
         let _ = write!(head, " | {:>11} {:>9}", format!("{b} time"), format!("{b} bw"));
@@ -88,6 +96,9 @@ pub(crate) fn table(series: &[(String, Vec<SavedReport>)]) -> String {
     }
     for (b, _) in &series[1..] {
         let _ = write!(head, " | {:>9}", format!("{b}/{base}"));
+        if rounds > 1 {
+            let _ = write!(head, " {:>5}", "best");
+        }
     }
     let _ = writeln!(s, "{head}");
     let mut wrong = 0;
@@ -102,7 +113,7 @@ pub(crate) fn table(series: &[(String, Vec<SavedReport>)]) -> String {
                     if rounds > 1 {
                         let _ = write!(line, " {:>6.2}", c.spread);
                     }
-                    times.push(Some(c.median.time_us));
+                    times.push(Some((c.median.time_us, c.best)));
                 }
                 None => {
                     let _ = write!(line, " | {:>11} {:>9}", "-", "-");
@@ -114,11 +125,14 @@ pub(crate) fn table(series: &[(String, Vec<SavedReport>)]) -> String {
             }
         }
         for t in &times[1..] {
-            let ratio = match (times[0], t) {
-                (Some(a), Some(b)) if a > 0.0 => format!("{:.2}", b / a),
+            let ratio = |f: fn((f64, f64)) -> f64| match (times[0], t) {
+                (Some(a), Some(b)) if f(a) > 0.0 => format!("{:.2}", f(*b) / f(a)),
                 _ => "-".to_owned(),
             };
-            let _ = write!(line, " | {ratio:>9}");
+            let _ = write!(line, " | {:>9}", ratio(|t| t.0));
+            if rounds > 1 {
+                let _ = write!(line, " {:>5}", ratio(|t| t.1));
+            }
         }
         let _ = writeln!(s, "{line}");
     }
@@ -195,6 +209,8 @@ mod tests {
         assert_eq!(cells[6], "3.00", "{line}");
         assert_eq!(cells[8], "4.00", "{line}");
         assert_eq!(cells[10], "1.00", "{line}");
-        assert_eq!(*cells.last().unwrap(), "2.00", "{line}");
+        // median ratio 4 / 2, fastest rounds' 4 / 1.
+        assert_eq!(cells[12], "2.00", "{line}");
+        assert_eq!(cells[13], "4.00", "{line}");
     }
 }
