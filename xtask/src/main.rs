@@ -56,7 +56,8 @@ commands:
       --rounds N       run every backend N times, interleaved (shm, mpi-raw, shm, ...; JSON
                        reports PATH...rK...); the table shows each row's median round and its
                        spread (slowest / fastest round), so a machine that changes speed
-                       during the run shows as spread, not as a false ratio
+                       during the run shows as spread, not as a false ratio, and the ratio of
+                       the fastest rounds (`best`)
       --op LIST        all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,reduce or all
                        (default all_reduce)
       --dtype LIST     f32,bf16,f16,f64,i32,i64,i8,u8 or all (default f32)
