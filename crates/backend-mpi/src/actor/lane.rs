@@ -155,7 +155,7 @@ pub(super) fn exchange_direct(
             }
             Polled::Failed { err, .. } => return Err(err.into_comm()),
             // The clock read only every 16th poll: it costs about as much as a poll.
-            Polled::Pending if polls % 16 != 0 || started.elapsed() < lane.spin => std::hint::spin_loop(),
+            Polled::Pending if !polls.is_multiple_of(16) || started.elapsed() < lane.spin => std::hint::spin_loop(),
             Polled::Pending if yields < DIRECT_YIELDS => {
                 yields += 1;
                 std::thread::yield_now();

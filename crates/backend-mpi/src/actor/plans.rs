@@ -163,6 +163,19 @@ pub struct Plan {
     pub(super) reply: Reply,
 }
 
+impl Plan {
+    /// An op's plan whose exchange carries at most `payload` (not an all_reduce's whole input).
+    pub(super) fn new(
+        name: &'static str,
+        header: Header,
+        payload: Option<Vec<u8>>,
+        start: impl FnOnce(&Env<'_>, Option<&mut Exchange>) -> Result<Step, CommError> + Send + 'static,
+        reply: Reply,
+    ) -> Plan {
+        Plan { name, header, payload, whole: None, start: Box::new(start), reply }
+    }
+}
+
 /// The payload of an op whose data (`bytes` on every rank, by the header) fits the exchange of
 /// a group of `n`.
 pub(super) fn inline(bytes: usize, n: usize, data: impl FnOnce() -> Vec<u8>) -> Option<Vec<u8>> {
@@ -437,7 +450,7 @@ pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply, n: usize) -> P
         let per = (env.params.chunk / n / dtype.size()).max(16);
         scatter_reduce(env, r.input, out, 0, Chunks { dtype, op, len: block, root: None, per })
     };
-    Plan { name: "reduce_scatter", header, payload, whole: None, start: Box::new(start), reply }
+    Plan::new("reduce_scatter", header, payload, start, reply)
 }
 
 /// Chunk `[off, off + per)` of every block of a large exact reduce_scatter into `out`, then
@@ -522,7 +535,7 @@ pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply, n: usize) -> Plan {
             ialltoallv(env, input, &send_parts, out, &recv_parts)
         }))
     };
-    Plan { name: "all_to_all", header, payload, whole: None, start: Box::new(start), reply }
+    Plan::new("all_to_all", header, payload, start, reply)
 }
 
 /// The transfer of an all_to_all.
@@ -622,14 +635,7 @@ impl MpiOp for Broadcast {
             let req = raw::ibcast(env.comm, buf, root as i32)?;
             Ok(wait(req, |_, b| done(take(b.recv)?)))
         };
-        Job::Collective(Plan {
-            name: Self::NAME,
-            header,
-            payload,
-            whole: None,
-            start: Box::new(start),
-            reply: Reply::Buf(d),
-        })
+        Job::Collective(Plan::new(Self::NAME, header, payload, start, Reply::Buf(d)))
     }
 }
 
@@ -655,14 +661,7 @@ impl MpiOp for AllGather {
             let req = raw::iallgather(env.comm, input, out)?;
             Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
         };
-        Job::Collective(Plan {
-            name: Self::NAME,
-            header,
-            payload,
-            whole: None,
-            start: Box::new(start),
-            reply: Reply::Io(d),
-        })
+        Job::Collective(Plan::new(Self::NAME, header, payload, start, Reply::Io(d)))
     }
 }
 
@@ -703,14 +702,7 @@ impl MpiOp for Scatter {
                 done_io(input, take(b.recv)?)
             }))
         };
-        Job::Collective(Plan {
-            name: Self::NAME,
-            header,
-            payload,
-            whole: None,
-            start: Box::new(start),
-            reply: Reply::Io(d),
-        })
+        Job::Collective(Plan::new(Self::NAME, header, payload, start, Reply::Io(d)))
     }
 }
 
@@ -751,14 +743,7 @@ impl MpiOp for Gather {
                 done_io(take(b.send)?, output)
             }))
         };
-        Job::Collective(Plan {
-            name: Self::NAME,
-            header,
-            payload,
-            whole: None,
-            start: Box::new(start),
-            reply: Reply::Io(d),
-        })
+        Job::Collective(Plan::new(Self::NAME, header, payload, start, Reply::Io(d)))
     }
 }
 
@@ -776,14 +761,13 @@ impl MpiOp for Barrier {
             }
             Ok(wait(raw::ibarrier(env.comm)?, |_, _| Ok(Step::Done(Out::Unit))))
         };
-        Job::Collective(Plan {
-            name: Self::NAME,
-            header: Header::new(Self::KIND, None, 0, None, None),
-            payload: None,
-            whole: None,
-            start: Box::new(start),
-            reply: Reply::Unit(d),
-        })
+        Job::Collective(Plan::new(
+            Self::NAME,
+            Header::new(Self::KIND, None, 0, None, None),
+            None,
+            start,
+            Reply::Unit(d),
+        ))
     }
 }
 
@@ -799,14 +783,7 @@ impl MpiOp for NewGroup {
             let comm = env.comm.split(key).map_err(raw::MpiError::into_comm)?;
             Ok(Step::Done(Out::Comm(comm)))
         };
-        Job::Collective(Plan {
-            name: Self::NAME,
-            header,
-            payload: None,
-            whole: None,
-            start: Box::new(start),
-            reply: Reply::Group(d),
-        })
+        Job::Collective(Plan::new(Self::NAME, header, None, start, Reply::Group(d)))
     }
 }
 

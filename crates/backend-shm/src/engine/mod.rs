@@ -174,6 +174,9 @@ pub struct Engine {
     poisoned: Option<String>,
 
     step: u64,
+    /// Every peer was seen to have published this step (a fact that stays true: steps only
+    /// grow), so the next inline op need not read their step counters again.
+    all_at: u64,
     seq: u64,
     phase: Phase,
     op: &'static str,
@@ -229,6 +232,7 @@ impl Engine {
             poison,
             poisoned: None,
             step: 0,
+            all_at: 0,
             seq: 0,
             phase: Phase::Idle,
             op: "",
