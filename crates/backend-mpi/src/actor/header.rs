@@ -290,6 +290,18 @@ pub(super) struct OpLabel {
     pub(super) direct: bool,
 }
 
+impl OpLabel {
+    /// The error of a failed request of this op: a truncated receive means a peer sent more
+    /// than this rank expected, so the ranks called different ops or sizes.
+    pub(super) fn failed(self, err: raw::MpiError) -> CommError {
+        if err.is_truncation() {
+            CommError::Mismatch { op: self.name, detail: format!("{self}: ranks passed different sizes ({err})") }
+        } else {
+            err.into_comm()
+        }
+    }
+}
+
 impl std::fmt::Display for OpLabel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.direct {

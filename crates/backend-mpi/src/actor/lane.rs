@@ -146,14 +146,7 @@ pub(super) fn exchange_direct(
             Polled::Done(_) => {
                 break req.into_bufs().ok_or_else(|| internal("a completed request kept its buffers"))?
             }
-            // A peer's slot longer than ours: it called another op (or size).
-            Polled::Failed { err, .. } if err.is_truncation() => {
-                return Err(CommError::Mismatch {
-                    op: what.name,
-                    detail: format!("{what}: ranks passed different sizes ({err})"),
-                })
-            }
-            Polled::Failed { err, .. } => return Err(err.into_comm()),
+            Polled::Failed { err, .. } => return Err(what.failed(err)),
             // The clock read only every 16th poll: it costs about as much as a poll.
             Polled::Pending if !polls.is_multiple_of(16) || started.elapsed() < lane.spin => std::hint::spin_loop(),
             Polled::Pending if yields < DIRECT_YIELDS => {
@@ -175,7 +168,7 @@ pub(super) fn exchange_direct(
                 Polled::Done(_) => {
                     break req.into_bufs().ok_or_else(|| internal("a completed request kept its buffers"))?
                 }
-                Polled::Failed { err, .. } => return Err(err.into_comm()),
+                Polled::Failed { err, .. } => return Err(what.failed(err)),
                 Polled::Pending if started.elapsed() >= lane.params.timeout => {
                     // The request stays with MPI: dropping it leaks its buffers (raw rule 3).
                     return Err(CommError::Timeout {

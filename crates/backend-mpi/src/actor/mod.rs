@@ -436,14 +436,7 @@ impl Actor {
                     Polled::Failed { err, completed } => {
                         any = true;
                         let a = g.active.take().expect("active checked above");
-                        let e = if err.is_truncation() {
-                            CommError::Mismatch {
-                                op: a.what.name,
-                                detail: format!("{}: ranks passed different sizes ({err})", a.what),
-                            }
-                        } else {
-                            err.into_comm()
-                        };
+                        let e = a.what.failed(err);
                         if !completed {
                             bury(a.req, &mut self.graveyard);
                         }
