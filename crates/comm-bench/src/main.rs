@@ -419,18 +419,16 @@ async fn bench(plan: &Plan, pg: &ProcessGroup) -> Result<u64, CommError> {
         print_preamble(plan, pg, git_rev.as_deref());
     }
     let start = report::timestamp();
-    let total = plan
-        .colls
-        .iter()
-        .flat_map(|&c| plan.dtypes.iter().flat_map(move |&d| plan.sizes.iter().map(move |&s| (c, d, s))))
-        .filter(|&(c, d, s)| shape(c, d, s, n).is_some())
-        .count();
-    let first = plan
-        .colls
-        .iter()
-        .flat_map(|&c| plan.dtypes.iter().flat_map(move |&d| plan.sizes.iter().map(move |&s| (c, d, s))));
-    if let Some(shape) = first.filter_map(|(c, d, s)| shape(c, d, s, n).map(|sh| (c, d, sh))).next() {
-        let (coll, dtype, shape) = shape;
+    // Every row the plan times, in order.
+    let planned = || {
+        plan.colls.iter().flat_map(move |&c| {
+            plan.dtypes
+                .iter()
+                .flat_map(move |&d| plan.sizes.iter().filter_map(move |&s| Some((c, d, shape(c, d, s, n)?))))
+        })
+    };
+    let total = planned().count();
+    if let Some((coll, dtype, shape)) = planned().next() {
         settle(pg, plan, Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n }).await?;
     }
     let mut progress = progress::Progress::stderr(plan.progress, total, leader);
