@@ -15,8 +15,8 @@ use bytemuck::{Pod, Zeroable};
 
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"commshm1");
 /// Raised when the segment layout or the step protocol changes (3: header step word written
-/// last, data right after the header).
-pub(crate) const VERSION: u32 = 3;
+/// last, data right after the header; 4: small data in the header).
+pub(crate) const VERSION: u32 = 4;
 
 pub(crate) const OFF_MAGIC: usize = 0;
 pub(crate) const OFF_VERSION: usize = 8;
@@ -133,8 +133,18 @@ pub(crate) struct StepHeader {
     pub(crate) op: u8,
     pub(crate) dtype: u8,
     pub(crate) redop: u8,
-    pub(crate) _pad: [u8; 25],
+    pub(crate) _pad: u8,
+    /// The data of a one-step op that writes at most [`CARRIED`] bytes (then not in the
+    /// window): it reaches a peer in the line the peer polls, one cache-line transfer per
+    /// rank and step instead of two. Zero otherwise; never compared between ranks.
+    pub(crate) data: [u8; CARRIED],
 }
+
+/// Bytes of data a step header carries (the header's 64 bytes less its 40 of fields).
+pub(crate) const CARRIED: usize = 24;
+
+/// Offset of [`StepHeader::data`] in the header.
+pub(crate) const CARRIED_AT: usize = HDR - CARRIED;
 
 /// Header of one mailbox chunk.
 #[repr(C)]
@@ -150,6 +160,7 @@ pub(crate) struct MsgHeader {
 }
 
 const _: () = assert!(size_of::<StepHeader>() == HDR && size_of::<MsgHeader>() == HDR);
+const _: () = assert!(std::mem::offset_of!(StepHeader, data) == CARRIED_AT);
 
 impl StepHeader {
     /// The header's bytes after `step` (which is written separately, atomically).

@@ -115,7 +115,7 @@ fn mismatches_across_ranks() {
     multiprocess::run(2, "mismatches_across_ranks", T, || async {
         let rank = pg_rank();
         let world = connect().await?;
-        for case in 0..4 {
+        for case in 0..6 {
             // A fresh sub-group per case: a mismatch poisons only the group it happened in.
             let pg = world.new_group(&[0, 1]).await.map_err(|e| e.to_string())?.ok_or("not a member")?;
             let r = match (case, rank) {
@@ -125,6 +125,12 @@ fn mismatches_across_ranks() {
                 (1, _) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 9), ReduceOp::Sum).await,
                 (2, 0) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 8), ReduceOp::Sum).await,
                 (2, _) => pg.broadcast(HostBuffer::zeroed(DType::F32, 8), 0).await,
+                // Data small enough to travel in the step header: there too a different op,
+                // and one rank's op carried while the other's is not.
+                (3, 0) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 2), ReduceOp::Sum).await,
+                (3, _) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 2), ReduceOp::Max).await,
+                (4, 0) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 2), ReduceOp::Sum).await,
+                (4, _) => pg.all_reduce(HostBuffer::zeroed(DType::F32, 16), ReduceOp::Sum).await,
                 // Uneven all_to_all whose splits disagree: rank 0 sends 3 to rank 1, which
                 // expects 2 from it.
                 (_, 0) => pg.all_to_all_single_uneven(HostBuffer::zeroed(DType::I32, 4), vec![1, 3], vec![1, 2]).await,

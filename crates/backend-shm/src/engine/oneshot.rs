@@ -87,6 +87,19 @@ impl OneShot {
         }
     }
 
+    /// Whether the op's data travels in the step header (see [`StepHeader::data`]): what it
+    /// writes into the window is at most its input.
+    fn carried(&self) -> bool {
+        let bytes = match self {
+            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf.byte_len(),
+            OneShot::AllGather { input, .. }
+            | OneShot::ReduceScatter { input, .. }
+            | OneShot::AllToAll { input, .. } => input.byte_len(),
+            OneShot::Barrier => 0,
+        };
+        bytes <= CARRIED
+    }
+
     pub(super) fn io(&mut self, me: usize, io: Io<'_>) {
         match (self, io) {
             (OneShot::AllReduce { buf, .. }, Io::Write(w)) => w[..buf.byte_len()].copy_from_slice(buf.as_bytes()),
@@ -199,10 +212,12 @@ impl Engine {
         }
         self.seq += 1;
         self.op = op.name();
-        let hdr = op.header(self);
+        let hdr = self.oneshot_header(&mut op);
         self.write_header(k, &hdr);
         self.phase = Phase::Writable(k);
-        op.io(self.rank, Io::Write(self.window_mut(k)));
+        if !op.carried() {
+            op.io(self.rank, Io::Write(self.window_mut(k)));
+        }
         self.announce(k);
         // The clock is first read after 64 polls, then every 64th: a read costs as much as a
         // few polls, and most ops are done before (the budget starts a few polls late).
@@ -264,13 +279,29 @@ impl Engine {
             self.poison_with(&e);
             return Err(e);
         }
+        self.read_phase(op, k);
+        Ok(())
+    }
+
+    /// The op's read of readable step `k`, which ends the step.
+    fn read_phase(&mut self, op: &mut OneShot, k: u64) {
         let me = self.rank;
-        {
+        if op.carried() {
+            op.io(me, Io::Read(&self.carried_views(k), &mut []));
+        } else {
             let (views, next) = self.views(k);
             op.io(me, Io::Read(&views, next));
         }
         self.phase = Phase::Idle;
-        Ok(())
+    }
+
+    /// The op's step header, with its data when the header carries it.
+    fn oneshot_header(&self, op: &mut OneShot) -> StepHeader {
+        let mut hdr = op.header(self);
+        if op.carried() {
+            op.io(self.rank, Io::Write(&mut hdr.data));
+        }
+        hdr
     }
 
     /// A one-step op on the worker (or one that could not run inline).
@@ -278,9 +309,13 @@ impl Engine {
         if self.world == 1 {
             return Ok(op.alone());
         }
-        let hdr = op.header(self);
-        let me = self.rank;
-        self.step(&hdr, |io| op.io(me, io))?;
+        let hdr = self.oneshot_header(&mut op);
+        let k = self.begin(&hdr)?;
+        if !op.carried() {
+            op.io(self.rank, Io::Write(self.window_mut(k)));
+        }
+        self.publish(k, &hdr)?;
+        self.read_phase(&mut op, k);
         Ok(op)
     }
 }

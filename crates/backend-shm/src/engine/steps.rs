@@ -149,7 +149,7 @@ impl Engine {
                     detail: format!("rank {p} is out of step (at step {}, expected {k})", theirs.step),
                 });
             }
-            if (StepHeader { step: k, ..*hdr }) != theirs {
+            if (StepHeader { step: k, data: theirs.data, ..*hdr }) != theirs {
                 return Err(CommError::Mismatch {
                     op: self.op,
                     detail: format!(
@@ -178,6 +178,16 @@ impl Engine {
         // them published `k`; it is a different range from every slice above.
         let next = unsafe { self.me().bytes_mut(self.lay.step_data(k + 1), self.lay.window) };
         (views, next)
+    }
+
+    /// The data every rank's header of step `k` carries (index = rank), while step `k` is
+    /// readable.
+    pub(super) fn carried_views(&self, k: u64) -> Views<'_> {
+        assert!(matches!(self.phase, Phase::Readable(s) if s == k), "carried_views outside the read phase of step {k}");
+        let off = self.lay.step_header(k) + CARRIED_AT;
+        // SAFETY: as for `views`: every rank published `k` and none rewrites its header
+        // `k % 2` before all of us publish `k + 1`, which needs `&mut self`.
+        self.segs.iter().map(|s| unsafe { s.bytes(off, CARRIED) }).collect()
     }
 
     /// One step: `io(Io::Write(our buffer))`, publish and check, then
