@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::{Acquire, Release, SeqCst};
 use std::sync::mpsc::{Receiver, TryRecvError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, TryLockError};
 use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
@@ -400,45 +400,68 @@ impl Engine {
 pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
     let lock = || engine.lock().unwrap_or_else(|p| p.into_inner());
     let mut broken = false;
+    // One turn under the lock; `None` when `wait` is false and a caller holds the engine.
     // A small op's caller is woken only once the lock is released: woken under it, the caller
     // would find the engine busy and queue its next op for the worker too, and the ranks would
     // keep handing small ops to their workers (a thread hop each) instead of running them inline.
-    let mut work = || {
+    let mut work = |wait: bool| {
         let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let mut engine = lock();
+            let mut engine = match engine.try_lock() {
+                Ok(g) => g,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) if wait => lock(),
+                Err(TryLockError::WouldBlock) => return None,
+            };
             let flow = if broken { engine.drain_after_panic() } else { engine.work() };
             let finished = engine.finished.take();
             drop(engine);
             if let Some((done, r)) = finished {
                 done.complete(r);
             }
-            flow
+            Some(flow)
         }));
         turn.unwrap_or_else(|payload| {
             // A bug, not a peer's fault: contain it so this rank fails cleanly (peers told,
             // pending ops failed, shutdown answered) instead of going half-alive.
             broken |= !lock().contain_panic(&comm_core::panic_message(&*payload));
-            Flow::Busy
+            Some(Flow::Busy)
         })
     };
+    // The doorbell's value when a turn last found nothing to do. Until it rings again, a
+    // caller holding the engine lock means the caller is running a small op inline, and the
+    // worker's periodic turn is skipped rather than waited for: a worker blocked on the lock
+    // would be woken by every unlock, lose the lock to the caller's next op, and sleep again,
+    // over and over, each time on the core where a peer's caller spins (16 µs stalls).
+    let mut quiet_at = None;
     loop {
         let bell = me.u32_at(OFF_DOORBELL);
         let seen = bell.load(SeqCst);
-        let wait_for = match work() {
-            Flow::Exit => return,
-            Flow::Busy => continue,
-            Flow::Idle => SLEEP_PEERS,
-            Flow::Quiet => SLEEP_LOCAL,
+        let wait = quiet_at != Some(seen);
+        let wait_for = match work(wait) {
+            Some(Flow::Exit) => return,
+            Some(Flow::Busy) => {
+                quiet_at = None;
+                continue;
+            }
+            Some(Flow::Idle) => {
+                quiet_at = None;
+                SLEEP_PEERS
+            }
+            Some(Flow::Quiet) => {
+                quiet_at = Some(seen);
+                SLEEP_LOCAL
+            }
+            None => SLEEP_LOCAL,
         };
         // Announce the sleep, then look once more: a peer that published before seeing the
         // flag is visible now; one that publishes later rings the bell.
         me.u32_at(OFF_SLEEPING).store(wait_for, SeqCst);
-        let flow = work();
-        if matches!(flow, Flow::Idle | Flow::Quiet) {
+        let flow = work(wait_for == SLEEP_PEERS);
+        if matches!(flow, Some(Flow::Idle | Flow::Quiet) | None) {
             futex_wait(bell, seen, Duration::from_millis(10));
         }
         me.u32_at(OFF_SLEEPING).store(0, SeqCst);
-        if matches!(flow, Flow::Exit) {
+        if matches!(flow, Some(Flow::Exit)) {
             return;
         }
     }
