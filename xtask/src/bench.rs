@@ -319,6 +319,17 @@ fn baseline_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
 }
 
 /// Where a backend's report goes when the user gave no `--json`.
+/// Whether shm and mpi-raw run in one process per round (under mpirun), interleaved within
+/// every row (`comm-bench --interleave mpi-raw`): on a machine whose speed changes for seconds
+/// at a time, separate processes compare whichever ran in a fast stretch. Not with flags that
+/// apply to one backend only, nor on simulated hosts.
+fn interleaved(b: &BenchArgs) -> bool {
+    let one_backend_only = ["--profile", "--profile-overhead", "--trace", "--zero-copy"];
+    b.hosts.is_none()
+        && ["shm", "mpi-raw"].iter().all(|k| b.backends.iter().any(|x| x == k))
+        && !b.forward.iter().any(|a| one_backend_only.contains(&a.split('=').next().unwrap_or_default()))
+}
+
 fn scratch(target: &Path, backend: &str) -> PathBuf {
     target.join("xtask-bench").join(format!("{backend}.json"))
 }
@@ -403,26 +414,37 @@ pub(crate) fn bench(args: &[String]) -> Result {
     for &np in &b.nps {
         let mut np_reports: Vec<(String, PathBuf, u32)> = Vec::new();
         let runs = (1..=b.rounds).flat_map(|round| b.backends.iter().map(move |k| (round, k)));
+        let pair = interleaved(&b);
         for (round, backend) in runs {
+            if pair && backend == "mpi-raw" {
+                // Its rows came from the round's shm run.
+                continue;
+            }
+            let together = pair && backend == "shm";
             // With several rank counts each gets its own report (`PATH.npN...`).
             let json_base = b.json.as_ref().map(|p| match b.nps.len() {
                 1 => p.clone(),
                 _ => PathBuf::from(format!("{}.np{np}", p.display())),
             });
-            let json = match &json_base {
-                Some(p) => Some(json_path(p, backend, several)),
-                None if several || b.rounds > 1 || b.svg.is_some() => Some(scratch(&target_root, backend)),
-                None => None,
-            }
-            .map(|p| if b.rounds > 1 { round_path(&p, round) } else { p });
+            let json_for = |backend: &str| {
+                match &json_base {
+                    Some(p) => Some(json_path(p, backend, several)),
+                    None if several || b.rounds > 1 || b.svg.is_some() => Some(scratch(&target_root, backend)),
+                    None => None,
+                }
+                .map(|p| if b.rounds > 1 { round_path(&p, round) } else { p })
+            };
+            // Interleaved, comm-bench writes each backend's report where `{backend}` says.
+            let json = json_for(if together { "{backend}" } else { backend });
+            let what = if together { "shm and mpi-raw interleaved".to_owned() } else { backend.clone() };
             let label = match b.rounds {
-                1 => format!("bench {backend}, {np} ranks"),
-                n => format!("bench {backend}, {np} ranks, round {round} of {n}"),
+                1 => format!("bench {what}, {np} ranks"),
+                n => format!("bench {what}, {np} ranks, round {round} of {n}"),
             };
             let r = step(&label, || {
                 let mut c = if let Some(h) = &hosts {
                     h.mpirun()
-                } else if mpi_launched(backend) {
+                } else if mpi_launched(backend) || together {
                     mpi::mpirun(np)
                 } else {
                     let mut c = Command::new(target.join("commrun"));
@@ -438,6 +460,9 @@ pub(crate) fn bench(args: &[String]) -> Result {
                     c.arg("--baseline").arg(p);
                 }
                 c.args(&b.forward);
+                if together {
+                    c.args(["--interleave", "mpi-raw"]);
+                }
                 if let Some(p) = &json {
                     if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
                         let _ = std::fs::create_dir_all(dir);
@@ -451,6 +476,11 @@ pub(crate) fn bench(args: &[String]) -> Result {
                 }
             });
             match r {
+                Ok(()) if together => {
+                    for k in ["shm", "mpi-raw"] {
+                        np_reports.extend(json_for(k).map(|p| (k.to_owned(), p, round)));
+                    }
+                }
                 Ok(()) => np_reports.extend(json.map(|p| (backend.clone(), p, round))),
                 Err(e) => {
                     eprintln!("xtask: {}", e.msg);
@@ -617,6 +647,16 @@ mod tests {
         let e = baseline_files(&[dir.join("three.json")]).unwrap_err().msg;
         assert!(e.contains("three.json: no such report") && e.contains("three.<backend>.json"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn shm_and_mpi_raw_are_interleaved_where_they_can_be() {
+        assert!(interleaved(&parse_bench(&args("--backend shm,mpi,mpi-raw --rounds 3")).unwrap()));
+        assert!(!interleaved(&parse_bench(&args("--backend shm,mpi")).unwrap()));
+        assert!(!interleaved(&parse_bench(&args("--backend mpi,mpi-raw")).unwrap()));
+        assert!(!interleaved(&parse_bench(&args("--backend shm,mpi-raw --profile")).unwrap()));
+        assert!(!interleaved(&parse_bench(&args("--backend shm,mpi-raw --trace t.json")).unwrap()));
+        assert!(!interleaved(&parse_bench(&args("--backend shm,mpi-raw -- --zero-copy")).unwrap()));
     }
 
     #[test]

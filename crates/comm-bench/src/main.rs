@@ -31,6 +31,10 @@ use cases::{shape, Case, Coll};
 use report::Row;
 
 /// Default timed iterations move about this many bytes per row...
+/// Slices of a row's timed iterations when backends are interleaved: enough that each
+/// backend's share spans the row, few enough that a slice's barrier costs nothing.
+const SLICES: usize = 8;
+
 const TARGET_BYTES: usize = 4 << 30;
 /// ...within these bounds.
 const ITERS_MIN: usize = 5;
@@ -170,6 +174,14 @@ struct Cli {
     /// latency-bound users (inference) care about.
     #[arg(long)]
     percentiles: bool,
+    /// Also time every row on BACKEND (only `mpi-raw`: start comm-bench with `mpirun`), in
+    /// slices that alternate with this backend's within the row, so that both see the same
+    /// machine: on a shared machine whose speed changes by 2x for seconds at a time, runs of
+    /// one backend after the other compare whichever was lucky. Each backend's rows are
+    /// printed (the other's marked with its name) and, with --json, written to PATH with
+    /// `{backend}` replaced by the backend's name.
+    #[arg(long, value_name = "BACKEND")]
+    interleave: Option<String>,
     /// Write a per-rank timeline of every benchmarked op to PATH as Chrome trace-event JSON
     /// (opens in Perfetto or chrome://tracing), one track per rank, clocks aligned across
     /// ranks; rank 0 writes the merged file (feature `profiling`).
@@ -212,6 +224,8 @@ struct Plan {
     #[cfg_attr(not(feature = "profiling"), allow(dead_code))]
     trace: Option<PathBuf>,
     percentiles: bool,
+    /// `--interleave mpi-raw`.
+    interleave: bool,
 }
 
 impl Plan {
@@ -249,6 +263,21 @@ impl Plan {
                 .into());
         }
         let baseline = if cli.baseline.is_empty() { None } else { Some(Baseline::load(&cli.baseline)?) };
+        let interleave = match cli.interleave.as_deref().map(str::trim) {
+            None => false,
+            Some("mpi-raw") => {
+                if cli.profile || cli.profile_overhead || cli.trace.is_some() || cli.zero_copy {
+                    return Err("--interleave: --profile, --profile-overhead, --trace and --zero-copy apply to one \
+                         backend only"
+                        .into());
+                }
+                if cli.json.as_ref().is_some_and(|p| !p.to_string_lossy().contains("{backend}")) {
+                    return Err("--interleave writes a report per backend: put `{backend}` in the --json path".into());
+                }
+                true
+            }
+            Some(other) => return Err(format!("--interleave takes `mpi-raw`, not `{other}`")),
+        };
         Ok(Plan {
             colls,
             dtypes,
@@ -268,6 +297,7 @@ impl Plan {
             trace: cli.trace,
             percentiles: cli.percentiles,
             zero_copy: cli.zero_copy,
+            interleave,
         })
     }
 
@@ -344,8 +374,35 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
         #[cfg(feature = "mpi-raw")]
         {
             let pg = rawmpi::init()?;
-            let wrong = bench(plan, &pg).await?;
+            let wrong = bench(plan, std::slice::from_ref(&pg)).await?;
             pg.barrier().await?;
+            return Ok(wrong);
+        }
+        #[cfg(not(feature = "mpi-raw"))]
+        return Err(CommError::Unavailable {
+            backend: "mpi-raw",
+            why: "comm-bench was built without the `mpi-raw` feature (`cargo xtask bench --backend mpi-raw` builds it)"
+                .into(),
+        });
+    }
+    if plan.interleave {
+        #[cfg(feature = "mpi-raw")]
+        {
+            let raw = rawmpi::init()?;
+            let pg = comm_api::init(Config::from_env()?).await?;
+            if (pg.rank(), pg.world_size()) != (raw.rank(), raw.world_size()) {
+                return Err(CommError::Config(format!(
+                    "--interleave: rank {} of {} here is MPI's rank {} of {}",
+                    pg.rank(),
+                    pg.world_size(),
+                    raw.rank(),
+                    raw.world_size()
+                )));
+            }
+            let wrong = bench(plan, &[pg.clone(), raw.clone()]).await?;
+            quiet(|| pg.barrier()).await?;
+            pg.shutdown().await?;
+            raw.barrier().await?;
             return Ok(wrong);
         }
         #[cfg(not(feature = "mpi-raw"))]
@@ -383,7 +440,7 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
         pg.shutdown().await?;
         return Ok(0);
     }
-    let wrong = bench(plan, &pg).await?;
+    let wrong = bench(plan, std::slice::from_ref(&pg)).await?;
     #[cfg(feature = "profiling")]
     if let Some(logger) = logger {
         // Collective: every rank takes part; rank 0 prints.
@@ -402,9 +459,11 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
     Ok(wrong)
 }
 
-/// Benchmarks every row of the plan on `pg` and prints (rank 0) the table and its footer;
-/// returns the number of wrong elements over every row and rank.
-async fn bench(plan: &Plan, pg: &ProcessGroup) -> Result<u64, CommError> {
+/// Benchmarks every row of the plan on each of `pgs` (one backend each, interleaved within
+/// every row) and prints (rank 0) the table and its footer; returns the number of wrong
+/// elements over every row, rank and backend.
+async fn bench(plan: &Plan, pgs: &[ProcessGroup]) -> Result<u64, CommError> {
+    let pg = &pgs[0];
     let (rank, n) = (pg.rank(), pg.world_size());
     if plan.root >= n && plan.colls.iter().any(|c| c.rooted()) {
         return Err(CommError::Config(format!("--root {} is out of range for {n} ranks", plan.root)));
@@ -416,7 +475,7 @@ async fn bench(plan: &Plan, pg: &ProcessGroup) -> Result<u64, CommError> {
         None
     };
     if leader {
-        print_preamble(plan, pg, git_rev.as_deref());
+        print_preamble(plan, pgs, git_rev.as_deref());
     }
     let start = report::timestamp();
     // Every row the plan times, in order.
@@ -429,10 +488,13 @@ async fn bench(plan: &Plan, pg: &ProcessGroup) -> Result<u64, CommError> {
     };
     let total = planned().count();
     if let Some((coll, dtype, shape)) = planned().next() {
-        settle(pg, plan, Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n }).await?;
+        for pg in pgs {
+            settle(pg, plan, Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n }).await?;
+        }
     }
     let mut progress = progress::Progress::stderr(plan.progress, total, leader);
-    let mut rows = Vec::new();
+    // Each backend's rows.
+    let mut rows: Vec<Vec<Row>> = pgs.iter().map(|_| Vec::new()).collect();
     for &coll in &plan.colls {
         if leader {
             progress.println("#");
@@ -445,45 +507,55 @@ async fn bench(plan: &Plan, pg: &ProcessGroup) -> Result<u64, CommError> {
                 let Some(shape) = shape(coll, dtype, size, n) else { continue };
                 let case = Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n };
                 progress.start_row(&format!("{coll} {dtype} {}", sizes::format_size(shape.bytes)));
-                let row = bench_row(pg, plan, case).await?;
+                let got = bench_row(pgs, plan, case).await?;
                 progress.row_done();
-                if leader {
-                    let extra = plan.baseline.as_ref().map(|b| b.cells(&row)).unwrap_or_default();
-                    progress.println(&format!("{}{extra}", report::format_row(&row)));
+                for (i, (row, mine)) in got.into_iter().zip(&mut rows).enumerate() {
+                    if leader {
+                        let extra = plan.baseline.as_ref().map(|b| b.cells(&row)).unwrap_or_default();
+                        let who = if i > 0 { format!("  # {}", row.backend) } else { String::new() };
+                        progress.println(&format!("{}{extra}{who}", report::format_row(&row)));
+                    }
+                    mine.push(row);
                 }
-                rows.push(row);
             }
         }
     }
     progress.finish();
     let end = report::timestamp();
-    let wrong: u64 = rows.iter().filter_map(|r| r.wrong).sum();
-    if leader {
-        for line in report::footer(&rows, &plan.colls) {
+    let wrong: u64 = rows.iter().flatten().filter_map(|r| r.wrong).sum();
+    if !leader {
+        return Ok(wrong);
+    }
+    for (pg, rows) in pgs.iter().zip(&rows) {
+        if pgs.len() > 1 {
+            println!("# {}:", pg.backend_name());
+        }
+        for line in report::footer(rows, &plan.colls) {
             println!("{line}");
         }
         if let Some(b) = &plan.baseline {
-            for line in b.footer(&rows) {
+            for line in b.footer(rows) {
                 println!("{line}");
             }
         }
         if let Some(path) = &plan.json {
+            let path = PathBuf::from(path.to_string_lossy().replace("{backend}", pg.backend_name()));
             let doc = report::Report {
                 schema: report::SCHEMA,
                 host: report::hostname(),
                 cpu: report::cpu_model(),
                 nproc: std::thread::available_parallelism().map_or(1, usize::from),
-                git_rev,
-                start,
+                git_rev: git_rev.clone(),
+                start: start.clone(),
                 timestamp: end.clone(),
-                end,
+                end: end.clone(),
                 backend: pg.backend_name(),
                 np: n,
                 time: "mean wall time per op, max over ranks",
                 args: std::env::args().skip(1).collect(),
-                rows: &rows,
+                rows,
             };
-            report::write_json(path, &doc).map_err(|e| CommError::io(format!("writing {}", path.display()), e))?;
+            report::write_json(&path, &doc).map_err(|e| CommError::io(format!("writing {}", path.display()), e))?;
             println!("# JSON written to {}", path.display());
         }
     }
@@ -499,12 +571,21 @@ fn quiet<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
-fn print_preamble(plan: &Plan, pg: &ProcessGroup, git_rev: Option<&str>) {
+fn print_preamble(plan: &Plan, pgs: &[ProcessGroup], git_rev: Option<&str>) {
     let names = |v: Vec<&str>| v.join(",");
+    let pg = &pgs[0];
+    let backend = match pgs {
+        [_, others @ ..] if !others.is_empty() => format!(
+            "{}, interleaved in every row with {}",
+            pg.backend_name(),
+            names(others.iter().map(ProcessGroup::backend_name).collect())
+        ),
+        _ => pg.backend_name().to_owned(),
+    };
     println!("# comm-bench: nccl-tests-style collective benchmark");
     println!(
         "# backend: {}  ranks: {}  host: {}  git: {}",
-        pg.backend_name(),
+        backend,
         pg.world_size(),
         report::hostname(),
         git_rev.unwrap_or("unknown")
@@ -557,27 +638,59 @@ async fn settle(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<(), CommEr
     }
 }
 
-/// Times one row and checks it; every rank returns the same row.
-async fn bench_row(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<Row, CommError> {
+/// Times one row on each of `pgs` and checks it; every rank returns the same rows. With
+/// several backends the timed iterations run in [`SLICES`] slices, alternating between them.
+async fn bench_row(pgs: &[ProcessGroup], plan: &Plan, case: Case) -> Result<Vec<Row>, CommError> {
     let template = case.input()?;
     let iters = plan.iters_for(case.shape.bytes);
     let warmup = plan.warmup_for(iters);
-    let input = if case.coll.in_place() && plan.zero_copy {
-        // The backend's own memory (shm: a segment the peers map), so nothing is copied in.
-        let mut b = pg.alloc_buffer(template.dtype(), template.len())?;
-        b.as_bytes_mut().copy_from_slice(template.as_bytes());
-        b
-    } else {
-        template.clone()
-    };
-    let mut slot = Some(Slot::new(&case, input)?);
-    run_iters(pg, &case, warmup, &mut slot, None).await?;
-    let mut per_op = plan.percentiles.then(|| Vec::with_capacity(iters));
-    let elapsed = run_iters(pg, &case, iters, &mut slot, per_op.as_mut()).await?;
-    drop(slot);
+    let mut slots = Vec::with_capacity(pgs.len());
+    for pg in pgs {
+        let input = if case.coll.in_place() && plan.zero_copy {
+            // The backend's own memory (shm: a segment the peers map), so nothing is copied in.
+            let mut b = pg.alloc_buffer(template.dtype(), template.len())?;
+            b.as_bytes_mut().copy_from_slice(template.as_bytes());
+            b
+        } else {
+            template.clone()
+        };
+        let mut slot = Some(Slot::new(&case, input)?);
+        run_iters(pg, &case, warmup, &mut slot, None).await?;
+        slots.push(slot);
+    }
+    let mut per_op: Vec<Option<Vec<f64>>> =
+        pgs.iter().map(|_| plan.percentiles.then(|| Vec::with_capacity(iters))).collect();
+    let mut elapsed = vec![Duration::ZERO; pgs.len()];
+    let slices = if pgs.len() > 1 { SLICES.min(iters) } else { 1 };
+    for s in 0..slices {
+        let k = iters * (s + 1) / slices - iters * s / slices;
+        for (i, pg) in pgs.iter().enumerate() {
+            elapsed[i] += run_iters(pg, &case, k, &mut slots[i], per_op[i].as_mut()).await?;
+        }
+    }
+    drop(slots);
+    let mut rows = Vec::with_capacity(pgs.len());
+    for ((pg, elapsed), per_op) in pgs.iter().zip(elapsed).zip(per_op) {
+        rows.push(finish_row(pg, plan, &case, &template, iters, warmup, elapsed, per_op).await?);
+    }
+    Ok(rows)
+}
 
+/// Checks one backend's results of a row and agrees on its figures across ranks.
+#[allow(clippy::too_many_arguments)]
+async fn finish_row(
+    pg: &ProcessGroup,
+    plan: &Plan,
+    case: &Case,
+    template: &HostBuffer,
+    iters: usize,
+    warmup: usize,
+    elapsed: Duration,
+    per_op: Option<Vec<f64>>,
+) -> Result<Row, CommError> {
+    let case = *case;
     let wrong = if plan.check {
-        let Slot { input, output } = Slot::new(&case, template)?;
+        let Slot { input, output } = Slot::new(&case, template.clone())?;
         let got = issue(pg, &case, input, output).await?;
         Some(case.count_wrong(got.result())?)
     } else {
@@ -735,6 +848,16 @@ mod tests {
             Err(e) => assert!(!cfg!(feature = "profiling") && e.contains("`profiling` feature"), "{e}"),
         }
         assert!(plan(&["--profile", "--profile-overhead"]).is_err());
+    }
+
+    #[test]
+    fn interleave_takes_mpi_raw_and_a_report_per_backend() {
+        assert!(plan(&["--interleave", "mpi-raw"]).unwrap().interleave);
+        assert!(plan(&["--interleave", "mpi-raw", "--json", "r/{backend}.json"]).unwrap().interleave);
+        assert!(plan(&["--interleave", "mpi-raw", "--json", "r.json"]).unwrap_err().contains("{backend}"));
+        assert!(plan(&["--interleave", "nccl"]).unwrap_err().contains("mpi-raw"));
+        assert!(plan(&["--interleave", "mpi-raw", "--zero-copy"]).unwrap_err().contains("one backend"));
+        assert!(!plan(&[]).unwrap().interleave);
     }
 
     #[test]
