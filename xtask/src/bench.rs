@@ -319,15 +319,20 @@ fn baseline_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
 }
 
 /// Where a backend's report goes when the user gave no `--json`.
-/// Whether shm and mpi-raw run in one process per round (under mpirun), interleaved within
-/// every row (`comm-bench --interleave mpi-raw`): on a machine whose speed changes for seconds
-/// at a time, separate processes compare whichever ran in a fast stretch. Not with flags that
-/// apply to one backend only, nor on simulated hosts.
-fn interleaved(b: &BenchArgs) -> bool {
+/// The backend that runs in one process with mpi-raw per round (under mpirun), the two
+/// interleaved within every row (`comm-bench --interleave mpi-raw`): the first of shm and mpi
+/// in the list, when mpi-raw is in it too. On a machine whose speed changes for seconds at a
+/// time, separate processes compare whichever ran in a fast stretch. None with flags that
+/// apply to one backend only, or on simulated hosts.
+fn interleaved(b: &BenchArgs) -> Option<&str> {
     let one_backend_only = ["--profile", "--profile-overhead", "--trace", "--zero-copy"];
-    b.hosts.is_none()
-        && ["shm", "mpi-raw"].iter().all(|k| b.backends.iter().any(|x| x == k))
-        && !b.forward.iter().any(|a| one_backend_only.contains(&a.split('=').next().unwrap_or_default()))
+    if b.hosts.is_some()
+        || !b.backends.iter().any(|x| x == "mpi-raw")
+        || b.forward.iter().any(|a| one_backend_only.contains(&a.split('=').next().unwrap_or_default()))
+    {
+        return None;
+    }
+    b.backends.iter().map(String::as_str).find(|x| ["shm", "mpi"].contains(x))
 }
 
 fn scratch(target: &Path, backend: &str) -> PathBuf {
@@ -414,13 +419,13 @@ pub(crate) fn bench(args: &[String]) -> Result {
     for &np in &b.nps {
         let mut np_reports: Vec<(String, PathBuf, u32)> = Vec::new();
         let runs = (1..=b.rounds).flat_map(|round| b.backends.iter().map(move |k| (round, k)));
-        let pair = interleaved(&b);
+        let partner = interleaved(&b);
         for (round, backend) in runs {
-            if pair && backend == "mpi-raw" {
-                // Its rows came from the round's shm run.
+            if partner.is_some() && backend == "mpi-raw" {
+                // Its rows came from its partner's run in this round.
                 continue;
             }
-            let together = pair && backend == "shm";
+            let together = partner == Some(backend.as_str());
             // With several rank counts each gets its own report (`PATH.npN...`).
             let json_base = b.json.as_ref().map(|p| match b.nps.len() {
                 1 => p.clone(),
@@ -436,7 +441,7 @@ pub(crate) fn bench(args: &[String]) -> Result {
             };
             // Interleaved, comm-bench writes each backend's report where `{backend}` says.
             let json = json_for(if together { "{backend}" } else { backend });
-            let what = if together { "shm and mpi-raw interleaved".to_owned() } else { backend.clone() };
+            let what = if together { format!("{backend} and mpi-raw interleaved") } else { backend.clone() };
             let label = match b.rounds {
                 1 => format!("bench {what}, {np} ranks"),
                 n => format!("bench {what}, {np} ranks, round {round} of {n}"),
@@ -477,7 +482,7 @@ pub(crate) fn bench(args: &[String]) -> Result {
             });
             match r {
                 Ok(()) if together => {
-                    for k in ["shm", "mpi-raw"] {
+                    for k in [backend.as_str(), "mpi-raw"] {
                         np_reports.extend(json_for(k).map(|p| (k.to_owned(), p, round)));
                     }
                 }
@@ -651,12 +656,14 @@ mod tests {
 
     #[test]
     fn shm_and_mpi_raw_are_interleaved_where_they_can_be() {
-        assert!(interleaved(&parse_bench(&args("--backend shm,mpi,mpi-raw --rounds 3")).unwrap()));
-        assert!(!interleaved(&parse_bench(&args("--backend shm,mpi")).unwrap()));
-        assert!(!interleaved(&parse_bench(&args("--backend mpi,mpi-raw")).unwrap()));
-        assert!(!interleaved(&parse_bench(&args("--backend shm,mpi-raw --profile")).unwrap()));
-        assert!(!interleaved(&parse_bench(&args("--backend shm,mpi-raw --trace t.json")).unwrap()));
-        assert!(!interleaved(&parse_bench(&args("--backend shm,mpi-raw -- --zero-copy")).unwrap()));
+        let partner = |a: &str| interleaved(&parse_bench(&args(a)).unwrap()).map(str::to_owned);
+        assert_eq!(partner("--backend shm,mpi,mpi-raw --rounds 3").as_deref(), Some("shm"));
+        assert_eq!(partner("--backend mpi-raw,mpi").as_deref(), Some("mpi"));
+        assert_eq!(partner("--backend shm,mpi"), None);
+        assert_eq!(partner("--backend nccl,mpi-raw"), None);
+        assert_eq!(partner("--backend shm,mpi-raw --profile"), None);
+        assert_eq!(partner("--backend shm,mpi-raw --trace t.json"), None);
+        assert_eq!(partner("--backend shm,mpi-raw -- --zero-copy"), None);
     }
 
     #[test]

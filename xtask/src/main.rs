@@ -50,9 +50,10 @@ commands:
                        shm, mpi and mpi-raw where MPI is installed (or installable: apt, as
                        root), nccl where `nvidia-smi -L` (or /dev/nvidiaN) shows NP GPUs;
                        mpi-raw: the system MPI's own collectives called directly (the
-                       osu_allreduce baseline), under mpirun; with shm both run in one
-                       mpirun process, alternating within every row (comm-bench
-                       --interleave), so both see the same machine
+                       osu_allreduce baseline), under mpirun; with shm or mpi, the first
+                       of them runs in one mpirun process with it, the two alternating
+                       within every row (comm-bench --interleave), so both see the same
+                       machine
       --np N[,N...]    ranks (default 2); several: the whole run once per count (JSON reports
                        PATH.npN...), a side-by-side table per count
       --rounds N       run every backend N times, interleaved (shm, mpi-raw, shm, ...; JSON

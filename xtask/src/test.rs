@@ -152,21 +152,25 @@ pub(crate) fn test(args: &[String]) -> Result {
                 run_bounded(c, JOB_TIMEOUT)
             })?;
         }
-        step("bench smoke (comm-bench, shm interleaved with mpi-raw, mpirun -np 2)", || {
-            let json = target.join("smoke-interleaved.{backend}.json");
-            let report = |k: &str| json.to_string_lossy().replace("{backend}", k);
-            for k in ["shm", "mpi-raw"] {
-                let _ = std::fs::remove_file(report(k));
-            }
-            let mut c = mpi::mpirun(2);
-            c.current_dir(root()).env("COMM_TIMEOUT", "120").env("COMM_BACKEND", "shm");
-            c.arg(target.join("comm-bench")).args(SMOKE_BENCH).args(["--interleave", "mpi-raw", "--json"]).arg(&json);
-            run_bounded(c, JOB_TIMEOUT)?;
-            // Both reports, readable side by side.
-            let mut c = Command::new(target.join("comm-bench"));
-            c.arg("compare").arg(format!("shm={}", report("shm"))).arg(format!("mpi-raw={}", report("mpi-raw")));
-            run(c)
-        })?;
+        for backend in ["shm", "mpi"] {
+            step(&format!("bench smoke (comm-bench, {backend} interleaved with mpi-raw, mpirun -np 2)"), || {
+                let json = target.join("smoke-interleaved.{backend}.json");
+                let report = |k: &str| json.to_string_lossy().replace("{backend}", k);
+                for k in [backend, "mpi-raw"] {
+                    let _ = std::fs::remove_file(report(k));
+                }
+                let mut c = mpi::mpirun(2);
+                c.current_dir(root()).env("COMM_TIMEOUT", "120").env("COMM_BACKEND", backend);
+                c.arg(target.join("comm-bench")).args(SMOKE_BENCH);
+                c.args(["--interleave", "mpi-raw", "--json"]).arg(&json);
+                run_bounded(c, JOB_TIMEOUT)?;
+                // Both reports, readable side by side.
+                let mut c = Command::new(target.join("comm-bench"));
+                c.arg("compare").arg(format!("{backend}={}", report(backend)));
+                c.arg(format!("mpi-raw={}", report("mpi-raw")));
+                run(c)
+            })?;
+        }
     }
     println!("\n== all steps passed in {:.1}s ==", total.elapsed().as_secs_f64());
     Ok(())

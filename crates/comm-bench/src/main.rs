@@ -174,7 +174,8 @@ struct Cli {
     /// latency-bound users (inference) care about.
     #[arg(long)]
     percentiles: bool,
-    /// Also time every row on BACKEND (only `mpi-raw`: start comm-bench with `mpirun`), in
+    /// Also time every row on BACKEND (only `mpi-raw`: start comm-bench with `mpirun`; beside
+    /// the mpi backend MPI must provide MPI_THREAD_MULTIPLE), in
     /// slices that alternate with this backend's within the row, so that both see the same
     /// machine: on a shared machine whose speed changes by 2x for seconds at a time, runs of
     /// one backend after the other compare whichever was lucky. Each backend's rows are
@@ -388,8 +389,9 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
     if plan.interleave {
         #[cfg(feature = "mpi-raw")]
         {
-            let raw = rawmpi::init()?;
+            // Ours first: the mpi backend initialises MPI, which mpi-raw then joins.
             let pg = comm_api::init(Config::from_env()?).await?;
+            let raw = rawmpi::init()?;
             if (pg.rank(), pg.world_size()) != (raw.rank(), raw.world_size()) {
                 return Err(CommError::Config(format!(
                     "--interleave: rank {} of {} here is MPI's rank {} of {}",
@@ -400,9 +402,11 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
                 )));
             }
             let wrong = bench(plan, &[pg.clone(), raw.clone()]).await?;
+            raw.barrier().await?;
+            // Before the mpi backend finalises MPI (mpi-raw's ops are freed with it).
+            drop(raw);
             quiet(|| pg.barrier()).await?;
             pg.shutdown().await?;
-            raw.barrier().await?;
             return Ok(wrong);
         }
         #[cfg(not(feature = "mpi-raw"))]

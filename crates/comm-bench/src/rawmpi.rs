@@ -26,10 +26,13 @@ use mpi::ffi;
 
 const NAME: &str = "mpi-raw";
 
-/// The world communicator of an MPI initialised here; finalised when the last handle goes.
+/// The world communicator; MPI is finalised when the last handle goes if it was initialised
+/// here.
 struct Mpi {
     rank: Rank,
     size: u32,
+    /// Whether `init` initialised MPI (else the mpi backend did, and finalises it).
+    owned: bool,
     /// Freed before MPI is finalised (see `Drop`).
     half: Option<backend_mpi::HalfOps>,
     /// The receive buffer of the next all_reduce/reduce: results land there and the caller's
@@ -47,9 +50,11 @@ unsafe impl Sync for Mpi {}
 impl Drop for Mpi {
     fn drop(&mut self) {
         drop(self.half.take());
-        // SAFETY: MPI was initialised by `init` and every call has returned (they block).
-        unsafe {
-            ffi::MPI_Finalize();
+        if self.owned {
+            // SAFETY: MPI was initialised by `init` and every call has returned (they block).
+            unsafe {
+                ffi::MPI_Finalize();
+            }
         }
     }
 }
@@ -67,20 +72,42 @@ fn check(what: &str, rc: c_int) -> Result<(), CommError> {
 #[derive(Clone)]
 pub(crate) struct RawMpi(Arc<Mpi>);
 
-/// Initialises MPI and returns the world as a process group.
+/// Initialises MPI, or joins the MPI the mpi backend initialised in this process (`comm-bench
+/// --interleave`: then its calls come from this thread while the backend's actor makes its
+/// own, which needs `MPI_THREAD_MULTIPLE`, and the backend finalises MPI, so this group must
+/// be dropped before the backend's is shut down), and returns the world as a process group.
 pub(crate) fn init() -> Result<ProcessGroup, CommError> {
-    let (mut rank, mut size, mut provided) = (0, 0, 0);
-    // SAFETY: called once per process, before any other MPI call; out-pointers are valid.
+    let (mut rank, mut size, mut provided, mut initialised) = (0, 0, 0, 0);
+    // SAFETY: MPI_Initialized may be called at any time; out-pointers are valid.
+    check("MPI_Initialized", unsafe { ffi::MPI_Initialized(&mut initialised) })?;
+    let owned = initialised == 0;
+    // SAFETY: MPI_Init_thread is called once per process, before any other MPI call (MPI is
+    // not initialised); out-pointers are valid.
     unsafe {
-        check(
-            "MPI_Init_thread",
-            ffi::MPI_Init_thread(ptr::null_mut(), ptr::null_mut(), ffi::MPI_THREAD_SERIALIZED as c_int, &mut provided),
-        )?;
+        if owned {
+            check(
+                "MPI_Init_thread",
+                ffi::MPI_Init_thread(
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    ffi::MPI_THREAD_SERIALIZED as c_int,
+                    &mut provided,
+                ),
+            )?;
+        } else {
+            check("MPI_Query_thread", ffi::MPI_Query_thread(&mut provided))?;
+            if provided != ffi::MPI_THREAD_MULTIPLE as c_int {
+                return Err(CommError::Unavailable {
+                    backend: NAME,
+                    why: "beside the mpi backend, MPI must provide MPI_THREAD_MULTIPLE".into(),
+                });
+            }
+        }
         check("MPI_Comm_rank", ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank))?;
         check("MPI_Comm_size", ffi::MPI_Comm_size(ffi::RSMPI_COMM_WORLD, &mut size))?;
     }
     let half = backend_mpi::HalfOps::new()?;
-    let mpi = Mpi { rank: rank as Rank, size: size as u32, half: Some(half), spare: Mutex::new(None) };
+    let mpi = Mpi { rank: rank as Rank, size: size as u32, owned, half: Some(half), spare: Mutex::new(None) };
     let mut world = WorldInfo::single();
     world.rank = mpi.rank;
     world.world_size = mpi.size;
