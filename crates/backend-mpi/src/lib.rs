@@ -117,8 +117,10 @@ pub struct MpiOptions {
     /// Exchange a header before every collective so mismatched calls fail with
     /// [`CommError::Mismatch`] (costs one small point-to-point exchange per collective).
     pub check: bool,
-    /// Exact float reductions of at most this many bytes × (ranks − 1) gather every input to
-    /// every rank (one round); larger ones use reduce-scatter + all-gather.
+    /// All_reduces of at most this many bytes × (ranks − 1) gather every input to every rank
+    /// (with the header exchange: one round) and reduce them in rank order; larger ones use
+    /// reduce-scatter + all-gather (exact mode) or MPI's own all_reduce (native). Default 64
+    /// KiB: an input that fits the exchange slot.
     pub small_max: usize,
     /// Larger exact reductions are done this many bytes at a time (so each piece's traffic
     /// and reduction stay in cache).
@@ -136,7 +138,7 @@ impl Default for MpiOptions {
             timeout: Duration::from_secs(300),
             reduction: Reduction::Exact,
             check: true,
-            small_max: 256 << 10,
+            small_max: 64 << 10,
             chunk: 1 << 20,
             spin: None,
             abort_on_panic: true,

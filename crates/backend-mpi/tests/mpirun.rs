@@ -361,20 +361,21 @@ async fn mismatch() -> i32 {
     let got = w.submit(AllReduce { buf: f32s(&vec![1.0; len]), op: ReduceOp::Sum }).await;
     expect_mismatch("whole", me, got, &["f32 × 4096", "f32 × 2"]);
 
-    // Both inputs sent beside the exchange, of different lengths: each rank drains the
-    // other's (else it would stay queued in MPI, and MPI_Finalize below could hang on it).
+    // Both inputs partly sent beside the exchange (what passes its 64 KiB - 96 slot), of
+    // different lengths: each rank drains the other's (else it would stay queued in MPI, and
+    // MPI_Finalize below could hang on it).
     let w = MpiBackend::init(short.clone()).await.unwrap();
-    let len = if me == 0 { 20_000 } else { 30_000 };
+    let len = if me == 0 { 16_370 } else { 16_380 };
     let got = w.submit(AllReduce { buf: f32s(&vec![1.0; len]), op: ReduceOp::Sum }).await;
-    expect_mismatch("bulk", me, got, &["f32 × 30000", "f32 × 20000"]);
+    expect_mismatch("bulk", me, got, &["f32 × 16380", "f32 × 16370"]);
     // One beside the exchange, the other rank in another op.
     let w = MpiBackend::init(short.clone()).await.unwrap();
     let got = if me == 0 {
-        w.submit(AllReduce { buf: f32s(&vec![1.0; 40_000]), op: ReduceOp::Sum }).await
+        w.submit(AllReduce { buf: f32s(&vec![1.0; 16_384]), op: ReduceOp::Sum }).await
     } else {
         w.submit(Broadcast { buf: f32s(&[1.0; 4]), root: 0 }).await
     };
-    expect_mismatch("bulk-op", me, got, &["all_reduce (f32 × 40000", "broadcast"]);
+    expect_mismatch("bulk-op", me, got, &["all_reduce (f32 × 16384", "broadcast"]);
 
     // Different ops.
     let w = MpiBackend::init(short.clone()).await.unwrap();
