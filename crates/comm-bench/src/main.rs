@@ -30,11 +30,10 @@ use baseline::Baseline;
 use cases::{shape, Case, Coll};
 use report::Row;
 
-/// Default timed iterations move about this many bytes per row...
 /// Slices of a row's timed iterations when backends are interleaved: enough that each
 /// backend's share spans the row, few enough that a slice's barrier costs nothing.
 const SLICES: usize = 8;
-
+/// Default timed iterations move about this many bytes per row...
 const TARGET_BYTES: usize = 4 << 30;
 /// ...within these bounds.
 const ITERS_MIN: usize = 5;
@@ -380,11 +379,7 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
             return Ok(wrong);
         }
         #[cfg(not(feature = "mpi-raw"))]
-        return Err(CommError::Unavailable {
-            backend: "mpi-raw",
-            why: "comm-bench was built without the `mpi-raw` feature (`cargo xtask bench --backend mpi-raw` builds it)"
-                .into(),
-        });
+        return Err(no_mpi_raw());
     }
     if plan.interleave {
         #[cfg(feature = "mpi-raw")]
@@ -410,11 +405,7 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
             return Ok(wrong);
         }
         #[cfg(not(feature = "mpi-raw"))]
-        return Err(CommError::Unavailable {
-            backend: "mpi-raw",
-            why: "comm-bench was built without the `mpi-raw` feature (`cargo xtask bench --backend mpi-raw` builds it)"
-                .into(),
-        });
+        return Err(no_mpi_raw());
     }
     let builder = comm_api::builder(Config::from_env()?);
     #[cfg(feature = "profiling")]
@@ -461,6 +452,15 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
     quiet(|| pg.barrier()).await?;
     pg.shutdown().await?;
     Ok(wrong)
+}
+
+#[cfg(not(feature = "mpi-raw"))]
+fn no_mpi_raw() -> CommError {
+    CommError::Unavailable {
+        backend: "mpi-raw",
+        why: "comm-bench was built without the `mpi-raw` feature (`cargo xtask bench --backend mpi-raw` builds it)"
+            .into(),
+    }
 }
 
 /// Benchmarks every row of the plan on each of `pgs` (one backend each, interleaved within
@@ -675,24 +675,28 @@ async fn bench_row(pgs: &[ProcessGroup], plan: &Plan, case: Case) -> Result<Vec<
     drop(slots);
     let mut rows = Vec::with_capacity(pgs.len());
     for ((pg, elapsed), per_op) in pgs.iter().zip(elapsed).zip(per_op) {
-        rows.push(finish_row(pg, plan, &case, &template, iters, warmup, elapsed, per_op).await?);
+        rows.push(finish_row(pg, plan, case, &template, Timed { iters, warmup, elapsed, per_op }).await?);
     }
     Ok(rows)
 }
 
-/// Checks one backend's results of a row and agrees on its figures across ranks.
-#[allow(clippy::too_many_arguments)]
-async fn finish_row(
-    pg: &ProcessGroup,
-    plan: &Plan,
-    case: &Case,
-    template: &HostBuffer,
+/// What one backend's timed iterations of a row came to.
+struct Timed {
     iters: usize,
     warmup: usize,
     elapsed: Duration,
+    /// Each op's time, with `--percentiles`.
     per_op: Option<Vec<f64>>,
+}
+
+/// Checks one backend's results of a row and agrees on its figures across ranks.
+async fn finish_row(
+    pg: &ProcessGroup,
+    plan: &Plan,
+    case: Case,
+    template: &HostBuffer,
+    Timed { iters, warmup, elapsed, per_op }: Timed,
 ) -> Result<Row, CommError> {
-    let case = *case;
     let wrong = if plan.check {
         let Slot { input, output } = Slot::new(&case, template.clone())?;
         let got = issue(pg, &case, input, output).await?;
