@@ -339,8 +339,11 @@ pub(super) struct Chunks {
     pub(super) per: usize,
 }
 
+/// `(offset, length)` in elements.
+type Part = (usize, usize);
+
 /// The slices of a chunk of `clen` elements at `off`: rank `j` reduces part `j`.
-fn chunk_parts(off: usize, clen: usize, n: usize) -> Vec<(usize, usize)> {
+fn chunk_parts(off: usize, clen: usize, n: usize) -> Vec<Part> {
     (0..n)
         .map(|j| {
             let (lo, l) = slice_of(clen, n, j);
@@ -348,9 +351,6 @@ fn chunk_parts(off: usize, clen: usize, n: usize) -> Vec<(usize, usize)> {
         })
         .collect()
 }
-
-/// `(offset, length)` in elements.
-type Part = (usize, usize);
 
 /// The send and receive parts of a chunk's alltoallv without our own slice, which the
 /// reduction reads where it is (a copy through the receive buffer would add a pass over it
@@ -489,10 +489,8 @@ pub(super) fn scatter_reduce(
 ) -> Result<Step, CommError> {
     let (me, n, dtype, es) = (env.rank, env.size, c.dtype, c.dtype.size());
     let clen = c.per.min(c.len - off);
-    // Our own block is read where it is, as in `peer_parts`.
-    let len_to = |j: usize| if j == me { 0 } else { clen };
-    let send_parts: Vec<Part> = (0..n).map(|j| (j * c.len + off, len_to(j))).collect();
-    let recv_parts: Vec<Part> = (0..n).map(|i| (i * clen, len_to(i))).collect();
+    let parts: Vec<Part> = (0..n).map(|j| (j * c.len + off, clen)).collect();
+    let (send_parts, recv_parts) = peer_parts(&parts, me);
     let req = raw::ialltoallv(env.comm, input, &send_parts, env.buffer(dtype, n * clen), &recv_parts)?;
     Ok(wait(req, move |env, b| {
         let (input, mine) = (take(b.send)?, take(b.recv)?);
@@ -570,9 +568,9 @@ pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply, n: usize) -> Plan {
 fn ialltoallv(
     env: &Env<'_>,
     input: HostBuffer,
-    send_parts: &[(usize, usize)],
+    send_parts: &[Part],
     out: HostBuffer,
-    recv_parts: &[(usize, usize)],
+    recv_parts: &[Part],
 ) -> Result<Step, CommError> {
     let req = raw::ialltoallv(env.comm, input, send_parts, out, recv_parts)?;
     Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
