@@ -667,7 +667,8 @@ async fn bench_row(pgs: &[ProcessGroup], plan: &Plan, case: Case) -> Result<Vec<
     let mut elapsed = vec![Duration::ZERO; pgs.len()];
     let slices = if pgs.len() > 1 { SLICES.min(iters) } else { 1 };
     for s in 0..slices {
-        let k = iters * (s + 1) / slices - iters * s / slices;
+        // `iters` split as evenly as it goes (no product: `--iters` may be huge).
+        let k = iters / slices + usize::from(s < iters % slices);
         for (i, pg) in pgs.iter().enumerate() {
             elapsed[i] += run_iters(pg, &case, k, &mut slots[i], per_op[i].as_mut()).await?;
         }
