@@ -119,9 +119,10 @@ pub struct MpiOptions {
     pub check: bool,
     /// All_reduces of at most this many bytes × (ranks − 1) gather every input to every rank
     /// (with the header exchange: one round) and reduce them in rank order; larger ones use
-    /// reduce-scatter + all-gather (exact mode) or MPI's own all_reduce (native). Default 64
-    /// KiB: an input that fits the exchange slot.
-    pub small_max: usize,
+    /// reduce-scatter + all-gather (exact mode) or MPI's own all_reduce (native). `None`
+    /// (the default): measured when the world group is created, from MPI's round trip between
+    /// its ranks (64 KiB - 96 over shared memory, up to 256 KiB over a network).
+    pub small_max: Option<usize>,
     /// Larger exact reductions are done this many bytes at a time (so each piece's traffic
     /// and reduction stay in cache).
     pub chunk: usize,
@@ -138,7 +139,7 @@ impl Default for MpiOptions {
             timeout: Duration::from_secs(300),
             reduction: Reduction::Exact,
             check: true,
-            small_max: 64 << 10,
+            small_max: None,
             chunk: 1 << 20,
             spin: None,
             abort_on_panic: true,
@@ -158,7 +159,7 @@ impl MpiOptions {
             o.reduction = v.parse()?;
         }
         o.check = config::env_parse("COMM_MPI_CHECK", config::parse_bool)?.unwrap_or(o.check);
-        o.small_max = config::env_parse("COMM_MPI_SMALL_MAX", config::parse_size)?.unwrap_or(o.small_max);
+        o.small_max = config::env_parse("COMM_MPI_SMALL_MAX", config::parse_size)?.or(o.small_max);
         let positive =
             |v: &str| config::parse_size(v).and_then(|c| if c > 0 { Ok(c) } else { Err("must be above 0".into()) });
         o.chunk = config::env_parse("COMM_MPI_CHUNK", positive)?.unwrap_or(o.chunk);
@@ -175,7 +176,9 @@ impl MpiOptions {
             timeout: config::clamp_timeout(self.timeout),
             reduction: self.reduction,
             check: self.check,
-            small_max: self.small_max,
+            // Until measured: what the exchange slot of up to 8 ranks carries.
+            small_max: self.small_max.unwrap_or((64 << 10) - 96),
+            measure: self.small_max.is_none(),
             chunk: self.chunk.max(1),
             spin: self.spin,
         }

@@ -329,6 +329,17 @@ async fn overlap() -> i32 {
     assert_eq!(sum.await.unwrap().to_vec::<f32>().unwrap(), [2.0]);
     send.await.unwrap();
     assert_eq!(recv.await.unwrap().to_vec::<u8>().unwrap(), [peer as u8; 3]);
+    // Around the exchange slot's end (64 KiB - 96 = 16 360 f32), gathered (a threshold of 64
+    // KiB, as measured over a network): all in the slot, then the start beside it and the tail
+    // in the slot; every element lands where it belongs.
+    let gather = MpiBackend::init(MpiOptions { small_max: Some(64 << 10), ..opts(Duration::from_secs(30)) }).await;
+    let gather = gather.unwrap();
+    for len in [16_359, 16_360, 16_361, 16_384] {
+        let mine: Vec<f32> = (0..len).map(|i| (i * (me + 1)) as f32 + 0.5).collect();
+        let sum = gather.submit(AllReduce { buf: f32s(&mine), op: ReduceOp::Sum }).await.unwrap();
+        let want: Vec<f32> = (0..len).map(|i| (i * 3) as f32 + 1.0).collect();
+        assert_eq!(sum.to_vec::<f32>().unwrap(), want, "all_reduce of {len} f32");
+    }
     println!("OVERLAP-OK rank {me} in {:.1?}", t.elapsed());
     w.shutdown().await.unwrap();
     0
@@ -361,15 +372,16 @@ async fn mismatch() -> i32 {
     let got = w.submit(AllReduce { buf: f32s(&vec![1.0; len]), op: ReduceOp::Sum }).await;
     expect_mismatch("whole", me, got, &["f32 × 4096", "f32 × 2"]);
 
-    // Both inputs partly sent beside the exchange (what passes its 64 KiB - 96 slot), of
-    // different lengths: each rank drains the other's (else it would stay queued in MPI, and
-    // MPI_Finalize below could hang on it).
-    let w = MpiBackend::init(short.clone()).await.unwrap();
+    // Both inputs partly sent beside the exchange (what passes its 64 KiB - 96 slot; gathered
+    // up to 64 KiB, as over a network), of different lengths: each rank drains the other's
+    // (else it would stay queued in MPI, and MPI_Finalize below could hang on it).
+    let gather = MpiOptions { small_max: Some(64 << 10), ..short.clone() };
+    let w = MpiBackend::init(gather.clone()).await.unwrap();
     let len = if me == 0 { 16_370 } else { 16_380 };
     let got = w.submit(AllReduce { buf: f32s(&vec![1.0; len]), op: ReduceOp::Sum }).await;
     expect_mismatch("bulk", me, got, &["f32 × 16380", "f32 × 16370"]);
     // One beside the exchange, the other rank in another op.
-    let w = MpiBackend::init(short.clone()).await.unwrap();
+    let w = MpiBackend::init(gather).await.unwrap();
     let got = if me == 0 {
         w.submit(AllReduce { buf: f32s(&vec![1.0; 16_384]), op: ReduceOp::Sum }).await
     } else {

@@ -4,8 +4,8 @@
 use super::*;
 
 /// Issues the exchange before a collective (the header, and a small op's data, of every rank in
-/// one fixed-size slot each; what an all_reduce's input has beyond its slot beside it, as a
-/// message of its own); the continuation checks the headers and starts the op, from the
+/// one fixed-size slot each; of an all_reduce's input longer than the slot, the start beside
+/// it as a message of its own, [`beside_len`]); the continuation checks the headers and starts the op, from the
 /// exchanged data when it carried the op's. The same on the actor and on a caller's thread.
 pub(super) fn exchange(
     env: &Env<'_>,
@@ -17,9 +17,10 @@ pub(super) fn exchange(
 ) -> Result<(Request, Cont), CommError> {
     let (comm, size, pool) = (env.comm, env.size, env.pool);
     let (slot, in_slot) = (exchange_slot_bytes(size), slot_max(size));
+    let beside = whole.as_ref().map_or(0, |w| beside_len(w.byte_len(), size));
     let data = match (&payload, &whole) {
         (Some(p), _) => Some(&p[..]),
-        (None, Some(w)) => Some(&w.as_bytes()[..w.byte_len().min(in_slot)]),
+        (None, Some(w)) => Some(&w.as_bytes()[beside..]),
         (None, None) => None,
     };
     if data.is_some_and(|d| d.len() > in_slot) {
@@ -32,10 +33,10 @@ pub(super) fn exchange(
     // Not zeroed when kept from an earlier op: every message starts with a whole header, and
     // data is read only from peers whose header (so whose length) matches.
     let req = raw::iexchange(comm, mine, slot, own, pool.buffer(DType::U8, slot * size))?;
-    // The rest is sent now, so its transfer overlaps the headers' round trip; received once
-    // the headers agree (its length is in them: `header.extra`).
+    // The start is sent now, so its transfer overlaps the headers' round trip; received once
+    // the headers agree (its length follows from theirs: `header.extra`).
     let (sends, input) = match whole {
-        Some(w) if w.byte_len() > in_slot => (Some(raw::isend_all(comm, w, in_slot, raw::bulk_tag())?), None),
+        Some(w) if beside > 0 => (Some(raw::isend_all(comm, w, 0..beside, raw::bulk_tag())?), None),
         w => (None, w),
     };
     let cont: Cont = Box::new(move |env: &Env<'_>, bufs: Bufs| {
@@ -49,7 +50,7 @@ pub(super) fn exchange(
             env.recycle(Some(ex.all));
             return step;
         };
-        let len = bulk_len(&header, env.size).ok_or_else(|| internal("an all_reduce sent a rest it has not"))?;
+        let len = bulk_len(&header, env.size).ok_or_else(|| internal("an all_reduce sent a part it has not"))?;
         let parts: Vec<_> = (0..env.size).filter(|&p| p != env.rank).map(|p| (p, p * len, len)).collect();
         let recvs = raw::irecv_parts(env.comm, env.buffer(DType::U8, len * env.size), &parts, raw::bulk_tag())?;
         Ok(wait(recvs, move |_, b| {
@@ -91,11 +92,24 @@ fn drain(env: &Env<'_>, ex: &Exchange, sends: Option<Request>, e: CommError) -> 
     Ok(wait(recvs, then))
 }
 
-/// How many bytes a rank with header `h` sent beside the exchange of a group of `n` (the rest
+/// How many bytes a rank with header `h` sent beside the exchange of a group of `n` (the start
 /// of an all_reduce's input longer than its slot), if it did.
 pub(super) fn bulk_len(h: &Header, n: usize) -> Option<usize> {
-    let len = h.extra as usize;
-    (h.op == OpKind::AllReduce.code() && len > slot_max(n)).then(|| len - slot_max(n))
+    let len = usize::try_from(h.extra).ok()?;
+    (h.op == OpKind::AllReduce.code()).then(|| beside_len(len, n)).filter(|&b| b > 0)
+}
+
+/// How many leading bytes of an all_reduce input of `len` bytes a rank of a group of `n` sends
+/// beside the exchange, straight from the input; its slot carries the rest, copied there. None
+/// when the input fits the slot; else as many as one eager message holds ([`WHOLE_MAX`], so the
+/// slot carries only a short tail: a 64 KiB input costs a 96-byte copy, not a 64 KiB one), or
+/// more when the rest would not fit the slot.
+pub(super) fn beside_len(len: usize, n: usize) -> usize {
+    let in_slot = slot_max(n);
+    if len <= in_slot {
+        return 0;
+    }
+    len.min(WHOLE_MAX).max(len - in_slot)
 }
 
 /// What this rank sends in its slot of the exchange before a collective: the header, then a
@@ -239,13 +253,13 @@ pub(super) fn inline_max(n: usize) -> usize {
 pub(super) struct Exchange {
     pub(super) all: HostBuffer,
     pub(super) slot: usize,
-    /// The rests of the peers' inputs, sent beside the slots.
+    /// The starts of the peers' inputs, sent beside the slots.
     pub(super) bulk: Option<Bulk>,
     /// This rank's whole input ([`Plan::whole`]).
     pub(super) input: Option<HostBuffer>,
 }
 
-/// The rests of all_reduce inputs exchanged beside the slots.
+/// The starts of all_reduce inputs exchanged beside the slots.
 pub(super) struct Bulk {
     /// Peer `p`'s at `p × len` (this rank's block unused).
     peers: HostBuffer,
@@ -258,12 +272,13 @@ impl Exchange {
         &self.all.as_bytes()[p * self.slot + 32..][..len]
     }
 
-    /// Bytes `[lo, hi)` of rank `p`'s data: in its slot, or in the rest sent beside it.
+    /// Bytes `[lo, hi)` of rank `p`'s data: in the start sent beside its slot, or in the slot
+    /// (which holds the bytes after that start).
     pub(super) fn range(&self, p: usize, lo: usize, hi: usize) -> &[u8] {
-        let in_slot = self.slot - 32;
         match &self.bulk {
-            Some(b) if lo >= in_slot => &b.peers.as_bytes()[p * b.len..][lo - in_slot..hi - in_slot],
-            _ => &self.data(p, hi)[lo..],
+            Some(b) if hi <= b.len => &b.peers.as_bytes()[p * b.len..][lo..hi],
+            Some(b) => &self.data(p, hi - b.len)[lo - b.len..],
+            None => &self.data(p, hi)[lo..],
         }
     }
 

@@ -33,6 +33,7 @@ use crate::{global, kernels, Reduction};
 mod group;
 mod header;
 mod lane;
+mod measure;
 mod op;
 mod p2p;
 mod plans;
@@ -57,6 +58,8 @@ pub struct Params {
     pub(crate) reduction: Reduction,
     pub(crate) check: bool,
     pub(crate) small_max: usize,
+    /// A world group measures `small_max` (`measure::gather_threshold`) when it is created.
+    pub(crate) measure: bool,
     pub(crate) chunk: usize,
     pub(crate) spin: Option<Duration>,
     /// Test hook (`COMM_FAULT_INJECT=panic:<op>`): the actor panics when it starts this op.
@@ -513,9 +516,24 @@ impl Actor {
                     }));
                 }
                 Ok(Some(comm)) => {
-                    let (_, params, done, _) = self.dups.swap_remove(i);
-                    let info = self.register(comm, params, true);
-                    done.complete(Ok(info));
+                    let (_, mut params, done, _) = self.dups.swap_remove(i);
+                    let measured = if params.measure && params.check && comm.size() > 1 {
+                        measure::gather_threshold(&comm, params.timeout).map(Some)
+                    } else {
+                        Ok(None)
+                    };
+                    match measured {
+                        Ok(t) => {
+                            params.small_max = t.unwrap_or(params.small_max);
+                            let info = self.register(comm, params, true);
+                            done.complete(Ok(info));
+                        }
+                        Err(e) => {
+                            // A rank may still be in the measurement: keep the communicator.
+                            std::mem::forget(comm);
+                            done.complete(Err(e));
+                        }
+                    }
                 }
                 Err(e) => {
                     let (p, _, done, _) = self.dups.swap_remove(i);
@@ -693,6 +711,22 @@ mod tests {
         // What a scatter's root may always ship: every group's slot has room for it.
         assert!((1..5000).all(|n| inline_max(n) >= INLINE_ANY));
         assert_eq!(inline_max(1 << 20), INLINE_ANY);
+    }
+
+    #[test]
+    fn an_all_reduce_input_past_the_slot_sends_its_start_beside() {
+        let whole = (64 << 10) - 96;
+        // Fits the slot: nothing beside. 64 KiB: one eager-sized message beside, 96 B in the slot.
+        assert_eq!((beside_len(whole, 2), beside_len(64 << 10, 2)), (0, whole));
+        // Longer than one message and the slot together: the slot stays full.
+        assert_eq!(beside_len(1 << 20, 8), (1 << 20) - whole);
+        // Large groups' small slots: the whole input beside, only the header in the slot.
+        assert_eq!((beside_len(992, 9), beside_len(8 << 10, 9), beside_len(993, 9)), (0, 8 << 10, 993));
+        assert_eq!(beside_len(100 << 10, 9), (100 << 10) - 992);
+        assert!((1..20).flat_map(|n| (0..300_000).step_by(97).map(move |l| (n, l))).all(|(n, l)| {
+            let b = beside_len(l, n);
+            b <= l && l - b <= slot_max(n)
+        }));
     }
 
     #[test]

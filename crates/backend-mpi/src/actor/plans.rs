@@ -235,9 +235,9 @@ pub(super) fn plan_reduce(
     let mut header = Header::new(code, Some(dtype), len, root, Some(op));
     // An all_reduce whose gather of every input stays small (`small_max`, as for exact mode's
     // all-gather) ships its whole input with the header: one round trip, reduced by us in rank
-    // order (in native mode too: as fast at these sizes, and exact). In the exchange slot, and
-    // what does not fit there as a message of its own beside it (so an input of exactly 64
-    // KiB is two eager messages over TCP, not a rendezvous).
+    // order (in native mode too: as fast at these sizes, and exact). In the exchange slot, or
+    // for an input longer than that, most of it beside as a message of its own (so an input
+    // of exactly 64 KiB is two eager messages over TCP, not a rendezvous, and no copy).
     let gather = root.is_none() && n > 1 && params.check && bytes.saturating_mul(n - 1) <= params.small_max;
     let (payload, whole, input) = if gather && !small(bytes, n) {
         // Ranks that decided otherwise (other sizes, other settings) fail the header check.
@@ -253,8 +253,8 @@ pub(super) fn plan_reduce(
         if let Some(ex) = ex {
             // Every input came with the headers: reduce them in rank order, no other call.
             let mut buf = input.or_else(|| ex.take_input()).ok_or_else(|| internal("an all_reduce lost its input"))?;
-            // In two ranges when part of the inputs came beside the slots.
-            let split = bytes.min(slot_max(n));
+            // In two ranges when the start of the inputs came beside the slots.
+            let split = beside_len(bytes, n);
             for (lo, hi) in [(0, split), (split, bytes)].into_iter().filter(|(lo, hi)| lo < hi && keep) {
                 let ins: Vec<kernels::Src<'_>> = (0..n)
                     .map(|p| if p == me { kernels::Src::Out } else { kernels::Src::Buf(ex.range(p, lo, hi)) })

@@ -2,6 +2,7 @@
 //! [`Request`].
 
 use super::*;
+use std::ops::Range;
 
 /// `MPI_Ibarrier`.
 pub(crate) fn ibarrier(comm: &Comm) -> Result<Request, CommError> {
@@ -65,7 +66,8 @@ pub(crate) fn iexchange(
     }
     recv.as_bytes_mut()[me * slot..me * slot + own].copy_from_slice(&send.as_bytes()[..own]);
     let from: Vec<(usize, usize, usize)> = peers(comm).map(|p| (p, p * slot, slot)).collect();
-    imessages(comm, exchange_tag(), Some((send, 0)), Some(recv), &from)
+    let bytes = 0..send.byte_len();
+    imessages(comm, exchange_tag(), Some((send, bytes)), Some(recv), &from)
 }
 
 /// Every rank of `comm` but this one.
@@ -74,10 +76,10 @@ fn peers(comm: &Comm) -> impl Iterator<Item = usize> + Clone {
     (0..comm.size as usize).filter(move |&p| p != me)
 }
 
-/// The bytes of `send` from byte `from` on to every other rank on `tag` (the rest of an
-/// all_reduce's input, beside the exchange).
-pub(crate) fn isend_all(comm: &Comm, send: HostBuffer, from: usize, tag: i32) -> Result<Request, CommError> {
-    imessages(comm, tag, Some((send, from)), None, &[])
+/// Bytes `bytes` of `send` to every other rank on `tag` (the part of an all_reduce's input
+/// that goes beside the exchange).
+pub(crate) fn isend_all(comm: &Comm, send: HostBuffer, bytes: Range<usize>, tag: i32) -> Result<Request, CommError> {
+    imessages(comm, tag, Some((send, bytes)), None, &[])
 }
 
 /// For each `(peer, at, len)`: `len` bytes from `peer` on `tag` into `recv` at byte `at`.
@@ -90,13 +92,13 @@ pub(crate) fn irecv_parts(
     imessages(comm, tag, None, Some(recv), parts)
 }
 
-/// Point-to-point messages on one tag that complete together: the bytes of `send` from its
-/// offset on to every other rank, and for each `(peer, at, len)` of `from`, `len` bytes from
+/// Point-to-point messages on one tag that complete together: the given bytes of `send` to
+/// every other rank, and for each `(peer, at, len)` of `from`, `len` bytes from
 /// `peer` into `recv` at byte `at` (receives posted first).
 fn imessages(
     comm: &Comm,
     tag: i32,
-    send: Option<(HostBuffer, usize)>,
+    send: Option<(HostBuffer, Range<usize>)>,
     recv: Option<HostBuffer>,
     from: &[(usize, usize, usize)],
 ) -> Result<Request, CommError> {
@@ -104,12 +106,12 @@ fn imessages(
     if from.iter().any(|&(p, at, len)| p >= comm.size as usize || at.checked_add(len).is_none_or(|end| end > room)) {
         return Err(CommError::invalid("mpi messages", "a receive lies outside its buffer"));
     }
-    let (send, skip) = send.map_or((None, 0), |(b, at)| (Some(b), at));
-    let n_send = send.as_ref().map_or(Some(0), |b| b.byte_len().checked_sub(skip));
-    let n_send = count(
-        "mpi messages",
-        n_send.ok_or_else(|| CommError::invalid("mpi messages", "a send starts past its buffer"))?,
-    )?;
+    let (send, skip, n_send) = match send {
+        Some((b, r)) if r.start <= r.end && r.end <= b.byte_len() => (Some(b), r.start, r.len()),
+        Some(_) => return Err(CommError::invalid("mpi messages", "a send lies outside its buffer")),
+        None => (None, 0, 0),
+    };
+    let n_send = count("mpi messages", n_send)?;
     let n_recv = counts("mpi messages", &from.iter().map(|f| f.2).collect::<Vec<_>>())?;
     let to: Vec<usize> = if send.is_some() { peers(comm).collect() } else { Vec::new() };
     let dt = datatype(DType::U8);
