@@ -231,7 +231,7 @@ const WHOLE_RANKS: usize = 8;
 /// See [`WHOLE_RANKS`]. With our header and MPI's own (Open MPI's match header is 14-16 bytes)
 /// a message stays within 64 KiB, Open MPI's TCP eager limit, which counts both: a longer one
 /// costs a rendezvous round trip.
-const WHOLE_MAX: usize = (64 << 10) - 32 - 64;
+pub(super) const WHOLE_MAX: usize = (64 << 10) - 32 - 64;
 
 /// The most data a rank's exchange slot carries in a group of `n`.
 pub(super) fn slot_max(n: usize) -> usize {
