@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backend_shm::{ShmBackend, ShmOptions};
-use comm_core::ops::{AllGather, AllReduce, Barrier, RecvFrom, SendTo};
+use comm_core::ops::{AllGather, AllReduce, Barrier, RecvFrom, Reduce, SendTo};
 use comm_core::{Collective, CommError, Group, HostBuffer, MemoryStore, ReduceOp, Store};
 
 async fn world(n: u32, opts: ShmOptions) -> Vec<ShmBackend> {
@@ -31,7 +31,8 @@ fn small_opts() -> ShmOptions {
 async fn all_reduce_small_and_chunked() {
     for n in [1u32, 2, 3] {
         let ranks = world(n, small_opts()).await;
-        for len in [0usize, 1, 7, 300, 5000] {
+        // Windows of 1024 f32: one step, whole windows, and a shorter last piece.
+        for len in [0usize, 1, 7, 300, 2048, 2049, 3072, 5000] {
             let works: Vec<_> = ranks
                 .iter()
                 .enumerate()
@@ -45,6 +46,22 @@ async fn all_reduce_small_and_chunked() {
                 let out = w.await.unwrap().to_vec::<f32>().unwrap();
                 let want: Vec<f32> = (0..len).map(|i| i as f32 * tri).collect();
                 assert_eq!(out, want, "n={n} len={len}");
+            }
+            // reduce: the root gets the sum, the others keep their inputs.
+            let root = n - 1;
+            let works: Vec<_> = ranks
+                .iter()
+                .enumerate()
+                .map(|(r, b)| {
+                    let data: Vec<f32> = (0..len).map(|i| (i * (r + 1)) as f32).collect();
+                    b.submit(Reduce { buf: HostBuffer::from_slice(&data), op: ReduceOp::Sum, root })
+                })
+                .collect();
+            for (r, w) in works.into_iter().enumerate() {
+                let out = w.await.unwrap().to_vec::<f32>().unwrap();
+                let k = if r as u32 == root { tri } else { (r + 1) as f32 };
+                let want: Vec<f32> = (0..len).map(|i| i as f32 * k).collect();
+                assert_eq!(out, want, "reduce n={n} len={len} rank {r}");
             }
         }
         for b in &ranks {
