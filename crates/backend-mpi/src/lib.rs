@@ -176,8 +176,7 @@ impl MpiOptions {
             timeout: config::clamp_timeout(self.timeout),
             reduction: self.reduction,
             check: self.check,
-            // Until measured: what the exchange slot of up to 8 ranks carries.
-            small_max: self.small_max.unwrap_or((64 << 10) - 96),
+            small_max: self.small_max.unwrap_or(actor::GATHER_MIN),
             measure: self.small_max.is_none(),
             chunk: self.chunk.max(1),
             spin: self.spin,

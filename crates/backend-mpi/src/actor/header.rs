@@ -5,8 +5,9 @@ use super::*;
 
 /// Issues the exchange before a collective (the header, and a small op's data, of every rank in
 /// one fixed-size slot each; of an all_reduce's input longer than the slot, the start beside
-/// it as a message of its own, [`beside_len`]); the continuation checks the headers and starts the op, from the
-/// exchanged data when it carried the op's. The same on the actor and on a caller's thread.
+/// it as a message of its own, [`beside_len`]); the continuation checks the headers and starts
+/// the op, from the exchanged data when it carried the op's. The same on the actor and on a
+/// caller's thread.
 pub(super) fn exchange(
     env: &Env<'_>,
     header: Header,

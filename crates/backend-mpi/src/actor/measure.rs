@@ -4,8 +4,8 @@
 use super::*;
 
 /// Fewest bytes a gather threshold takes: what one exchange slot carries (an input that fits
-/// it costs no message of its own).
-const GATHER_MIN: usize = WHOLE_MAX;
+/// it costs no message of its own). Also the threshold until measured.
+pub(crate) const GATHER_MIN: usize = WHOLE_MAX;
 /// Most: beyond it a gather's (n − 1)-fold traffic costs more than any round trip it saves.
 const GATHER_MAX: usize = 256 << 10;
 

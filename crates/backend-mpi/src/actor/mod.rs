@@ -42,6 +42,7 @@ use group::*;
 use header::*;
 use lane::*;
 pub(crate) use lane::{submit_direct, Lane, Ticket};
+pub(crate) use measure::GATHER_MIN;
 use op::{small, Job, Post, Queued};
 pub(crate) use op::{MpiOp, NewGroup, Pending};
 use p2p::*;
@@ -517,7 +518,7 @@ impl Actor {
                 }
                 Ok(Some(comm)) => {
                     let (_, mut params, done, _) = self.dups.swap_remove(i);
-                    let measured = if params.measure && params.check && comm.size() > 1 {
+                    let measured = if params.measure && comm.size() > 1 {
                         measure::gather_threshold(&comm, params.timeout).map(Some)
                     } else {
                         Ok(None)
