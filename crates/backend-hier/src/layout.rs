@@ -2,6 +2,7 @@
 
 use std::fmt::Write as _;
 
+use comm_core::handle::CpuSet;
 use comm_core::ops::AllGather;
 use comm_core::{Backend, CommError, HostBuffer, Rank};
 
@@ -16,6 +17,8 @@ const SLOT: usize = 256;
 pub struct Layout {
     hosts: Vec<Vec<Rank>>,
     names: Vec<String>,
+    /// Every rank's CPUs (its affinity), where it said.
+    cpus: Vec<Option<CpuSet>>,
     rank: Rank,
     host: usize,
     local: usize,
@@ -23,11 +26,16 @@ pub struct Layout {
 
 impl Layout {
     /// The layout of a world whose rank `r` runs on host `ids[r]` (equal ids: one host), seen
-    /// from `rank`.
+    /// from `rank`. An id may go on, after a newline, with the CPUs the rank may run on (the
+    /// kernel's list format, as [`discover`](Self::discover) sends it).
     pub fn from_ids(ids: &[String], rank: Rank) -> Result<Layout, CommError> {
         if rank as usize >= ids.len() {
             return Err(CommError::invalid("hier layout", format!("rank {rank} is not in a world of {}", ids.len())));
         }
+        let split =
+            |id: &String| id.split_once('\n').map_or((id.clone(), None), |(h, c)| (h.to_owned(), CpuSet::parse(c)));
+        let (ids, cpus): (Vec<String>, Vec<Option<CpuSet>>) = ids.iter().map(split).unzip();
+        let cpus = cpus.into_iter().map(|c| c.filter(|c| !c.is_empty())).collect();
         let mut hosts: Vec<Vec<Rank>> = Vec::new();
         let mut names: Vec<String> = Vec::new();
         for (r, id) in ids.iter().enumerate() {
@@ -41,12 +49,15 @@ impl Layout {
         }
         let host = names.iter().position(|n| *n == ids[rank as usize]).expect("every id has a host");
         let local = hosts[host].iter().position(|&r| r == rank).expect("every rank is on its host");
-        Ok(Layout { hosts, names, rank, host, local })
+        Ok(Layout { hosts, names, cpus, rank, host, local })
     }
 
     /// Gathers every rank's host identity over `world` (collective: every rank calls it).
     pub async fn discover(world: &dyn Backend, host_id: &str) -> Result<Layout, CommError> {
-        let ids = gather_slots(world, host_id.as_bytes(), "host identity").await?;
+        // With this rank's CPUs where they fit the slot: whether a machine is crowded.
+        let cpus = CpuSet::allowed().map(|c| c.to_string()).unwrap_or_default();
+        let mine = Some(format!("{host_id}\n{cpus}")).filter(|m| m.len() < SLOT).unwrap_or_else(|| host_id.to_owned());
+        let ids = gather_slots(world, mine.as_bytes(), "host identity").await?;
         let ids: Vec<String> = ids.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect();
         Layout::from_ids(&ids, world.rank())
     }
@@ -110,16 +121,29 @@ impl Layout {
     /// Ranks that run on this machine's cores: this host's, and those of hosts with the same
     /// boot id (containers or namespaces of one machine, such as simulated hosts).
     pub fn ranks_on_this_machine(&self) -> usize {
-        let boot = |id: &str| id.split_once('@').map(|(b, _)| b.to_owned());
-        let mine = boot(&self.names[self.host]);
-        let same = |h: usize| h == self.host || (mine.is_some() && boot(&self.names[h]) == mine);
-        (0..self.hosts.len()).filter(|&h| same(h)).map(|h| self.hosts[h].len()).sum()
+        self.machine_ranks().count()
     }
 
-    /// Whether this machine has fewer cores than the ranks that run on it (then waits should
-    /// not spin, and a rank per rail only competes for the cores).
+    fn machine_ranks(&self) -> impl Iterator<Item = Rank> + '_ {
+        let boot = |id: &str| id.split_once('@').map(|(b, _)| b.to_owned());
+        let mine = boot(&self.names[self.host]);
+        let same = move |h: usize| h == self.host || (mine.is_some() && boot(&self.names[h]) == mine);
+        (0..self.hosts.len()).filter(move |&h| same(h)).flat_map(move |h| self.hosts[h].iter().copied())
+    }
+
+    /// Whether this machine's ranks outnumber the CPUs they may run on together (then waits
+    /// should not spin, and a rank per rail only competes for the cores). Ranks bound to a
+    /// core each see one CPU apiece but are not crowded.
     pub fn is_crowded(&self) -> bool {
-        self.ranks_on_this_machine() > std::thread::available_parallelism().map_or(1, |n| n.get())
+        let mut all = Some(CpuSet::default());
+        for r in self.machine_ranks() {
+            match (&mut all, &self.cpus[r as usize]) {
+                (Some(u), Some(c)) => u.union_with(c),
+                _ => all = None,
+            }
+        }
+        let cores = all.map_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()), |u| u.runnable());
+        self.ranks_on_this_machine() > cores
     }
 
     /// A host's name for people: the host name part of its identity.
@@ -184,6 +208,23 @@ mod tests {
         assert_eq!(l.ranks_on_this_machine(), 4);
         let other_machine = vec!["m1@a".to_owned(), "m2@b".to_owned(), "m1@a".to_owned()];
         assert_eq!(Layout::from_ids(&other_machine, 0).unwrap().ranks_on_this_machine(), 2);
+    }
+
+    #[test]
+    fn crowding_counts_the_machine_ranks_cpus_together() {
+        let with = |v: &[(&str, &str)]| v.iter().map(|(h, c)| format!("boot@{h}\n{c}")).collect::<Vec<_>>();
+        // Four ranks of two simulated hosts, each bound to its own core: not crowded (unless
+        // a CPU quota on this process allows fewer than four at once).
+        let own = with(&[("a", "0"), ("b", "1"), ("a", "2"), ("b", "3")]);
+        let l = Layout::from_ids(&own, 0).unwrap();
+        assert_eq!(
+            (l.hosts(), l.describe().as_str()),
+            (&[vec![0, 2], vec![1, 3]][..], "2 host(s): a [0, 2], b [1, 3]")
+        );
+        assert_eq!(l.is_crowded(), CpuSet::parse("0-3").unwrap().runnable() < 4);
+        // All four on cores 0-1: crowded.
+        let shared = with(&[("a", "0-1"), ("b", "0-1"), ("a", "0-1"), ("b", "0")]);
+        assert!(Layout::from_ids(&shared, 3).unwrap().is_crowded());
     }
 
     #[test]

@@ -127,7 +127,7 @@ pub struct MpiOptions {
     /// and reduction stay in cache).
     pub chunk: usize,
     /// How long the actor busy-polls before yielding the core; `None` picks 50 µs, or 0 when
-    /// this node's ranks outnumber its cores.
+    /// this node's ranks outnumber the CPUs they may run on together.
     pub spin: Option<Duration>,
     /// Call `MPI_Abort` when any thread of the process panics (the other ranks would hang).
     pub abort_on_panic: bool,
@@ -353,6 +353,13 @@ impl MpiBackend {
     /// Number of ranks on this process's node.
     pub fn local_world_size(&self) -> u32 {
         self.inner.info.local_size
+    }
+
+    /// How long the actor (and a caller running a small collective) polls before yielding the
+    /// core: [`MpiOptions::spin`], or what start-up chose from the CPUs the node's ranks may
+    /// run on together.
+    pub fn spin(&self) -> Duration {
+        self.inner.info.spin
     }
 
     /// The largest point-to-point tag this MPI allows (`(MPI_TAG_UB >> 3) - 1`: the low 3 bits

@@ -161,6 +161,33 @@ fn a_panic_is_contained_without_abort_on_panic() {
     assert_eq!(lines(&job, "CONTAINED-OK").len(), 2, "{job}");
 }
 
+/// Ranks bound to a core each (each sees one CPU) still poll: the node's ranks have a core
+/// apiece together. Ranks bound to one shared core do not.
+#[test]
+fn ranks_bound_to_their_own_cores_poll() {
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        println!("skipped: fewer than two CPUs to bind ranks to");
+        return;
+    }
+    for (cpu, spins) in [("$R", "1"), ("0", "0")] {
+        // Each rank binds itself to CPU `cpu` ($R: its rank) before it starts.
+        let bind = format!("R=${{OMPI_COMM_WORLD_RANK:-${{PMI_RANK:-0}}}}; exec taskset -c {cpu} \"$0\" \"$@\"");
+        let Some(job) = comm_test::mpirun::run(Launch {
+            np: 2,
+            child: (CHILD, "bound"),
+            envs: &[("COMM_TEST_SPINS", spins)],
+            limit: Duration::from_secs(120),
+            open_mpi_args: &[],
+            wrapper: ["sh", "-c", &bind].iter().map(Into::into).collect(),
+            summary: &["-OK"],
+        }) else {
+            return;
+        };
+        assert_eq!(job.code, Some(0), "{job}");
+        assert_eq!(lines(&job, "BOUND-OK").len(), 2, "{job}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Child side (one process per rank)
 
@@ -179,6 +206,7 @@ fn child() {
             "kill" => kill().await,
             "panic" => panic().await,
             "contained" => contained().await,
+            "bound" => bound().await,
             other => {
                 eprintln!("unknown scenario {other}");
                 2
@@ -188,6 +216,24 @@ fn child() {
     if code != 0 {
         std::process::exit(code);
     }
+}
+
+async fn bound() -> i32 {
+    let world = MpiBackend::init(MpiOptions::from_env().unwrap()).await.expect("init");
+    let own = comm_core::handle::CpuSet::allowed().map(|c| c.len());
+    let want = std::env::var("COMM_TEST_SPINS").unwrap() == "1";
+    let code = if own != Some(1) {
+        eprintln!("rank {}: not bound to one CPU ({own:?})", world.rank());
+        1
+    } else if (world.spin() > Duration::ZERO) != want {
+        eprintln!("rank {}: spin {:?}, expected {}", world.rank(), world.spin(), if want { "some" } else { "none" });
+        1
+    } else {
+        println!("BOUND-OK rank {} spin {:?}", world.rank(), world.spin());
+        0
+    };
+    world.shutdown().await.expect("shutdown");
+    code
 }
 
 fn opts(timeout: Duration) -> MpiOptions {

@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
+use comm_core::handle::{self, shutdown_done, Admission, CpuSet, Poison, Subgroups};
 use comm_core::{config, Backend, Collective, CommError, DType, Group, HostBuffer, Rank, Store, Work};
 
 use engine::{Command, Engine, Inline, Params};
@@ -66,7 +66,8 @@ pub struct ShmOptions {
     /// (and may run inline); larger ones reduce-scatter and all-gather. `None` (the default): the largest power of two whose `world + 1` copies fit
     /// in a core's L2 cache (every rank reads all inputs and writes one output), 16 KiB..1 MiB.
     pub small_max: Option<usize>,
-    /// Spin before sleeping; `None` picks: 50 µs, or 0 when ranks outnumber cores.
+    /// Spin before sleeping; `None` picks: 50 µs, or 0 when the ranks outnumber the CPUs they
+    /// may run on together.
     pub spin: Option<Duration>,
 }
 
@@ -154,6 +155,12 @@ fn io_err(context: String) -> impl FnOnce(std::io::Error) -> CommError {
 }
 
 impl ShmBackend {
+    /// How long this group's waits spin before they sleep: [`ShmOptions::spin`], or what
+    /// start-up chose from the CPUs the ranks may run on together.
+    pub fn spin(&self) -> Duration {
+        self.inner.inline_budget
+    }
+
     /// Joins the world group: `world` ranks that all call this with the same store.
     pub async fn new(store: Arc<dyn Store>, rank: Rank, world: u32, opts: ShmOptions) -> Result<ShmBackend, CommError> {
         Self::create(store, rank, world, opts, "shm/world".into()).await
@@ -172,7 +179,9 @@ impl ShmBackend {
         opts.check()?;
         let to = config::clamp_timeout(opts.timeout);
         let host = handle::host_identity();
-        store.set(&format!("{prefix}/host/{rank}"), host.as_bytes()).await?;
+        // With the CPUs this rank may run on: whether the group's ranks can all run at once.
+        let cpus = CpuSet::allowed().map(|s| s.to_string()).unwrap_or_default();
+        store.set(&format!("{prefix}/host/{rank}"), format!("{host}\n{cpus}").as_bytes()).await?;
         if rank == 0 {
             // One step moves at most a window per rank.
             let small_max =
@@ -185,16 +194,22 @@ impl ShmBackend {
         let [window, slot, small_max] = nums[..] else {
             return Err(CommError::Store(format!("malformed shm parameters `{params}` in the store")));
         };
+        let mut all_cpus = Some(CpuSet::default());
         for r in 0..world {
-            let theirs = store.get(&format!("{prefix}/host/{r}"), to).await?;
-            if theirs != host.as_bytes() {
+            let value = store.get(&format!("{prefix}/host/{r}"), to).await?;
+            let value = String::from_utf8_lossy(&value);
+            let (theirs, their_cpus) = value.split_once('\n').unwrap_or((&value, ""));
+            if theirs != host {
                 return Err(CommError::Unavailable {
                     backend: "shm",
                     why: format!(
-                        "rank {r} runs on another host ({}) than rank {rank} ({host}); shared memory needs every rank of the group on one host (use the mpi or nccl backend)",
-                        String::from_utf8_lossy(&theirs)
+                        "rank {r} runs on another host ({theirs}) than rank {rank} ({host}); shared memory needs every rank of the group on one host (use the mpi or nccl backend)"
                     ),
                 });
+            }
+            match (&mut all_cpus, CpuSet::parse(their_cpus).filter(|c| !c.is_empty())) {
+                (Some(u), Some(c)) => u.union_with(&c),
+                _ => all_cpus = None,
             }
         }
 
@@ -237,14 +252,7 @@ impl ShmBackend {
         let params = Params {
             panic_at: faults.panic_at,
             timeout: to,
-            spin: opts.spin.unwrap_or_else(|| {
-                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                if world as usize > cores {
-                    Duration::ZERO
-                } else {
-                    Duration::from_micros(50)
-                }
-            }),
+            spin: opts.spin.unwrap_or_else(|| tuning::spin(world, all_cpus.as_ref())),
         };
         let (tx, rx) = channel();
         let poison = Poison::new();

@@ -3,8 +3,10 @@
 //! a large one. ARCHITECTURE.md ("One step vs two") says why these formulas.
 
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use comm_core::config::parse_size;
+use comm_core::handle::CpuSet;
 
 /// Per-core L2 assumed where sysfs does not say (a common size on current x86 servers).
 const FALLBACK_L2: usize = 512 << 10;
@@ -55,9 +57,37 @@ pub(crate) fn small_max(l2: usize, world: u32) -> usize {
     pow2_floor(l2 / (world as usize + 1)).clamp(16 << 10, 1 << 20)
 }
 
+/// How long a wait spins before it sleeps: 50 µs, or nothing when the group's ranks outnumber
+/// the CPUs they can run on together (`cpus`: the union of every rank's affinity; `None` where
+/// a rank could not tell, then this process's CPUs). Ranks bound to one core each see one CPU
+/// apiece but can all spin at once; a spinning rank that shares its core with a peer only
+/// delays it.
+pub(crate) fn spin(world: u32, cpus: Option<&CpuSet>) -> Duration {
+    let cores = cpus.map_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()), CpuSet::runnable);
+    if world as usize > cores {
+        Duration::ZERO
+    } else {
+        Duration::from_micros(50)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranks_bound_to_their_own_cores_spin() {
+        let set = |l: &str| CpuSet::parse(l).unwrap();
+        // Two ranks bound to cores 0 and 1 (each sees one CPU): two CPUs together.
+        let (mut u, other) = (set("0"), set("1"));
+        u.union_with(&other);
+        assert_eq!(u.len(), 2);
+        // (Unless a CPU quota on this process caps it below two.)
+        assert_eq!(spin(2, Some(&u)) > Duration::ZERO, u.runnable() == 2);
+        // Both bound to core 0, or more ranks than CPUs: no spinning.
+        assert_eq!(spin(2, Some(&set("0"))), Duration::ZERO);
+        assert_eq!(spin(3, Some(&set("0-1"))), Duration::ZERO);
+    }
 
     #[test]
     fn thresholds_follow_the_cache() {

@@ -160,3 +160,63 @@ async fn p2p_failures_carry_their_real_cause() {
     let later = ranks[1].submit(Barrier).await;
     assert!(matches!(later, Err(CommError::Poisoned { .. })), "{later:?}");
 }
+
+/// This thread's CPU affinity set to `cpus` (util-linux `taskset` on our thread id).
+fn bind_this_thread(cpus: &str) -> bool {
+    let me = std::fs::read_link("/proc/thread-self").ok();
+    let tid = me.as_ref().and_then(|p| p.file_name()).map(|t| t.to_string_lossy().into_owned());
+    tid.is_some_and(|tid| {
+        std::process::Command::new("taskset")
+            .args(["-p", "-c", cpus, &tid])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    })
+}
+
+/// Ranks that a launcher binds to one core each (each sees one CPU) still spin: together they
+/// have a core apiece. Two ranks bound to the same core do not.
+#[test]
+fn bound_ranks_spin_unless_they_share_a_core() {
+    let Some(own) = comm_core::handle::CpuSet::allowed().filter(|c| c.len() >= 2) else {
+        println!("skipped: fewer than two CPUs to bind ranks to");
+        return;
+    };
+    let first_two: Vec<String> = own
+        .to_string()
+        .split(',')
+        .flat_map(|r| {
+            let (a, b) = r.split_once('-').unwrap_or((r, r));
+            let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+            (a..=b).map(|c| c.to_string()).collect::<Vec<_>>()
+        })
+        .take(2)
+        .collect();
+    for (cpus, spins) in [([first_two[0].as_str(), first_two[1].as_str()], true), ([first_two[0].as_str(); 2], false)] {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let ranks: Vec<_> = (0..2u32)
+            .map(|r| {
+                let (store, cpu) = (store.clone(), cpus[r as usize].to_owned());
+                std::thread::spawn(move || {
+                    if !bind_this_thread(&cpu) {
+                        return None;
+                    }
+                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                    Some(rt.block_on(ShmBackend::new(store, r, 2, ShmOptions::default())).unwrap())
+                })
+            })
+            .collect();
+        let ranks: Vec<_> = ranks.into_iter().map(|t| t.join().unwrap()).collect();
+        if ranks.iter().any(Option::is_none) {
+            println!("skipped: `taskset` could not bind a thread");
+            return;
+        }
+        for b in ranks.iter().flatten() {
+            // (Unless a CPU quota on this process allows only one thread at a time.)
+            let quota_one = std::thread::available_parallelism().map_or(1, |n| n.get()) < 2;
+            assert_eq!(b.spin() > Duration::ZERO, spins && !quota_one, "ranks on CPUs {cpus:?}");
+        }
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(futures::future::join_all(ranks.iter().flatten().map(|b| b.shutdown())));
+    }
+}

@@ -1,6 +1,6 @@
 //! What every backend's group handle shares: the poison flag its worker sets, the admission
-//! checks before an op is issued, sub-group membership and naming, the shutdown round trip and
-//! the host identity. Backends keep their own workers; these are the parts that mean the same
+//! checks before an op is issued, sub-group membership and naming, the shutdown round trip, the
+//! host identity and the CPUs a machine's ranks can run on. Backends keep their own workers; these are the parts that mean the same
 //! thing everywhere, so the same situation gives the same error whichever backend runs.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
@@ -184,6 +184,119 @@ pub fn host_identity() -> String {
     format!("{}@{}", read("/proc/sys/kernel/random/boot_id"), read("/proc/sys/kernel/hostname"))
 }
 
+/// A set of CPU numbers: the CPUs a thread may run on, or their union over the ranks of a
+/// machine, which says whether those ranks can all run at once (and so whether a wait may
+/// spin). A rank bound to one core sees one CPU; two ranks bound to two cores can both spin.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CpuSet(Vec<u64>);
+
+/// CPU numbers past this are ignored (a malformed list must not allocate without bound).
+const MAX_CPU: usize = 1 << 16;
+
+impl CpuSet {
+    /// The CPUs this thread may run on (`Cpus_allowed_list` in `/proc/thread-self/status`);
+    /// `None` where the system does not say.
+    pub fn allowed() -> Option<CpuSet> {
+        let status = std::fs::read_to_string("/proc/thread-self/status").ok()?;
+        let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
+        CpuSet::parse(list).filter(|s| !s.is_empty())
+    }
+
+    /// Parses the kernel's list format (`0-3,8,10-11`); `None` if it is not one.
+    pub fn parse(list: &str) -> Option<CpuSet> {
+        let mut set = CpuSet::default();
+        for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+            let (a, b) = part.split_once('-').unwrap_or((part, part));
+            let (a, b): (usize, usize) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+            if a > b || b >= MAX_CPU {
+                return None;
+            }
+            (a..=b).for_each(|c| set.insert(c));
+        }
+        Some(set)
+    }
+
+    /// The set of these bit words (CPU `64 * i + j` is bit `j` of word `i`).
+    pub fn from_words(words: &[u64]) -> CpuSet {
+        let mut w = words.to_vec();
+        while w.last() == Some(&0) {
+            w.pop();
+        }
+        CpuSet(w)
+    }
+
+    /// The bit words of this set (see [`from_words`](Self::from_words)).
+    pub fn words(&self) -> &[u64] {
+        &self.0
+    }
+
+    /// Adds CPU `cpu`.
+    pub fn insert(&mut self, cpu: usize) {
+        if self.0.len() <= cpu / 64 {
+            self.0.resize(cpu / 64 + 1, 0);
+        }
+        self.0[cpu / 64] |= 1 << (cpu % 64);
+    }
+
+    /// Adds every CPU of `other`.
+    pub fn union_with(&mut self, other: &CpuSet) {
+        if self.0.len() < other.0.len() {
+            self.0.resize(other.0.len(), 0);
+        }
+        self.0.iter_mut().zip(&other.0).for_each(|(a, b)| *a |= b);
+    }
+
+    /// How many CPUs the set holds.
+    pub fn len(&self) -> usize {
+        self.0.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// Whether the set holds no CPU.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// How many threads of the ranks whose CPUs together are `self` can run at once: the
+    /// set's size, capped by a CPU quota on this process (a container's `--cpus`), which std's
+    /// `available_parallelism` reports below this thread's own CPU count.
+    pub fn runnable(&self) -> usize {
+        let std = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let own = CpuSet::allowed().map_or(std, |s| s.len());
+        if std < own {
+            self.len().min(std)
+        } else {
+            self.len().max(1)
+        }
+    }
+}
+
+impl std::fmt::Display for CpuSet {
+    /// The kernel's list format, which [`parse`](Self::parse) reads.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let has = |c: usize| self.0.get(c / 64).is_some_and(|w| w & (1 << (c % 64)) != 0);
+        let (mut c, end, mut first) = (0, self.0.len() * 64, true);
+        while c < end {
+            if !has(c) {
+                c += 1;
+                continue;
+            }
+            let start = c;
+            while c + 1 < end && has(c + 1) {
+                c += 1;
+            }
+            let sep = if first { "" } else { "," };
+            first = false;
+            if start == c {
+                write!(f, "{sep}{start}")?;
+            } else {
+                write!(f, "{sep}{start}-{c}")?;
+            }
+            c += 1;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,6 +339,27 @@ mod tests {
         assert_eq!((g.ranks.as_slice(), g.rank, g.prefix.as_str()), (&[1, 3][..], Some(1), "shm/world/g0"));
         let g = s.next(&[1, 3], 0, 4).unwrap();
         assert_eq!((g.rank, g.prefix.as_str()), (None, "shm/world/g1"));
+    }
+
+    #[test]
+    fn cpu_sets_parse_print_and_join() {
+        let a = CpuSet::parse("0-3,8").unwrap();
+        assert_eq!((a.len(), a.to_string()), (5, "0-3,8".to_owned()));
+        let b = CpuSet::parse(" 3-5,64,70-71\n").unwrap();
+        let mut u = a.clone();
+        u.union_with(&b);
+        assert_eq!(u.to_string(), "0-5,8,64,70-71");
+        assert_eq!(CpuSet::from_words(u.words()), u);
+        assert_eq!(CpuSet::from_words(&[0b11, 0, 0]), CpuSet::parse("0-1").unwrap());
+        for bad in ["x", "3-1", "0-99999999", "1-"] {
+            assert_eq!(CpuSet::parse(bad), None, "{bad}");
+        }
+        assert!(CpuSet::parse("").unwrap().is_empty());
+        // Where the system says, this thread may run somewhere, and alone it can run.
+        if let Some(own) = CpuSet::allowed() {
+            assert!(!own.is_empty());
+            assert!((1..=own.len()).contains(&own.runnable()));
+        }
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use comm_core::handle::Poison;
+use comm_core::handle::{CpuSet, Poison};
 use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
@@ -81,6 +81,8 @@ pub struct GroupInfo {
     pub(crate) world: bool,
     pub(crate) local_rank: Rank,
     pub(crate) local_size: u32,
+    /// How long the actor and the lane poll before yielding.
+    pub(crate) spin: Duration,
     /// Where callers may run small collectives themselves (MPI provides
     /// `MPI_THREAD_MULTIPLE`).
     pub(crate) lane: Option<Arc<Lane>>,
@@ -107,6 +109,8 @@ struct World {
     rank: i32,
     local_rank: i32,
     local_size: i32,
+    /// How many threads the node's ranks can run at once (`CpuSet::runnable` of their union).
+    node_cpus: usize,
     tag_max: u32,
     /// Why world groups cannot be created (the launcher and MPI disagree).
     refuse: Option<String>,
@@ -134,6 +138,9 @@ pub(crate) struct Actor {
     multiple: bool,
 }
 
+/// The words of the CPU mask the node's ranks exchange at start: 4096 CPUs.
+const CPU_WORDS: usize = 64;
+
 /// How long the actor waits for ops still running when the process exits.
 pub(crate) const EXIT_GRACE: Duration = Duration::from_secs(30);
 
@@ -147,13 +154,24 @@ impl Actor {
         let setup = || -> Result<World, String> {
             raw::world_errors_return().map_err(fail)?;
             let (rank, size) = raw::world_rank_size().map_err(fail)?;
-            let (local_rank, local_size) = raw::node_rank_size().map_err(fail)?;
+            let mut cpus = [0u64; CPU_WORDS];
+            let own = CpuSet::allowed().unwrap_or_else(|| {
+                let mut s = CpuSet::default();
+                (0..std::thread::available_parallelism().map_or(1, |n| n.get())).for_each(|c| s.insert(c));
+                s
+            });
+            // CPUs past the mask's end count as its last one: a bound rank still counts once.
+            for (i, w) in own.words().iter().enumerate() {
+                cpus[i.min(CPU_WORDS - 1)] |= w;
+            }
+            let (local_rank, local_size) = raw::node_rank_size(&mut cpus).map_err(fail)?;
+            let node_cpus = CpuSet::from_words(&cpus).runnable();
             // The top block of tags is the header exchange's (`raw::exchange_tag`, `bulk_tag`).
             if raw::tag_ub() % 8 == 0 {
                 return Err(format!("MPI_TAG_UB is {}: the backend needs it to be 2^k - 1", raw::tag_ub()));
             }
             let tag_max = ((raw::tag_ub().max(0) as u32) >> 3).saturating_sub(1);
-            Ok(World { rank, local_rank, local_size, tag_max, refuse: launcher_disagrees(size) })
+            Ok(World { rank, local_rank, local_size, node_cpus, tag_max, refuse: launcher_disagrees(size) })
         };
         let world = match setup() {
             Ok(w) => w,
@@ -167,8 +185,8 @@ impl Actor {
             tracing::debug!("comm mpi: MPI provides {provided:?} threading; only the actor thread calls MPI");
         }
         global::mpi_started(world.rank);
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let spin = if world.local_size as usize > cores { Duration::ZERO } else { Duration::from_micros(50) };
+        // Ranks bound to one core each see one CPU apiece, but can all spin at once.
+        let spin = if world.local_size as usize > world.node_cpus { Duration::ZERO } else { Duration::from_micros(50) };
         Ok(Actor {
             rx,
             universe: Some(universe),
@@ -567,6 +585,7 @@ impl Actor {
             world,
             local_rank: self.world.local_rank as Rank,
             local_size: self.world.local_size as u32,
+            spin: self.spin,
             lane,
         };
         self.groups.insert(

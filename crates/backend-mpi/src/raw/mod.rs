@@ -160,11 +160,16 @@ pub(crate) fn world_rank_size() -> Result<(i32, i32), MpiError> {
 }
 
 /// `(local rank, local size)`: this process's place among the ranks sharing its node
-/// (`MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`). Collective over the world.
-pub(crate) fn node_rank_size() -> Result<(i32, i32), MpiError> {
+/// (`MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`), and the CPUs they may run on together:
+/// `cpus` (bit words, see `CpuSet::from_words`) is this rank's on entry and the node's union
+/// on return. Collective over the world.
+pub(crate) fn node_rank_size(cpus: &mut [u64]) -> Result<(i32, i32), MpiError> {
     let mut node = MaybeUninit::<ffi::MPI_Comm>::uninit();
+    let n = c_int::try_from(cpus.len()).expect("a CPU mask of a few words");
     // SAFETY: MPI is initialised; `node` is written by a successful split and only read then;
-    // the communicator is freed before returning.
+    // the communicator is freed before returning. `cpus` holds `n` u64 and outlives the
+    // blocking allreduce (MPI_IN_PLACE: it is the input too), which every rank of the node
+    // makes here, right after the split.
     unsafe {
         check(
             "MPI_Comm_split_type",
@@ -179,7 +184,14 @@ pub(crate) fn node_rank_size() -> Result<(i32, i32), MpiError> {
         let mut node = node.assume_init();
         let (mut rank, mut size) = (0, 0);
         let r = check("MPI_Comm_rank", ffi::MPI_Comm_rank(node, &mut rank))
-            .and_then(|()| check("MPI_Comm_size", ffi::MPI_Comm_size(node, &mut size)));
+            .and_then(|()| check("MPI_Comm_size", ffi::MPI_Comm_size(node, &mut size)))
+            .and_then(|()| {
+                let buf = cpus.as_mut_ptr().cast::<c_void>();
+                check(
+                    "MPI_Allreduce",
+                    ffi::MPI_Allreduce(in_place(), buf, n, ffi::RSMPI_UINT64_T, ffi::RSMPI_BOR, node),
+                )
+            });
         ffi::MPI_Comm_free(&mut node);
         r.map(|()| (rank, size))
     }

@@ -109,7 +109,7 @@ fn describe(h: &StepHeader) -> String {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Params {
     pub(crate) timeout: Duration,
-    /// How long a waiter spins before it sleeps on its futex (0 when ranks outnumber cores).
+    /// How long a waiter spins before it sleeps on its futex (0 when ranks outnumber their CPUs).
     pub(crate) spin: Duration,
     /// Test hook (`COMM_FAULT_INJECT=panic:<op>`): the worker panics when it runs this op.
     pub(crate) panic_at: Option<&'static str>,

@@ -236,7 +236,7 @@ impl Engine {
             }
             if waited < budget {
                 // A true spin: the peer runs on another core and arrives within microseconds
-                // (`budget` is zero when ranks outnumber cores).
+                // (`budget` is zero when ranks outnumber their CPUs).
                 std::hint::spin_loop();
             } else {
                 // Then give the core away while waiting a little longer: on a busy or small
