@@ -69,6 +69,12 @@ pub struct ShmOptions {
     /// Spin before sleeping; `None` picks: 50 µs, or 0 when the ranks outnumber the CPUs they
     /// may run on together.
     pub spin: Option<Duration>,
+    /// Bind each rank's worker thread to a core of its own (rank r: the r-th core of the CPUs
+    /// every rank may run on). `None` (the default): only where the group's threads, a caller
+    /// and a worker per rank, outnumber those CPUs, so the scheduler cannot leave two workers
+    /// stacked on one core; never when ranks outnumber cores or run on different CPU sets
+    /// (a launcher bound them). Sub-groups bind their workers to their process's core.
+    pub pin: Option<bool>,
 }
 
 impl Default for ShmOptions {
@@ -79,6 +85,7 @@ impl Default for ShmOptions {
             p2p_slot: 256 << 10,
             small_max: None,
             spin: None,
+            pin: None,
         }
     }
 }
@@ -91,7 +98,8 @@ pub const MIN_WINDOW: usize = 4 << 10;
 
 impl ShmOptions {
     /// Defaults, overridden by `COMM_SHM_WINDOW`, `COMM_SHM_SLOT`, `COMM_SHM_SMALL_MAX` (sizes
-    /// as [`config::parse_size`] reads them: `512KiB`, `4M`, `65536`) and `COMM_SHM_SPIN_US`.
+    /// as [`config::parse_size`] reads them: `512KiB`, `4M`, `65536`), `COMM_SHM_SPIN_US` and
+    /// `COMM_SHM_PIN` (`1` or `0`).
     pub fn from_env() -> Result<Self, CommError> {
         let mut o = ShmOptions::default();
         let spin_us = |v: &str| v.trim().parse::<u32>().map_err(|_| "not a number of microseconds".to_string());
@@ -99,6 +107,7 @@ impl ShmOptions {
         o.p2p_slot = config::env_parse("COMM_SHM_SLOT", config::parse_size)?.unwrap_or(o.p2p_slot);
         o.small_max = config::env_parse("COMM_SHM_SMALL_MAX", config::parse_size)?.or(o.small_max);
         o.spin = config::env_parse("COMM_SHM_SPIN_US", spin_us)?.map(|us| Duration::from_micros(us.into())).or(o.spin);
+        o.pin = config::env_parse("COMM_SHM_PIN", config::parse_bool)?.or(o.pin);
         o.check()?;
         Ok(o)
     }
@@ -134,6 +143,8 @@ struct Inner {
     limits: Limits,
     /// How long a caller running an op inline waits for peers before handing it over.
     inline_budget: Duration,
+    /// The core the worker thread is bound to (see [`ShmOptions::pin`]).
+    worker_cpu: Option<usize>,
     me: Arc<Segment>,
     store: Arc<dyn Store>,
     opts: ShmOptions,
@@ -161,9 +172,14 @@ impl ShmBackend {
         self.inner.inline_budget
     }
 
+    /// The CPU this group's worker thread is bound to, if any (see [`ShmOptions::pin`]).
+    pub fn worker_cpu(&self) -> Option<usize> {
+        self.inner.worker_cpu
+    }
+
     /// Joins the world group: `world` ranks that all call this with the same store.
     pub async fn new(store: Arc<dyn Store>, rank: Rank, world: u32, opts: ShmOptions) -> Result<ShmBackend, CommError> {
-        Self::create(store, rank, world, opts, "shm/world".into()).await
+        Self::create(store, rank, world, opts, "shm/world".into(), None).await
     }
 
     async fn create(
@@ -172,6 +188,8 @@ impl ShmBackend {
         world: u32,
         opts: ShmOptions,
         prefix: String,
+        // A sub-group's: its process's world worker core.
+        inherited_cpu: Option<Option<usize>>,
     ) -> Result<ShmBackend, CommError> {
         if world == 0 || rank >= world {
             return Err(CommError::invalid("shm init", format!("rank {rank} is not in a world of {world}")));
@@ -195,6 +213,7 @@ impl ShmBackend {
             return Err(CommError::Store(format!("malformed shm parameters `{params}` in the store")));
         };
         let mut all_cpus = Some(CpuSet::default());
+        let mut sets = Vec::with_capacity(world as usize);
         for r in 0..world {
             let value = store.get(&format!("{prefix}/host/{r}"), to).await?;
             let value = String::from_utf8_lossy(&value);
@@ -207,11 +226,16 @@ impl ShmBackend {
                     ),
                 });
             }
-            match (&mut all_cpus, CpuSet::parse(their_cpus).filter(|c| !c.is_empty())) {
-                (Some(u), Some(c)) => u.union_with(&c),
+            let theirs = CpuSet::parse(their_cpus).filter(|c| !c.is_empty());
+            match (&mut all_cpus, &theirs) {
+                (Some(u), Some(c)) => u.union_with(c),
                 _ => all_cpus = None,
             }
+            sets.push(theirs);
         }
+        let worker_cpu = inherited_cpu.unwrap_or_else(|| {
+            tuning::worker_cpu(rank, &sets, opts.pin, |s| tuning::cores_of(s, "/sys/devices/system/cpu"))
+        });
 
         reap_stale_segments();
         let lay = Layout::new(world as usize, window, slot).ok_or_else(|| {
@@ -262,7 +286,15 @@ impl ShmBackend {
         let (worker_engine, worker_me) = (engine.clone(), me.clone());
         std::thread::Builder::new()
             .name(format!("comm-shm-r{rank}"))
-            .spawn(move || engine::worker(worker_engine, worker_me))
+            .spawn(move || {
+                if let Some(cpu) = worker_cpu {
+                    let mut set = rustix::thread::CpuSet::new();
+                    set.set(cpu);
+                    // Only a placement hint: the worker runs anywhere if this fails.
+                    let _ = rustix::thread::sched_setaffinity(None, &set);
+                }
+                engine::worker(worker_engine, worker_me)
+            })
             .map_err(io_err("starting the shm worker thread".into()))?;
         Ok(ShmBackend {
             inner: Arc::new(Inner {
@@ -272,6 +304,7 @@ impl ShmBackend {
                 engine,
                 limits: Limits { world, window: lay.window, small_max },
                 inline_budget: params.spin,
+                worker_cpu,
                 me,
                 store,
                 opts,
@@ -495,7 +528,8 @@ impl Group for ShmBackend {
         let sub = inner.subgroups.next(ranks, a.rank(), a.world())?;
         let Some(rank) = sub.rank else { return Ok(None) };
         let world = sub.ranks.len() as u32;
-        let g = Self::create(inner.store.clone(), rank, world, inner.opts.clone(), sub.prefix).await?;
+        let g = Self::create(inner.store.clone(), rank, world, inner.opts.clone(), sub.prefix, Some(inner.worker_cpu))
+            .await?;
         Ok(Some(Arc::new(g)))
     }
 

@@ -71,6 +71,48 @@ pub(crate) fn spin(world: u32, cpus: Option<&CpuSet>) -> Duration {
     }
 }
 
+/// The CPU the worker thread of the group's rank `rank` is bound to, or `None` to leave it to
+/// the scheduler. `sets`: every rank's CPUs (its affinity; `None` where it could not tell).
+/// `pin`: [`ShmOptions::pin`](crate::ShmOptions::pin). `cores`: one CPU per physical core of
+/// a set (see [`cores_of`]).
+///
+/// By default the workers are bound, one per core, when every rank may run on the same CPUs
+/// and the group's threads (a caller and a worker per rank) outnumber those CPUs: there the
+/// scheduler can leave two busy workers stacked on one CPU while another idles, each step
+/// then waiting on the other's time slice, for whole runs (it does not move threads that ran
+/// within the last half millisecond, and these always have). On a larger machine there are
+/// idle CPUs to wake on; ranks a launcher bound already have a CPU each.
+pub(crate) fn worker_cpu(
+    rank: u32,
+    sets: &[Option<CpuSet>],
+    pin: Option<bool>,
+    cores: impl FnOnce(&CpuSet) -> Vec<usize>,
+) -> Option<usize> {
+    let world = sets.len();
+    let first = sets.first()?.as_ref()?;
+    if pin == Some(false) || world < 2 || sets.iter().any(|s| s.as_ref() != Some(first)) {
+        return None;
+    }
+    let cores = cores(first);
+    let runnable = first.runnable();
+    let crowded = 2 * world > runnable && world <= runnable;
+    (world <= cores.len() && (pin == Some(true) || crowded)).then(|| cores[rank as usize])
+}
+
+/// One CPU of `set` per physical core (the lowest of its hardware threads in `set`, from
+/// `DIR/cpuN/topology/thread_siblings_list`; every CPU where that is unreadable).
+pub(crate) fn cores_of(set: &CpuSet, dir: &str) -> Vec<usize> {
+    let cpus: Vec<usize> = (0..set.words().len() * 64).filter(|&c| set.contains(c)).collect();
+    cpus.iter()
+        .copied()
+        .filter(|&c| {
+            let path = format!("{dir}/cpu{c}/topology/thread_siblings_list");
+            let siblings = std::fs::read_to_string(path).ok().and_then(|l| CpuSet::parse(&l));
+            siblings.is_none_or(|sib| cpus.iter().find(|&&o| sib.contains(o)).is_none_or(|&lowest| lowest == c))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,6 +141,48 @@ mod tests {
         assert_eq!((window(2 << 20), small_max(2 << 20, 32)), (1 << 20, 32 << 10));
         assert_eq!(small_max(256 << 10, 1000), 16 << 10);
         assert_eq!(window(0), 64 << 10);
+    }
+
+    #[test]
+    fn workers_are_bound_where_the_group_fills_the_machine() {
+        let set = |l: &str| Some(CpuSet::parse(l).unwrap());
+        let each = |s: &CpuSet| (0..s.words().len() * 64).filter(|&c| s.contains(c)).collect::<Vec<_>>();
+        let runnable = |l: &str| CpuSet::parse(l).unwrap().runnable();
+        // Two unbound ranks on two CPUs: rank r's worker on the r-th (unless a CPU quota on
+        // this process leaves fewer than two runnable).
+        let two = [set("0-1"), set("0-1")];
+        let want = |cpu| (runnable("0-1") == 2).then_some(cpu);
+        assert_eq!(worker_cpu(0, &two, None, each), want(0));
+        assert_eq!(worker_cpu(1, &two, None, each), want(1));
+        assert_eq!(worker_cpu(1, &two, Some(false), each), None);
+        // Room to spare (2 ranks, 8 CPUs): left to the scheduler unless asked.
+        let roomy = [set("0-7"), set("0-7")];
+        assert_eq!(worker_cpu(1, &roomy, None, each), None);
+        assert_eq!(worker_cpu(1, &roomy, Some(true), each), Some(1));
+        // One CPU per core: CPUs 0 and 1 are two threads of core 0 here.
+        assert_eq!(worker_cpu(1, &roomy, Some(true), |_| vec![0, 2, 4, 6]), Some(2));
+        // More ranks than cores, ranks bound by a launcher (sets differ), a rank that could
+        // not tell: never.
+        assert_eq!(worker_cpu(2, &[set("0-1"), set("0-1"), set("0-1")], Some(true), each), None);
+        assert_eq!(worker_cpu(0, &[set("0"), set("1")], Some(true), each), None);
+        assert_eq!(worker_cpu(0, &[set("0-1"), None], Some(true), each), None);
+    }
+
+    #[test]
+    fn cores_come_from_the_sibling_lists() {
+        let dir = std::env::temp_dir().join(format!("comm-shm-topo-test-{}", std::process::id()));
+        // Four CPUs, two cores: 0 and 2 are threads of one core, 1 and 3 of the other.
+        for (cpu, sib) in [(0, "0,2"), (1, "1,3"), (2, "0,2"), (3, "1,3")] {
+            let d = dir.join(format!("cpu{cpu}/topology"));
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("thread_siblings_list"), format!("{sib}\n")).unwrap();
+        }
+        let d = dir.to_str().unwrap();
+        assert_eq!(cores_of(&CpuSet::parse("0-3").unwrap(), d), [0, 1]);
+        // Only the second thread of a core allowed: it stands for its core.
+        assert_eq!(cores_of(&CpuSet::parse("2-3").unwrap(), d), [2, 3]);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(cores_of(&CpuSet::parse("5,7").unwrap(), "/nonexistent"), [5, 7]);
     }
 
     #[test]

@@ -220,3 +220,49 @@ fn bound_ranks_spin_unless_they_share_a_core() {
         rt.block_on(futures::future::join_all(ranks.iter().flatten().map(|b| b.shutdown())));
     }
 }
+
+/// The CPUs each thread of this process named `name` may run on.
+fn thread_cpus(name: &str) -> Vec<String> {
+    let tasks = std::fs::read_dir("/proc/self/task").unwrap();
+    tasks
+        .flatten()
+        .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == name))
+        .filter_map(|t| {
+            let status = std::fs::read_to_string(t.path().join("status")).ok()?;
+            status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).map(|l| l.trim().to_owned())
+        })
+        .collect()
+}
+
+/// Asked to, each rank binds its worker thread to a core of its own; unasked on a machine with
+/// room to spare, or told not to, it leaves them to the scheduler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_bound_to_cores_of_their_own() {
+    if comm_core::handle::CpuSet::allowed().is_none_or(|c| c.len() < 2) {
+        println!("skipped: fewer than two CPUs");
+        return;
+    }
+    let ranks = world(2, ShmOptions { pin: Some(true), ..small_opts() }).await;
+    let cpus: Vec<usize> = ranks.iter().map(|b| b.worker_cpu().expect("a bound worker")).collect();
+    assert_ne!(cpus[0], cpus[1]);
+    for (r, cpu) in cpus.iter().enumerate() {
+        let seen = thread_cpus(&format!("comm-shm-r{r}"));
+        assert!(seen.contains(&cpu.to_string()), "rank {r}'s worker on CPU {cpu}: threads {seen:?}");
+    }
+    // Still a working group, and so are its sub-groups.
+    let works: Vec<_> = ranks
+        .iter()
+        .map(|b| b.submit(AllReduce { buf: HostBuffer::from_slice(&[1.0f32; 5000]), op: ReduceOp::Sum }))
+        .collect();
+    for w in works {
+        assert_eq!(w.await.unwrap().to_vec::<f32>().unwrap(), vec![2.0f32; 5000]);
+    }
+    let subs = futures::future::join_all(ranks.iter().map(|b| b.new_group(&[0, 1]))).await;
+    let subs: Vec<_> = subs.into_iter().map(|s| s.unwrap().expect("a member")).collect();
+    let works: Vec<_> = subs.iter().map(|b| b.submit(Barrier)).collect();
+    for w in works {
+        w.await.unwrap();
+    }
+    let ranks = world(2, ShmOptions { pin: Some(false), ..small_opts() }).await;
+    assert!(ranks.iter().all(|b| b.worker_cpu().is_none()));
+}

@@ -238,6 +238,11 @@ impl CpuSet {
         self.0[cpu / 64] |= 1 << (cpu % 64);
     }
 
+    /// Whether CPU `cpu` is in the set.
+    pub fn contains(&self, cpu: usize) -> bool {
+        self.0.get(cpu / 64).is_some_and(|w| w & (1 << (cpu % 64)) != 0)
+    }
+
     /// Adds every CPU of `other`.
     pub fn union_with(&mut self, other: &CpuSet) {
         if self.0.len() < other.0.len() {
@@ -273,7 +278,7 @@ impl CpuSet {
 impl std::fmt::Display for CpuSet {
     /// The kernel's list format, which [`parse`](Self::parse) reads.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let has = |c: usize| self.0.get(c / 64).is_some_and(|w| w & (1 << (c % 64)) != 0);
+        let has = |c: usize| self.contains(c);
         let (mut c, end, mut first) = (0, self.0.len() * 64, true);
         while c < end {
             if !has(c) {
