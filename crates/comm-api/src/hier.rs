@@ -54,10 +54,12 @@ pub(crate) async fn start(world: Arc<dyn Backend>, asked: bool, timeout: Duratio
         .ok_or_else(|| CommError::Store(format!("malformed host store address `{theirs}` from the host leader")))?;
     let store: Arc<dyn Store> = Arc::new(TcpStore::connect("127.0.0.1", port, &token, timeout).await?);
     let mut opts = ShmOptions { timeout, ..ShmOptions::from_env()? };
-    // shm spins only when its ranks have a core each; hosts sharing one machine (containers,
-    // simulated hosts) count too, or their spinning ranks take the cores the others need.
-    if opts.spin.is_none() && layout.is_crowded() {
-        opts.spin = Some(Duration::ZERO);
+    // shm spins (and binds its workers) only when its ranks have a core each; hosts sharing
+    // one machine (containers, simulated hosts) count too, or their spinning ranks take the
+    // cores the others need.
+    if layout.is_crowded() {
+        opts.spin = opts.spin.or(Some(Duration::ZERO));
+        opts.pin = opts.pin.or(Some(false));
     }
     let local = ShmBackend::new(store, layout.local_index() as u32, layout.local_size() as u32, opts).await?;
     let hier = HierBackend::new(world, Arc::new(local), layout, HierOptions::from_env()?).await?;
