@@ -135,13 +135,7 @@ impl Layout {
     /// should not spin, and a rank per rail only competes for the cores). Ranks bound to a
     /// core each see one CPU apiece but are not crowded.
     pub fn is_crowded(&self) -> bool {
-        let mut all = Some(CpuSet::default());
-        for r in self.machine_ranks() {
-            match (&mut all, &self.cpus[r as usize]) {
-                (Some(u), Some(c)) => u.union_with(c),
-                _ => all = None,
-            }
-        }
+        let all = CpuSet::union_of(self.machine_ranks().map(|r| self.cpus[r as usize].as_ref()));
         let cores = all.map_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()), |u| u.runnable());
         self.ranks_on_this_machine() > cores
     }

@@ -212,7 +212,6 @@ impl ShmBackend {
         let [window, slot, small_max] = nums[..] else {
             return Err(CommError::Store(format!("malformed shm parameters `{params}` in the store")));
         };
-        let mut all_cpus = Some(CpuSet::default());
         let mut sets = Vec::with_capacity(world as usize);
         for r in 0..world {
             let value = store.get(&format!("{prefix}/host/{r}"), to).await?;
@@ -226,13 +225,9 @@ impl ShmBackend {
                     ),
                 });
             }
-            let theirs = CpuSet::parse(their_cpus).filter(|c| !c.is_empty());
-            match (&mut all_cpus, &theirs) {
-                (Some(u), Some(c)) => u.union_with(c),
-                _ => all_cpus = None,
-            }
-            sets.push(theirs);
+            sets.push(CpuSet::parse(their_cpus).filter(|c| !c.is_empty()));
         }
+        let all_cpus = CpuSet::union_of(sets.iter().map(Option::as_ref));
         let worker_cpu = inherited_cpu.unwrap_or_else(|| {
             tuning::worker_cpu(rank, &sets, opts.pin, |s| tuning::cores_of(s, "/sys/devices/system/cpu"))
         });

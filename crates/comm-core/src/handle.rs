@@ -251,6 +251,14 @@ impl CpuSet {
         self.0.iter_mut().zip(&other.0).for_each(|(a, b)| *a |= b);
     }
 
+    /// The union of `sets`, or `None` when one of them is unknown.
+    pub fn union_of<'a>(sets: impl IntoIterator<Item = Option<&'a CpuSet>>) -> Option<CpuSet> {
+        sets.into_iter().try_fold(CpuSet::default(), |mut all, s| {
+            all.union_with(s?);
+            Some(all)
+        })
+    }
+
     /// How many CPUs the set holds.
     pub fn len(&self) -> usize {
         self.0.iter().map(|w| w.count_ones() as usize).sum()
@@ -351,9 +359,9 @@ mod tests {
         let a = CpuSet::parse("0-3,8").unwrap();
         assert_eq!((a.len(), a.to_string()), (5, "0-3,8".to_owned()));
         let b = CpuSet::parse(" 3-5,64,70-71\n").unwrap();
-        let mut u = a.clone();
-        u.union_with(&b);
+        let u = CpuSet::union_of([Some(&a), Some(&b)]).unwrap();
         assert_eq!(u.to_string(), "0-5,8,64,70-71");
+        assert_eq!(CpuSet::union_of([Some(&a), None]), None);
         assert_eq!(CpuSet::from_words(u.words()), u);
         assert_eq!(CpuSet::from_words(&[0b11, 0, 0]), CpuSet::parse("0-1").unwrap());
         for bad in ["x", "3-1", "0-99999999", "1-"] {
