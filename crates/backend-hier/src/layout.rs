@@ -136,8 +136,7 @@ impl Layout {
     /// core each see one CPU apiece but are not crowded.
     pub fn is_crowded(&self) -> bool {
         let all = CpuSet::union_of(self.machine_ranks().map(|r| self.cpus[r as usize].as_ref()));
-        let cores = all.map_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()), |u| u.runnable());
-        self.ranks_on_this_machine() > cores
+        self.ranks_on_this_machine() > CpuSet::runnable_of(all.as_ref())
     }
 
     /// A host's name for people: the host name part of its identity.

@@ -63,8 +63,7 @@ pub(crate) fn small_max(l2: usize, world: u32) -> usize {
 /// apiece but can all spin at once; a spinning rank that shares its core with a peer only
 /// delays it.
 pub(crate) fn spin(world: u32, cpus: Option<&CpuSet>) -> Duration {
-    let cores = cpus.map_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()), CpuSet::runnable);
-    if world as usize > cores {
+    if world as usize > CpuSet::runnable_of(cpus) {
         Duration::ZERO
     } else {
         Duration::from_micros(50)
@@ -93,16 +92,20 @@ pub(crate) fn worker_cpu(
     if pin == Some(false) || world < 2 || sets.iter().any(|s| s.as_ref() != Some(first)) {
         return None;
     }
-    let cores = cores(first);
     let runnable = first.runnable();
     let crowded = 2 * world > runnable && world <= runnable;
-    (world <= cores.len() && (pin == Some(true) || crowded)).then(|| cores[rank as usize])
+    if pin != Some(true) && !crowded {
+        return None;
+    }
+    // Only now read the topology (a file per CPU).
+    let cores = cores(first);
+    (world <= cores.len()).then(|| cores[rank as usize])
 }
 
 /// One CPU of `set` per physical core (the lowest of its hardware threads in `set`, from
 /// `DIR/cpuN/topology/thread_siblings_list`; every CPU where that is unreadable).
 pub(crate) fn cores_of(set: &CpuSet, dir: &str) -> Vec<usize> {
-    let cpus: Vec<usize> = (0..set.words().len() * 64).filter(|&c| set.contains(c)).collect();
+    let cpus: Vec<usize> = set.iter().collect();
     cpus.iter()
         .copied()
         .filter(|&c| {
@@ -146,7 +149,7 @@ mod tests {
     #[test]
     fn workers_are_bound_where_the_group_fills_the_machine() {
         let set = |l: &str| Some(CpuSet::parse(l).unwrap());
-        let each = |s: &CpuSet| (0..s.words().len() * 64).filter(|&c| s.contains(c)).collect::<Vec<_>>();
+        let each = |s: &CpuSet| s.iter().collect::<Vec<_>>();
         let runnable = |l: &str| CpuSet::parse(l).unwrap().runnable();
         // Two unbound ranks on two CPUs: rank r's worker on the r-th (unless a CPU quota on
         // this process leaves fewer than two runnable).

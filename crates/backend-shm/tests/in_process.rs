@@ -182,16 +182,7 @@ fn bound_ranks_spin_unless_they_share_a_core() {
         println!("skipped: fewer than two CPUs to bind ranks to");
         return;
     };
-    let first_two: Vec<String> = own
-        .to_string()
-        .split(',')
-        .flat_map(|r| {
-            let (a, b) = r.split_once('-').unwrap_or((r, r));
-            let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
-            (a..=b).map(|c| c.to_string()).collect::<Vec<_>>()
-        })
-        .take(2)
-        .collect();
+    let first_two: Vec<String> = own.iter().take(2).map(|c| c.to_string()).collect();
     for (cpus, spins) in [([first_two[0].as_str(), first_two[1].as_str()], true), ([first_two[0].as_str(); 2], false)] {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
         let ranks: Vec<_> = (0..2u32)

@@ -1,7 +1,8 @@
 //! What every backend's group handle shares: the poison flag its worker sets, the admission
 //! checks before an op is issued, sub-group membership and naming, the shutdown round trip, the
-//! host identity and the CPUs a machine's ranks can run on. Backends keep their own workers; these are the parts that mean the same
-//! thing everywhere, so the same situation gives the same error whichever backend runs.
+//! host identity and the CPUs a machine's ranks can run on. Backends keep their own workers;
+//! these are the parts that mean the same thing everywhere, so the same situation gives the
+//! same error whichever backend runs.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
@@ -238,6 +239,11 @@ impl CpuSet {
         self.0[cpu / 64] |= 1 << (cpu % 64);
     }
 
+    /// The CPUs of the set, in increasing order.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.0.len() * 64).filter(|&c| self.contains(c))
+    }
+
     /// Whether CPU `cpu` is in the set.
     pub fn contains(&self, cpu: usize) -> bool {
         self.0.get(cpu / 64).is_some_and(|w| w & (1 << (cpu % 64)) != 0)
@@ -269,6 +275,12 @@ impl CpuSet {
         self.len() == 0
     }
 
+    /// [`runnable`](Self::runnable) of `union` (every rank's CPUs together), or where some
+    /// rank could not tell (`None`), this process's `available_parallelism`.
+    pub fn runnable_of(union: Option<&CpuSet>) -> usize {
+        union.map_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()), CpuSet::runnable)
+    }
+
     /// How many threads of the ranks whose CPUs together are `self` can run at once: the
     /// set's size, capped by a CPU quota on this process (a container's `--cpus`), which std's
     /// `available_parallelism` reports below this thread's own CPU count.
@@ -283,28 +295,29 @@ impl CpuSet {
     }
 }
 
+impl FromIterator<usize> for CpuSet {
+    fn from_iter<I: IntoIterator<Item = usize>>(cpus: I) -> Self {
+        let mut set = CpuSet::default();
+        cpus.into_iter().for_each(|c| set.insert(c));
+        set
+    }
+}
+
 impl std::fmt::Display for CpuSet {
     /// The kernel's list format, which [`parse`](Self::parse) reads.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let has = |c: usize| self.contains(c);
-        let (mut c, end, mut first) = (0, self.0.len() * 64, true);
-        while c < end {
-            if !has(c) {
-                c += 1;
-                continue;
+        let mut cpus = self.iter().peekable();
+        let mut sep = "";
+        while let Some(start) = cpus.next() {
+            let mut end = start;
+            while cpus.next_if_eq(&(end + 1)).is_some() {
+                end += 1;
             }
-            let start = c;
-            while c + 1 < end && has(c + 1) {
-                c += 1;
+            match end == start {
+                true => write!(f, "{sep}{start}")?,
+                false => write!(f, "{sep}{start}-{end}")?,
             }
-            let sep = if first { "" } else { "," };
-            first = false;
-            if start == c {
-                write!(f, "{sep}{start}")?;
-            } else {
-                write!(f, "{sep}{start}-{c}")?;
-            }
-            c += 1;
+            sep = ",";
         }
         Ok(())
     }
@@ -364,6 +377,8 @@ mod tests {
         assert_eq!(CpuSet::union_of([Some(&a), None]), None);
         assert_eq!(CpuSet::from_words(u.words()), u);
         assert_eq!(CpuSet::from_words(&[0b11, 0, 0]), CpuSet::parse("0-1").unwrap());
+        assert_eq!(u.iter().collect::<CpuSet>(), u);
+        assert_eq!(u.iter().take(7).collect::<Vec<_>>(), [0, 1, 2, 3, 4, 5, 8]);
         for bad in ["x", "3-1", "0-99999999", "1-"] {
             assert_eq!(CpuSet::parse(bad), None, "{bad}");
         }

@@ -155,11 +155,8 @@ impl Actor {
             raw::world_errors_return().map_err(fail)?;
             let (rank, size) = raw::world_rank_size().map_err(fail)?;
             let mut cpus = [0u64; CPU_WORDS];
-            let own = CpuSet::allowed().unwrap_or_else(|| {
-                let mut s = CpuSet::default();
-                (0..std::thread::available_parallelism().map_or(1, |n| n.get())).for_each(|c| s.insert(c));
-                s
-            });
+            let own = CpuSet::allowed()
+                .unwrap_or_else(|| (0..std::thread::available_parallelism().map_or(1, |n| n.get())).collect());
             // CPUs past the mask's end count as its last one: a bound rank still counts once.
             for (i, w) in own.words().iter().enumerate() {
                 cpus[i.min(CPU_WORDS - 1)] |= w;
