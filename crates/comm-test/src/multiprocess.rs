@@ -158,6 +158,27 @@ struct Spawned {
 
 fn parent(n: u32, test_name: &str, timeout: Duration, env: &dyn Fn(Rank) -> Vec<(String, String)>) {
     assert!(n > 0, "multiprocess::run needs at least one rank");
+    // The port was free when picked, but another process (or one of this binary's own
+    // outgoing connections) can take it before rank 0 binds it: then the job runs again on
+    // another port, at most twice more.
+    for attempt in 1..=3 {
+        match job(n, test_name, timeout, env) {
+            Ok(()) => return,
+            Err(Failed { port_taken: true, .. }) if attempt < 3 => {
+                println!("multiprocess test `{test_name}`: its store port was taken before rank 0 bound it; again on another");
+            }
+            Err(Failed { msg, .. }) => panic!("{msg}"),
+        }
+    }
+}
+
+/// Why a job failed, and whether it was because its store port was taken.
+struct Failed {
+    msg: String,
+    port_taken: bool,
+}
+
+fn job(n: u32, test_name: &str, timeout: Duration, env: &dyn Fn(Rank) -> Vec<(String, String)>) -> Result<(), Failed> {
     let port = free_port();
     let token = random_token();
     let exe = std::env::current_exe().expect("the path of the running test binary");
@@ -244,8 +265,13 @@ fn parent(n: u32, test_name: &str, timeout: Duration, env: &dyn Fn(Rank) -> Vec<
         }
     }
     if failed.is_empty() {
-        return;
+        return Ok(());
     }
+    let port_taken = {
+        let lines = ranks[0].output.lock().unwrap_or_else(|e| e.into_inner());
+        let bind = format!("binding the rendezvous store on 127.0.0.1:{port}");
+        lines.iter().any(|l| l.contains(&bind) && l.contains("Address already in use"))
+    };
     let mut msg = format!("multiprocess test `{test_name}` with {n} ranks failed on rank(s) {failed:?}\n",);
     for (i, r) in ranks.iter().enumerate() {
         let lines = r.output.lock().unwrap_or_else(|e| e.into_inner());
@@ -274,7 +300,7 @@ fn parent(n: u32, test_name: &str, timeout: Duration, env: &dyn Fn(Rank) -> Vec<
             msg.push_str(&format!("    {l}\n"));
         }
     }
-    panic!("{msg}");
+    Err(Failed { msg, port_taken })
 }
 
 /// Collects `src` line by line into `out` (each line prefixed).
