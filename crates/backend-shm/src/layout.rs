@@ -15,8 +15,9 @@ use bytemuck::{Pod, Zeroable};
 
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"commshm1");
 /// Raised when the segment layout or the step protocol changes (3: header step word written
-/// last, data right after the header; 4: small data in the header).
-pub(crate) const VERSION: u32 = 4;
+/// last, data right after the header; 4: small data in the header; 5: steps move through
+/// the window).
+pub(crate) const VERSION: u32 = 5;
 
 pub(crate) const OFF_MAGIC: usize = 0;
 pub(crate) const OFF_VERSION: usize = 8;
@@ -47,6 +48,9 @@ const HDR: usize = 64;
 /// that step (NUL-padded) after it.
 const COLL_HDR: usize = 2 * HDR;
 pub(crate) const NAME_LEN: usize = HDR;
+
+/// Smallest step that moves through the window ([`Layout::rotation`]).
+const ROTATE_MIN: usize = 4096;
 
 /// Mailbox slots per destination: two, so a sender fills one while the receiver drains the other.
 pub(crate) const SLOTS: u64 = 2;
@@ -101,6 +105,22 @@ impl Layout {
     /// Data of the collective buffer used by step `k` (`window` bytes).
     pub(crate) fn step_data(&self, k: u64) -> usize {
         self.step_header(k) + HDR
+    }
+
+    /// Where in the buffer of step `k` a step that moves `bytes` per rank puts them (the
+    /// same on every rank). Steps of a page or more move through the buffer: the `k / 2`-th
+    /// step on it takes the next line-aligned slot of its size, wrapping at the window's end,
+    /// so in a run of such steps a line is rewritten only after a window's worth of others.
+    /// Rewriting lines a peer read moments ago first takes each back from the peer's cache,
+    /// which for many lines costs more than the copy; a smaller step is a few lines and
+    /// latency-bound, where lines still in our own L1 are the quickest to take back.
+    pub(crate) fn rotation(&self, k: u64, bytes: usize) -> usize {
+        if bytes < ROTATE_MIN {
+            return 0;
+        }
+        let stride = bytes.next_multiple_of(LINE);
+        let slots = (self.window / stride).max(1) as u64;
+        (k / 2 % slots) as usize * stride
     }
 
     /// Zero-copy buffer name of step `k` (`NAME_LEN` bytes).
@@ -188,5 +208,24 @@ mod tests {
             assert_eq!(l.step_header(0) % 64, 0);
             assert_eq!(l.msg_data(1 % world, 1) % 64, 0);
         }
+    }
+
+    #[test]
+    fn steps_move_through_the_window() {
+        let l = Layout::new(2, 1 << 16, 1 << 13).unwrap();
+        for bytes in [0, 64, ROTATE_MIN - 1] {
+            assert!((0..8).all(|k| l.rotation(k, bytes) == 0), "{bytes}");
+        }
+        // 16 KiB steps: four slots per buffer, visited in turn, line-aligned, inside it.
+        let at: Vec<usize> = (0..10).map(|k| l.rotation(k, 16 << 10)).collect();
+        assert_eq!(at, [0, 0, 16384, 16384, 32768, 32768, 49152, 49152, 0, 0]);
+        for (k, bytes) in (0..64).flat_map(|k| [(k, 4096), (k, 5000), (k, 40000), (k, 1 << 16)]) {
+            let at = l.rotation(k, bytes);
+            assert!(at.is_multiple_of(64) && at + bytes <= l.window, "step {k} of {bytes} at {at}");
+        }
+        // The step after `k` on the same buffer of equal size never starts where `k` did,
+        // unless only one fits.
+        assert_ne!(l.rotation(3, 30000), l.rotation(5, 30000));
+        assert_eq!(l.rotation(3, 40000), l.rotation(5, 40000));
     }
 }

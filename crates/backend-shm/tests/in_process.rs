@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backend_shm::{ShmBackend, ShmOptions};
-use comm_core::ops::{AllGather, AllReduce, Barrier, RecvFrom, Reduce, SendTo};
+use comm_core::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, RecvFrom, Reduce, ReduceScatter, SendTo};
 use comm_core::{Collective, CommError, Group, HostBuffer, MemoryStore, ReduceOp, Store};
 
 async fn world(n: u32, opts: ShmOptions) -> Vec<ShmBackend> {
@@ -62,6 +62,104 @@ async fn all_reduce_small_and_chunked() {
                 let k = if r as u32 == root { tri } else { (r + 1) as f32 };
                 let want: Vec<f32> = (0..len).map(|i| i as f32 * k).collect();
                 assert_eq!(out, want, "reduce n={n} len={len} rank {r}");
+            }
+        }
+        for b in &ranks {
+            b.shutdown().await.unwrap();
+        }
+    }
+}
+
+/// Steps of a page or more move through the window (`Layout::rotation`): a long run of
+/// mixed ops and sizes on one group, a 64 KiB window, puts them at every place in it and
+/// wraps; each result is checked, so a reader looking where its peer did not write (or at an
+/// older op's data there) fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_ops_at_every_place_in_the_window() {
+    let opts = ShmOptions { window: 64 << 10, small_max: Some(16 << 10), ..small_opts() };
+    for n in [2u32, 3] {
+        let ranks = world(n, opts.clone()).await;
+        let tri = (n * (n + 1) / 2) as i32;
+        let lens = [1024usize, 100, 1500, 4096, 5000, 12_000, 16_384, 30_000, 3000];
+        for j in 0..90usize {
+            let (len, jj) = (lens[j % lens.len()], j as i32);
+            let iota = |f: &dyn Fn(usize) -> i32| HostBuffer::from_slice(&(0..len).map(f).collect::<Vec<i32>>());
+            let ctx = format!("n={n} op {j} len {len}");
+            match j % 5 {
+                0 => {
+                    let works: Vec<_> = (0..n as usize)
+                        .map(|r| {
+                            ranks[r].submit(AllReduce { buf: iota(&|i| (i * (r + 1)) as i32 + jj), op: ReduceOp::Sum })
+                        })
+                        .collect();
+                    let want: Vec<i32> = (0..len).map(|i| i as i32 * tri + n as i32 * jj).collect();
+                    for w in works {
+                        assert_eq!(w.await.unwrap().to_vec::<i32>().unwrap(), want, "all_reduce {ctx}");
+                    }
+                }
+                1 => {
+                    let works: Vec<_> = (0..n as usize)
+                        .map(|r| {
+                            ranks[r]
+                                .submit(AllGather { input: iota(&|i| (r * 1_000_003 + i) as i32 + jj), output: None })
+                        })
+                        .collect();
+                    let want: Vec<i32> =
+                        (0..n as usize).flat_map(|r| (0..len).map(move |i| (r * 1_000_003 + i) as i32 + jj)).collect();
+                    for w in works {
+                        assert_eq!(w.await.unwrap().output.to_vec::<i32>().unwrap(), want, "all_gather {ctx}");
+                    }
+                }
+                2 => {
+                    let total = len * n as usize;
+                    let works: Vec<_> = (0..n as usize)
+                        .map(|r| {
+                            let input = HostBuffer::from_slice(
+                                &(0..total).map(|i| (i * (r + 1)) as i32 - jj).collect::<Vec<i32>>(),
+                            );
+                            ranks[r].submit(ReduceScatter { input, op: ReduceOp::Sum, output: None })
+                        })
+                        .collect();
+                    for (r, w) in works.into_iter().enumerate() {
+                        let want: Vec<i32> = (r * len..(r + 1) * len).map(|i| i as i32 * tri - n as i32 * jj).collect();
+                        assert_eq!(
+                            w.await.unwrap().output.to_vec::<i32>().unwrap(),
+                            want,
+                            "reduce_scatter {ctx} rank {r}"
+                        );
+                    }
+                }
+                3 => {
+                    let root = (j % n as usize) as u32;
+                    let works: Vec<_> = (0..n as usize)
+                        .map(|r| {
+                            let buf = if r as u32 == root { iota(&|i| i as i32 * 3 + jj) } else { iota(&|_| -1) };
+                            ranks[r].submit(Broadcast { buf, root })
+                        })
+                        .collect();
+                    let want: Vec<i32> = (0..len).map(|i| i as i32 * 3 + jj).collect();
+                    for w in works {
+                        assert_eq!(w.await.unwrap().to_vec::<i32>().unwrap(), want, "broadcast {ctx}");
+                    }
+                }
+                _ => {
+                    // Rank r's block for rank q: r * 10^6 + q * 10^4 + position + op.
+                    let val = |r: usize, q: usize, i: usize| (r * 1_000_000 + q * 10_000 + i % 10_000) as i32 + jj;
+                    let per = len.div_ceil(n as usize);
+                    let works: Vec<_> = (0..n as usize)
+                        .map(|r| {
+                            let input: Vec<i32> =
+                                (0..n as usize).flat_map(|q| (0..per).map(move |i| val(r, q, i))).collect();
+                            let input = HostBuffer::from_slice(&input);
+                            ranks[r].submit(AllToAll { input, output: None, input_splits: None, output_splits: None })
+                        })
+                        .collect();
+                    for (q, w) in works.into_iter().enumerate() {
+                        let want: Vec<i32> =
+                            (0..n as usize).flat_map(|r| (0..per).map(move |i| val(r, q, i))).collect();
+                        assert_eq!(w.await.unwrap().output.to_vec::<i32>().unwrap(), want, "all_to_all {ctx} rank {q}");
+                    }
+                }
             }
         }
         for b in &ranks {

@@ -33,7 +33,7 @@ impl Engine {
             // the peers in the same pass.
             let (lo, hi) = slice_of(len, n, me);
             let own = lo * es..hi * es;
-            self.step(&hdr, |io| match io {
+            self.step(&hdr, bytes, |io| match io {
                 Io::Write(w) => {
                     w[..own.start].copy_from_slice(&chunk[..own.start]);
                     w[own.end..bytes].copy_from_slice(&chunk[own.end..]);
@@ -51,7 +51,7 @@ impl Engine {
                     kernels::reduce_to(dtype, op, &srcs, &mut next[own.clone()], None);
                 }
             })?;
-            self.step(&hdr, |io| {
+            self.step(&hdr, bytes, |io| {
                 if let (Io::Read(views, _), true) = (io, keep) {
                     // Start after our own slice and rotate, spreading readers over owners.
                     for i in 1..n {
@@ -76,7 +76,7 @@ impl Engine {
         for (off, len) in pieces(user.len() / es, self.lay.window / es) {
             let chunk = &mut user[off * es..(off + len) * es];
             let bytes = chunk.len();
-            self.step(&hdr, |io| match io {
+            self.step(&hdr, bytes, |io| match io {
                 Io::Write(w) if is_root => w[..bytes].copy_from_slice(chunk),
                 Io::Read(views, _) if !is_root => chunk.copy_from_slice(&views[root][..bytes]),
                 _ => {}
@@ -98,7 +98,7 @@ impl Engine {
         }
         for (off, len) in pieces(count, self.lay.window / es) {
             let src = &input[off * es..(off + len) * es];
-            self.step(&hdr, |io| match io {
+            self.step(&hdr, src.len(), |io| match io {
                 Io::Write(w) => w[..src.len()].copy_from_slice(src),
                 Io::Read(views, _) => {
                     for (p, v) in views.iter().enumerate() {
@@ -125,7 +125,7 @@ impl Engine {
         }
         for (off, len) in pieces(block, self.lay.window / es / n) {
             let b = len * es;
-            self.step(&hdr, |io| match io {
+            self.step(&hdr, n * b, |io| match io {
                 Io::Write(w) => {
                     for j in 0..n {
                         let at = (j * block + off) * es;
@@ -163,7 +163,7 @@ impl Engine {
         let mut matrix = vec![(r.input.len() / n) as u64; n * n];
         if !equal {
             let mine: Vec<u64> = ins.iter().map(|&x| x as u64).collect();
-            self.step(&hdr, |io| match io {
+            self.step(&hdr, n * 8, |io| match io {
                 Io::Write(w) => w[..n * 8].copy_from_slice(bytemuck::cast_slice(&mine)),
                 Io::Read(views, _) => {
                     for (p, v) in views.iter().enumerate() {
@@ -196,7 +196,7 @@ impl Engine {
         let slot_of = |p: usize, j: usize| (j - usize::from(j > p)) * slot;
         for t in 0..rounds {
             let lo = t * per;
-            self.step(&hdr, |io| match io {
+            self.step(&hdr, (n - 1) * slot, |io| match io {
                 Io::Write(w) => {
                     for j in (0..n).filter(|&j| j != me) {
                         let (a, b) = (lo.min(ins[j]), (lo + per).min(ins[j]));
@@ -240,7 +240,7 @@ impl Engine {
         }
         for (off, len) in pieces(block, self.lay.window / es / n) {
             let b = len * es;
-            self.step(&hdr, |io| match io {
+            self.step(&hdr, n * b, |io| match io {
                 Io::Write(w) => {
                     if let Some(s) = src {
                         for j in 0..n {
@@ -282,7 +282,7 @@ impl Engine {
             }
             for (off, len) in pieces(count, self.lay.window / es) {
                 let piece = &src[off * es..(off + len) * es];
-                self.step(&hdr, |io| match io {
+                self.step(&hdr, piece.len(), |io| match io {
                     Io::Write(w) => w[..piece.len()].copy_from_slice(piece),
                     Io::Read(views, _) => {
                         if let Some(dst) = dst.as_deref_mut() {

@@ -87,17 +87,19 @@ impl OneShot {
         }
     }
 
-    /// Whether the op's data travels in the step header (see [`StepHeader::data`]): what it
-    /// writes into the window is at most its input.
-    fn carried(&self) -> bool {
-        let bytes = match self {
+    /// Bytes the op writes into its window.
+    fn footprint(&self) -> usize {
+        match self {
             OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf.byte_len(),
-            OneShot::AllGather { input, .. }
-            | OneShot::ReduceScatter { input, .. }
-            | OneShot::AllToAll { input, .. } => input.byte_len(),
+            OneShot::AllGather { input, .. } | OneShot::ReduceScatter { input, .. } => input.byte_len(),
+            OneShot::AllToAll { input, n, .. } => input.byte_len() / n * (n - 1),
             OneShot::Barrier => 0,
-        };
-        bytes <= CARRIED
+        }
+    }
+
+    /// Whether the op's data travels in the step header (see [`StepHeader::data`]).
+    fn carried(&self) -> bool {
+        self.footprint() <= CARRIED
     }
 
     pub(super) fn io(&mut self, me: usize, io: Io<'_>) {
@@ -216,7 +218,7 @@ impl Engine {
         self.write_header(k, &hdr);
         self.phase = Phase::Writable(k);
         if !op.carried() {
-            op.io(self.rank, Io::Write(self.window_mut(k)));
+            op.io(self.rank, Io::Write(self.window_mut(k, op.footprint())));
         }
         self.announce(k);
         // The clock is first read after 64 polls, then every 64th: a read costs as much as a
@@ -289,7 +291,7 @@ impl Engine {
         if op.carried() {
             op.io(me, Io::Read(&self.carried_views(k), &mut []));
         } else {
-            let (views, next) = self.views(k);
+            let (views, next) = self.views(k, op.footprint());
             op.io(me, Io::Read(&views, next));
         }
         self.phase = Phase::Idle;
@@ -312,7 +314,7 @@ impl Engine {
         let hdr = self.oneshot_header(&mut op);
         let k = self.begin(&hdr)?;
         if !op.carried() {
-            op.io(self.rank, Io::Write(self.window_mut(k)));
+            op.io(self.rank, Io::Write(self.window_mut(k, op.footprint())));
         }
         self.publish(k, &hdr)?;
         self.read_phase(&mut op, k);

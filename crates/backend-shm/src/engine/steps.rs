@@ -111,12 +111,14 @@ impl Engine {
         (0..self.world).all(|p| p == self.rank || self.segs[p].u64_at(at).load(Acquire) >= k)
     }
 
-    /// Our buffer for step `k`, while writable.
-    pub(super) fn window_mut(&mut self, k: u64) -> &mut [u8] {
+    /// Our buffer for step `k` from where a step of `bytes` starts ([`Layout::rotation`]),
+    /// while writable.
+    pub(super) fn window_mut(&mut self, k: u64, bytes: usize) -> &mut [u8] {
         assert!(matches!(self.phase, Phase::Writable(s) if s == k), "window_mut outside the write phase of step {k}");
+        let at = self.lay.rotation(k, bytes);
         // SAFETY: write phase of step `k` (checked above): no peer reads this buffer until we
         // publish `k`, and `&mut self` makes this the only live slice of it on our side.
-        unsafe { self.segs[self.rank].bytes_mut(self.lay.step_data(k), self.lay.window) }
+        unsafe { self.segs[self.rank].bytes_mut(self.lay.step_data(k) + at, self.lay.window - at) }
     }
 
     /// Publishes step `k`, waits for every peer to publish it, and checks their headers.
@@ -165,18 +167,19 @@ impl Engine {
         Ok(())
     }
 
-    /// Every rank's buffer for step `k` (index = rank) and our buffer for step `k + 1`,
-    /// while step `k` is readable.
-    pub(super) fn views(&mut self, k: u64) -> (Views<'_>, &mut [u8]) {
+    /// Every rank's buffer for step `k` (index = rank) and our buffer for step `k + 1`, from
+    /// where steps of `bytes` start in them, while step `k` is readable.
+    pub(super) fn views(&mut self, k: u64, bytes: usize) -> (Views<'_>, &mut [u8]) {
         assert!(matches!(self.phase, Phase::Readable(s) if s == k), "views outside the read phase of step {k}");
-        let off = self.lay.step_data(k);
+        let (at, at_next) = (self.lay.rotation(k, bytes), self.lay.rotation(k + 1, bytes));
+        let off = self.lay.step_data(k) + at;
         // SAFETY: read phase of step `k` (checked): every rank published `k`, and none writes
         // its buffer `k % 2` again before all of us publish `k + 1`, which we do only after
         // these slices are gone (`step`/`begin` take `&mut self`).
-        let views = self.segs.iter().map(|s| unsafe { s.bytes(off, self.lay.window) }).collect::<Views<'_>>();
+        let views = self.segs.iter().map(|s| unsafe { s.bytes(off, self.lay.window - at) }).collect::<Views<'_>>();
         // SAFETY: our buffer `(k + 1) % 2` was last read by peers in step `k - 1`, and all of
         // them published `k`; it is a different range from every slice above.
-        let next = unsafe { self.me().bytes_mut(self.lay.step_data(k + 1), self.lay.window) };
+        let next = unsafe { self.me().bytes_mut(self.lay.step_data(k + 1) + at_next, self.lay.window - at_next) };
         (views, next)
     }
 
@@ -190,14 +193,14 @@ impl Engine {
         self.segs.iter().map(|s| unsafe { s.bytes(off, CARRIED) }).collect()
     }
 
-    /// One step: `io(Io::Write(our buffer))`, publish and check, then
-    /// `io(Io::Read(every rank's buffer, our next buffer))`. One closure for both phases, so
-    /// it can borrow the user's buffer mutably in both.
-    pub(super) fn step(&mut self, hdr: &StepHeader, mut io: impl FnMut(Io<'_>)) -> Result<()> {
+    /// One step that moves `bytes` per rank: `io(Io::Write(our buffer))`, publish and check,
+    /// then `io(Io::Read(every rank's buffer, our next buffer))`. One closure for both phases,
+    /// so it can borrow the user's buffer mutably in both.
+    pub(super) fn step(&mut self, hdr: &StepHeader, bytes: usize, mut io: impl FnMut(Io<'_>)) -> Result<()> {
         let k = self.begin(hdr)?;
-        io(Io::Write(self.window_mut(k)));
+        io(Io::Write(self.window_mut(k, bytes)));
         self.publish(k, hdr)?;
-        let (views, next) = self.views(k);
+        let (views, next) = self.views(k, bytes);
         io(Io::Read(&views, next));
         Ok(())
     }
