@@ -56,15 +56,16 @@ use sys::ProcId;
 pub struct ShmOptions {
     /// How long any wait for peers may take before [`CommError::Timeout`].
     pub timeout: Duration,
-    /// Bytes per collective buffer (two per rank); larger ops are chunked. Default: half a
-    /// core's L2 cache (64 KiB..1 MiB; 512 KiB with a 1 MiB L2), so each step's copy-in, the
-    /// peers' reads and the reduction stay in cache.
+    /// Bytes per collective buffer (two per rank); larger ops are chunked. Default: a core's
+    /// L2 cache (64 KiB..1 MiB), so each step's copy-in, the peers' reads and the reduction
+    /// stay in cache.
     pub window: usize,
     /// Bytes per point-to-point mailbox slot (two per peer per rank).
     pub p2p_slot: usize,
     /// all_reduce/reduce up to this many bytes (at most `window`) use the one-step algorithm
-    /// (and may run inline); larger ones reduce-scatter and all-gather. `None` (the default): the largest power of two whose `world + 1` copies fit
-    /// in a core's L2 cache (every rank reads all inputs and writes one output), 16 KiB..1 MiB.
+    /// (and may run inline); larger ones reduce-scatter and all-gather. `None` (the default):
+    /// the largest power of two whose `world + 2` copies fit in half a core's L2 cache (every
+    /// rank copies its input in, reads all inputs and writes one output), 16 KiB..1 MiB.
     pub small_max: Option<usize>,
     /// Spin before sleeping; `None` picks: 50 µs, or 0 when the ranks outnumber the CPUs they
     /// may run on together.
@@ -75,6 +76,12 @@ pub struct ShmOptions {
     /// stacked on one core; never when ranks outnumber cores or run on different CPU sets
     /// (a launcher bound them). Sub-groups bind their workers to their process's core.
     pub pin: Option<bool>,
+    /// How this rank's large all_reduce steps write its window: `Some(true)` with streaming
+    /// stores, which bypass the caches, `Some(false)` with plain ones. `None` (the default):
+    /// plain, unless they run several times slower than streaming ones (timed as the op runs;
+    /// the cores of a VM's vCPUs can sit on different chiplets, where each plain store must
+    /// first take its line back from the peer that read it).
+    pub stream: Option<bool>,
 }
 
 impl Default for ShmOptions {
@@ -86,6 +93,7 @@ impl Default for ShmOptions {
             small_max: None,
             spin: None,
             pin: None,
+            stream: None,
         }
     }
 }
@@ -98,8 +106,8 @@ pub const MIN_WINDOW: usize = 4 << 10;
 
 impl ShmOptions {
     /// Defaults, overridden by `COMM_SHM_WINDOW`, `COMM_SHM_SLOT`, `COMM_SHM_SMALL_MAX` (sizes
-    /// as [`config::parse_size`] reads them: `512KiB`, `4M`, `65536`), `COMM_SHM_SPIN_US` and
-    /// `COMM_SHM_PIN` (`1` or `0`).
+    /// as [`config::parse_size`] reads them: `512KiB`, `4M`, `65536`), `COMM_SHM_SPIN_US`,
+    /// `COMM_SHM_PIN` and `COMM_SHM_STREAM` (`1` or `0`).
     pub fn from_env() -> Result<Self, CommError> {
         let mut o = ShmOptions::default();
         let spin_us = |v: &str| v.trim().parse::<u32>().map_err(|_| "not a number of microseconds".to_string());
@@ -108,6 +116,7 @@ impl ShmOptions {
         o.small_max = config::env_parse("COMM_SHM_SMALL_MAX", config::parse_size)?.or(o.small_max);
         o.spin = config::env_parse("COMM_SHM_SPIN_US", spin_us)?.map(|us| Duration::from_micros(us.into())).or(o.spin);
         o.pin = config::env_parse("COMM_SHM_PIN", config::parse_bool)?.or(o.pin);
+        o.stream = config::env_parse("COMM_SHM_STREAM", config::parse_bool)?.or(o.stream);
         o.check()?;
         Ok(o)
     }
@@ -272,6 +281,7 @@ impl ShmBackend {
             panic_at: faults.panic_at,
             timeout: to,
             spin: opts.spin.unwrap_or_else(|| tuning::spin(world, all_cpus.as_ref())),
+            stream: opts.stream,
         };
         let (tx, rx) = channel();
         let poison = Poison::new();

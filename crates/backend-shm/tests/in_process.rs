@@ -29,8 +29,9 @@ fn small_opts() -> ShmOptions {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_reduce_small_and_chunked() {
-    for n in [1u32, 2, 3] {
-        let ranks = world(n, small_opts()).await;
+    // Window stores as the timing picks them, and either kind throughout (`ShmOptions::stream`).
+    for (n, stream) in [1u32, 2, 3].into_iter().flat_map(|n| [None, Some(true), Some(false)].map(|s| (n, s))) {
+        let ranks = world(n, ShmOptions { stream, ..small_opts() }).await;
         // Windows of 1024 f32: one step, whole windows, and a shorter last piece.
         for len in [0usize, 1, 7, 300, 2048, 2049, 3072, 5000] {
             let works: Vec<_> = ranks
@@ -45,7 +46,7 @@ async fn all_reduce_small_and_chunked() {
             for w in works {
                 let out = w.await.unwrap().to_vec::<f32>().unwrap();
                 let want: Vec<f32> = (0..len).map(|i| i as f32 * tri).collect();
-                assert_eq!(out, want, "n={n} len={len}");
+                assert_eq!(out, want, "n={n} len={len} stream {stream:?}");
             }
             // reduce: the root gets the sum, the others keep their inputs.
             let root = n - 1;
@@ -61,7 +62,7 @@ async fn all_reduce_small_and_chunked() {
                 let out = w.await.unwrap().to_vec::<f32>().unwrap();
                 let k = if r as u32 == root { tri } else { (r + 1) as f32 };
                 let want: Vec<f32> = (0..len).map(|i| i as f32 * k).collect();
-                assert_eq!(out, want, "reduce n={n} len={len} rank {r}");
+                assert_eq!(out, want, "reduce n={n} len={len} rank {r} stream {stream:?}");
             }
         }
         for b in &ranks {

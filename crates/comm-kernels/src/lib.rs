@@ -24,8 +24,10 @@ mod avx512;
 mod convert;
 mod half_simd;
 mod portable;
+mod stream;
 
 use portable::reduce_generic;
+pub use stream::copy_streaming;
 
 const BLOCK: usize = 1024;
 /// Block size for buffers of at most `BLOCK` elements; also the size up to which f16/bf16

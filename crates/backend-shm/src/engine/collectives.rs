@@ -33,15 +33,27 @@ impl Engine {
             // the peers in the same pass.
             let (lo, hi) = slice_of(len, n, me);
             let own = lo * es..hi * es;
+            // all_reduce's window stores (see `stores`), chosen from the time of the copy in and
+            // the reduction, which writes our next window.
+            let (stream, mut took) = (root.is_none() && self.stores.pick(bytes), Duration::ZERO);
             self.step(&hdr, bytes, |io| match io {
                 Io::Write(w) => {
-                    w[..own.start].copy_from_slice(&chunk[..own.start]);
-                    w[own.end..bytes].copy_from_slice(&chunk[own.end..]);
+                    let t = Instant::now();
+                    to_window(stream, &mut w[..own.start], &chunk[..own.start]);
+                    to_window(stream, &mut w[own.end..bytes], &chunk[own.end..]);
+                    took = t.elapsed();
                 }
                 Io::Read(views, next) if keep => {
+                    let t = Instant::now();
                     let srcs: Vec<Src<'_>> =
                         (0..n).map(|p| if p == me { Src::Out } else { Src::Buf(&views[p][own.clone()]) }).collect();
-                    kernels::reduce_to(dtype, op, &srcs, &mut chunk[own.clone()], Some(&mut next[own.clone()]));
+                    if stream {
+                        kernels::reduce_to(dtype, op, &srcs, &mut chunk[own.clone()], None);
+                        kernels::copy_streaming(&mut next[own.clone()], &chunk[own.clone()]);
+                    } else {
+                        kernels::reduce_to(dtype, op, &srcs, &mut chunk[own.clone()], Some(&mut next[own.clone()]));
+                    }
+                    took += t.elapsed();
                 }
                 Io::Read(views, next) => {
                     // A non-root of `reduce` keeps its input intact.
@@ -51,6 +63,9 @@ impl Engine {
                     kernels::reduce_to(dtype, op, &srcs, &mut next[own.clone()], None);
                 }
             })?;
+            if root.is_none() {
+                self.stores.record(stream, bytes, took);
+            }
             self.step(&hdr, bytes, |io| {
                 if let (Io::Read(views, _), true) = (io, keep) {
                     // Start after our own slice and rotate, spreading readers over owners.
@@ -296,5 +311,14 @@ impl Engine {
             }
         }
         Ok(done(out, input))
+    }
+}
+
+/// A copy into our window, with streaming stores or plain ones (see `stores`).
+fn to_window(stream: bool, dst: &mut [u8], src: &[u8]) {
+    if stream {
+        kernels::copy_streaming(dst, src);
+    } else {
+        dst.copy_from_slice(src);
     }
 }

@@ -66,6 +66,7 @@ mod faults;
 mod oneshot;
 mod p2p;
 mod steps;
+mod stores;
 mod zero_copy;
 
 use oneshot::Parked;
@@ -113,6 +114,8 @@ pub(crate) struct Params {
     pub(crate) spin: Duration,
     /// Test hook (`COMM_FAULT_INJECT=panic:<op>`): the worker panics when it runs this op.
     pub(crate) panic_at: Option<&'static str>,
+    /// [`crate::ShmOptions::stream`] (this rank's own; ranks may differ).
+    pub(crate) stream: Option<bool>,
 }
 
 /// Yields `(offset, len)` pieces of `total` elements, `per` at most; one empty piece when
@@ -196,6 +199,8 @@ pub struct Engine {
     finished: Option<(Done, Result<OneShot>)>,
     /// Panics contained so far (see [`Engine::contain_panic`]).
     panics: u32,
+    /// How large steps write their window.
+    stores: stores::Stores,
 }
 
 /// How long an inline caller keeps yielding for late peers after its spin, before it parks.
@@ -247,6 +252,7 @@ impl Engine {
             zc_maps: Vec::new(),
             finished: None,
             panics: 0,
+            stores: stores::Stores::new(params.stream),
         }
     }
 
