@@ -315,7 +315,7 @@ impl Engine {
 }
 
 /// A copy into our window, with streaming stores or plain ones (see `stores`).
-fn to_window(stream: bool, dst: &mut [u8], src: &[u8]) {
+pub(super) fn to_window(stream: bool, dst: &mut [u8], src: &[u8]) {
     if stream {
         kernels::copy_streaming(dst, src);
     } else {

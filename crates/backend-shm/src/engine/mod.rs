@@ -199,8 +199,12 @@ pub struct Engine {
     finished: Option<(Done, Result<OneShot>)>,
     /// Panics contained so far (see [`Engine::contain_panic`]).
     panics: u32,
-    /// How large steps write their window.
+    /// How large all_reduce steps write their window: multi-step ones, and one-step ones
+    /// (timed apart: their work per byte differs).
     stores: stores::Stores,
+    oneshot_stores: stores::Stores,
+    /// A one-step all_reduce's window stores and the time of its copy in, until its read.
+    oneshot_timed: Option<(bool, Duration)>,
 }
 
 /// How long an inline caller keeps yielding for late peers after its spin, before it parks.
@@ -253,6 +257,8 @@ impl Engine {
             finished: None,
             panics: 0,
             stores: stores::Stores::new(params.stream),
+            oneshot_stores: stores::Stores::new(params.stream),
+            oneshot_timed: None,
         }
     }
 

@@ -217,9 +217,7 @@ impl Engine {
         let hdr = self.oneshot_header(&mut op);
         self.write_header(k, &hdr);
         self.phase = Phase::Writable(k);
-        if !op.carried() {
-            op.io(self.rank, Io::Write(self.window_mut(k, op.footprint())));
-        }
+        self.write_phase(&mut op, k);
         self.announce(k);
         // The clock is first read after 64 polls, then every 64th: a read costs as much as a
         // few polls, and most ops are done before (the budget starts a few polls late).
@@ -285,14 +283,38 @@ impl Engine {
         Ok(())
     }
 
+    /// The op's write into writable step `k`, unless its header carries the data. A large
+    /// all_reduce's copy may stream (see `stores`); its time is kept for [`read_phase`](Self::read_phase).
+    fn write_phase(&mut self, op: &mut OneShot, k: u64) {
+        self.oneshot_timed = None;
+        if op.carried() {
+            return;
+        }
+        let (me, bytes) = (self.rank, op.footprint());
+        match op {
+            OneShot::AllReduce { buf, root: None, .. } if self.oneshot_stores.covers(bytes) => {
+                let t = Instant::now();
+                let stream = self.oneshot_stores.pick(bytes);
+                let w = self.window_mut(k, bytes);
+                super::collectives::to_window(stream, &mut w[..bytes], buf.as_bytes());
+                self.oneshot_timed = Some((stream, t.elapsed()));
+            }
+            _ => op.io(me, Io::Write(self.window_mut(k, bytes))),
+        }
+    }
+
     /// The op's read of readable step `k`, which ends the step.
     fn read_phase(&mut self, op: &mut OneShot, k: u64) {
         let me = self.rank;
+        let t = Instant::now();
         if op.carried() {
             op.io(me, Io::Read(&self.carried_views(k), &mut []));
         } else {
             let (views, next) = self.views(k, op.footprint());
             op.io(me, Io::Read(&views, next));
+        }
+        if let Some((stream, wrote)) = self.oneshot_timed.take() {
+            self.oneshot_stores.record(stream, op.footprint(), wrote + t.elapsed());
         }
         self.phase = Phase::Idle;
     }
@@ -313,9 +335,7 @@ impl Engine {
         }
         let hdr = self.oneshot_header(&mut op);
         let k = self.begin(&hdr)?;
-        if !op.carried() {
-            op.io(self.rank, Io::Write(self.window_mut(k, op.footprint())));
-        }
+        self.write_phase(&mut op, k);
         self.publish(k, &hdr)?;
         self.read_phase(&mut op, k);
         Ok(op)

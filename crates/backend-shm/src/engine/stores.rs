@@ -6,10 +6,11 @@
 //! a cache that costs little, but a virtual machine's vCPUs can sit on cores of different
 //! chiplets for seconds at a time, and then plain stores into the window run ~10× slower than
 //! streaming ones, which bypass every cache (the readers then fetch the lines from memory: ~2×
-//! slower than from a shared cache, so plain stores stay the default). The worker times the
-//! work of each large step (the copy in and the reduction, which writes the next window) and
-//! streams while plain steps cost several times more per byte, trying the other kind now and
-//! then, less often each time it loses. Ranks choose each for itself.
+//! slower than from a shared cache, so plain stores stay the default). The engine times the
+//! work of each large step (the copy in and the reduction, which writes the next window of a
+//! multi-step op) and streams while plain steps cost several times more per byte, trying the
+//! other kind now and then, less often each time it loses. One-step and multi-step ops keep
+//! their own [`Stores`] (their work per byte differs). Ranks choose each for itself.
 
 use std::time::Duration;
 
@@ -34,11 +35,18 @@ pub(super) struct Stores {
     /// Large steps until the other kind is tried again, and the interval after that.
     until_try: u32,
     interval: u32,
+    /// Plain steps in a row that cost over [`SLOWER`] times the last streaming one.
+    slow: u32,
 }
 
 impl Stores {
     pub(super) fn new(fixed: Option<bool>) -> Stores {
-        Stores { fixed, cost: [None; 2], streaming: false, until_try: FIRST_TRY, interval: FIRST_TRY }
+        Stores { fixed, cost: [None; 2], streaming: false, until_try: FIRST_TRY, interval: FIRST_TRY, slow: 0 }
+    }
+
+    /// Whether steps that move `bytes` may stream (and are timed).
+    pub(super) fn covers(&self, bytes: usize) -> bool {
+        self.fixed.is_some() || bytes >= MIN
     }
 
     /// Whether a step that moves `bytes` should stream.
@@ -74,12 +82,15 @@ impl Stores {
                 self.interval = (self.interval * 2).min(MAX_TRY);
             }
             self.until_try = self.interval;
-        } else if want != streaming && !streaming {
-            // Plain stores just got slow: the streaming cost measured earlier is still the
-            // best guess of the other kind's.
-            self.streaming = true;
-            self.interval = FIRST_TRY;
-            self.until_try = FIRST_TRY;
+        } else if !streaming {
+            // Plain steps just got slow (twice in a row: one may have lost its core for a
+            // while): the streaming cost measured earlier is the best guess of the other's.
+            self.slow = if want { self.slow + 1 } else { 0 };
+            if self.slow >= 2 {
+                (self.streaming, self.slow) = (true, 0);
+                self.interval = FIRST_TRY;
+                self.until_try = FIRST_TRY;
+            }
         }
     }
 
@@ -130,12 +141,20 @@ mod tests {
     }
 
     #[test]
-    fn plain_stores_that_slow_down_switch_at_once_once_streaming_was_measured() {
+    fn plain_steps_that_slow_down_switch_once_streaming_was_measured() {
         let mut s = Stores::new(None);
         run(&mut s, 40, 40, 35); // one try of each kind measured
         assert!(!s.streaming());
-        let st = s.pick(1 << 20);
-        s.record(st, 1 << 20, Duration::from_micros(400));
+        // One slow plain step (preempted, say) is not enough; two in a row are.
+        let slow = |s: &mut Stores, us| {
+            let st = s.pick(1 << 20);
+            s.record(st, 1 << 20, Duration::from_micros(us));
+        };
+        slow(&mut s, 400);
+        slow(&mut s, 40);
+        slow(&mut s, 400);
+        assert!(!s.streaming());
+        slow(&mut s, 400);
         assert!(s.streaming());
     }
 }
