@@ -76,7 +76,7 @@ pub struct ShmOptions {
     /// stacked on one core; never when ranks outnumber cores or run on different CPU sets
     /// (a launcher bound them). Sub-groups bind their workers to their process's core.
     pub pin: Option<bool>,
-    /// How this rank's large all_reduce steps write its window: `Some(true)` with streaming
+    /// How this rank's large collective steps write its window: `Some(true)` with streaming
     /// stores, which bypass the caches, `Some(false)` with plain ones. `None` (the default):
     /// plain, unless they run several times slower than streaming ones (timed as the op runs;
     /// the cores of a VM's vCPUs can sit on different chiplets, where each plain store must

@@ -300,14 +300,16 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     RT.get_or_init(|| tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap())
 }
 
-async fn world(n: u32) -> Vec<ShmBackend> {
+async fn world(n: u32, stream: bool) -> Vec<ShmBackend> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    // Small windows so that most sizes take the chunked paths as well as the one-step ones.
+    // Small windows so that most sizes take the chunked paths as well as the one-step ones;
+    // window copies with streaming stores in half the cases.
     let opts = ShmOptions {
         window: 4096,
         p2p_slot: 4096,
         small_max: Some(1024),
         timeout: Duration::from_secs(20),
+        stream: stream.then_some(true),
         ..Default::default()
     };
     let futs = (0..n).map(|r| {
@@ -319,7 +321,7 @@ async fn world(n: u32) -> Vec<ShmBackend> {
 
 fn check(n: u32, case: &Case, salt: u64) -> Result<(), TestCaseError> {
     runtime().block_on(async {
-        let ranks = world(n).await;
+        let ranks = world(n, salt % 2 == 1).await;
         let Planned { works, want } = issue(&ranks, case, salt);
         let got = futures::future::join_all(works).await;
         for (r, g) in got.into_iter().enumerate() {

@@ -77,15 +77,15 @@ async fn all_reduce_small_and_chunked() {
 /// older op's data there) fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mixed_ops_at_every_place_in_the_window() {
-    let opts = ShmOptions { window: 64 << 10, small_max: Some(16 << 10), ..small_opts() };
-    for n in [2u32, 3] {
-        let ranks = world(n, opts.clone()).await;
+    for (n, stream) in [(2u32, None), (3, None), (2, Some(true)), (3, Some(true))] {
+        let opts = ShmOptions { window: 64 << 10, small_max: Some(16 << 10), stream, ..small_opts() };
+        let ranks = world(n, opts).await;
         let tri = (n * (n + 1) / 2) as i32;
         let lens = [1024usize, 100, 1500, 4096, 5000, 12_000, 16_384, 30_000, 3000];
         for j in 0..90usize {
             let (len, jj) = (lens[j % lens.len()], j as i32);
             let iota = |f: &dyn Fn(usize) -> i32| HostBuffer::from_slice(&(0..len).map(f).collect::<Vec<i32>>());
-            let ctx = format!("n={n} op {j} len {len}");
+            let ctx = format!("n={n} op {j} len {len} stream {stream:?}");
             match j % 5 {
                 0 => {
                     let works: Vec<_> = (0..n as usize)

@@ -33,18 +33,14 @@ impl Engine {
             // the peers in the same pass.
             let (lo, hi) = slice_of(len, n, me);
             let own = lo * es..hi * es;
-            // all_reduce's window stores (see `stores`), chosen from the time of the copy in and
-            // the reduction, which writes our next window.
-            let (stream, mut took) = (root.is_none() && self.stores.pick(bytes), Duration::ZERO);
-            self.step(&hdr, bytes, |io| match io {
+            // Timed (see `stores`) for all_reduce: the copy in and the reduction, which writes
+            // our next buffer.
+            self.step(&hdr, bytes, root.is_none(), |io, stream| match io {
                 Io::Write(w) => {
-                    let t = Instant::now();
                     to_window(stream, &mut w[..own.start], &chunk[..own.start]);
                     to_window(stream, &mut w[own.end..bytes], &chunk[own.end..]);
-                    took = t.elapsed();
                 }
                 Io::Read(views, next) if keep => {
-                    let t = Instant::now();
                     let srcs: Vec<Src<'_>> =
                         (0..n).map(|p| if p == me { Src::Out } else { Src::Buf(&views[p][own.clone()]) }).collect();
                     if stream {
@@ -53,7 +49,6 @@ impl Engine {
                     } else {
                         kernels::reduce_to(dtype, op, &srcs, &mut chunk[own.clone()], Some(&mut next[own.clone()]));
                     }
-                    took += t.elapsed();
                 }
                 Io::Read(views, next) => {
                     // A non-root of `reduce` keeps its input intact.
@@ -63,10 +58,8 @@ impl Engine {
                     kernels::reduce_to(dtype, op, &srcs, &mut next[own.clone()], None);
                 }
             })?;
-            if root.is_none() {
-                self.stores.record(stream, bytes, took);
-            }
-            self.step(&hdr, bytes, |io| {
+            // Reads only: nothing to choose.
+            self.step(&hdr, bytes, false, |io, _| {
                 if let (Io::Read(views, _), true) = (io, keep) {
                     // Start after our own slice and rotate, spreading readers over owners.
                     for i in 1..n {
@@ -91,8 +84,8 @@ impl Engine {
         for (off, len) in pieces(user.len() / es, self.lay.window / es) {
             let chunk = &mut user[off * es..(off + len) * es];
             let bytes = chunk.len();
-            self.step(&hdr, bytes, |io| match io {
-                Io::Write(w) if is_root => w[..bytes].copy_from_slice(chunk),
+            self.step(&hdr, bytes, is_root, |io, stream| match io {
+                Io::Write(w) if is_root => to_window(stream, &mut w[..bytes], chunk),
                 Io::Read(views, _) if !is_root => chunk.copy_from_slice(&views[root][..bytes]),
                 _ => {}
             })?;
@@ -113,8 +106,8 @@ impl Engine {
         }
         for (off, len) in pieces(count, self.lay.window / es) {
             let src = &input[off * es..(off + len) * es];
-            self.step(&hdr, src.len(), |io| match io {
-                Io::Write(w) => w[..src.len()].copy_from_slice(src),
+            self.step(&hdr, src.len(), true, |io, stream| match io {
+                Io::Write(w) => to_window(stream, &mut w[..src.len()], src),
                 Io::Read(views, _) => {
                     for (p, v) in views.iter().enumerate() {
                         let at = (p * count + off) * es;
@@ -140,11 +133,11 @@ impl Engine {
         }
         for (off, len) in pieces(block, self.lay.window / es / n) {
             let b = len * es;
-            self.step(&hdr, n * b, |io| match io {
+            self.step(&hdr, n * b, true, |io, stream| match io {
                 Io::Write(w) => {
                     for j in 0..n {
                         let at = (j * block + off) * es;
-                        w[j * b..(j + 1) * b].copy_from_slice(&input[at..at + b]);
+                        to_window(stream, &mut w[j * b..(j + 1) * b], &input[at..at + b]);
                     }
                 }
                 Io::Read(views, _) => {
@@ -178,7 +171,7 @@ impl Engine {
         let mut matrix = vec![(r.input.len() / n) as u64; n * n];
         if !equal {
             let mine: Vec<u64> = ins.iter().map(|&x| x as u64).collect();
-            self.step(&hdr, n * 8, |io| match io {
+            self.step(&hdr, n * 8, false, |io, _| match io {
                 Io::Write(w) => w[..n * 8].copy_from_slice(bytemuck::cast_slice(&mine)),
                 Io::Read(views, _) => {
                     for (p, v) in views.iter().enumerate() {
@@ -211,12 +204,12 @@ impl Engine {
         let slot_of = |p: usize, j: usize| (j - usize::from(j > p)) * slot;
         for t in 0..rounds {
             let lo = t * per;
-            self.step(&hdr, (n - 1) * slot, |io| match io {
+            self.step(&hdr, (n - 1) * slot, true, |io, stream| match io {
                 Io::Write(w) => {
                     for j in (0..n).filter(|&j| j != me) {
                         let (a, b) = (lo.min(ins[j]), (lo + per).min(ins[j]));
                         let src = &input[(in_off[j] + a) * es..(in_off[j] + b) * es];
-                        w[slot_of(me, j)..slot_of(me, j) + src.len()].copy_from_slice(src);
+                        to_window(stream, &mut w[slot_of(me, j)..slot_of(me, j) + src.len()], src);
                     }
                 }
                 Io::Read(views, _) => {
@@ -255,12 +248,12 @@ impl Engine {
         }
         for (off, len) in pieces(block, self.lay.window / es / n) {
             let b = len * es;
-            self.step(&hdr, n * b, |io| match io {
+            self.step(&hdr, n * b, me == root, |io, stream| match io {
                 Io::Write(w) => {
                     if let Some(s) = src {
                         for j in 0..n {
                             let at = (j * block + off) * es;
-                            w[j * b..(j + 1) * b].copy_from_slice(&s[at..at + b]);
+                            to_window(stream, &mut w[j * b..(j + 1) * b], &s[at..at + b]);
                         }
                     }
                 }
@@ -297,8 +290,8 @@ impl Engine {
             }
             for (off, len) in pieces(count, self.lay.window / es) {
                 let piece = &src[off * es..(off + len) * es];
-                self.step(&hdr, piece.len(), |io| match io {
-                    Io::Write(w) => w[..piece.len()].copy_from_slice(piece),
+                self.step(&hdr, piece.len(), true, |io, stream| match io {
+                    Io::Write(w) => to_window(stream, &mut w[..piece.len()], piece),
                     Io::Read(views, _) => {
                         if let Some(dst) = dst.as_deref_mut() {
                             for (p, v) in views.iter().enumerate() {

@@ -199,9 +199,9 @@ pub struct Engine {
     finished: Option<(Done, Result<OneShot>)>,
     /// Panics contained so far (see [`Engine::contain_panic`]).
     panics: u32,
-    /// How large all_reduce steps write their window: multi-step ones, and one-step ones
-    /// (timed apart: their work per byte differs).
-    stores: stores::Stores,
+    /// How large steps write their window, by op kind (index: `OpKind::code`), and one-step
+    /// all_reduces apart (the work per byte differs between them).
+    stores: Vec<stores::Stores>,
     oneshot_stores: stores::Stores,
     /// A one-step all_reduce's window stores and the time of its copy in, until its read.
     oneshot_timed: Option<(bool, Duration)>,
@@ -256,7 +256,8 @@ impl Engine {
             zc_maps: Vec::new(),
             finished: None,
             panics: 0,
-            stores: stores::Stores::new(params.stream),
+            // Every collective's code is below 16 (others go untimed: `step`).
+            stores: (0..16).map(|_| stores::Stores::new(params.stream)).collect(),
             oneshot_stores: stores::Stores::new(params.stream),
             oneshot_timed: None,
         }

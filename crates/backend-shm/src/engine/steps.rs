@@ -193,15 +193,34 @@ impl Engine {
         self.segs.iter().map(|s| unsafe { s.bytes(off, CARRIED) }).collect()
     }
 
-    /// One step that moves `bytes` per rank: `io(Io::Write(our buffer))`, publish and check,
-    /// then `io(Io::Read(every rank's buffer, our next buffer))`. One closure for both phases,
-    /// so it can borrow the user's buffer mutably in both.
-    pub(super) fn step(&mut self, hdr: &StepHeader, bytes: usize, mut io: impl FnMut(Io<'_>)) -> Result<()> {
+    /// One step that moves `bytes` per rank: `io(Io::Write(our buffer), stream)`, publish and
+    /// check, then `io(Io::Read(every rank's buffer, our next buffer), stream)`. One closure
+    /// for both phases, so it can borrow the user's buffer mutably in both. `stream`: whether
+    /// the closure's copies into our buffers should stream; with `timed`, the op's kind keeps
+    /// choosing it from what its phases take (see `stores`), else it is false.
+    pub(super) fn step(
+        &mut self,
+        hdr: &StepHeader,
+        bytes: usize,
+        timed: bool,
+        mut io: impl FnMut(Io<'_>, bool),
+    ) -> Result<()> {
+        let kind = usize::from(hdr.op);
+        let timed = timed && self.stores.get(kind).is_some_and(|s| s.covers(bytes));
+        let stream = timed && self.stores[kind].pick(bytes);
         let k = self.begin(hdr)?;
-        io(Io::Write(self.window_mut(k, bytes)));
+        let t = timed.then(Instant::now);
+        io(Io::Write(self.window_mut(k, bytes)), stream);
+        let wrote = t.map(|t| t.elapsed());
         self.publish(k, hdr)?;
-        let (views, next) = self.views(k, bytes);
-        io(Io::Read(&views, next));
+        let t = timed.then(Instant::now);
+        {
+            let (views, next) = self.views(k, bytes);
+            io(Io::Read(&views, next), stream);
+        }
+        if let (Some(wrote), Some(t)) = (wrote, t) {
+            self.stores[kind].record(stream, bytes, wrote + t.elapsed());
+        }
         Ok(())
     }
 

@@ -1,5 +1,5 @@
-//! How a large all_reduce step writes its window: plain stores, or streaming ones when plain
-//! ones crawl.
+//! How a large step writes its window: plain stores, or streaming ones when plain ones
+//! crawl.
 //!
 //! A window line the peers read in a previous step may still be in their caches, and a plain
 //! store to it first takes it back from there, one round trip per line. Where the cores share
@@ -7,10 +7,11 @@
 //! chiplets for seconds at a time, and then plain stores into the window run ~10× slower than
 //! streaming ones, which bypass every cache (the readers then fetch the lines from memory: ~2×
 //! slower than from a shared cache, so plain stores stay the default). The engine times the
-//! work of each large step (the copy in and the reduction, which writes the next window of a
-//! multi-step op) and streams while plain steps cost several times more per byte, trying the
-//! other kind now and then, less often each time it loses. One-step and multi-step ops keep
-//! their own [`Stores`] (their work per byte differs). Ranks choose each for itself.
+//! work of each large step (both phases: for an all_reduce the copy in and the reduction,
+//! which writes the next buffer) and streams while plain steps cost several times more per
+//! byte, trying the other kind now and then, less often each time it loses. Each op kind,
+//! and one-step all_reduces, keep their own [`Stores`] (their work per byte differs). Ranks
+//! choose each for itself.
 
 use std::time::Duration;
 
