@@ -33,9 +33,10 @@ impl Engine {
             // the peers in the same pass.
             let (lo, hi) = slice_of(len, n, me);
             let own = lo * es..hi * es;
-            // Timed (see `stores`) for all_reduce: the copy in and the reduction, which writes
-            // our next buffer.
-            self.step(&hdr, bytes, root.is_none(), |io, stream| match io {
+            // all_reduce's pieces choose their stores and are timed whole (see `stores`): the
+            // reads of what we stream happen in the second step.
+            let (stream, start) = if root.is_none() { self.choose(hdr.op, bytes) } else { (false, None) };
+            self.step(&hdr, bytes, Choice::Given(stream), |io, stream| match io {
                 Io::Write(w) => {
                     to_window(stream, &mut w[..own.start], &chunk[..own.start]);
                     to_window(stream, &mut w[own.end..bytes], &chunk[own.end..]);
@@ -58,8 +59,7 @@ impl Engine {
                     kernels::reduce_to(dtype, op, &srcs, &mut next[own.clone()], None);
                 }
             })?;
-            // Reads only: nothing to choose.
-            self.step(&hdr, bytes, false, |io, _| {
+            self.step(&hdr, bytes, Choice::Plain, |io, _| {
                 if let (Io::Read(views, _), true) = (io, keep) {
                     // Start after our own slice and rotate, spreading readers over owners.
                     for i in 1..n {
@@ -69,6 +69,7 @@ impl Engine {
                     }
                 }
             })?;
+            self.chosen(hdr.op, bytes, stream, start);
         }
         Ok(())
     }
@@ -84,8 +85,8 @@ impl Engine {
         for (off, len) in pieces(user.len() / es, self.lay.window / es) {
             let chunk = &mut user[off * es..(off + len) * es];
             let bytes = chunk.len();
-            self.step(&hdr, bytes, is_root, |io, stream| match io {
-                Io::Write(w) if is_root => to_window(stream, &mut w[..bytes], chunk),
+            self.step(&hdr, bytes, Choice::Plain, |io, _| match io {
+                Io::Write(w) if is_root => w[..bytes].copy_from_slice(chunk),
                 Io::Read(views, _) if !is_root => chunk.copy_from_slice(&views[root][..bytes]),
                 _ => {}
             })?;
@@ -106,7 +107,7 @@ impl Engine {
         }
         for (off, len) in pieces(count, self.lay.window / es) {
             let src = &input[off * es..(off + len) * es];
-            self.step(&hdr, src.len(), true, |io, stream| match io {
+            self.step(&hdr, src.len(), Choice::Timed, |io, stream| match io {
                 Io::Write(w) => to_window(stream, &mut w[..src.len()], src),
                 Io::Read(views, _) => {
                     for (p, v) in views.iter().enumerate() {
@@ -133,7 +134,7 @@ impl Engine {
         }
         for (off, len) in pieces(block, self.lay.window / es / n) {
             let b = len * es;
-            self.step(&hdr, n * b, true, |io, stream| match io {
+            self.step(&hdr, n * b, Choice::Timed, |io, stream| match io {
                 Io::Write(w) => {
                     for j in 0..n {
                         let at = (j * block + off) * es;
@@ -171,7 +172,7 @@ impl Engine {
         let mut matrix = vec![(r.input.len() / n) as u64; n * n];
         if !equal {
             let mine: Vec<u64> = ins.iter().map(|&x| x as u64).collect();
-            self.step(&hdr, n * 8, false, |io, _| match io {
+            self.step(&hdr, n * 8, Choice::Plain, |io, _| match io {
                 Io::Write(w) => w[..n * 8].copy_from_slice(bytemuck::cast_slice(&mine)),
                 Io::Read(views, _) => {
                     for (p, v) in views.iter().enumerate() {
@@ -204,7 +205,7 @@ impl Engine {
         let slot_of = |p: usize, j: usize| (j - usize::from(j > p)) * slot;
         for t in 0..rounds {
             let lo = t * per;
-            self.step(&hdr, (n - 1) * slot, true, |io, stream| match io {
+            self.step(&hdr, (n - 1) * slot, Choice::Timed, |io, stream| match io {
                 Io::Write(w) => {
                     for j in (0..n).filter(|&j| j != me) {
                         let (a, b) = (lo.min(ins[j]), (lo + per).min(ins[j]));
@@ -248,12 +249,12 @@ impl Engine {
         }
         for (off, len) in pieces(block, self.lay.window / es / n) {
             let b = len * es;
-            self.step(&hdr, n * b, me == root, |io, stream| match io {
+            self.step(&hdr, n * b, Choice::Plain, |io, _| match io {
                 Io::Write(w) => {
                     if let Some(s) = src {
                         for j in 0..n {
                             let at = (j * block + off) * es;
-                            to_window(stream, &mut w[j * b..(j + 1) * b], &s[at..at + b]);
+                            w[j * b..(j + 1) * b].copy_from_slice(&s[at..at + b]);
                         }
                     }
                 }
@@ -290,8 +291,8 @@ impl Engine {
             }
             for (off, len) in pieces(count, self.lay.window / es) {
                 let piece = &src[off * es..(off + len) * es];
-                self.step(&hdr, piece.len(), true, |io, stream| match io {
-                    Io::Write(w) => to_window(stream, &mut w[..piece.len()], piece),
+                self.step(&hdr, piece.len(), Choice::Plain, |io, _| match io {
+                    Io::Write(w) => w[..piece.len()].copy_from_slice(piece),
                     Io::Read(views, _) => {
                         if let Some(dst) = dst.as_deref_mut() {
                             for (p, v) in views.iter().enumerate() {

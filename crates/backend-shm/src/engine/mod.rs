@@ -133,6 +133,18 @@ fn slice_of(len: usize, parts: usize, i: usize) -> (usize, usize) {
     ((i * per).min(len), ((i + 1) * per).min(len))
 }
 
+/// How a step's copies into the window store (see `stores`).
+#[derive(Clone, Copy)]
+enum Choice {
+    /// Plain stores, untimed: where only some ranks write (their peers' reads would go
+    /// unmeasured) or the step writes nothing.
+    Plain,
+    /// As the op kind's timing says, and timed (waits included).
+    Timed,
+    /// As the caller chose (and times).
+    Given(bool),
+}
+
 /// The two phases of a step, as seen by an op's closure.
 enum Io<'a> {
     /// Our buffer for this step, to fill.
@@ -203,8 +215,8 @@ pub struct Engine {
     /// all_reduces apart (the work per byte differs between them).
     stores: Vec<stores::Stores>,
     oneshot_stores: stores::Stores,
-    /// A one-step all_reduce's window stores and the time of its copy in, until its read.
-    oneshot_timed: Option<(bool, Duration)>,
+    /// A one-step all_reduce's window stores and when it started, until its read.
+    oneshot_timed: Option<(bool, Instant)>,
 }
 
 /// How long an inline caller keeps yielding for late peers after its spin, before it parks.

@@ -284,7 +284,7 @@ impl Engine {
     }
 
     /// The op's write into writable step `k`, unless its header carries the data. A large
-    /// all_reduce's copy may stream (see `stores`); its time is kept for [`read_phase`](Self::read_phase).
+    /// all_reduce's copy may stream (see `stores`); the op is timed until its read ends.
     fn write_phase(&mut self, op: &mut OneShot, k: u64) {
         self.oneshot_timed = None;
         if op.carried() {
@@ -293,11 +293,11 @@ impl Engine {
         let (me, bytes) = (self.rank, op.footprint());
         match op {
             OneShot::AllReduce { buf, root: None, .. } if self.oneshot_stores.covers(bytes) => {
-                let t = Instant::now();
+                let start = Instant::now();
                 let stream = self.oneshot_stores.pick(bytes);
                 let w = self.window_mut(k, bytes);
                 super::collectives::to_window(stream, &mut w[..bytes], buf.as_bytes());
-                self.oneshot_timed = Some((stream, t.elapsed()));
+                self.oneshot_timed = Some((stream, start));
             }
             _ => op.io(me, Io::Write(self.window_mut(k, bytes))),
         }
@@ -306,15 +306,15 @@ impl Engine {
     /// The op's read of readable step `k`, which ends the step.
     fn read_phase(&mut self, op: &mut OneShot, k: u64) {
         let me = self.rank;
-        let t = Instant::now();
         if op.carried() {
             op.io(me, Io::Read(&self.carried_views(k), &mut []));
         } else {
             let (views, next) = self.views(k, op.footprint());
             op.io(me, Io::Read(&views, next));
         }
-        if let Some((stream, wrote)) = self.oneshot_timed.take() {
-            self.oneshot_stores.record(stream, op.footprint(), wrote + t.elapsed());
+        if let Some((stream, start)) = self.oneshot_timed.take() {
+            // Waits included, as for steps (`Engine::chosen`).
+            self.oneshot_stores.record(stream, op.footprint(), start.elapsed());
         }
         self.phase = Phase::Idle;
     }

@@ -196,32 +196,45 @@ impl Engine {
     /// One step that moves `bytes` per rank: `io(Io::Write(our buffer), stream)`, publish and
     /// check, then `io(Io::Read(every rank's buffer, our next buffer), stream)`. One closure
     /// for both phases, so it can borrow the user's buffer mutably in both. `stream`: whether
-    /// the closure's copies into our buffers should stream; with `timed`, the op's kind keeps
-    /// choosing it from what its phases take (see `stores`), else it is false.
+    /// the closure's copies into our buffers should stream ([`Choice`]).
     pub(super) fn step(
         &mut self,
         hdr: &StepHeader,
         bytes: usize,
-        timed: bool,
+        choice: Choice,
         mut io: impl FnMut(Io<'_>, bool),
     ) -> Result<()> {
-        let kind = usize::from(hdr.op);
-        let timed = timed && self.stores.get(kind).is_some_and(|s| s.covers(bytes));
-        let stream = timed && self.stores[kind].pick(bytes);
+        let (stream, start) = match choice {
+            Choice::Plain => (false, None),
+            Choice::Given(stream) => (stream, None),
+            Choice::Timed => self.choose(hdr.op, bytes),
+        };
         let k = self.begin(hdr)?;
-        let t = timed.then(Instant::now);
         io(Io::Write(self.window_mut(k, bytes)), stream);
-        let wrote = t.map(|t| t.elapsed());
         self.publish(k, hdr)?;
-        let t = timed.then(Instant::now);
         {
             let (views, next) = self.views(k, bytes);
             io(Io::Read(&views, next), stream);
         }
-        if let (Some(wrote), Some(t)) = (wrote, t) {
-            self.stores[kind].record(stream, bytes, wrote + t.elapsed());
-        }
+        self.chosen(hdr.op, bytes, stream, start);
         Ok(())
+    }
+
+    /// Whether the steps of a piece of `bytes` of op kind `op` should stream, and when the
+    /// piece starts if its time counts (see `stores`).
+    pub(super) fn choose(&mut self, op: u8, bytes: usize) -> (bool, Option<Instant>) {
+        match self.stores.get_mut(usize::from(op)) {
+            Some(s) if s.covers(bytes) => (s.pick(bytes), Some(Instant::now())),
+            _ => (false, None),
+        }
+    }
+
+    /// Records what a piece [`choose`](Self::choose) timed took, waits included: a peer's
+    /// reads of what we wrote (from memory, if we streamed) delay our next wait for it.
+    pub(super) fn chosen(&mut self, op: u8, bytes: usize, stream: bool, start: Option<Instant>) {
+        if let (Some(s), Some(t)) = (self.stores.get_mut(usize::from(op)), start) {
+            s.record(stream, bytes, t.elapsed());
+        }
     }
 
     /// One futex sleep on this rank's doorbell, unless `ready` or new work shows up first.

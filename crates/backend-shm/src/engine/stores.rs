@@ -1,18 +1,19 @@
-//! How a large step writes its window: plain stores, or streaming ones when plain ones
-//! crawl.
+//! How a large piece of a collective writes its window: plain stores, or streaming ones when
+//! plain ones crawl.
 //!
 //! A window line the peers read in a previous step may still be in their caches, and a plain
 //! store to it first takes it back from there, one round trip per line. Where the cores share
 //! a cache that costs little, but a virtual machine's vCPUs can sit on cores of different
 //! chiplets for seconds at a time, and then plain stores into the window run ~10× slower than
 //! streaming ones, which bypass every cache (the readers then fetch the lines from memory: ~2×
-//! slower than from a shared cache, so plain stores stay the default). The engine times the
-//! work of each large step (both phases: for an all_reduce the copy in and the reduction,
-//! which writes the next buffer) and streams while plain steps cost several times more per
-//! byte, trying the other kind now and then, less often each time it loses. Each op kind,
-//! and one-step all_reduces, keep their own [`Stores`] (their work per byte differs). Ranks
-//! choose each for itself.
+//! slower than from a shared cache, so plain stores stay the default). The engine times each
+//! large piece, waits included (`Engine::choose`/`chosen`: the peers' reads of what we wrote
+//! delay our next wait for them), streams while the least of the last few plain pieces costs
+//! several times a streaming one per byte, and tries the other kind now and then, less often
+//! each time it loses. Each op kind, and one-step all_reduces, keep their own [`Stores`]
+//! (their work per byte differs). Ranks choose each for itself.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 /// Steps smaller than this are always plain (and not timed): a few lines' round trips, and
@@ -30,19 +31,30 @@ const MAX_TRY: u32 = 1024;
 pub(super) struct Stores {
     /// The kind set by the user, if any: then nothing is timed.
     fixed: Option<bool>,
-    /// Last measured cost of [plain, streaming] steps, in ns per KiB.
-    cost: [Option<f64>; 2],
+    /// The costs of the last [`RECENT`] plain steps, in ns per KiB (oldest first).
+    plain: VecDeque<f64>,
+    /// The cost of the last streaming step.
+    stream: Option<f64>,
     streaming: bool,
     /// Large steps until the other kind is tried again, and the interval after that.
     until_try: u32,
     interval: u32,
-    /// Plain steps in a row that cost over [`SLOWER`] times the last streaming one.
-    slow: u32,
 }
+
+/// Plain steps whose least cost is the plain cost: a step that lost its core, or met another
+/// burst of traffic, only ever takes longer, so streaming needs this many slow ones in a row.
+const RECENT: usize = 4;
 
 impl Stores {
     pub(super) fn new(fixed: Option<bool>) -> Stores {
-        Stores { fixed, cost: [None; 2], streaming: false, until_try: FIRST_TRY, interval: FIRST_TRY, slow: 0 }
+        Stores {
+            fixed,
+            plain: VecDeque::with_capacity(RECENT),
+            stream: None,
+            streaming: false,
+            until_try: FIRST_TRY,
+            interval: FIRST_TRY,
+        }
     }
 
     /// Whether steps that move `bytes` may stream (and are timed).
@@ -71,27 +83,35 @@ impl Stores {
         if bytes < MIN || self.fixed.is_some() {
             return;
         }
-        self.cost[usize::from(streaming)] = Some(took.as_nanos() as f64 * 1024.0 / bytes as f64);
-        let [Some(plain), Some(stream)] = self.cost else { return };
-        let want = plain > SLOWER * stream;
-        if streaming != self.streaming {
-            // A try of the other kind: switch if it won, else try it less often.
-            if want == streaming {
-                self.streaming = want;
-                self.interval = FIRST_TRY;
-            } else {
-                self.interval = (self.interval * 2).min(MAX_TRY);
+        let cost = took.as_nanos() as f64 * 1024.0 / bytes as f64;
+        if streaming {
+            self.stream = Some(cost);
+        } else {
+            if self.plain.len() == RECENT {
+                self.plain.pop_front();
             }
+            self.plain.push_back(cost);
+        }
+        let Some(stream) = self.stream else { return };
+        let plain = self.plain.iter().copied().fold(f64::INFINITY, f64::min);
+        let switch = if streaming == self.streaming {
+            // Plain steps that got slow, all of the last few.
+            !streaming && self.plain.len() == RECENT && plain > SLOWER * stream
+        } else if streaming {
+            // A try of streaming stores: do they beat the least of the last plain steps?
+            !self.plain.is_empty() && plain > SLOWER * stream
+        } else {
+            // A try of plain stores, one step: a fast one is no accident.
+            cost <= SLOWER * stream
+        };
+        if switch {
+            self.streaming = !self.streaming;
+            self.interval = FIRST_TRY;
+        } else if streaming != self.streaming {
+            self.interval = (self.interval * 2).min(MAX_TRY);
+        }
+        if switch || streaming != self.streaming {
             self.until_try = self.interval;
-        } else if !streaming {
-            // Plain steps just got slow (twice in a row: one may have lost its core for a
-            // while): the streaming cost measured earlier is the best guess of the other's.
-            self.slow = if want { self.slow + 1 } else { 0 };
-            if self.slow >= 2 {
-                (self.streaming, self.slow) = (true, 0);
-                self.interval = FIRST_TRY;
-                self.until_try = FIRST_TRY;
-            }
         }
     }
 
@@ -126,7 +146,7 @@ mod tests {
         // The vCPUs move apart: plain stores take 10× longer: streaming at once, plain stores
         // tried now and then, less often each time.
         let plain = 500 - run(&mut s, 500, 400, 35);
-        assert!(s.streaming() && (3..=7).contains(&plain), "{plain} plain copies");
+        assert!(s.streaming() && (5..=10).contains(&plain), "{plain} plain steps");
         // Back together: plain stores win their next try.
         run(&mut s, 1100, 40, 35);
         assert!(!s.streaming());
@@ -144,18 +164,21 @@ mod tests {
     #[test]
     fn plain_steps_that_slow_down_switch_once_streaming_was_measured() {
         let mut s = Stores::new(None);
-        run(&mut s, 40, 40, 35); // one try of each kind measured
+        let rec = |s: &mut Stores, streaming, us| s.record(streaming, 1 << 20, Duration::from_micros(us));
+        for _ in 0..RECENT {
+            rec(&mut s, false, 40);
+        }
+        rec(&mut s, true, 35); // a try of streaming stores, which loses
         assert!(!s.streaming());
-        // One slow plain step (preempted, say) is not enough; two in a row are.
-        let slow = |s: &mut Stores, us| {
-            let st = s.pick(1 << 20);
-            s.record(st, 1 << 20, Duration::from_micros(us));
-        };
-        slow(&mut s, 400);
-        slow(&mut s, 40);
-        slow(&mut s, 400);
+        // Slow steps between fast ones (preempted, say) are not enough ...
+        for us in [400, 40, 400, 400, 400, 40, 400] {
+            rec(&mut s, false, us);
+        }
         assert!(!s.streaming());
-        slow(&mut s, 400);
+        // ... four in a row are.
+        for us in [400, 400, 400] {
+            rec(&mut s, false, us);
+        }
         assert!(s.streaming());
     }
 }
