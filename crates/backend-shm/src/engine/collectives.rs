@@ -1,5 +1,6 @@
 //! Collectives as sequences of steps.
 
+use super::stores::to_window;
 use super::*;
 
 impl Engine {
@@ -305,14 +306,5 @@ impl Engine {
             }
         }
         Ok(done(out, input))
-    }
-}
-
-/// A copy into our window, with streaming stores or plain ones (see `stores`).
-pub(super) fn to_window(stream: bool, dst: &mut [u8], src: &[u8]) {
-    if stream {
-        kernels::copy_streaming(dst, src);
-    } else {
-        dst.copy_from_slice(src);
     }
 }

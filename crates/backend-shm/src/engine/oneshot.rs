@@ -292,12 +292,11 @@ impl Engine {
         }
         let (me, bytes) = (self.rank, op.footprint());
         match op {
-            OneShot::AllReduce { buf, root: None, .. } if self.oneshot_stores.covers(bytes) => {
-                let start = Instant::now();
-                let stream = self.oneshot_stores.pick(bytes);
+            OneShot::AllReduce { buf, root: None, .. } => {
+                let (stream, start) = self.oneshot_stores.start(bytes);
                 let w = self.window_mut(k, bytes);
-                super::collectives::to_window(stream, &mut w[..bytes], buf.as_bytes());
-                self.oneshot_timed = Some((stream, start));
+                super::stores::to_window(stream, &mut w[..bytes], buf.as_bytes());
+                self.oneshot_timed = start.map(|t| (stream, t));
             }
             _ => op.io(me, Io::Write(self.window_mut(k, bytes))),
         }
@@ -313,8 +312,7 @@ impl Engine {
             op.io(me, Io::Read(&views, next));
         }
         if let Some((stream, start)) = self.oneshot_timed.take() {
-            // Waits included, as for steps (`Engine::chosen`).
-            self.oneshot_stores.record(stream, op.footprint(), start.elapsed());
+            self.oneshot_stores.finish(op.footprint(), stream, Some(start));
         }
         self.phase = Phase::Idle;
     }

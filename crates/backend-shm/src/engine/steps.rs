@@ -220,20 +220,15 @@ impl Engine {
         Ok(())
     }
 
-    /// Whether the steps of a piece of `bytes` of op kind `op` should stream, and when the
-    /// piece starts if its time counts (see `stores`).
+    /// [`Stores::start`](super::stores::Stores::start) for a piece of op kind `op` (its code).
     pub(super) fn choose(&mut self, op: u8, bytes: usize) -> (bool, Option<Instant>) {
-        match self.stores.get_mut(usize::from(op)) {
-            Some(s) if s.covers(bytes) => (s.pick(bytes), Some(Instant::now())),
-            _ => (false, None),
-        }
+        self.stores.get_mut(usize::from(op)).map_or((false, None), |s| s.start(bytes))
     }
 
-    /// Records what a piece [`choose`](Self::choose) timed took, waits included: a peer's
-    /// reads of what we wrote (from memory, if we streamed) delay our next wait for it.
+    /// [`Stores::finish`](super::stores::Stores::finish) for a piece of op kind `op`.
     pub(super) fn chosen(&mut self, op: u8, bytes: usize, stream: bool, start: Option<Instant>) {
-        if let (Some(s), Some(t)) = (self.stores.get_mut(usize::from(op)), start) {
-            s.record(stream, bytes, t.elapsed());
+        if let Some(s) = self.stores.get_mut(usize::from(op)) {
+            s.finish(bytes, stream, start);
         }
     }
 

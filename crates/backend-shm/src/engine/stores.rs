@@ -14,7 +14,7 @@
 //! (their work per byte differs). Ranks choose each for itself.
 
 use std::collections::VecDeque;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Steps smaller than this are always plain (and not timed): a few lines' round trips, and
 /// a reader's memory round trips would cost as much.
@@ -57,13 +57,25 @@ impl Stores {
         }
     }
 
-    /// Whether steps that move `bytes` may stream (and are timed).
-    pub(super) fn covers(&self, bytes: usize) -> bool {
-        self.fixed.is_some() || bytes >= MIN
+    /// Starts a piece that moves `bytes` per rank: whether its copies into the window stream,
+    /// and when it started where its time counts (for [`finish`](Self::finish)).
+    pub(super) fn start(&mut self, bytes: usize) -> (bool, Option<Instant>) {
+        if self.fixed.is_none() && bytes < MIN {
+            return (false, None);
+        }
+        (self.pick(bytes), Some(Instant::now()))
+    }
+
+    /// Ends a piece [`start`](Self::start) began, waits included: a peer's reads of what we
+    /// wrote (from memory, if we streamed) delay our next wait for it.
+    pub(super) fn finish(&mut self, bytes: usize, stream: bool, start: Option<Instant>) {
+        if let Some(t) = start {
+            self.record(stream, bytes, t.elapsed());
+        }
     }
 
     /// Whether a step that moves `bytes` should stream.
-    pub(super) fn pick(&mut self, bytes: usize) -> bool {
+    fn pick(&mut self, bytes: usize) -> bool {
         if let Some(fixed) = self.fixed {
             return fixed;
         }
@@ -79,7 +91,7 @@ impl Stores {
     }
 
     /// What the work of a step of `bytes` that [`pick`](Self::pick) chose for took.
-    pub(super) fn record(&mut self, streaming: bool, bytes: usize, took: Duration) {
+    fn record(&mut self, streaming: bool, bytes: usize, took: Duration) {
         if bytes < MIN || self.fixed.is_some() {
             return;
         }
@@ -118,6 +130,15 @@ impl Stores {
     #[cfg(test)]
     fn streaming(&self) -> bool {
         self.streaming
+    }
+}
+
+/// A copy into our window, with streaming stores or plain ones.
+pub(super) fn to_window(stream: bool, dst: &mut [u8], src: &[u8]) {
+    if stream {
+        comm_kernels::copy_streaming(dst, src);
+    } else {
+        dst.copy_from_slice(src);
     }
 }
 
