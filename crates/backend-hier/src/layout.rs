@@ -26,16 +26,19 @@ pub struct Layout {
 
 impl Layout {
     /// The layout of a world whose rank `r` runs on host `ids[r]` (equal ids: one host), seen
-    /// from `rank`. An id may go on, after a newline, with the CPUs the rank may run on (the
-    /// kernel's list format, as [`discover`](Self::discover) sends it).
+    /// from `rank`. An id may go on with the CPUs the rank may run on
+    /// ([`CpuSet::append_to`], as [`discover`](Self::discover) sends it).
     pub fn from_ids(ids: &[String], rank: Rank) -> Result<Layout, CommError> {
         if rank as usize >= ids.len() {
             return Err(CommError::invalid("hier layout", format!("rank {rank} is not in a world of {}", ids.len())));
         }
-        let split =
-            |id: &String| id.split_once('\n').map_or((id.clone(), None), |(h, c)| (h.to_owned(), CpuSet::parse(c)));
-        let (ids, cpus): (Vec<String>, Vec<Option<CpuSet>>) = ids.iter().map(split).unzip();
-        let cpus = cpus.into_iter().map(|c| c.filter(|c| !c.is_empty())).collect();
+        let (ids, cpus): (Vec<String>, Vec<Option<CpuSet>>) = ids
+            .iter()
+            .map(|id| {
+                let (host, cpus) = CpuSet::split_id(id);
+                (host.to_owned(), cpus)
+            })
+            .unzip();
         let mut hosts: Vec<Vec<Rank>> = Vec::new();
         let mut names: Vec<String> = Vec::new();
         for (r, id) in ids.iter().enumerate() {
@@ -55,8 +58,7 @@ impl Layout {
     /// Gathers every rank's host identity over `world` (collective: every rank calls it).
     pub async fn discover(world: &dyn Backend, host_id: &str) -> Result<Layout, CommError> {
         // With this rank's CPUs where they fit the slot: whether a machine is crowded.
-        let cpus = CpuSet::allowed().map(|c| c.to_string()).unwrap_or_default();
-        let mine = Some(format!("{host_id}\n{cpus}")).filter(|m| m.len() < SLOT).unwrap_or_else(|| host_id.to_owned());
+        let mine = Some(CpuSet::append_to(host_id)).filter(|m| m.len() < SLOT).unwrap_or_else(|| host_id.to_owned());
         let ids = gather_slots(world, mine.as_bytes(), "host identity").await?;
         let ids: Vec<String> = ids.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect();
         Layout::from_ids(&ids, world.rank())

@@ -207,8 +207,7 @@ impl ShmBackend {
         let to = config::clamp_timeout(opts.timeout);
         let host = handle::host_identity();
         // With the CPUs this rank may run on: whether the group's ranks can all run at once.
-        let cpus = CpuSet::allowed().map(|s| s.to_string()).unwrap_or_default();
-        store.set(&format!("{prefix}/host/{rank}"), format!("{host}\n{cpus}").as_bytes()).await?;
+        store.set(&format!("{prefix}/host/{rank}"), CpuSet::append_to(&host).as_bytes()).await?;
         if rank == 0 {
             // One step moves at most a window per rank.
             let small_max =
@@ -225,7 +224,7 @@ impl ShmBackend {
         for r in 0..world {
             let value = store.get(&format!("{prefix}/host/{r}"), to).await?;
             let value = String::from_utf8_lossy(&value);
-            let (theirs, their_cpus) = value.split_once('\n').unwrap_or((&value, ""));
+            let (theirs, their_cpus) = CpuSet::split_id(&value);
             if theirs != host {
                 return Err(CommError::Unavailable {
                     backend: "shm",
@@ -234,7 +233,7 @@ impl ShmBackend {
                     ),
                 });
             }
-            sets.push(CpuSet::parse(their_cpus).filter(|c| !c.is_empty()));
+            sets.push(their_cpus);
         }
         let all_cpus = CpuSet::union_of(sets.iter().map(Option::as_ref));
         let worker_cpu = inherited_cpu.unwrap_or_else(|| {

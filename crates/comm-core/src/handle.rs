@@ -203,6 +203,21 @@ impl CpuSet {
         CpuSet::parse(list).filter(|s| !s.is_empty())
     }
 
+    /// `id` (a host identity) followed, after a newline, by the CPUs this thread may run on:
+    /// what a rank publishes so that its peers learn both ([`split_id`](Self::split_id)).
+    pub fn append_to(id: &str) -> String {
+        format!("{id}\n{}", CpuSet::allowed().map(|c| c.to_string()).unwrap_or_default())
+    }
+
+    /// The identity and the CPUs of a value [`append_to`](Self::append_to) made (`None` where
+    /// it carries none, or none readable).
+    pub fn split_id(value: &str) -> (&str, Option<CpuSet>) {
+        match value.split_once('\n') {
+            Some((id, cpus)) => (id, CpuSet::parse(cpus).filter(|c| !c.is_empty())),
+            None => (value, None),
+        }
+    }
+
     /// Parses the kernel's list format (`0-3,8,10-11`); `None` if it is not one.
     pub fn parse(list: &str) -> Option<CpuSet> {
         let mut set = CpuSet::default();
@@ -383,6 +398,10 @@ mod tests {
             assert_eq!(CpuSet::parse(bad), None, "{bad}");
         }
         assert!(CpuSet::parse("").unwrap().is_empty());
+        assert_eq!(CpuSet::split_id("boot@h\n0-3,8"), ("boot@h", Some(a.clone())));
+        assert_eq!(CpuSet::split_id("boot@h\n"), ("boot@h", None));
+        assert_eq!(CpuSet::split_id("boot@h"), ("boot@h", None));
+        assert_eq!(CpuSet::split_id(&CpuSet::append_to("boot@h")), ("boot@h", CpuSet::allowed()));
         // Where the system says, this thread may run somewhere, and alone it can run.
         if let Some(own) = CpuSet::allowed() {
             assert!(!own.is_empty());
