@@ -51,11 +51,14 @@ pub(crate) fn window(l2: usize) -> usize {
     pow2_floor(l2).clamp(64 << 10, 1 << 20)
 }
 
-/// The largest one-step all_reduce: every rank copies its input into the window, reads all
-/// `world` inputs and writes its output, `(world + 2) × size` bytes, which must fit in half a
-/// core's L2 (16 KiB..1 MiB); the other half holds the lines of the steps around it.
+/// The largest one-step all_reduce (16 KiB..1 MiB). A one-step op of `size` bytes touches
+/// `(world + 1) × size` bytes per rank (its buffer, in and out; its window copy; the peers'
+/// copies), which must stay in a core's L2, and it moves `(world − 1) × size` bytes across
+/// cores where two steps move `2 (world − 1) / world × size`: `world / 2` times as many, so
+/// beyond two ranks the limit shrinks by that factor too.
 pub(crate) fn small_max(l2: usize, world: u32) -> usize {
-    pow2_floor(l2 / 2 / (world as usize + 2)).clamp(16 << 10, 1 << 20)
+    let n = world.max(2) as usize;
+    pow2_floor(l2 * 2 / (n * (n + 1))).clamp(16 << 10, 1 << 20)
 }
 
 /// How long a wait spins before it sleeps: 50 µs, or nothing when the group's ranks outnumber
@@ -137,12 +140,12 @@ mod tests {
 
     #[test]
     fn thresholds_follow_the_cache() {
-        // Zen 1/2 (512 KiB L2): 512 KiB windows, one step up to 64 KiB with 2 ranks.
-        assert_eq!((window(512 << 10), small_max(512 << 10, 2)), (512 << 10, 64 << 10));
-        // Zen 4/5 (1 MiB L2): 1 MiB windows, one step up to 128 KiB with 2 ranks, 64 with 4.
-        assert_eq!((window(1 << 20), small_max(1 << 20, 2), small_max(1 << 20, 4)), (1 << 20, 128 << 10, 64 << 10));
+        // Zen 1/2 (512 KiB L2): 512 KiB windows, one step up to 128 KiB with 2 ranks.
+        assert_eq!((window(512 << 10), small_max(512 << 10, 2)), (512 << 10, 128 << 10));
+        // Zen 4/5 (1 MiB L2): 1 MiB windows, one step up to 256 KiB with 2 ranks, 64 with 4.
+        assert_eq!((window(1 << 20), small_max(1 << 20, 2), small_max(1 << 20, 4)), (1 << 20, 256 << 10, 64 << 10));
         // Sapphire Rapids (2 MiB): capped at 1 MiB windows; many ranks: at least 16 KiB.
-        assert_eq!((window(2 << 20), small_max(2 << 20, 8)), (1 << 20, 64 << 10));
+        assert_eq!((window(2 << 20), small_max(2 << 20, 8)), (1 << 20, 32 << 10));
         assert_eq!(small_max(2 << 20, 32), 16 << 10);
         assert_eq!(small_max(256 << 10, 1000), 16 << 10);
         assert_eq!(window(0), 64 << 10);

@@ -52,26 +52,30 @@ pub enum Src<'a> {
 /// validated for the dtype (`ReduceOp::applies_to`).
 pub fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
     debug_assert!(inputs.iter().all(|b| b.len() == out.len()));
-    reduce_leading(dtype, op, inputs, out);
+    reduce_leading(dtype, op, inputs, None, out);
 }
 
-/// [`reduce`] of the first `out.len()` bytes of each input (a window holding more).
+/// [`reduce`] of the first `out.len()` bytes of each input (a window holding more). Input
+/// `own`, when given, is `out`'s current contents instead (an in-place input; `inputs[own]`
+/// is not read): a rank's own data is quicker to read from its buffer than from the copy it
+/// wrote for its peers, which the peers' reads may have taken out of its cache.
 ///
 /// # Panics
 /// When an input is shorter than `out`.
-pub fn reduce_leading(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
+pub fn reduce_leading<'a>(dtype: DType, op: ReduceOp, inputs: &[&'a [u8]], own: Option<usize>, out: &mut [u8]) {
     // A small all_reduce's reduction takes tens of nanoseconds: the inputs' list lives on the
     // stack rather than costing an allocation as long again.
     const STACK: usize = 16;
     let len = out.len();
+    let src = |(i, b): (usize, &&'a [u8])| if Some(i) == own { Src::Out } else { Src::Buf(&b[..len]) };
     if inputs.len() <= STACK {
         let mut srcs = [Src::Out; STACK];
-        for (s, b) in srcs.iter_mut().zip(inputs) {
-            *s = Src::Buf(&b[..len]);
+        for (s, b) in srcs.iter_mut().zip(inputs.iter().enumerate()) {
+            *s = src(b);
         }
         return reduce_to(dtype, op, &srcs[..inputs.len()], out, None);
     }
-    let srcs: Vec<Src<'_>> = inputs.iter().map(|b| Src::Buf(&b[..len])).collect();
+    let srcs: Vec<Src<'_>> = inputs.iter().enumerate().map(src).collect();
     reduce_to(dtype, op, &srcs, out, None);
 }
 
@@ -161,10 +165,19 @@ mod tests {
             let ins: Vec<HostBuffer> =
                 (0..n).map(|r| HostBuffer::from_slice(&[r as i32, 1, -(r as i32), 1000, 1000])).collect();
             let views: Vec<&[u8]> = ins.iter().map(|b| b.as_bytes()).collect();
-            let mut out = HostBuffer::zeroed(DType::I32, 3);
-            reduce_leading(DType::I32, ReduceOp::Sum, &views, out.as_bytes_mut());
             let s = (0..n as i32).sum::<i32>();
+            let mut out = HostBuffer::zeroed(DType::I32, 3);
+            reduce_leading(DType::I32, ReduceOp::Sum, &views, None, out.as_bytes_mut());
             assert_eq!(out.to_vec::<i32>().unwrap(), [s, n as i32, -s], "{n} inputs");
+            // The own input comes from `out`, not from its (here wrong) copy among the inputs.
+            for own in [0, n / 2, n - 1] {
+                let mut views = views.clone();
+                let wrong = HostBuffer::from_slice(&[7i32, 7, 7]);
+                views[own] = wrong.as_bytes();
+                let mut out = HostBuffer::from_slice(&[own as i32, 1, -(own as i32)]);
+                reduce_leading(DType::I32, ReduceOp::Sum, &views, Some(own), out.as_bytes_mut());
+                assert_eq!(out.to_vec::<i32>().unwrap(), [s, n as i32, -s], "{n} inputs, own {own}");
+            }
         }
     }
 

@@ -97,7 +97,7 @@ impl Engine {
 
     /// Fills `r`'s output (taken from it, or allocated); `r.input` stays.
     pub(crate) fn all_gather(&mut self, r: &mut AllGather) -> Result<HostBuffer> {
-        let (dtype, count, es, n) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world);
+        let (dtype, count, es, n, me) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, self.rank);
         let mut out = r.output.take().unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n));
         let hdr = self.header(OpKind::AllGather, dtype, count, 0, None);
         let input = r.input.as_bytes();
@@ -113,7 +113,7 @@ impl Engine {
                 Io::Read(views, _) => {
                     for (p, v) in views.iter().enumerate() {
                         let at = (p * count + off) * es;
-                        dst[at..at + src.len()].copy_from_slice(&v[..src.len()]);
+                        dst[at..at + src.len()].copy_from_slice(if p == me { src } else { &v[..src.len()] });
                     }
                 }
             })?;
@@ -136,14 +136,18 @@ impl Engine {
         for (off, len) in pieces(block, self.lay.window / es / n) {
             let b = len * es;
             self.step(&hdr, n * b, Choice::Timed, |io, stream| match io {
+                // Our own block is read straight from the input (below): it is not copied in.
                 Io::Write(w) => {
-                    for j in 0..n {
+                    for j in (0..n).filter(|&j| j != me) {
                         let at = (j * block + off) * es;
                         to_window(stream, &mut w[j * b..(j + 1) * b], &input[at..at + b]);
                     }
                 }
                 Io::Read(views, _) => {
-                    let ins: Vec<&[u8]> = views.iter().map(|v| &v[me * b..(me + 1) * b]).collect();
+                    let at = (me * block + off) * es;
+                    let ins: Vec<&[u8]> = (views.iter().enumerate())
+                        .map(|(p, v)| if p == me { &input[at..at + b] } else { &v[me * b..(me + 1) * b] })
+                        .collect();
                     kernels::reduce(dtype, op, &ins, &mut dst[off * es..off * es + b]);
                 }
             })?;
@@ -177,7 +181,8 @@ impl Engine {
                 Io::Write(w) => w[..n * 8].copy_from_slice(bytemuck::cast_slice(&mine)),
                 Io::Read(views, _) => {
                     for (p, v) in views.iter().enumerate() {
-                        matrix[p * n..(p + 1) * n].copy_from_slice(bytemuck::cast_slice(&v[..n * 8]));
+                        let row: &[u64] = if p == me { &mine } else { bytemuck::cast_slice(&v[..n * 8]) };
+                        matrix[p * n..(p + 1) * n].copy_from_slice(row);
                     }
                 }
             })?;
@@ -253,13 +258,19 @@ impl Engine {
             self.step(&hdr, n * b, Choice::Plain, |io, _| match io {
                 Io::Write(w) => {
                     if let Some(s) = src {
-                        for j in 0..n {
+                        for j in (0..n).filter(|&j| j != root) {
                             let at = (j * block + off) * es;
                             w[j * b..(j + 1) * b].copy_from_slice(&s[at..at + b]);
                         }
                     }
                 }
-                Io::Read(views, _) => dst[off * es..off * es + b].copy_from_slice(&views[root][me * b..(me + 1) * b]),
+                Io::Read(views, _) => {
+                    let theirs = match src {
+                        Some(s) => &s[(me * block + off) * es..][..b],
+                        None => &views[root][me * b..(me + 1) * b],
+                    };
+                    dst[off * es..off * es + b].copy_from_slice(theirs);
+                }
             })?;
         }
         Ok(InOut { input: input.unwrap_or_else(|| HostBuffer::zeroed(dtype, 0)), output: out })
@@ -293,12 +304,15 @@ impl Engine {
             for (off, len) in pieces(count, self.lay.window / es) {
                 let piece = &src[off * es..(off + len) * es];
                 self.step(&hdr, piece.len(), Choice::Plain, |io, _| match io {
-                    Io::Write(w) => w[..piece.len()].copy_from_slice(piece),
+                    // The root takes its own piece from its input.
+                    Io::Write(w) if !is_root => w[..piece.len()].copy_from_slice(piece),
+                    Io::Write(_) => {}
                     Io::Read(views, _) => {
                         if let Some(dst) = dst.as_deref_mut() {
                             for (p, v) in views.iter().enumerate() {
                                 let at = (p * count + off) * es;
-                                dst[at..at + piece.len()].copy_from_slice(&v[..piece.len()]);
+                                let from = if p == root { piece } else { &v[..piece.len()] };
+                                dst[at..at + piece.len()].copy_from_slice(from);
                             }
                         }
                     }

@@ -106,7 +106,8 @@ impl OneShot {
         match (self, io) {
             (OneShot::AllReduce { buf, .. }, Io::Write(w)) => w[..buf.byte_len()].copy_from_slice(buf.as_bytes()),
             (OneShot::AllReduce { buf, op, root }, Io::Read(views, _)) if root.is_none_or(|r| r as usize == me) => {
-                kernels::reduce_leading(buf.dtype(), *op, views, buf.as_bytes_mut());
+                // Our own input is the buffer itself (see `reduce_leading`).
+                kernels::reduce_leading(buf.dtype(), *op, views, Some(me), buf.as_bytes_mut());
             }
             (OneShot::Broadcast { buf, root }, Io::Write(w)) if *root as usize == me => {
                 w[..buf.byte_len()].copy_from_slice(buf.as_bytes())
@@ -119,17 +120,22 @@ impl OneShot {
             (OneShot::AllGather { input, out }, Io::Read(views, _)) => {
                 let b = input.byte_len();
                 for (p, v) in views.iter().enumerate() {
-                    out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(&v[..b]);
+                    let src = if p == me { input.as_bytes() } else { &v[..b] };
+                    out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(src);
                 }
             }
-            // The whole input: block j (for rank j) at offset j * b, as in one round of
-            // `Engine::reduce_scatter`.
-            (OneShot::ReduceScatter { input, .. }, Io::Write(w)) => {
-                w[..input.byte_len()].copy_from_slice(input.as_bytes())
+            // The input but our own block: block j (for rank j) at offset j * b, as in one
+            // round of `Engine::reduce_scatter`.
+            (OneShot::ReduceScatter { input, out, .. }, Io::Write(w)) => {
+                let own = me * out.byte_len()..(me + 1) * out.byte_len();
+                w[..own.start].copy_from_slice(&input.as_bytes()[..own.start]);
+                w[own.end..input.byte_len()].copy_from_slice(&input.as_bytes()[own.end..]);
             }
-            (OneShot::ReduceScatter { out, op, .. }, Io::Read(views, _)) => {
+            (OneShot::ReduceScatter { input, out, op }, Io::Read(views, _)) => {
                 let b = out.byte_len();
-                let ins: Vec<&[u8]> = views.iter().map(|v| &v[me * b..(me + 1) * b]).collect();
+                let ins: Vec<&[u8]> = (views.iter().enumerate())
+                    .map(|(p, v)| &(if p == me { input.as_bytes() } else { v })[me * b..(me + 1) * b])
+                    .collect();
                 kernels::reduce(out.dtype(), *op, &ins, out.as_bytes_mut());
             }
             // Only the peers' blocks go through the window, packed: rank p's block for rank j
