@@ -112,8 +112,8 @@ impl Lane for bf16 {
 }
 
 #[inline(always)]
-fn run<T: Lane>(
-    inputs: &[Src<'_>],
+fn run<'a, T: Lane>(
+    inputs: &[Src<'a>],
     dst: Dst<'_>,
     combine: impl Fn(T::Acc, T::Acc) -> T::Acc,
     finish: impl Fn(T::Acc) -> T::Acc,
@@ -121,15 +121,24 @@ fn run<T: Lane>(
     let out: &mut [T] = bytemuck::cast_slice_mut(dst.out);
     let mut copy: Option<&mut [T]> = dst.copy.map(bytemuck::cast_slice_mut);
     // On the stack for up to 16 inputs: at a few elements the allocation would cost more than
-    // the reduction (8 B of f32: 31 ns with it).
-    let bufs: smallvec::SmallVec<[In<'_, T>; 16]> = inputs
-        .iter()
-        .map(|s| match s {
-            Src::Buf(b) => In::Buf(bytemuck::cast_slice::<u8, T>(b)),
-            Src::Out => In::Out,
-            Src::Copy => In::Copy,
-        })
-        .collect();
+    // the reduction (8 B of f32: 31 ns with it). Filled in place: a collected array is
+    // moved afterwards, a copy of all 16 slots.
+    let typed = |s: &Src<'a>| match s {
+        Src::Buf(b) => In::Buf(bytemuck::cast_slice::<u8, T>(b)),
+        Src::Out => In::Out,
+        Src::Copy => In::Copy,
+    };
+    let mut stack = [In::Out; 16];
+    let heap: Vec<In<'a, T>>;
+    let bufs: &[In<'a, T>] = if inputs.len() <= stack.len() {
+        for (slot, s) in stack.iter_mut().zip(inputs) {
+            *slot = typed(s);
+        }
+        &stack[..inputs.len()]
+    } else {
+        heap = inputs.iter().map(typed).collect();
+        &heap
+    };
     if out.len() <= TINY {
         // Latency-bound sizes: element by element, no block set-up.
         for i in 0..out.len() {
@@ -144,9 +153,9 @@ fn run<T: Lane>(
         // Small blocks for small buffers: setting up two 1024-element blocks costs more than
         // reducing a few hundred elements (64 f32: 28 ns with 64-element blocks, 116 ns
         // element by element); from ~1024 elements the big blocks win again.
-        blocks::<T, SMALL>(&bufs, out, copy, combine, finish);
+        blocks::<T, SMALL>(bufs, out, copy, combine, finish);
     } else {
-        blocks::<T, BLOCK>(&bufs, out, copy, combine, finish);
+        blocks::<T, BLOCK>(bufs, out, copy, combine, finish);
     }
 }
 
@@ -156,6 +165,14 @@ enum In<'a, T> {
     Out,
     Copy,
 }
+
+// By hand: derived impls would require `T: Copy`.
+impl<T> Clone for In<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for In<'_, T> {}
 
 impl<T> In<'_, T> {
     /// The input's elements in `range`: its own, or the current contents of `out` or `copy`.
