@@ -64,8 +64,9 @@ pub struct ShmOptions {
     pub p2p_slot: usize,
     /// all_reduce/reduce up to this many bytes (at most `window`) use the one-step algorithm
     /// (and may run inline); larger ones reduce-scatter and all-gather. `None` (the default):
-    /// the largest power of two whose `world + 2` copies fit in half a core's L2 cache (every
-    /// rank copies its input in, reads all inputs and writes one output), 16 KiB..1 MiB.
+    /// the largest power of two whose `world + 1` copies (its buffer, its window copy, the
+    /// peers' copies) fit in a core's L2 cache, divided by `world / 2` from 3 ranks up (one
+    /// step moves that many times the bytes of two), 16 KiB..1 MiB.
     pub small_max: Option<usize>,
     /// Spin before sleeping; `None` picks: 50 µs, or 0 when the ranks outnumber the CPUs they
     /// may run on together.
