@@ -288,7 +288,7 @@ impl ShmBackend {
         let pending = Arc::new(AtomicUsize::new(0));
         let engine = Engine::new(rank as usize, lay, segs, procs, params, rx, pending.clone(), poison.clone());
         let engine = Arc::new(Mutex::new(engine));
-        let (worker_engine, worker_me) = (engine.clone(), me.clone());
+        let (worker_engine, worker_me, spin) = (engine.clone(), me.clone(), params.spin);
         std::thread::Builder::new()
             .name(format!("comm-shm-r{rank}"))
             .spawn(move || {
@@ -298,7 +298,7 @@ impl ShmBackend {
                     // Only a placement hint: the worker runs anywhere if this fails.
                     let _ = rustix::thread::sched_setaffinity(None, &set);
                 }
-                engine::worker(worker_engine, worker_me)
+                engine::worker(worker_engine, worker_me, spin)
             })
             .map_err(io_err("starting the shm worker thread".into()))?;
         Ok(ShmBackend {
@@ -445,6 +445,10 @@ impl ShmBackend {
             return Work::ready(Err(e));
         }
         let inner = &*self.inner;
+        let req = match self.direct(req) {
+            Ok(work) => return work,
+            Err(req) => req,
+        };
         let mut op = match req.one_shot(&inner.limits) {
             Ok(op) => op,
             Err(req) => {
@@ -487,6 +491,42 @@ impl ShmBackend {
         let (done, work) = Work::pending();
         self.enqueue(Command::OneShot(op, R::Output::done(done)));
         work
+    }
+}
+
+impl ShmBackend {
+    /// A send or receive queued straight into the engine and progressed on the caller's
+    /// thread for up to the inline budget, when nothing submitted earlier is still on its way
+    /// to the worker (it could be a message to the same peer, which must go first). A small
+    /// message then needs no hand-off to the worker and no wake-up on either side; what is
+    /// not finished by then the worker goes on with. Other ops come back.
+    fn direct<R: Plan>(&self, req: R) -> Result<Work<R::Output>, R> {
+        let inner = &*self.inner;
+        if !R::P2P {
+            return Err(req);
+        }
+        let mut engine = match inner.engine.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return Err(req),
+        };
+        if inner.pending.load(SeqCst) != 0 {
+            return Err(req);
+        }
+        let (done, work) = Work::pending();
+        R::accept(Box::new(Pending { req, done }), &mut engine);
+        let budget = inner.inline_budget;
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            engine.progress_inline(budget, || work.is_completed())
+        }));
+        if let Err(payload) = ran {
+            engine.contain_panic(&comm_core::panic_message(&*payload));
+        }
+        drop(engine);
+        if !work.is_completed() {
+            self.ring_worker();
+        }
+        Ok(work)
     }
 }
 

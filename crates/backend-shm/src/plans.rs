@@ -36,6 +36,9 @@ pub trait Plan: Op<Output: OneShotOutput> + Sized {
     fn accept(p: Box<Pending<Self>>, e: &mut Engine) {
         e.queue_collective(p);
     }
+    /// Point-to-point: the caller's thread may queue the op straight into an idle engine and
+    /// progress it there (see `ShmBackend::submit`).
+    const P2P: bool = false;
 }
 
 /// An op and its completer, queued for the worker.
@@ -196,6 +199,7 @@ impl Plan for Gather {
 
 /// Point-to-point ops wait in their peer's mailbox queue, not in the collective order.
 impl Plan for SendTo {
+    const P2P: bool = true;
     fn run(self, _: &mut Engine) -> Result<HostBuffer> {
         Err(CommError::Backend { backend: "shm", source: "a send ran as a collective".into() })
     }
@@ -206,6 +210,7 @@ impl Plan for SendTo {
 }
 
 impl Plan for RecvFrom {
+    const P2P: bool = true;
     fn run(self, _: &mut Engine) -> Result<HostBuffer> {
         Err(CommError::Backend { backend: "shm", source: "a recv ran as a collective".into() })
     }

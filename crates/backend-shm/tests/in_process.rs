@@ -197,6 +197,43 @@ async fn p2p_large_both_directions() {
     assert_eq!(r1.await.unwrap(), a);
 }
 
+/// Sends and receives run on the caller's thread when nothing else is on its way to the
+/// worker: a message that fits the free mailbox slots is written before `submit` returns. The
+/// messages to one peer keep their order whichever thread writes them: a large one left to the
+/// worker half-written is not overtaken by the small ones after it, whether the receives are
+/// posted before or after the sends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p2p_runs_inline_and_keeps_its_order() {
+    let ranks = world(2, small_opts()).await;
+    let i32s = |n: usize, k: i32| HostBuffer::from_slice(&(0..n as i32).map(|x| x * k).collect::<Vec<_>>());
+    // Sends into free slots, receives of messages already there: done before `submit` returns.
+    let mut inline = 0;
+    for round in 0..50 {
+        let sent = ranks[0].submit(SendTo { buf: i32s(16, round), dst: 1, tag: 1 });
+        let got = ranks[1].submit(RecvFrom { buf: HostBuffer::zeroed(comm_core::DType::I32, 16), src: 0, tag: 1 });
+        inline += usize::from(sent.is_completed() && got.is_completed());
+        assert_eq!(got.await.unwrap(), i32s(16, round));
+        sent.await.unwrap();
+    }
+    assert!(inline >= 45, "only {inline} of 50 small sends and receives finished in their callers");
+    for recv_first in [false, true] {
+        let big = 20_000; // 80 KB: 20 mailbox chunks of 4 KiB
+        let recv = |n: usize, tag| {
+            ranks[1].submit(RecvFrom { buf: HostBuffer::zeroed(comm_core::DType::I32, n), src: 0, tag })
+        };
+        let early: Vec<_> = if recv_first { vec![recv(big, 7), recv(3, 8), recv(5, 9)] } else { Vec::new() };
+        let sends = [(big, 7, 3), (3, 8, -1), (5, 9, 2)]
+            .map(|(n, tag, k)| ranks[0].submit(SendTo { buf: i32s(n, k), dst: 1, tag }));
+        let got = if recv_first { early } else { vec![recv(big, 7), recv(3, 8), recv(5, 9)] };
+        for (g, (n, k)) in got.into_iter().zip([(big, 3), (3, -1), (5, 2)]) {
+            assert_eq!(g.await.unwrap(), i32s(n, k), "recv_first {recv_first}");
+        }
+        for s in sends {
+            s.await.unwrap();
+        }
+    }
+}
+
 /// A large send whose receiver posts the recv only after a pause, during which both ranks
 /// run inline collectives: the receiver's worker sleeps through the sender's ring (nothing was
 /// in flight there) and must still pick the message up once the recv is posted.

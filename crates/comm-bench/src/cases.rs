@@ -14,11 +14,21 @@ pub(crate) enum Coll {
     Broadcast,
     AllToAll,
     Reduce,
+    /// Every rank sends its buffer to the next rank and receives the previous one's (nccl-tests'
+    /// `sendrecv_perf`): point-to-point, posted together as one batch.
+    SendRecv,
 }
 
 impl Coll {
-    pub(crate) const ALL: [Coll; 6] =
-        [Coll::AllReduce, Coll::AllGather, Coll::ReduceScatter, Coll::Broadcast, Coll::AllToAll, Coll::Reduce];
+    pub(crate) const ALL: [Coll; 7] = [
+        Coll::AllReduce,
+        Coll::AllGather,
+        Coll::ReduceScatter,
+        Coll::Broadcast,
+        Coll::AllToAll,
+        Coll::Reduce,
+        Coll::SendRecv,
+    ];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -28,6 +38,7 @@ impl Coll {
             Coll::Broadcast => "broadcast",
             Coll::AllToAll => "all_to_all",
             Coll::Reduce => "reduce",
+            Coll::SendRecv => "sendrecv",
         }
     }
 
@@ -40,6 +51,7 @@ impl Coll {
             "broadcast" | "bcast" => Coll::Broadcast,
             "alltoall" | "alltoallsingle" => Coll::AllToAll,
             "reduce" => Coll::Reduce,
+            "sendrecv" => Coll::SendRecv,
             _ => {
                 let names: Vec<_> = Coll::ALL.iter().map(|c| c.name()).collect();
                 return Err(format!("unknown op `{s}` (expected {} or all)", names.join(", ")));
@@ -68,7 +80,7 @@ impl Coll {
         match self {
             Coll::AllReduce => 2.0 * (n - 1.0) / n,
             Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
-            Coll::Broadcast | Coll::Reduce => 1.0,
+            Coll::Broadcast | Coll::Reduce | Coll::SendRecv => 1.0,
         }
     }
 }
@@ -109,6 +121,9 @@ pub(crate) fn shape(coll: Coll, dtype: DType, size: usize, n: u32) -> Option<Sha
         Coll::AllReduce | Coll::Broadcast | Coll::Reduce => {
             Shape { count, in_len: count, out_len: 0, bytes: count * t }
         }
+        // S = the message each rank sends (and receives); it needs a peer.
+        Coll::SendRecv if n < 2 => return None,
+        Coll::SendRecv => Shape { count, in_len: count, out_len: count, bytes: count * t },
         // count per rank; input = count, output = n·count; S = full output.
         Coll::AllGather => {
             let c = part();
@@ -288,7 +303,7 @@ impl Case {
                 let op = self.redop;
                 Box::new(move |i| red_input(op, r, i))
             }
-            Coll::AllGather => Box::new(move |i| data_input(u64::from(r), i)),
+            Coll::AllGather | Coll::SendRecv => Box::new(move |i| data_input(u64::from(r), i)),
             // Non-roots start with other data, which the broadcast must overwrite.
             Coll::Broadcast => {
                 let stream = if r == self.root { u64::from(r) } else { u64::from(r) + 1000 };
@@ -329,6 +344,7 @@ impl Case {
             Coll::Broadcast => Box::new(|i| T::from_i64(data_input(u64::from(self.root), i))),
             // Block q came from rank q: its element (q → r, i).
             Coll::AllToAll => Box::new(|x| T::from_i64(data_input(u64::from((x / k) as u32 * n + r), x % k))),
+            Coll::SendRecv => Box::new(|i| T::from_i64(data_input(u64::from((r + n - 1) % n), i))),
         };
         let tol = tolerance(self.dtype, op);
         Ok(got
@@ -392,6 +408,10 @@ mod tests {
         // Too small: no row.
         assert_eq!(shape(Coll::AllGather, DType::F32, 8, 2), None);
         assert_eq!(shape(Coll::AllReduce, DType::F64, 4, 2), None);
+        // sendrecv: the message each rank sends; nobody to send to alone.
+        let s = shape(Coll::SendRecv, DType::F32, 1024, 4).unwrap();
+        assert_eq!(s, Shape { count: 256, in_len: 256, out_len: 256, bytes: 1024 });
+        assert_eq!(shape(Coll::SendRecv, DType::F32, 1024, 1), None);
         assert!(shape(Coll::AllReduce, DType::F32, 8, 2).is_some());
     }
 
@@ -435,6 +455,7 @@ mod tests {
                             (0..k).map(|i| inputs.iter().map(|v| v[r as usize * k + i]).sum()).collect()
                         }
                         Coll::AllToAll => inputs.iter().flat_map(|v| v[r as usize * k..][..k].to_vec()).collect(),
+                        Coll::SendRecv => inputs[((r + n - 1) % n) as usize].clone(),
                     };
                     let mut buf = from_f64(dtype, &out);
                     assert_eq!(c.count_wrong(&buf).unwrap(), 0, "{coll} {dtype} rank {r}");

@@ -24,7 +24,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use comm_api::{CommError, Config, DType, HostBuffer, InOut, ProcessGroup, ReduceOp};
+use comm_api::{CommError, Config, DType, HostBuffer, InOut, P2POp, ProcessGroup, ReduceOp};
 
 use baseline::Baseline;
 use cases::{shape, Case, Coll};
@@ -114,8 +114,8 @@ ENVIRONMENT:
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
-    /// Collectives, comma-separated: all_reduce, all_gather, reduce_scatter, broadcast,
-    /// all_to_all, reduce, or `all`.
+    /// Ops, comma-separated: all_reduce, all_gather, reduce_scatter, broadcast, all_to_all,
+    /// reduce, sendrecv (each rank sends to the next and receives from the previous), or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all_reduce", value_name = "OPS")]
     op: Vec<String>,
     /// Element types, comma-separated: u8, i8, i32, i64, f16, bf16, f32, f64, or `all`.
@@ -807,6 +807,18 @@ async fn issue(
         Coll::AllGather => in_out(pg.all_gather_into(input, output()?).await?),
         Coll::ReduceScatter => in_out(pg.reduce_scatter_into(input, op, output()?).await?),
         Coll::AllToAll => in_out(pg.all_to_all_single_into(input, output()?, None, None).await?),
+        Coll::SendRecv => {
+            let n = pg.world_size();
+            let (next, prev) = ((pg.rank() + 1) % n, (pg.rank() + n - 1) % n);
+            let works = pg.batch_isend_irecv(vec![
+                P2POp::Send { buf: input, peer: next, tag: 0 },
+                P2POp::Recv { buf: output()?, peer: prev, tag: 0 },
+            ]);
+            let [send, recv] = <[_; 2]>::try_from(works)
+                .map_err(|_| CommError::invalid("comm-bench", "batch_isend_irecv did not return two works"))?;
+            let output = recv.await?;
+            Slot { input: send.await?, output: Some(output) }
+        }
     })
 }
 
@@ -845,7 +857,7 @@ mod tests {
         assert!(!p.check);
         assert!(plan(&["--no-check", "--check"]).unwrap().check);
         let p = plan(&["--op", "all", "--dtype", "all", "--redop", "max", "--iters", "7", "--warmup", "0"]).unwrap();
-        assert_eq!(p.colls.len(), 6);
+        assert_eq!(p.colls.len(), 7);
         assert_eq!(p.dtypes.len(), 8);
         assert_eq!((p.iters_for(8), p.warmup_for(7)), (7, 0));
     }

@@ -6,8 +6,10 @@
 //! the reference every performance claim is stated against.
 //!
 //! It is a `comm_core` backend only so the bench drives it like any other: each `submit` makes
-//! the blocking MPI call and returns a completed `Work`. Scatter, gather and point-to-point,
-//! which the bench does not time, are `Unsupported`.
+//! the blocking MPI call and returns a completed `Work`. Point-to-point is the bench's
+//! `sendrecv` (`MPI_Isend` + `MPI_Recv` + `MPI_Wait`, what `MPI_Sendrecv` does): a send is
+//! posted and completes with the next receive, so a send must be followed by a receive.
+//! Scatter and gather, which the bench does not time, are `Unsupported`.
 
 use std::ffi::{c_int, c_void};
 use std::ptr;
@@ -22,6 +24,7 @@ use comm_api::{
     Backend, Collective, CommError, DType, Group, HostBuffer, InOut, Launcher, ProcessGroup, Rank, ReduceOp, Work,
     WorldInfo, WorldSource,
 };
+use comm_core::Completer;
 use mpi::ffi;
 
 const NAME: &str = "mpi-raw";
@@ -38,17 +41,40 @@ struct Mpi {
     /// The receive buffer of the next all_reduce/reduce: results land there and the caller's
     /// buffer becomes the next one, so nothing is copied (osu's send/receive buffer pair).
     spare: Mutex<Option<HostBuffer>>,
+    /// Sends posted with `MPI_Isend`, waited for by the next receive.
+    sends: Mutex<Vec<Posted>>,
+}
+
+/// A posted send: its request, its buffer (which MPI reads until it completes) and its work.
+struct Posted {
+    req: ffi::MPI_Request,
+    buf: HostBuffer,
+    done: Completer<HostBuffer>,
 }
 
 // SAFETY: the MPI handles inside (the f16/bf16 op handles) are immutable identifiers, and MPI
 // runs at MPI_THREAD_SERIALIZED: the bench makes one blocking call at a time, from whichever
 // thread its task is on.
 unsafe impl Send for Mpi {}
-// SAFETY: as above; nothing is mutated through `&Mpi` but the `Mutex`-guarded spare buffer.
+// SAFETY: as above; nothing is mutated through `&Mpi` but the `Mutex`-guarded spare buffer
+// and posted sends.
 unsafe impl Sync for Mpi {}
+
+impl Mpi {
+    /// Waits for every posted send and completes its work.
+    fn finish_sends(&self) {
+        let sends = std::mem::take(&mut *self.sends.lock().unwrap_or_else(|p| p.into_inner()));
+        for mut s in sends {
+            // SAFETY: a request `MPI_Isend` returned, waited for once; its buffer is alive.
+            let rc = unsafe { ffi::MPI_Wait(&mut s.req, ffi::RSMPI_STATUS_IGNORE) };
+            s.done.complete(check("MPI_Wait", rc).map(|()| s.buf));
+        }
+    }
+}
 
 impl Drop for Mpi {
     fn drop(&mut self) {
+        self.finish_sends();
         drop(self.half.take());
         if self.owned {
             // SAFETY: MPI was initialised by `init` and every call has returned (they block).
@@ -107,7 +133,14 @@ pub(crate) fn init() -> Result<ProcessGroup, CommError> {
         check("MPI_Comm_size", ffi::MPI_Comm_size(ffi::RSMPI_COMM_WORLD, &mut size))?;
     }
     let half = backend_mpi::HalfOps::new()?;
-    let mpi = Mpi { rank: rank as Rank, size: size as u32, owned, half: Some(half), spare: Mutex::new(None) };
+    let mpi = Mpi {
+        rank: rank as Rank,
+        size: size as u32,
+        owned,
+        half: Some(half),
+        spare: Mutex::new(None),
+        sends: Mutex::new(Vec::new()),
+    };
     let mut world = WorldInfo::single();
     world.rank = mpi.rank;
     world.world_size = mpi.size;
@@ -270,6 +303,57 @@ impl RawMpi {
         Ok(InOut { input: r.input, output: out })
     }
 
+    /// Posts the send; the next receive waits for it.
+    fn send(&self, r: SendTo) -> Work<HostBuffer> {
+        if let Err(e) = r.validate(self.0.rank, self.0.size) {
+            return Work::ready(Err(e));
+        }
+        let n = match count(r.buf.len()) {
+            Ok(n) => n,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        // SAFETY: reading a handle constant of the MPI library (overwritten by MPI_Isend).
+        let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
+        // SAFETY: the buffer holds `n` elements and stays alive, unmoved on the heap, in
+        // `sends` until the request completes (`recv` waits for it, `Drop` of `Mpi` too).
+        let rc = unsafe {
+            ffi::MPI_Isend(
+                r.buf.as_bytes().as_ptr().cast(),
+                n,
+                datatype(r.buf.dtype()),
+                r.dst as c_int,
+                r.tag as c_int,
+                ffi::RSMPI_COMM_WORLD,
+                &mut req,
+            )
+        };
+        if let Err(e) = check("MPI_Isend", rc) {
+            return Work::ready(Err(e));
+        }
+        let (done, work) = Work::pending();
+        self.0.sends.lock().unwrap_or_else(|p| p.into_inner()).push(Posted { req, buf: r.buf, done });
+        work
+    }
+
+    /// Receives, then waits for the sends posted before.
+    fn recv(&self, mut r: RecvFrom) -> Result<HostBuffer, CommError> {
+        let n = count(r.buf.len())?;
+        // SAFETY: the buffer holds `n` elements; the call blocks until they are received.
+        check("MPI_Recv", unsafe {
+            ffi::MPI_Recv(
+                r.buf.as_bytes_mut().as_mut_ptr().cast(),
+                n,
+                datatype(r.buf.dtype()),
+                r.src as c_int,
+                r.tag as c_int,
+                ffi::RSMPI_COMM_WORLD,
+                ffi::RSMPI_STATUS_IGNORE,
+            )
+        })?;
+        self.0.finish_sends();
+        Ok(r.buf)
+    }
+
     fn barrier(&self) -> Result<(), CommError> {
         // SAFETY: the world communicator of an initialised MPI.
         check("MPI_Barrier", unsafe { ffi::MPI_Barrier(ffi::RSMPI_COMM_WORLD) })
@@ -301,8 +385,13 @@ ops! {
     Barrier => |b: &RawMpi, _| b.barrier(),
     Scatter => |_: &RawMpi, _| Err(CommError::Unsupported { op: Scatter::NAME, dtype: None, backend: NAME }),
     Gather => |_: &RawMpi, _| Err(CommError::Unsupported { op: Gather::NAME, dtype: None, backend: NAME }),
-    SendTo => |_: &RawMpi, _| Err(CommError::Unsupported { op: SendTo::NAME, dtype: None, backend: NAME }),
-    RecvFrom => |_: &RawMpi, _| Err(CommError::Unsupported { op: RecvFrom::NAME, dtype: None, backend: NAME }),
+    RecvFrom => RawMpi::recv,
+}
+
+impl Collective<SendTo> for RawMpi {
+    fn submit(&self, req: SendTo) -> Work<HostBuffer> {
+        self.send(req)
+    }
 }
 
 #[async_trait]

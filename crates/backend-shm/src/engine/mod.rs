@@ -421,8 +421,9 @@ impl Engine {
 }
 
 /// The worker thread: runs [`Engine::work`] under the lock and sleeps on the doorbell,
-/// unlocked, whenever there is nothing to do.
-pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
+/// unlocked, whenever there is nothing to do. `spin`: how long it keeps polling while only
+/// point-to-point traffic waits on peers before it sleeps ([`Params::spin`]).
+pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>, spin: Duration) {
     let lock = || engine.lock().unwrap_or_else(|p| p.into_inner());
     let mut broken = false;
     // One turn under the lock; `None` when `wait` is false and a caller holds the engine.
@@ -458,6 +459,8 @@ pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
     // would be woken by every unlock, lose the lock to the caller's next op, and sleep again,
     // over and over, each time on the core where a peer's caller spins (16 µs stalls).
     let mut quiet_at = None;
+    // Since when turns have found point-to-point traffic in flight and nothing to do.
+    let mut idle_since = None;
     loop {
         let bell = me.u32_at(OFF_DOORBELL);
         let seen = bell.load(SeqCst);
@@ -465,15 +468,22 @@ pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>) {
         let wait_for = match work(wait) {
             Some(Flow::Exit) => return,
             Some(Flow::Busy) => {
-                quiet_at = None;
+                (quiet_at, idle_since) = (None, None);
                 continue;
             }
             Some(Flow::Idle) => {
                 quiet_at = None;
+                // A message's next chunk or acknowledgement usually follows within
+                // microseconds; poll for it as a collective's wait does before sleeping
+                // (every chunk would otherwise cost a futex wake-up on each side).
+                if idle_since.get_or_insert_with(Instant::now).elapsed() < spin {
+                    std::thread::yield_now();
+                    continue;
+                }
                 SLEEP_PEERS
             }
             Some(Flow::Quiet) => {
-                quiet_at = Some(seen);
+                (quiet_at, idle_since) = (Some(seen), None);
                 SLEEP_LOCAL
             }
             None => SLEEP_LOCAL,

@@ -16,6 +16,25 @@ impl Engine {
         Ok(any)
     }
 
+    /// Progresses point-to-point traffic on a caller's thread until `done()` or for `budget`
+    /// (polling, as an inline collective waits for its peers). An error poisons the group,
+    /// as on the worker, and ends the wait.
+    pub(crate) fn progress_inline(&mut self, budget: Duration, done: impl Fn() -> bool) {
+        let start = Instant::now();
+        loop {
+            if self.poisoned.is_some() {
+                return;
+            }
+            if let Err(e) = self.progress_p2p() {
+                return self.poison_with(&e);
+            }
+            if done() || start.elapsed() >= budget {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
     /// Writes the next chunk of the first queued send to `peer`, if a slot is free.
     pub(super) fn progress_send(&mut self, peer: usize) -> Result<bool> {
         let Some(op) = self.sends[peer].front_mut() else { return Ok(false) };
