@@ -234,6 +234,32 @@ async fn p2p_runs_inline_and_keeps_its_order() {
     }
 }
 
+/// Mailbox chunks of 16 KiB or more take successive places in their slot
+/// (`Layout::msg_data`): a run of messages of mixed sizes, whole and partial chunks, both
+/// ways, puts them everywhere in it; a reader that looks one place off gets the wrong data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mailbox_chunks_at_every_place_in_the_slot() {
+    let ranks = world(2, ShmOptions { p2p_slot: 64 << 10, ..small_opts() }).await;
+    let msg = |bytes: usize, k: i32| HostBuffer::from_slice(&(0..bytes as i32 / 4).map(|x| x ^ k).collect::<Vec<_>>());
+    let sizes = [16 << 10, 20_000, 40_000, (64 << 10) + 12_000, 3000, 17_000, 33_000];
+    for i in 0..60 {
+        let bytes = sizes[i % sizes.len()];
+        let (a, b) = (msg(bytes, i as i32), msg(bytes, !(i as i32)));
+        let sends = [
+            ranks[0].submit(SendTo { buf: a.clone(), dst: 1, tag: 2 }),
+            ranks[1].submit(SendTo { buf: b.clone(), dst: 0, tag: 2 }),
+        ];
+        let zero = || HostBuffer::zeroed(comm_core::DType::I32, bytes / 4);
+        let got1 = ranks[1].submit(RecvFrom { buf: zero(), src: 0, tag: 2 });
+        let got0 = ranks[0].submit(RecvFrom { buf: zero(), src: 1, tag: 2 });
+        assert_eq!(got1.await.unwrap(), a, "message {i} of {bytes} bytes to rank 1");
+        assert_eq!(got0.await.unwrap(), b, "message {i} of {bytes} bytes to rank 0");
+        for s in sends {
+            s.await.unwrap();
+        }
+    }
+}
+
 /// A large send whose receiver posts the recv only after a pause, during which both ranks
 /// run inline collectives: the receiver's worker sleeps through the sender's ring (nothing was
 /// in flight there) and must still pick the message up once the recv is posted.

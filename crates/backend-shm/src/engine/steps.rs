@@ -297,7 +297,7 @@ pub(super) fn write_chunk(me: &Segment, lay: &Layout, peer: usize, hdr: MsgHeade
     // this one only after our release store of `sent > chunk`.
     unsafe {
         me.write(lay.msg_header(peer, chunk), hdr);
-        me.bytes_mut(lay.msg_data(peer, chunk), data.len()).copy_from_slice(data);
+        me.bytes_mut(lay.msg_data(peer, chunk, data.len()), data.len()).copy_from_slice(data);
     }
 }
 
@@ -307,7 +307,7 @@ pub(super) fn read_chunk<'a>(src: &'a Segment, lay: &Layout, me: usize, chunk: u
     // SAFETY: the sender published `sent > chunk` after writing this slot (the caller checked)
     // and will not rewrite it until we acknowledge it, which the caller does after this
     // borrow ends.
-    unsafe { src.bytes(lay.msg_data(me, chunk), len) }
+    unsafe { src.bytes(lay.msg_data(me, chunk, len), len) }
 }
 
 /// Every rank's window of a step: on the stack up to 16 ranks (a small op's step is a few
