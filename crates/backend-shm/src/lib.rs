@@ -60,8 +60,10 @@ pub struct ShmOptions {
     /// L2 cache (64 KiB..1 MiB), so each step's copy-in, the peers' reads and the reduction
     /// stay in cache.
     pub window: usize,
-    /// Bytes per point-to-point mailbox slot (two per peer per rank).
-    pub p2p_slot: usize,
+    /// Bytes per point-to-point mailbox slot (two per peer per rank). `None` (the default): the
+    /// window's size while each rank's mailboxes stay within 32 MiB, less from 17 ranks up
+    /// (64 KiB..1 MiB; see `tuning::slot`).
+    pub p2p_slot: Option<usize>,
     /// all_reduce/reduce up to this many bytes (at most `window`) use the one-step algorithm
     /// (and may run inline); larger ones reduce-scatter and all-gather. `None` (the default):
     /// the largest power of two whose `world + 1` copies (its buffer, its window copy, the
@@ -90,7 +92,7 @@ impl Default for ShmOptions {
         ShmOptions {
             timeout: Duration::from_secs(300),
             window: tuning::window(tuning::l2_bytes()),
-            p2p_slot: 256 << 10,
+            p2p_slot: None,
             small_max: None,
             spin: None,
             pin: None,
@@ -113,7 +115,7 @@ impl ShmOptions {
         let mut o = ShmOptions::default();
         let spin_us = |v: &str| v.trim().parse::<u32>().map_err(|_| "not a number of microseconds".to_string());
         o.window = config::env_parse("COMM_SHM_WINDOW", config::parse_size)?.unwrap_or(o.window);
-        o.p2p_slot = config::env_parse("COMM_SHM_SLOT", config::parse_size)?.unwrap_or(o.p2p_slot);
+        o.p2p_slot = config::env_parse("COMM_SHM_SLOT", config::parse_size)?.or(o.p2p_slot);
         o.small_max = config::env_parse("COMM_SHM_SMALL_MAX", config::parse_size)?.or(o.small_max);
         o.spin = config::env_parse("COMM_SHM_SPIN_US", spin_us)?.map(|us| Duration::from_micros(us.into())).or(o.spin);
         o.pin = config::env_parse("COMM_SHM_PIN", config::parse_bool)?.or(o.pin);
@@ -125,7 +127,8 @@ impl ShmOptions {
     /// Whether the sizes are in range ([`MIN_WINDOW`]..=[`MAX_WINDOW`] for the window and
     /// the slot).
     pub fn check(&self) -> Result<(), CommError> {
-        for (what, v) in [("window (COMM_SHM_WINDOW)", self.window), ("p2p_slot (COMM_SHM_SLOT)", self.p2p_slot)] {
+        let sizes = [("window (COMM_SHM_WINDOW)", Some(self.window)), ("p2p_slot (COMM_SHM_SLOT)", self.p2p_slot)];
+        for (what, v) in sizes.into_iter().filter_map(|(what, v)| Some((what, v?))) {
             if !(MIN_WINDOW..=MAX_WINDOW).contains(&v) {
                 return Err(CommError::Config(format!(
                     "shm {what} of {v} bytes is out of range: {MIN_WINDOW}..={MAX_WINDOW} bytes (4 KiB to 1 GiB)"
@@ -213,7 +216,8 @@ impl ShmBackend {
             // One step moves at most a window per rank.
             let small_max =
                 opts.small_max.unwrap_or_else(|| tuning::small_max(tuning::l2_bytes(), world)).min(opts.window);
-            let p = format!("{} {} {}", opts.window, opts.p2p_slot, small_max);
+            let slot = opts.p2p_slot.unwrap_or_else(|| tuning::slot(opts.window, world));
+            let p = format!("{} {} {}", opts.window, slot, small_max);
             store.set(&format!("{prefix}/params"), p.as_bytes()).await?;
         }
         let params = String::from_utf8_lossy(&store.get(&format!("{prefix}/params"), to).await?).into_owned();
@@ -619,7 +623,7 @@ mod tests {
             let e = ShmOptions { window, ..ShmOptions::default() }.check().unwrap_err().to_string();
             assert!(e.contains("COMM_SHM_WINDOW") && e.contains("out of range"), "{e}");
         }
-        let e = ShmOptions { p2p_slot: usize::MAX, ..ShmOptions::default() }.check().unwrap_err().to_string();
+        let e = ShmOptions { p2p_slot: Some(usize::MAX), ..ShmOptions::default() }.check().unwrap_err().to_string();
         assert!(e.contains("COMM_SHM_SLOT"), "{e}");
         assert!(Layout::new(usize::MAX / 8, MIN_WINDOW, MIN_WINDOW).is_none());
     }

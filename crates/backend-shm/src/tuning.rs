@@ -51,6 +51,18 @@ pub(crate) fn window(l2: usize) -> usize {
     pow2_floor(l2).clamp(64 << 10, 1 << 20)
 }
 
+/// Per-rank room for point-to-point mailboxes ([`slot`]): two slots of 256 KiB for each of 63
+/// peers, what every group had before slots followed the window.
+const MAILBOXES: usize = 32 << 20;
+
+/// The point-to-point mailbox slot: the window's size (a chunk rewrites lines a peer read
+/// only after a window's worth of others, as steps do, see `Layout::msg_data`), as long as a
+/// rank's `2 × world` slots fit in [`MAILBOXES`]; 64 KiB..1 MiB.
+pub(crate) fn slot(window: usize, world: u32) -> usize {
+    let fit = MAILBOXES / (2 * world.max(1) as usize);
+    pow2_floor(window.min(fit)).clamp(64 << 10, 1 << 20)
+}
+
 /// The largest one-step all_reduce (16 KiB..1 MiB). A one-step op of `size` bytes touches
 /// `(world + 1) × size` bytes per rank (its buffer, in and out; its window copy; the peers'
 /// copies), which must stay in a core's L2, and it moves `(world − 1) × size` bytes across
@@ -149,6 +161,9 @@ mod tests {
         assert_eq!(small_max(2 << 20, 32), 16 << 10);
         assert_eq!(small_max(256 << 10, 1000), 16 << 10);
         assert_eq!(window(0), 64 << 10);
+        // Mailbox slots: the window up to 16 ranks, then within 32 MiB per rank.
+        assert_eq!((slot(1 << 20, 2), slot(1 << 20, 16), slot(1 << 20, 17)), (1 << 20, 1 << 20, 512 << 10));
+        assert_eq!((slot(1 << 20, 64), slot(512 << 10, 2), slot(1 << 20, 4096)), (256 << 10, 512 << 10, 64 << 10));
     }
 
     #[test]

@@ -306,7 +306,7 @@ async fn world(n: u32, stream: bool) -> Vec<ShmBackend> {
     // window copies with streaming stores in half the cases.
     let opts = ShmOptions {
         window: 4096,
-        p2p_slot: 4096,
+        p2p_slot: Some(4096),
         small_max: Some(1024),
         timeout: Duration::from_secs(20),
         stream: stream.then_some(true),

@@ -20,7 +20,7 @@ async fn world(n: u32, opts: ShmOptions) -> Vec<ShmBackend> {
 fn small_opts() -> ShmOptions {
     ShmOptions {
         window: 4096,
-        p2p_slot: 4096,
+        p2p_slot: Some(4096),
         small_max: Some(1024),
         timeout: Duration::from_secs(20),
         ..Default::default()
@@ -239,7 +239,7 @@ async fn p2p_runs_inline_and_keeps_its_order() {
 /// ways, puts them everywhere in it; a reader that looks one place off gets the wrong data.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mailbox_chunks_at_every_place_in_the_slot() {
-    let ranks = world(2, ShmOptions { p2p_slot: 64 << 10, ..small_opts() }).await;
+    let ranks = world(2, ShmOptions { p2p_slot: Some(64 << 10), ..small_opts() }).await;
     let msg = |bytes: usize, k: i32| HostBuffer::from_slice(&(0..bytes as i32 / 4).map(|x| x ^ k).collect::<Vec<_>>());
     let sizes = [16 << 10, 20_000, 40_000, (64 << 10) + 12_000, 3000, 17_000, 33_000];
     for i in 0..60 {
