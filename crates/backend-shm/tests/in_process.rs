@@ -237,9 +237,16 @@ async fn p2p_runs_inline_and_keeps_its_order() {
 /// Mailbox chunks of 16 KiB or more take successive places in their slot
 /// (`Layout::msg_data`): a run of messages of mixed sizes, whole and partial chunks, both
 /// ways, puts them everywhere in it; a reader that looks one place off gets the wrong data.
+/// Also with every chunk written by streaming stores.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mailbox_chunks_at_every_place_in_the_slot() {
-    let ranks = world(2, ShmOptions { p2p_slot: Some(64 << 10), ..small_opts() }).await;
+    for stream in [None, Some(true)] {
+        mailbox_run(ShmOptions { p2p_slot: Some(64 << 10), stream, ..small_opts() }).await;
+    }
+}
+
+async fn mailbox_run(opts: ShmOptions) {
+    let ranks = world(2, opts).await;
     let msg = |bytes: usize, k: i32| HostBuffer::from_slice(&(0..bytes as i32 / 4).map(|x| x ^ k).collect::<Vec<_>>());
     let sizes = [16 << 10, 20_000, 40_000, (64 << 10) + 12_000, 3000, 17_000, 33_000];
     for i in 0..60 {

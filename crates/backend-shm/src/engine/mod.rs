@@ -215,6 +215,8 @@ pub struct Engine {
     /// all_reduces apart (the work per byte differs between them).
     stores: Vec<stores::Stores>,
     oneshot_stores: stores::Stores,
+    /// Point-to-point chunks' stores (timed by their copy only: `Stores::writes`).
+    mail_stores: stores::Stores,
     /// A one-step all_reduce's window stores and when it started, until its read.
     oneshot_timed: Option<(bool, Instant)>,
 }
@@ -271,6 +273,7 @@ impl Engine {
             // Every collective's code is below 16 (others go untimed: `step`).
             stores: (0..16).map(|_| stores::Stores::new(params.stream)).collect(),
             oneshot_stores: stores::Stores::new(params.stream),
+            mail_stores: stores::Stores::writes(params.stream),
             oneshot_timed: None,
         }
     }

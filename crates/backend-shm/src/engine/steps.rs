@@ -288,16 +288,17 @@ pub(super) fn write_reason(me: &Segment, cause: &str) {
     }
 }
 
-/// Writes chunk `hdr.chunk` of a message to `peer` into our mailbox slot for it. Call only
-/// when the peer has acknowledged chunk `hdr.chunk - SLOTS` (the slot's previous use).
-pub(super) fn write_chunk(me: &Segment, lay: &Layout, peer: usize, hdr: MsgHeader, data: &[u8]) {
+/// Writes chunk `hdr.chunk` of a message to `peer` into our mailbox slot for it, with
+/// streaming stores if `stream`. Call only when the peer has acknowledged chunk
+/// `hdr.chunk - SLOTS` (the slot's previous use).
+pub(super) fn write_chunk(me: &Segment, lay: &Layout, peer: usize, hdr: MsgHeader, data: &[u8], stream: bool) {
     let chunk = hdr.chunk;
     // SAFETY: slot `chunk % SLOTS` was last used by chunk `chunk - SLOTS`, which the peer
     // acknowledged after it finished copying it out (the caller checked), and the peer reads
     // this one only after our release store of `sent > chunk`.
     unsafe {
         me.write(lay.msg_header(peer, chunk), hdr);
-        me.bytes_mut(lay.msg_data(peer, chunk, data.len()), data.len()).copy_from_slice(data);
+        super::stores::to_window(stream, me.bytes_mut(lay.msg_data(peer, chunk, data.len()), data.len()), data);
     }
 }
 

@@ -12,6 +12,13 @@
 //! several times a streaming one per byte, and tries the other kind now and then, less often
 //! each time it loses. Each op kind, and one-step all_reduces, keep their own [`Stores`]
 //! (their work per byte differs). Ranks choose each for itself.
+//!
+//! Point-to-point chunks ([`Stores::writes`]) are timed by their copy into the mailbox alone:
+//! a receiver copies a chunk out whenever it gets to it, so the sender cannot time the reads.
+//! The copy shows the crawl by itself (plain stores ~10× slower than streaming ones apart,
+//! about as fast where the cache is shared); what it cannot show is the receiver's slower
+//! reads of streamed lines, so those stream only where plain copies cost [`SLOWER_WRITES`]
+//! times more.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -23,6 +30,8 @@ const MIN: usize = 64 << 10;
 /// streaming ones: about half as much where the cores share a cache, 4–10× more where they
 /// do not.
 const SLOWER: f64 = 2.0;
+/// [`SLOWER`] for [`Stores::writes`], which sees the writer's copy only.
+const SLOWER_WRITES: f64 = 4.0;
 /// Large steps between tries of the kind not in use: first, and at most.
 const FIRST_TRY: u32 = 16;
 const MAX_TRY: u32 = 1024;
@@ -39,6 +48,8 @@ pub(super) struct Stores {
     /// Large steps until the other kind is tried again, and the interval after that.
     until_try: u32,
     interval: u32,
+    /// How many times a streaming step's cost plain ones must cost to stream.
+    slower: f64,
 }
 
 /// Plain steps whose least cost is the plain cost: a step that lost its core, or met another
@@ -54,7 +65,13 @@ impl Stores {
             streaming: false,
             until_try: FIRST_TRY,
             interval: FIRST_TRY,
+            slower: SLOWER,
         }
+    }
+
+    /// For pieces timed by the writer's copy alone (point-to-point chunks).
+    pub(super) fn writes(fixed: Option<bool>) -> Stores {
+        Stores { slower: SLOWER_WRITES, ..Stores::new(fixed) }
     }
 
     /// Starts a piece that moves `bytes` per rank: whether its copies into the window stream,
@@ -108,13 +125,13 @@ impl Stores {
         let plain = self.plain.iter().copied().fold(f64::INFINITY, f64::min);
         let switch = if streaming == self.streaming {
             // Plain steps that got slow, all of the last few.
-            !streaming && self.plain.len() == RECENT && plain > SLOWER * stream
+            !streaming && self.plain.len() == RECENT && plain > self.slower * stream
         } else if streaming {
             // A try of streaming stores: do they beat the least of the last plain steps?
-            !self.plain.is_empty() && plain > SLOWER * stream
+            !self.plain.is_empty() && plain > self.slower * stream
         } else {
             // A try of plain stores, one step: a fast one is no accident.
-            cost <= SLOWER * stream
+            cost <= self.slower * stream
         };
         if switch {
             self.streaming = !self.streaming;
@@ -180,6 +197,21 @@ mod tests {
         assert!(s.pick(64) && s.pick(1 << 20));
         s.record(true, 1 << 20, Duration::from_secs(1));
         assert!(s.pick(1 << 20));
+    }
+
+    #[test]
+    fn writer_timed_pieces_stream_only_where_plain_copies_crawl() {
+        let mut s = Stores::writes(None);
+        // A shared cache: plain copies a little slower than streaming ones (the reads are not
+        // seen): stay plain.
+        let tried = run(&mut s, 2000, 60, 35);
+        assert!(!s.streaming() && (3..=8).contains(&tried), "{tried} tries of streaming stores");
+        // Apart: plain copies ~10× slower: stream.
+        run(&mut s, 500, 400, 35);
+        assert!(s.streaming());
+        // Back together.
+        run(&mut s, 1100, 40, 35);
+        assert!(!s.streaming());
     }
 
     #[test]
