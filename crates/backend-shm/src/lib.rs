@@ -496,9 +496,7 @@ impl ShmBackend {
         self.enqueue(Command::OneShot(op, R::Output::done(done)));
         work
     }
-}
 
-impl ShmBackend {
     /// A send or receive queued straight into the engine and progressed on the caller's
     /// thread for up to the inline budget, when nothing submitted earlier is still on its way
     /// to the worker (it could be a message to the same peer, which must go first). A small

@@ -36,8 +36,8 @@ pub trait Plan: Op<Output: OneShotOutput> + Sized {
     fn accept(p: Box<Pending<Self>>, e: &mut Engine) {
         e.queue_collective(p);
     }
-    /// Point-to-point: the caller's thread may queue the op straight into an idle engine and
-    /// progress it there (see `ShmBackend::submit`).
+    /// Point-to-point: the caller's thread may queue the op straight into the engine and
+    /// progress it there (`ShmBackend::direct`).
     const P2P: bool = false;
 }
 

@@ -304,19 +304,14 @@ impl RawMpi {
     }
 
     /// Posts the send; the next receive waits for it.
-    fn send(&self, r: SendTo) -> Work<HostBuffer> {
-        if let Err(e) = r.validate(self.0.rank, self.0.size) {
-            return Work::ready(Err(e));
-        }
-        let n = match count(r.buf.len()) {
-            Ok(n) => n,
-            Err(e) => return Work::ready(Err(e)),
-        };
+    fn send(&self, r: SendTo) -> Result<Work<HostBuffer>, CommError> {
+        r.validate(self.0.rank, self.0.size)?;
+        let n = count(r.buf.len())?;
         // SAFETY: reading a handle constant of the MPI library (overwritten by MPI_Isend).
         let mut req = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: the buffer holds `n` elements and stays alive, unmoved on the heap, in
         // `sends` until the request completes (`recv` waits for it, `Drop` of `Mpi` too).
-        let rc = unsafe {
+        check("MPI_Isend", unsafe {
             ffi::MPI_Isend(
                 r.buf.as_bytes().as_ptr().cast(),
                 n,
@@ -326,13 +321,10 @@ impl RawMpi {
                 ffi::RSMPI_COMM_WORLD,
                 &mut req,
             )
-        };
-        if let Err(e) = check("MPI_Isend", rc) {
-            return Work::ready(Err(e));
-        }
+        })?;
         let (done, work) = Work::pending();
         self.0.sends.lock().unwrap_or_else(|p| p.into_inner()).push(Posted { req, buf: r.buf, done });
-        work
+        Ok(work)
     }
 
     /// Receives, then waits for the sends posted before.
@@ -390,7 +382,7 @@ ops! {
 
 impl Collective<SendTo> for RawMpi {
     fn submit(&self, req: SendTo) -> Work<HostBuffer> {
-        self.send(req)
+        self.send(req).unwrap_or_else(|e| Work::ready(Err(e)))
     }
 }
 
