@@ -4,7 +4,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backend_shm::{ShmBackend, ShmOptions};
-use comm_core::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, RecvFrom, Reduce, ReduceScatter, SendTo};
+use comm_core::ops::{
+    AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
+};
 use comm_core::{Collective, CommError, Group, HostBuffer, MemoryStore, ReduceOp, Store};
 
 async fn world(n: u32, opts: ShmOptions) -> Vec<ShmBackend> {
@@ -230,6 +232,41 @@ async fn p2p_runs_inline_and_keeps_its_order() {
         }
         for s in sends {
             s.await.unwrap();
+        }
+    }
+}
+
+/// Scatter and gather, where only some ranks write (the root, or every rank but it), choose
+/// their stores by timing their copies (`Choice::Writes`); here over several pieces, with the
+/// kind as timing picks it and with every copy streaming.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scatter_and_gather_with_either_stores() {
+    for stream in [None, Some(true)] {
+        let n = 3usize;
+        let ranks = world(n as u32, ShmOptions { stream, ..small_opts() }).await;
+        let block = 3000; // 12 KB per rank: pieces of a 4 KiB window
+        let all: Vec<i32> = (0..(n * block) as i32).map(|x| x * 5 - 7).collect();
+        let scattered: Vec<_> = (0..n)
+            .map(|r| {
+                let input = (r == 1).then(|| HostBuffer::from_slice(&all));
+                ranks[r].submit(Scatter { output: HostBuffer::zeroed(comm_core::DType::I32, block), input, root: 1 })
+            })
+            .collect();
+        for (r, w) in scattered.into_iter().enumerate() {
+            let got = w.await.unwrap().output.to_vec::<i32>().unwrap();
+            assert_eq!(got, all[r * block..(r + 1) * block], "scatter to rank {r}, stream {stream:?}");
+        }
+        let gathered: Vec<_> = (0..n)
+            .map(|r| {
+                let input = HostBuffer::from_slice(&all[r * block..(r + 1) * block]);
+                ranks[r].submit(Gather { input, output: None, root: 2 })
+            })
+            .collect();
+        for (r, w) in gathered.into_iter().enumerate() {
+            let out = w.await.unwrap().output;
+            if r == 2 {
+                assert_eq!(out.to_vec::<i32>().unwrap(), all, "gather, stream {stream:?}");
+            }
         }
     }
 }

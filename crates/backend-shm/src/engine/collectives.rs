@@ -34,9 +34,10 @@ impl Engine {
             // the peers in the same pass.
             let (lo, hi) = slice_of(len, n, me);
             let own = lo * es..hi * es;
-            // all_reduce's pieces choose their stores and are timed whole (see `stores`): the
-            // reads of what we stream happen in the second step.
-            let (stream, start) = if root.is_none() { self.choose(hdr.op, bytes) } else { (false, None) };
+            // all_reduce's and reduce's pieces choose their stores and are timed whole (see
+            // `stores`): the reads of what we stream happen in the second step (every rank
+            // writes and reads in the first).
+            let (stream, start) = self.choose(hdr.op, bytes);
             self.step(&hdr, bytes, Choice::Given(stream), |io, stream| match io {
                 Io::Write(w) => {
                     to_window(stream, &mut w[..own.start], &chunk[..own.start]);
@@ -86,8 +87,9 @@ impl Engine {
         for (off, len) in pieces(user.len() / es, self.lay.window / es) {
             let chunk = &mut user[off * es..(off + len) * es];
             let bytes = chunk.len();
-            self.step(&hdr, bytes, Choice::Plain, |io, _| match io {
-                Io::Write(w) if is_root => w[..bytes].copy_from_slice(chunk),
+            let choice = if is_root { Choice::Writes } else { Choice::Plain };
+            self.step(&hdr, bytes, choice, |io, stream| match io {
+                Io::Write(w) if is_root => to_window(stream, &mut w[..bytes], chunk),
                 Io::Read(views, _) if !is_root => chunk.copy_from_slice(&views[root][..bytes]),
                 _ => {}
             })?;
@@ -255,12 +257,13 @@ impl Engine {
         }
         for (off, len) in pieces(block, self.lay.window / es / n) {
             let b = len * es;
-            self.step(&hdr, n * b, Choice::Plain, |io, _| match io {
+            let choice = if src.is_some() { Choice::Writes } else { Choice::Plain };
+            self.step(&hdr, n * b, choice, |io, stream| match io {
                 Io::Write(w) => {
                     if let Some(s) = src {
                         for j in (0..n).filter(|&j| j != root) {
                             let at = (j * block + off) * es;
-                            w[j * b..(j + 1) * b].copy_from_slice(&s[at..at + b]);
+                            to_window(stream, &mut w[j * b..(j + 1) * b], &s[at..at + b]);
                         }
                     }
                 }
@@ -303,9 +306,10 @@ impl Engine {
             }
             for (off, len) in pieces(count, self.lay.window / es) {
                 let piece = &src[off * es..(off + len) * es];
-                self.step(&hdr, piece.len(), Choice::Plain, |io, _| match io {
+                let choice = if is_root { Choice::Plain } else { Choice::Writes };
+                self.step(&hdr, piece.len(), choice, |io, stream| match io {
                     // The root takes its own piece from its input.
-                    Io::Write(w) if !is_root => w[..piece.len()].copy_from_slice(piece),
+                    Io::Write(w) if !is_root => to_window(stream, &mut w[..piece.len()], piece),
                     Io::Write(_) => {}
                     Io::Read(views, _) => {
                         if let Some(dst) = dst.as_deref_mut() {

@@ -136,13 +136,17 @@ fn slice_of(len: usize, parts: usize, i: usize) -> (usize, usize) {
 /// How a step's copies into the window store (see `stores`).
 #[derive(Clone, Copy)]
 enum Choice {
-    /// Plain stores, untimed: where only some ranks write (their peers' reads would go
-    /// unmeasured) or the step writes nothing.
+    /// Plain stores, untimed: where the step writes nothing (or a rank of a `Writes` step that
+    /// does not write).
     Plain,
     /// As the op kind's timing says, and timed (waits included).
     Timed,
     /// As the caller chose (and times).
     Given(bool),
+    /// Where only some ranks write (broadcast's and scatter's root, gather's other ranks):
+    /// as the op kind's writer-timed stores say (`Stores::writes`), timed by the copy alone,
+    /// since the writer cannot time its readers. Pass it only on ranks that write.
+    Writes,
 }
 
 /// The two phases of a step, as seen by an op's closure.
@@ -217,6 +221,8 @@ pub struct Engine {
     oneshot_stores: stores::Stores,
     /// Point-to-point chunks' stores (timed by their copy only: `Stores::writes`).
     mail_stores: stores::Stores,
+    /// Per op kind, as `stores`, for [`Choice::Writes`].
+    write_stores: Vec<stores::Stores>,
     /// A one-step all_reduce's window stores and when it started, until its read.
     oneshot_timed: Option<(bool, Instant)>,
 }
@@ -274,6 +280,7 @@ impl Engine {
             stores: (0..16).map(|_| stores::Stores::new(params.stream)).collect(),
             oneshot_stores: stores::Stores::new(params.stream),
             mail_stores: stores::Stores::writes(params.stream),
+            write_stores: (0..16).map(|_| stores::Stores::writes(params.stream)).collect(),
             oneshot_timed: None,
         }
     }

@@ -1,5 +1,6 @@
 //! One-step collectives: the form small ops take, run inline by the caller or by the worker.
 
+use super::stores::to_window;
 use super::*;
 
 /// A collective that takes exactly one step (its data fits the window). These are the
@@ -87,6 +88,16 @@ impl OneShot {
         }
     }
 
+    /// Whether rank `me` writes into its window (a broadcast's non-roots and a barrier do
+    /// not).
+    fn writes(&self, me: usize) -> bool {
+        match self {
+            OneShot::Broadcast { root, .. } => *root as usize == me,
+            OneShot::Barrier => false,
+            _ => true,
+        }
+    }
+
     /// Bytes the op writes into its window.
     fn footprint(&self) -> usize {
         match self {
@@ -102,21 +113,26 @@ impl OneShot {
         self.footprint() <= CARRIED
     }
 
-    pub(super) fn io(&mut self, me: usize, io: Io<'_>) {
+    /// The op's part of a phase; `stream`: whether its copies into our window stream.
+    pub(super) fn io(&mut self, me: usize, io: Io<'_>, stream: bool) {
         match (self, io) {
-            (OneShot::AllReduce { buf, .. }, Io::Write(w)) => w[..buf.byte_len()].copy_from_slice(buf.as_bytes()),
+            (OneShot::AllReduce { buf, .. }, Io::Write(w)) => {
+                to_window(stream, &mut w[..buf.byte_len()], buf.as_bytes())
+            }
             (OneShot::AllReduce { buf, op, root }, Io::Read(views, _)) if root.is_none_or(|r| r as usize == me) => {
                 // Our own input is the buffer itself (see `reduce_leading`).
                 kernels::reduce_leading(buf.dtype(), *op, views, Some(me), buf.as_bytes_mut());
             }
             (OneShot::Broadcast { buf, root }, Io::Write(w)) if *root as usize == me => {
-                w[..buf.byte_len()].copy_from_slice(buf.as_bytes())
+                to_window(stream, &mut w[..buf.byte_len()], buf.as_bytes())
             }
             (OneShot::Broadcast { buf, root }, Io::Read(views, _)) if *root as usize != me => {
                 let n = buf.byte_len();
                 buf.as_bytes_mut().copy_from_slice(&views[*root as usize][..n]);
             }
-            (OneShot::AllGather { input, .. }, Io::Write(w)) => w[..input.byte_len()].copy_from_slice(input.as_bytes()),
+            (OneShot::AllGather { input, .. }, Io::Write(w)) => {
+                to_window(stream, &mut w[..input.byte_len()], input.as_bytes())
+            }
             (OneShot::AllGather { input, out }, Io::Read(views, _)) => {
                 let b = input.byte_len();
                 for (p, v) in views.iter().enumerate() {
@@ -128,8 +144,8 @@ impl OneShot {
             // round of `Engine::reduce_scatter`.
             (OneShot::ReduceScatter { input, out, .. }, Io::Write(w)) => {
                 let own = me * out.byte_len()..(me + 1) * out.byte_len();
-                w[..own.start].copy_from_slice(&input.as_bytes()[..own.start]);
-                w[own.end..input.byte_len()].copy_from_slice(&input.as_bytes()[own.end..]);
+                to_window(stream, &mut w[..own.start], &input.as_bytes()[..own.start]);
+                to_window(stream, &mut w[own.end..input.byte_len()], &input.as_bytes()[own.end..]);
             }
             (OneShot::ReduceScatter { input, out, op }, Io::Read(views, _)) => {
                 let b = out.byte_len();
@@ -144,7 +160,7 @@ impl OneShot {
                 let b = input.byte_len() / *n;
                 for j in (0..*n).filter(|&j| j != me) {
                     let at = (j - usize::from(j > me)) * b;
-                    w[at..at + b].copy_from_slice(&input.as_bytes()[j * b..(j + 1) * b]);
+                    to_window(stream, &mut w[at..at + b], &input.as_bytes()[j * b..(j + 1) * b]);
                 }
             }
             (OneShot::AllToAll { input, out, n }, Io::Read(views, _)) => {
@@ -289,8 +305,9 @@ impl Engine {
         Ok(())
     }
 
-    /// The op's write into writable step `k`, unless its header carries the data. A large
-    /// all_reduce's copy may stream (see `stores`); the op is timed until its read ends.
+    /// The op's write into writable step `k`, unless its header carries the data. Large copies
+    /// may stream (see `stores`): an all_reduce's is timed until its read ends, the others'
+    /// by the copy alone.
     fn write_phase(&mut self, op: &mut OneShot, k: u64) {
         self.oneshot_timed = None;
         if op.carried() {
@@ -301,10 +318,22 @@ impl Engine {
             OneShot::AllReduce { buf, root: None, .. } => {
                 let (stream, start) = self.oneshot_stores.start(bytes);
                 let w = self.window_mut(k, bytes);
-                super::stores::to_window(stream, &mut w[..bytes], buf.as_bytes());
+                to_window(stream, &mut w[..bytes], buf.as_bytes());
                 self.oneshot_timed = start.map(|t| (stream, t));
             }
-            _ => op.io(me, Io::Write(self.window_mut(k, bytes))),
+            // The others' readers cannot be timed (some ranks only write): their copies alone
+            // are (see `stores`), for the ranks that write.
+            _ => {
+                let kind = usize::from(op.header(self).op);
+                let (stream, start) = match self.write_stores.get_mut(kind) {
+                    Some(s) if op.writes(me) => s.start(bytes),
+                    _ => (false, None),
+                };
+                op.io(me, Io::Write(self.window_mut(k, bytes)), stream);
+                if let Some(s) = self.write_stores.get_mut(kind) {
+                    s.finish(bytes, stream, start);
+                }
+            }
         }
     }
 
@@ -312,10 +341,10 @@ impl Engine {
     fn read_phase(&mut self, op: &mut OneShot, k: u64) {
         let me = self.rank;
         if op.carried() {
-            op.io(me, Io::Read(&self.carried_views(k), &mut []));
+            op.io(me, Io::Read(&self.carried_views(k), &mut []), false);
         } else {
             let (views, next) = self.views(k, op.footprint());
-            op.io(me, Io::Read(&views, next));
+            op.io(me, Io::Read(&views, next), false);
         }
         if let Some((stream, start)) = self.oneshot_timed.take() {
             self.oneshot_stores.finish(op.footprint(), stream, Some(start));
@@ -327,7 +356,7 @@ impl Engine {
     fn oneshot_header(&self, op: &mut OneShot) -> StepHeader {
         let mut hdr = op.header(self);
         if op.carried() {
-            op.io(self.rank, Io::Write(&mut hdr.data));
+            op.io(self.rank, Io::Write(&mut hdr.data), false);
         }
         hdr
     }

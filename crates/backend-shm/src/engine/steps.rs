@@ -205,12 +205,18 @@ impl Engine {
         mut io: impl FnMut(Io<'_>, bool),
     ) -> Result<()> {
         let (stream, start) = match choice {
-            Choice::Plain => (false, None),
+            Choice::Plain | Choice::Writes => (false, None),
             Choice::Given(stream) => (stream, None),
             Choice::Timed => self.choose(hdr.op, bytes),
         };
         let k = self.begin(hdr)?;
+        // A writer-timed copy starts its clock once the buffer is ours.
+        let writes = matches!(choice, Choice::Writes).then(|| self.write_stores.get_mut(usize::from(hdr.op))).flatten();
+        let (stream, copy) = writes.map_or((stream, None), |s| s.start(bytes));
         io(Io::Write(self.window_mut(k, bytes)), stream);
+        if let Some(s) = self.write_stores.get_mut(usize::from(hdr.op)).filter(|_| copy.is_some()) {
+            s.finish(bytes, stream, copy);
+        }
         self.publish(k, hdr)?;
         {
             let (views, next) = self.views(k, bytes);
