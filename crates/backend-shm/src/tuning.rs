@@ -70,7 +70,7 @@ pub(crate) fn slot(window: usize, world: u32) -> usize {
 /// beyond two ranks the limit shrinks by that factor too.
 pub(crate) fn small_max(l2: usize, world: u32) -> usize {
     let n = world.max(2) as usize;
-    pow2_floor(l2 * 2 / (n * (n + 1))).clamp(16 << 10, 1 << 20)
+    pow2_floor(l2 * 2 / n.saturating_mul(n + 1)).clamp(16 << 10, 1 << 20)
 }
 
 /// How long a wait spins before it sleeps: 50 µs, or nothing when the group's ranks outnumber
@@ -160,6 +160,7 @@ mod tests {
         assert_eq!((window(2 << 20), small_max(2 << 20, 8)), (1 << 20, 32 << 10));
         assert_eq!(small_max(2 << 20, 32), 16 << 10);
         assert_eq!(small_max(256 << 10, 1000), 16 << 10);
+        assert_eq!(small_max(1 << 20, u32::MAX), 16 << 10);
         assert_eq!(window(0), 64 << 10);
         // Mailbox slots: the window up to 16 ranks, then within 32 MiB per rank.
         assert_eq!((slot(1 << 20, 2), slot(1 << 20, 16), slot(1 << 20, 17)), (1 << 20, 1 << 20, 512 << 10));

@@ -219,9 +219,8 @@ pub struct Engine {
     /// all_reduces apart (the work per byte differs between them).
     stores: Vec<stores::Stores>,
     oneshot_stores: stores::Stores,
-    /// Point-to-point chunks' stores (timed by their copy only: `Stores::writes`).
-    mail_stores: stores::Stores,
-    /// Per op kind, as `stores`, for [`Choice::Writes`].
+    /// Per op kind, as `stores`, timed by the copy alone (`Stores::writes`): for
+    /// [`Choice::Writes`], other one-step ops and point-to-point chunks (`OpKind::Send`).
     write_stores: Vec<stores::Stores>,
     /// A one-step all_reduce's window stores and when it started, until its read.
     oneshot_timed: Option<(bool, Instant)>,
@@ -279,7 +278,6 @@ impl Engine {
             // Every collective's code is below 16 (others go untimed: `step`).
             stores: (0..16).map(|_| stores::Stores::new(params.stream)).collect(),
             oneshot_stores: stores::Stores::new(params.stream),
-            mail_stores: stores::Stores::writes(params.stream),
             write_stores: (0..16).map(|_| stores::Stores::writes(params.stream)).collect(),
             oneshot_timed: None,
         }

@@ -239,7 +239,7 @@ impl Engine {
         let hdr = self.oneshot_header(&mut op);
         self.write_header(k, &hdr);
         self.phase = Phase::Writable(k);
-        self.write_phase(&mut op, k);
+        self.write_phase(&mut op, k, &hdr);
         self.announce(k);
         // The clock is first read after 64 polls, then every 64th: a read costs as much as a
         // few polls, and most ops are done before (the budget starts a few polls late).
@@ -308,7 +308,7 @@ impl Engine {
     /// The op's write into writable step `k`, unless its header carries the data. Large copies
     /// may stream (see `stores`): an all_reduce's is timed until its read ends, the others'
     /// by the copy alone.
-    fn write_phase(&mut self, op: &mut OneShot, k: u64) {
+    fn write_phase(&mut self, op: &mut OneShot, k: u64, hdr: &StepHeader) {
         self.oneshot_timed = None;
         if op.carried() {
             return;
@@ -324,7 +324,7 @@ impl Engine {
             // The others' readers cannot be timed (some ranks only write): their copies alone
             // are (see `stores`), for the ranks that write.
             _ => {
-                let kind = usize::from(op.header(self).op);
+                let kind = usize::from(hdr.op);
                 let (stream, start) = match self.write_stores.get_mut(kind) {
                     Some(s) if op.writes(me) => s.start(bytes),
                     _ => (false, None),
@@ -368,7 +368,7 @@ impl Engine {
         }
         let hdr = self.oneshot_header(&mut op);
         let k = self.begin(&hdr)?;
-        self.write_phase(&mut op, k);
+        self.write_phase(&mut op, k, &hdr);
         self.publish(k, &hdr)?;
         self.read_phase(&mut op, k);
         Ok(op)

@@ -55,9 +55,10 @@ impl Engine {
             dtype: op.req.buf.dtype().code(),
             ..MsgHeader::default()
         };
-        let (stream, start) = self.mail_stores.start(len);
+        let stores = &mut self.write_stores[usize::from(OpKind::Send.code())];
+        let (stream, start) = stores.start(len);
         write_chunk(me, &self.lay, peer, hdr, &op.req.buf.as_bytes()[op.offset..op.offset + len], stream);
-        self.mail_stores.finish(len, stream, start);
+        stores.finish(len, stream, start);
         me.u64_at(self.lay.sent(peer)).store(chunk + 1, SeqCst);
         self.sent[peer] = chunk + 1;
         op.offset += len;

@@ -211,10 +211,13 @@ impl Engine {
         };
         let k = self.begin(hdr)?;
         // A writer-timed copy starts its clock once the buffer is ours.
-        let writes = matches!(choice, Choice::Writes).then(|| self.write_stores.get_mut(usize::from(hdr.op))).flatten();
-        let (stream, copy) = writes.map_or((stream, None), |s| s.start(bytes));
+        let kind = usize::from(hdr.op);
+        let (stream, copy) = match (choice, self.write_stores.get_mut(kind)) {
+            (Choice::Writes, Some(s)) => s.start(bytes),
+            _ => (stream, None),
+        };
         io(Io::Write(self.window_mut(k, bytes)), stream);
-        if let Some(s) = self.write_stores.get_mut(usize::from(hdr.op)).filter(|_| copy.is_some()) {
+        if let Some(s) = self.write_stores.get_mut(kind) {
             s.finish(bytes, stream, copy);
         }
         self.publish(k, hdr)?;
