@@ -16,8 +16,9 @@ use bytemuck::{Pod, Zeroable};
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"commshm1");
 /// Raised when the segment layout or the step protocol changes (3: header step word written
 /// last, data right after the header; 4: small data in the header; 5: steps move through
-/// the window; 6: mailbox chunks move through their slot).
-pub(crate) const VERSION: u32 = 6;
+/// the window; 6: mailbox chunks move through their slot; 7: queued collectives open with an
+/// arrival step, and the sleeping word is a set of flags).
+pub(crate) const VERSION: u32 = 7;
 
 pub(crate) const OFF_MAGIC: usize = 0;
 pub(crate) const OFF_VERSION: usize = 8;
@@ -27,8 +28,10 @@ pub(crate) const OFF_STATE: usize = 20;
 pub(crate) const OFF_WINDOW: usize = 24;
 pub(crate) const OFF_STEP: usize = 64;
 pub(crate) const OFF_DOORBELL: usize = 128;
-/// What the worker sleeping on the doorbell waits for: 0 awake, [`SLEEP_PEERS`] or
-/// [`SLEEP_LOCAL`].
+/// Who sleeps on the doorbell, and for what: flags, 0 when nobody does. The worker between
+/// turns sets [`SLEEP_PEERS`] or [`SLEEP_LOCAL`]; whoever runs the engine (the worker, or a
+/// caller running an op inline) sets [`SLEEP_ENGINE`] while a wait for peers sleeps. Each
+/// sets and clears only its own flag, so neither hides the other's sleep.
 pub(crate) const OFF_SLEEPING: usize = 132;
 /// Waiting for peers (a collective's step, a point-to-point slot): every peer that publishes
 /// progress rings.
@@ -38,6 +41,9 @@ pub(crate) const SLEEP_PEERS: u32 = 1;
 /// cores of callers running small ops inline (a context switch per op and engine-lock
 /// contention).
 pub(crate) const SLEEP_LOCAL: u32 = 2;
+/// The engine's holder waits for a peer's step or slot: every peer that publishes progress
+/// rings, as for [`SLEEP_PEERS`].
+pub(crate) const SLEEP_ENGINE: u32 = 4;
 pub(crate) const OFF_REASON: usize = 192;
 pub(crate) const REASON_LEN: usize = 256;
 const OFF_P2P_COUNTERS: usize = 512;

@@ -35,14 +35,14 @@ mod zerocopy;
 
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::handle::{self, shutdown_done, Admission, CpuSet, Poison, Subgroups};
-use comm_core::{config, Backend, Collective, CommError, DType, Group, HostBuffer, Rank, Store, Work};
+use comm_core::{config, Backend, Collective, CommError, DType, Group, HostBuffer, OpKind, Rank, Store, Work};
 
-use engine::{Command, Engine, Inline, Params};
+use engine::{Command, Engine, Inline, OneShot, Params, Queued, Then};
 use layout::{
     Layout, MAGIC, OFF_DOORBELL, OFF_MAGIC, OFF_RANK, OFF_SLEEPING, OFF_STATE, OFF_VERSION, OFF_WINDOW, OFF_WORLD,
     STATE_READY, VERSION,
@@ -70,6 +70,11 @@ pub struct ShmOptions {
     /// peers' copies) fit in a core's L2 cache, divided by `world / 2` from 3 ranks up (one
     /// step moves that many times the bytes of two), 16 KiB..1 MiB.
     pub small_max: Option<usize>,
+    /// Ops of several steps that move up to this many bytes per rank run on the caller's
+    /// thread when the group is idle, as one-step ops do (0: never). `None` (the default): two
+    /// windows, about 100 µs of copying; larger ops go to the worker thread, so a caller that
+    /// overlaps its own work with them is not held up.
+    pub inline_max: Option<usize>,
     /// Spin before sleeping; `None` picks: 50 µs, or 0 when the ranks outnumber the CPUs they
     /// may run on together.
     pub spin: Option<Duration>,
@@ -94,6 +99,7 @@ impl Default for ShmOptions {
             window: tuning::window(tuning::l2_bytes()),
             p2p_slot: None,
             small_max: None,
+            inline_max: None,
             spin: None,
             pin: None,
             stream: None,
@@ -108,7 +114,8 @@ pub const MAX_WINDOW: usize = 1 << 30;
 pub const MIN_WINDOW: usize = 4 << 10;
 
 impl ShmOptions {
-    /// Defaults, overridden by `COMM_SHM_WINDOW`, `COMM_SHM_SLOT`, `COMM_SHM_SMALL_MAX` (sizes
+    /// Defaults, overridden by `COMM_SHM_WINDOW`, `COMM_SHM_SLOT`, `COMM_SHM_SMALL_MAX`,
+    /// `COMM_SHM_INLINE_MAX` (sizes
     /// as [`config::parse_size`] reads them: `512KiB`, `4M`, `65536`), `COMM_SHM_SPIN_US`,
     /// `COMM_SHM_PIN` and `COMM_SHM_STREAM` (`1` or `0`).
     pub fn from_env() -> Result<Self, CommError> {
@@ -117,6 +124,7 @@ impl ShmOptions {
         o.window = config::env_parse("COMM_SHM_WINDOW", config::parse_size)?.unwrap_or(o.window);
         o.p2p_slot = config::env_parse("COMM_SHM_SLOT", config::parse_size)?.or(o.p2p_slot);
         o.small_max = config::env_parse("COMM_SHM_SMALL_MAX", config::parse_size)?.or(o.small_max);
+        o.inline_max = config::env_parse("COMM_SHM_INLINE_MAX", config::parse_size)?.or(o.inline_max);
         o.spin = config::env_parse("COMM_SHM_SPIN_US", spin_us)?.map(|us| Duration::from_micros(us.into())).or(o.spin);
         o.pin = config::env_parse("COMM_SHM_PIN", config::parse_bool)?.or(o.pin);
         o.stream = config::env_parse("COMM_SHM_STREAM", config::parse_bool)?.or(o.stream);
@@ -156,6 +164,8 @@ struct Inner {
     limits: Limits,
     /// How long a caller running an op inline waits for peers before handing it over.
     inline_budget: Duration,
+    /// Largest op of several steps a caller runs inline ([`ShmOptions::inline_max`]).
+    inline_max: usize,
     /// The core the worker thread is bound to (see [`ShmOptions::pin`]).
     worker_cpu: Option<usize>,
     me: Arc<Segment>,
@@ -313,6 +323,7 @@ impl ShmBackend {
                 engine,
                 limits: Limits { world, window: lay.window, small_max },
                 inline_budget: params.spin,
+                inline_max: opts.inline_max.unwrap_or(2 * lay.window),
                 worker_cpu,
                 me,
                 store,
@@ -441,60 +452,114 @@ impl ShmBackend {
         }
     }
 
-    /// Issues `req`. Small ops run on the caller's thread when the group is idle: no hand-off
-    /// to the worker, no wake-up; if peers are late the op is parked and the worker finishes
-    /// it. Everything else is queued for the worker.
+    /// Issues `req`. When the group is idle the caller's thread runs it: a one-step op
+    /// whole, a larger one (up to [`ShmOptions::inline_max`]) from its arrival step on; no
+    /// hand-off to the worker, no wake-up. If peers are late the op is parked and the worker
+    /// finishes it. Everything else is queued for the worker.
     fn submit<R: Plan>(&self, req: R) -> Work<R::Output> {
         if let Err(e) = self.inner.admission.admit(&req) {
             return Work::ready(Err(e));
         }
-        let inner = &*self.inner;
         let req = match self.direct(req) {
             Ok(work) => return work,
             Err(req) => req,
         };
-        let mut op = match req.one_shot(&inner.limits) {
-            Ok(op) => op,
-            Err(req) => {
-                let (done, work) = Work::pending();
-                self.enqueue(Command::Op(Box::new(Pending { req, done })));
-                return work;
-            }
-        };
-        let guard = match inner.engine.try_lock() {
-            Ok(g) => Some(g),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        };
-        if let Some(mut engine) = guard.filter(|e| e.is_idle()) {
-            let budget = inner.inline_budget;
-            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.try_inline(op, budget)));
-            let ran = match ran {
-                Ok(ran) => ran,
-                Err(payload) => {
-                    let message = comm_core::panic_message(&*payload);
-                    engine.contain_panic(&message);
-                    drop(engine);
-                    self.ring_worker();
-                    let cause = inner.admission.poison().cause().unwrap_or(message);
-                    return Work::ready(Err(CommError::Poisoned { cause }));
-                }
-            };
-            match ran {
-                Inline::Done(r) => return Work::ready(r.map(R::Output::from_one_shot)),
-                Inline::Parked => {
-                    let (done, work) = Work::pending();
-                    engine.attach(R::Output::done(done));
-                    drop(engine);
-                    self.ring_worker();
-                    return work;
-                }
-                Inline::NotNow(back) => op = back,
-            }
+        match req.one_shot(&self.inner.limits) {
+            Ok(op) => self.one_step(op),
+            Err(req) => self.queued(req),
         }
+    }
+
+    fn one_step<T: OneShotOutput + Send + 'static>(&self, op: OneShot) -> Work<T> {
+        let ran = self.inline(op, |e, op, budget| match e.try_inline(op, budget) {
+            Inline::Done(r) => Ok(Work::ready(r.map(T::from_one_shot))),
+            Inline::Parked => {
+                let (done, work) = Work::pending();
+                e.attach(Then::Done(T::done(done)));
+                Ok(work)
+            }
+            Inline::NotNow(op) => Err(op),
+        });
+        let op = match ran {
+            Ok(Ok(Ok(work))) => return work,
+            Ok(Ok(Err(op))) | Err(op) => op,
+            Ok(Err(poisoned)) => return Work::ready(Err(poisoned)),
+        };
         let (done, work) = Work::pending();
-        self.enqueue(Command::OneShot(op, R::Output::done(done)));
+        self.enqueue(Command::OneShot(op, T::done(done)));
         work
+    }
+
+    /// An op of several steps (or without a one-step form). Inline, the caller runs its
+    /// arrival step like a one-step op; once that completed every peer has begun the op, so
+    /// the caller runs the rest; if peers are late, the worker finishes the arrival and runs
+    /// the op. Larger ops go to the worker, so that a caller that overlaps work with them is
+    /// not held for long.
+    fn queued<R: Plan>(&self, req: R) -> Work<R::Output> {
+        let inner = &*self.inner;
+        let world = inner.limits.world as usize;
+        // What the op moves per rank, about: gather, scatter and all_gather move `world`
+        // blocks of the size they report.
+        let size = match R::KIND {
+            OpKind::AllGather | OpKind::Gather | OpKind::Scatter => req.bytes().saturating_mul(world),
+            _ => req.bytes(),
+        };
+        let open = plans::arrival(&req);
+        let (done, work) = Work::pending();
+        let mut op: Box<dyn Queued> = Box::new(Pending { req, done });
+        if !R::P2P && size <= inner.inline_max {
+            let ran = self.inline(op, |e, op, budget| match e.try_inline(open, budget) {
+                Inline::Done(Ok(_)) => {
+                    op.run(e, true);
+                    None
+                }
+                Inline::Done(Err(err)) => {
+                    op.fail(err);
+                    None
+                }
+                Inline::Parked => {
+                    e.attach(Then::Run(op));
+                    None
+                }
+                Inline::NotNow(_) => Some(op),
+            });
+            // A panic reached the op's completer, which reports it (as the group's poison).
+            op = match ran {
+                Ok(Ok(None) | Err(_)) => return work,
+                Ok(Ok(Some(op))) | Err(op) => op,
+            };
+        }
+        self.enqueue(Command::Op(op));
+        work
+    }
+
+    /// Runs `f` with `x` on the caller's thread when the engine is free and idle, else hands
+    /// `x` back. A panic in `f` is contained: the group is poisoned, peers and the worker are
+    /// told, and the poison comes back as the error.
+    fn inline<X, T>(&self, x: X, f: impl FnOnce(&mut Engine, X, Duration) -> T) -> Result<Result<T, CommError>, X> {
+        let inner = &*self.inner;
+        let mut engine = match inner.engine.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return Err(x),
+        };
+        if !engine.is_idle() {
+            return Err(x);
+        }
+        let budget = inner.inline_budget;
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut engine, x, budget)));
+        let ran = ran.map_err(|payload| {
+            let message = comm_core::panic_message(&*payload);
+            engine.contain_panic(&message);
+            message
+        });
+        // A parked op, or commands taken while waiting: the worker goes on with them.
+        let hand_over = !engine.is_idle() || ran.is_err();
+        drop(engine);
+        if hand_over {
+            self.ring_worker();
+        }
+        Ok(ran.map_err(|message| CommError::Poisoned { cause: inner.admission.poison().cause().unwrap_or(message) }))
     }
 
     /// A send or receive queued straight into the engine and progressed on the caller's

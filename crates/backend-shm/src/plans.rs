@@ -5,7 +5,7 @@
 use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
-use comm_core::{CommError, Completer, HostBuffer, InOut, Op};
+use comm_core::{CommError, Completer, DType, HostBuffer, InOut, Op, OpKind};
 
 use crate::engine::{Done, Engine, OneShot, Queued};
 
@@ -51,13 +51,26 @@ impl<R: Plan> Queued for Pending<R> {
     fn accept(self: Box<Self>, e: &mut Engine) {
         R::accept(self, e);
     }
-    fn run(self: Box<Self>, e: &mut Engine) {
+    fn run(self: Box<Self>, e: &mut Engine, arrived: bool) {
         let Pending { req, done } = *self;
-        done.complete(e.run_op(R::NAME, |e| req.run(e)));
+        let open = arrival::<R>(&req);
+        done.complete(e.run_op(R::NAME, |e| {
+            if !arrived {
+                e.oneshot(open)?;
+            }
+            req.run(e)
+        }));
     }
     fn fail(self: Box<Self>, err: CommError) {
         self.done.complete(Err(err));
     }
+}
+
+/// The step that opens a queued collective `req`, on every rank alike.
+pub(crate) fn arrival<R: Op>(req: &R) -> OneShot {
+    let dtype = req.dtype().unwrap_or(DType::U8);
+    let count = if R::KIND == OpKind::AllToAll { 0 } else { req.bytes() / dtype.size() };
+    OneShot::Arrive { kind: R::KIND, dtype, count }
 }
 
 /// What a one-step op hands back: its buffer, or nothing (barrier).

@@ -184,6 +184,96 @@ async fn mismatch_is_reported() {
     assert!(matches!(c, Err(CommError::Poisoned { .. })), "{c:?}");
 }
 
+/// Ops of several steps open with a step of their own on every rank, so different ops, and
+/// sizes that make one rank's op one step and another's several, are told apart there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatch_of_ops_of_several_steps_is_reported() {
+    let long = || HostBuffer::from_slice(&[1.0f32; 5000]);
+    let short = HostBuffer::from_slice(&[1.0f32; 4]);
+    for case in 0..2 {
+        let ranks = world(2, small_opts()).await;
+        let a = match case {
+            0 => ranks[0].submit(AllReduce { buf: long(), op: ReduceOp::Sum }),
+            _ => ranks[0].submit(AllReduce { buf: short.clone(), op: ReduceOp::Sum }),
+        };
+        let (b, names) = match case {
+            0 => (
+                ranks[1].submit(AllGather { input: long(), output: None }).await.map(drop),
+                ["all_reduce #1 (f32 × 5000", "all_gather #1 (f32 × 5000"],
+            ),
+            _ => (
+                ranks[1].submit(AllReduce { buf: long(), op: ReduceOp::Sum }).await.map(drop),
+                ["all_reduce #1 (f32 × 4, sum)", "all_reduce #1 (f32 × 5000, the step that opens"],
+            ),
+        };
+        for r in [a.await.map(drop), b] {
+            let Err(CommError::Mismatch { detail, .. }) = &r else { panic!("case {case}: {r:?}") };
+            assert!(names.iter().all(|n| detail.contains(n)), "case {case}: {detail}");
+        }
+    }
+}
+
+/// Ops of several steps up to `inline_max` run on the caller's thread when the peers are
+/// there: done when `submit` returns, no hand-off to the worker. With `inline_max` 0 the
+/// worker runs them. A peer that comes late does not hold the caller: after a short wait
+/// the op is handed to the worker, which finishes it.
+#[test]
+fn ops_of_several_steps_run_inline_unless_a_peer_is_late() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    const LEN: usize = 5000; // 20 KB of f32: 3 pieces of a 4 KiB window (small_max 1 KiB)
+    let input = |r: usize| HostBuffer::from_slice(&(0..LEN).map(|i| (i * (r + 1)) as f32).collect::<Vec<_>>());
+    let want: Vec<f32> = (0..LEN).map(|i| (i * 3) as f32).collect();
+    for (inline_max, expect_inline) in [(64 << 10, true), (0, false)] {
+        let opts = ShmOptions { inline_max: Some(inline_max), ..small_opts() };
+        let ranks = rt.block_on(world(2, opts));
+        let start = Arc::new(std::sync::Barrier::new(2));
+        let threads: Vec<_> = (0..2)
+            .map(|r| {
+                let (b, start, input, want) = (ranks[r].clone(), start.clone(), input, want.clone());
+                std::thread::spawn(move || {
+                    let mut inline = 0;
+                    for _ in 0..50 {
+                        start.wait();
+                        let w = b.submit(AllReduce { buf: input(r), op: ReduceOp::Sum });
+                        inline += usize::from(w.is_completed());
+                        assert_eq!(w.wait().unwrap().to_vec::<f32>().unwrap(), want);
+                    }
+                    inline
+                })
+            })
+            .collect();
+        let inline: Vec<usize> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        println!("inline_max {inline_max}: {inline:?} of 50 done when submit returned");
+        if expect_inline {
+            assert!(inline.iter().all(|&k| k >= 35), "only {inline:?} of 50 all_reduces per rank ran inline");
+        } else {
+            assert!(
+                inline.iter().all(|&k| k <= 10),
+                "{inline:?} of 50 all_reduces per rank done at once with inline_max 0"
+            );
+        }
+
+        // Rank 1 comes 300 ms late: rank 0's submit returns long before, and both finish.
+        let late = std::thread::spawn({
+            let b = ranks[1].clone();
+            move || {
+                std::thread::sleep(Duration::from_millis(300));
+                b.submit(AllReduce { buf: input(1), op: ReduceOp::Sum }).wait()
+            }
+        });
+        let t = std::time::Instant::now();
+        let w = ranks[0].submit(AllReduce { buf: input(0), op: ReduceOp::Sum });
+        let held = t.elapsed();
+        assert!(held < Duration::from_millis(100), "the caller was held {held:?} by a late peer");
+        assert!(!w.is_completed());
+        assert_eq!(w.wait().unwrap().to_vec::<f32>().unwrap(), want);
+        assert_eq!(late.join().unwrap().unwrap().to_vec::<f32>().unwrap(), want);
+        for b in &ranks {
+            rt.block_on(b.shutdown()).unwrap();
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn p2p_large_both_directions() {
     let ranks = world(2, small_opts()).await;

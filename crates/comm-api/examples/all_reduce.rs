@@ -10,6 +10,10 @@ use comm_api::{Config, HostBuffer, ReduceOp};
 async fn main() -> Result<(), comm_api::CommError> {
     let pg = comm_api::init(Config::from_env()?).await?;
     let (rank, n) = (pg.rank(), pg.world_size());
+    if rank == 0 {
+        // Which backend was chosen and why, and how the ranks found each other.
+        println!("{}", pg.describe());
+    }
 
     // Rank r contributes [r, r, r, r]; everyone ends with 0 + 1 + ... + (n-1).
     let buf = HostBuffer::from_slice(&[rank as f32; 4]);

@@ -17,8 +17,10 @@ impl Engine {
         self.phase = Phase::Idle;
         self.poison_with(&e);
         let poisoned = self.poison_error().unwrap_or(e);
-        if let Some(Parked { done: Some(done), .. }) = self.parked.take() {
-            done.complete(Err(poisoned));
+        match self.parked.take() {
+            Some(Parked { then: Some(Then::Done(done)), .. }) => done.complete(Err(poisoned)),
+            Some(Parked { then: Some(Then::Run(op)), .. }) => op.fail(poisoned),
+            _ => {}
         }
         if let Some((done, r)) = self.finished.take() {
             done.complete(r);

@@ -39,8 +39,9 @@ pub(crate) enum Command {
 pub(crate) trait Queued: Send {
     /// Takes it in: collectives join the collective queue, p2p ops their peer's mailbox queue.
     fn accept(self: Box<Self>, e: &mut Engine);
-    /// Runs a collective in its turn.
-    fn run(self: Box<Self>, e: &mut Engine);
+    /// Runs a collective in its turn: its arrival step ([`OneShot::Arrive`]) unless a caller
+    /// ran that already (`arrived`), then its steps.
+    fn run(self: Box<Self>, e: &mut Engine, arrived: bool);
     fn fail(self: Box<Self>, err: CommError);
 }
 
@@ -70,7 +71,7 @@ mod stores;
 mod zero_copy;
 
 use oneshot::Parked;
-pub(crate) use oneshot::{Inline, OneShot};
+pub(crate) use oneshot::{Inline, OneShot, Then};
 pub(crate) use steps::init_segment;
 use steps::{read_chunk, write_chunk, write_reason};
 
@@ -86,13 +87,15 @@ pub(crate) enum Flow {
 
 /// `StepHeader::aux` of an all_reduce on zero-copy buffers.
 const AUX_ZERO_COPY: u64 = 1;
+/// `StepHeader::aux` of a queued collective's arrival step ([`OneShot::Arrive`]).
+const AUX_ARRIVE: u64 = 2;
 
 fn describe(h: &StepHeader) -> String {
     let dtype = DType::from_code(h.dtype).map(|d| d.name()).unwrap_or("?");
     let kind = OpKind::from_code(h.op);
     let mut s = format!("{} #{} ({dtype} × {}", kind.map_or("unknown op", OpKind::name), h.seq, h.count);
     use OpKind::*;
-    if matches!(kind, Some(Broadcast | Reduce | Scatter | Gather)) {
+    if matches!(kind, Some(Broadcast | Reduce | Scatter | Gather)) && h.aux != AUX_ARRIVE {
         s += &format!(", root {}", h.root);
     }
     if matches!(kind, Some(AllReduce | Reduce | ReduceScatter)) {
@@ -102,6 +105,9 @@ fn describe(h: &StepHeader) -> String {
     }
     if kind == Some(AllReduce) && h.aux == AUX_ZERO_COPY {
         s += ", zero-copy buffer from alloc_buffer (every rank must pass one, or none)";
+    }
+    if h.aux == AUX_ARRIVE {
+        s += ", the step that opens an op of several steps";
     }
     s + ")"
 }
@@ -399,7 +405,7 @@ impl Engine {
         }
         self.seq += 1;
         match cmd {
-            Command::Op(op) => op.run(self),
+            Command::Op(op) => op.run(self, false),
             Command::Shutdown(d) => {
                 self.closing = true;
                 self.shutdown_waiters.push(d);
@@ -498,12 +504,12 @@ pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>, spin: Duratio
         };
         // Announce the sleep, then look once more: a peer that published before seeing the
         // flag is visible now; one that publishes later rings the bell.
-        me.u32_at(OFF_SLEEPING).store(wait_for, SeqCst);
+        me.u32_at(OFF_SLEEPING).fetch_or(wait_for, SeqCst);
         let flow = work(wait_for == SLEEP_PEERS);
         if matches!(flow, Some(Flow::Idle | Flow::Quiet) | None) {
             futex_wait(bell, seen, Duration::from_millis(10));
         }
-        me.u32_at(OFF_SLEEPING).store(0, SeqCst);
+        me.u32_at(OFF_SLEEPING).fetch_and(!wait_for, SeqCst);
         if matches!(flow, Some(Flow::Exit)) {
             return;
         }

@@ -33,6 +33,17 @@ pub enum OneShot {
         n: usize,
     },
     Barrier,
+    /// The step that opens every queued collective (one of several steps, or one without a
+    /// one-step form): header only. A caller can run it inline and park it like any one-step
+    /// op, and once it completed every peer has begun the op too, so the caller may run the
+    /// rest without waiting long (see `ShmBackend::submit`). `kind`, `dtype` and `count` are
+    /// the op's (`count` 0 for all_to_all, whose ranks may hand in different sizes); its root
+    /// and splits are checked by its own steps.
+    Arrive {
+        kind: OpKind,
+        dtype: DType,
+        count: usize,
+    },
 }
 
 impl OneShot {
@@ -53,7 +64,7 @@ impl OneShot {
             OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => {
                 InOut { output: HostBuffer::zeroed(buf.dtype(), 0), input: buf }
             }
-            OneShot::Barrier => {
+            OneShot::Barrier | OneShot::Arrive { .. } => {
                 InOut { input: HostBuffer::zeroed(DType::U8, 0), output: HostBuffer::zeroed(DType::U8, 0) }
             }
         }
@@ -68,6 +79,7 @@ impl OneShot {
             OneShot::ReduceScatter { .. } => "reduce_scatter",
             OneShot::AllToAll { .. } => "all_to_all",
             OneShot::Barrier => "barrier",
+            OneShot::Arrive { kind, .. } => kind.name(),
         }
     }
 
@@ -85,6 +97,9 @@ impl OneShot {
             // aux 0: equal splits, as in `Engine::all_to_all`.
             OneShot::AllToAll { input, .. } => e.header(OpKind::AllToAll, input.dtype(), input.len(), 0, None),
             OneShot::Barrier => e.header(OpKind::Barrier, DType::U8, 0, 0, None),
+            OneShot::Arrive { kind, dtype, count } => {
+                StepHeader { aux: AUX_ARRIVE, ..e.header(*kind, *dtype, *count, 0, None) }
+            }
         }
     }
 
@@ -93,7 +108,7 @@ impl OneShot {
     fn writes(&self, me: usize) -> bool {
         match self {
             OneShot::Broadcast { root, .. } => *root as usize == me,
-            OneShot::Barrier => false,
+            OneShot::Barrier | OneShot::Arrive { .. } => false,
             _ => true,
         }
     }
@@ -104,7 +119,7 @@ impl OneShot {
             OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf.byte_len(),
             OneShot::AllGather { input, .. } | OneShot::ReduceScatter { input, .. } => input.byte_len(),
             OneShot::AllToAll { input, n, .. } => input.byte_len() / n * (n - 1),
-            OneShot::Barrier => 0,
+            OneShot::Barrier | OneShot::Arrive { .. } => 0,
         }
     }
 
@@ -214,7 +229,15 @@ pub(super) struct Parked {
     op: OneShot,
     k: u64,
     hdr: StepHeader,
-    pub(super) done: Option<Done>,
+    pub(super) then: Option<Then>,
+}
+
+/// What follows a parked op once the worker finished it.
+pub(crate) enum Then {
+    /// Complete the caller's `Work`.
+    Done(Done),
+    /// Run the queued collective the parked [`OneShot::Arrive`] opened.
+    Run(Box<dyn Queued>),
 }
 
 impl Engine {
@@ -253,7 +276,7 @@ impl Engine {
             }
             let waited = t0.get_or_insert_with(Instant::now).elapsed();
             if waited >= budget + INLINE_YIELD {
-                self.parked = Some(Parked { op, k, hdr, done: None });
+                self.parked = Some(Parked { op, k, hdr, then: None });
                 return Inline::Parked;
             }
             if waited < budget {
@@ -271,10 +294,10 @@ impl Engine {
         Inline::Done(self.read_step(&mut op, k, &hdr).map(|()| op))
     }
 
-    /// Gives the parked op (after [`Inline::Parked`]) its completer.
-    pub(crate) fn attach(&mut self, done: Done) {
+    /// Gives the parked op (after [`Inline::Parked`]) what follows it.
+    pub(crate) fn attach(&mut self, then: Then) {
         if let Some(p) = &mut self.parked {
-            p.done = Some(done);
+            p.then = Some(then);
         }
     }
 
@@ -288,9 +311,11 @@ impl Engine {
                 self.poison_with(e);
             }
         }
-        let r = r.map(|()| p.op);
-        if let Some(done) = p.done {
-            self.finished = Some((done, r));
+        match (p.then, r) {
+            (Some(Then::Done(done)), r) => self.finished = Some((done, r.map(|()| p.op))),
+            (Some(Then::Run(op)), Ok(())) => op.run(self, true),
+            (Some(Then::Run(op)), Err(e)) => op.fail(e),
+            (None, _) => {}
         }
     }
 

@@ -246,20 +246,20 @@ impl Engine {
         let me = self.segs[self.rank].clone();
         let bell = me.u32_at(OFF_DOORBELL);
         let seen = bell.load(SeqCst);
-        me.u32_at(OFF_SLEEPING).store(SLEEP_PEERS, SeqCst);
+        me.u32_at(OFF_SLEEPING).fetch_or(SLEEP_ENGINE, SeqCst);
         // Re-check after announcing the sleep: a peer that published before seeing the flag
         // is visible now; one that publishes after will ring.
-        let skip = ready(self) || self.pump()?;
-        if !skip {
+        let skip = if ready(self) { Ok(true) } else { self.pump() };
+        if let Ok(false) = skip {
             futex_wait(bell, seen, Duration::from_millis(10));
         }
-        me.u32_at(OFF_SLEEPING).store(0, SeqCst);
-        Ok(())
+        me.u32_at(OFF_SLEEPING).fetch_and(!SLEEP_ENGINE, SeqCst);
+        skip.map(drop)
     }
 
     pub(super) fn ring(&self, peer: usize) {
         let seg = &self.segs[peer];
-        if seg.u32_at(OFF_SLEEPING).load(SeqCst) == SLEEP_PEERS {
+        if seg.u32_at(OFF_SLEEPING).load(SeqCst) & (SLEEP_PEERS | SLEEP_ENGINE) != 0 {
             seg.u32_at(OFF_DOORBELL).fetch_add(1, SeqCst);
             futex_wake(seg.u32_at(OFF_DOORBELL));
         }
