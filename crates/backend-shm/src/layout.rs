@@ -17,8 +17,9 @@ pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"commshm1");
 /// Raised when the segment layout or the step protocol changes (3: header step word written
 /// last, data right after the header; 4: small data in the header; 5: steps move through
 /// the window; 6: mailbox chunks move through their slot; 7: queued collectives open with an
-/// arrival step, and the sleeping word is a set of flags).
-pub(crate) const VERSION: u32 = 7;
+/// arrival step, and the sleeping word is a set of flags; 8: a mailbox chunk is published by
+/// its header's first word, small ones travel in the header, no `sent` counters).
+pub(crate) const VERSION: u32 = 8;
 
 pub(crate) const OFF_MAGIC: usize = 0;
 pub(crate) const OFF_VERSION: usize = 8;
@@ -89,21 +90,16 @@ impl Layout {
         let align = |x: usize, a: usize| x.checked_next_multiple_of(a);
         let window = align(window.max(4096), LINE)?;
         let slot = align(slot.max(4096), LINE)?;
-        let coll = align(world.checked_mul(2 * LINE)?.checked_add(OFF_P2P_COUNTERS)?, 4096)?;
+        let coll = align(world.checked_mul(LINE)?.checked_add(OFF_P2P_COUNTERS)?, 4096)?;
         let p2p = (COLL_HDR + window).checked_mul(2)?.checked_add(coll)?;
         let mailboxes = world.checked_mul(SLOTS as usize)?.checked_mul(HDR.checked_add(slot)?)?;
         let total = align(p2p.checked_add(mailboxes)?, 4096)?;
         (total <= isize::MAX as usize).then_some(Layout { world, window, slot, coll, p2p, total })
     }
 
-    /// Counter of chunks this rank has published to `peer`.
-    pub(crate) fn sent(&self, peer: usize) -> usize {
-        OFF_P2P_COUNTERS + peer * LINE
-    }
-
     /// Counter of chunks this rank has consumed from `peer`.
     pub(crate) fn acked(&self, peer: usize) -> usize {
-        OFF_P2P_COUNTERS + (self.world + peer) * LINE
+        OFF_P2P_COUNTERS + peer * LINE
     }
 
     /// Header of the collective buffer used by step `k`. Its first word is the header's
@@ -189,26 +185,30 @@ pub(crate) const CARRIED_AT: usize = HDR - CARRIED;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 pub(crate) struct MsgHeader {
-    pub(crate) chunk: u64,
+    /// The chunk's number + 1 once published: written last (atomically), it is the word a
+    /// receiver polls, so the header comes with it (and with it the data of a small chunk);
+    /// a slot's previous chunk left its own number there, and a new segment 0.
+    pub(crate) published: u64,
     pub(crate) total: u64,
     pub(crate) offset: u64,
     pub(crate) len: u64,
     pub(crate) tag: u32,
     pub(crate) dtype: u8,
-    pub(crate) _pad: [u8; 27],
+    pub(crate) _pad: [u8; 3],
+    /// The data of a chunk of at most [`CARRIED`] bytes (then not in the slot).
+    pub(crate) data: [u8; CARRIED],
 }
 
 const _: () = assert!(size_of::<StepHeader>() == HDR && size_of::<MsgHeader>() == HDR);
 const _: () = assert!(std::mem::offset_of!(StepHeader, data) == CARRIED_AT);
+const _: () = assert!(std::mem::offset_of!(MsgHeader, data) == CARRIED_AT);
 
-impl StepHeader {
-    /// The header's bytes after `step` (which is written separately, atomically).
-    pub(crate) fn body(&self) -> [u64; HDR / 8 - 1] {
-        let all: [u64; HDR / 8] = bytemuck::cast(*self);
-        let mut body = [0; HDR / 8 - 1];
-        body.copy_from_slice(&all[1..]);
-        body
-    }
+/// A header's bytes after its first word (which is written separately, atomically, last).
+pub(crate) fn body<H: Pod>(h: &H) -> [u64; HDR / 8 - 1] {
+    let all: [u64; HDR / 8] = bytemuck::cast(*h);
+    let mut body = [0; HDR / 8 - 1];
+    body.copy_from_slice(&all[1..]);
+    body
 }
 
 #[cfg(test)]

@@ -199,12 +199,25 @@ impl Plan for Barrier {
 }
 
 impl Plan for Scatter {
+    fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
+        let n = l.world as usize;
+        if self.output.byte_len().saturating_mul(n - 1) > l.window {
+            return Err(self);
+        }
+        Ok(OneShot::Scatter { input: self.input, out: self.output, root: self.root, n })
+    }
     fn run(self, e: &mut Engine) -> Result<InOut> {
         e.scatter(self)
     }
 }
 
 impl Plan for Gather {
+    fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
+        if self.input.byte_len() > l.window {
+            return Err(self);
+        }
+        Ok(OneShot::Gather { input: self.input, out: self.output, root: self.root })
+    }
     fn run(self, e: &mut Engine) -> Result<InOut> {
         e.gather(self)
     }

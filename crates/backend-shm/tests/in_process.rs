@@ -213,6 +213,29 @@ async fn mismatch_of_ops_of_several_steps_is_reported() {
     }
 }
 
+/// Ranks that disagree on the root, so that none of them reads a peer's data (each takes
+/// itself for a broadcast's root, or another rank for a gather's), still find out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn root_mismatch_is_reported_where_no_rank_reads() {
+    for case in 0..2 {
+        let ranks = world(2, small_opts()).await;
+        let works: Vec<_> = (0..2u32)
+            .map(|r| {
+                let buf = HostBuffer::from_slice(&[r as f32; 2]);
+                match case {
+                    0 => ranks[r as usize].submit(Broadcast { buf, root: r }).map(drop),
+                    _ => ranks[r as usize].submit(Gather { input: buf, output: None, root: 1 - r }).map(drop),
+                }
+            })
+            .collect();
+        for w in works {
+            let r = w.await;
+            let Err(CommError::Mismatch { detail, .. }) = &r else { panic!("case {case}: {r:?}") };
+            assert!(detail.contains("root 0") && detail.contains("root 1"), "{detail}");
+        }
+    }
+}
+
 /// Ops of several steps up to `inline_max` run on the caller's thread when the peers are
 /// there: done when `submit` returns, no hand-off to the worker. With `inline_max` 0 the
 /// worker runs them. A peer that comes late does not hold the caller: after a short wait
@@ -533,7 +556,14 @@ async fn workers_bound_to_cores_of_their_own() {
     let cpus: Vec<usize> = ranks.iter().map(|b| b.worker_cpu().expect("a bound worker")).collect();
     assert_ne!(cpus[0], cpus[1]);
     for (r, cpu) in cpus.iter().enumerate() {
-        let seen = thread_cpus(&format!("comm-shm-r{r}"));
+        // The worker binds itself when it starts, which on a busy machine can be a moment
+        // after the group is up (and other tests' workers share the name).
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut seen = thread_cpus(&format!("comm-shm-r{r}"));
+        while !seen.contains(&cpu.to_string()) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            seen = thread_cpus(&format!("comm-shm-r{r}"));
+        }
         assert!(seen.contains(&cpu.to_string()), "rank {r}'s worker on CPU {cpu}: threads {seen:?}");
     }
     // Still a working group, and so are its sub-groups.

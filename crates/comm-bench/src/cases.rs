@@ -17,10 +17,15 @@ pub(crate) enum Coll {
     /// Every rank sends its buffer to the next rank and receives the previous one's (nccl-tests'
     /// `sendrecv_perf`): point-to-point, posted together as one batch.
     SendRecv,
+    /// The root's buffer, block `r` to rank `r` (torch's `scatter`; no nccl-tests counterpart:
+    /// sized and counted like all_gather).
+    Scatter,
+    /// Every rank's block to the root, in rank order (torch's `gather`; like all_gather).
+    Gather,
 }
 
 impl Coll {
-    pub(crate) const ALL: [Coll; 7] = [
+    pub(crate) const ALL: [Coll; 9] = [
         Coll::AllReduce,
         Coll::AllGather,
         Coll::ReduceScatter,
@@ -28,6 +33,8 @@ impl Coll {
         Coll::AllToAll,
         Coll::Reduce,
         Coll::SendRecv,
+        Coll::Scatter,
+        Coll::Gather,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -39,6 +46,8 @@ impl Coll {
             Coll::AllToAll => "all_to_all",
             Coll::Reduce => "reduce",
             Coll::SendRecv => "sendrecv",
+            Coll::Scatter => "scatter",
+            Coll::Gather => "gather",
         }
     }
 
@@ -52,6 +61,8 @@ impl Coll {
             "alltoall" | "alltoallsingle" => Coll::AllToAll,
             "reduce" => Coll::Reduce,
             "sendrecv" => Coll::SendRecv,
+            "scatter" => Coll::Scatter,
+            "gather" => Coll::Gather,
             _ => {
                 let names: Vec<_> = Coll::ALL.iter().map(|c| c.name()).collect();
                 return Err(format!("unknown op `{s}` (expected {} or all)", names.join(", ")));
@@ -66,7 +77,7 @@ impl Coll {
 
     /// Whether the op has a root rank.
     pub(crate) fn rooted(self) -> bool {
-        matches!(self, Coll::Broadcast | Coll::Reduce)
+        matches!(self, Coll::Broadcast | Coll::Reduce | Coll::Scatter | Coll::Gather)
     }
 
     /// Whether the op works in place on one buffer (else: consumed input, reused output).
@@ -79,7 +90,7 @@ impl Coll {
         let n = f64::from(n);
         match self {
             Coll::AllReduce => 2.0 * (n - 1.0) / n,
-            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll => (n - 1.0) / n,
+            Coll::AllGather | Coll::ReduceScatter | Coll::AllToAll | Coll::Scatter | Coll::Gather => (n - 1.0) / n,
             Coll::Broadcast | Coll::Reduce | Coll::SendRecv => 1.0,
         }
     }
@@ -126,6 +137,16 @@ pub(crate) fn shape(coll: Coll, dtype: DType, size: usize, n: u32) -> Option<Sha
         Coll::SendRecv => Shape { count, in_len: count, out_len: count, bytes: count * t },
         // count per rank; input = count, output = n·count; S = full output.
         Coll::AllGather => {
+            let c = part();
+            Shape { count: c, in_len: c, out_len: c * n, bytes: c * n * t }
+        }
+        // count per rank; the root's input = n·count, each output = count; S = the root's input.
+        Coll::Scatter => {
+            let c = part();
+            Shape { count: c, in_len: c * n, out_len: c, bytes: c * n * t }
+        }
+        // count per rank; each input = count, the root's output = n·count; S = the root's output.
+        Coll::Gather => {
             let c = part();
             Shape { count: c, in_len: c, out_len: c * n, bytes: c * n * t }
         }
@@ -303,7 +324,12 @@ impl Case {
                 let op = self.redop;
                 Box::new(move |i| red_input(op, r, i))
             }
-            Coll::AllGather | Coll::SendRecv => Box::new(move |i| data_input(u64::from(r), i)),
+            Coll::AllGather | Coll::SendRecv | Coll::Gather => Box::new(move |i| data_input(u64::from(r), i)),
+            // The root's block j is rank j's (other ranks' inputs are not passed).
+            Coll::Scatter => {
+                let k = self.shape.count;
+                Box::new(move |x| data_input((x / k) as u64, x % k))
+            }
             // Non-roots start with other data, which the broadcast must overwrite.
             Coll::Broadcast => {
                 let stream = if r == self.root { u64::from(r) } else { u64::from(r) + 1000 };
@@ -341,6 +367,10 @@ impl Case {
             Coll::Reduce => Box::new(|i| T::from_i64(red_input(op, r, i))),
             Coll::ReduceScatter => Box::new(|i| reduced::<T>(op, n, r as usize * k + i)),
             Coll::AllGather => Box::new(|x| T::from_i64(data_input((x / k) as u64, x % k))),
+            Coll::Gather if r == self.root => Box::new(|x| T::from_i64(data_input((x / k) as u64, x % k))),
+            // A non-root's output buffer comes back untouched.
+            Coll::Gather => Box::new(|_| T::from_i64(SENTINEL)),
+            Coll::Scatter => Box::new(|i| T::from_i64(data_input(u64::from(r), i))),
             Coll::Broadcast => Box::new(|i| T::from_i64(data_input(u64::from(self.root), i))),
             // Block q came from rank q: its element (q → r, i).
             Coll::AllToAll => Box::new(|x| T::from_i64(data_input(u64::from((x / k) as u32 * n + r), x % k))),
@@ -456,6 +486,9 @@ mod tests {
                         }
                         Coll::AllToAll => inputs.iter().flat_map(|v| v[r as usize * k..][..k].to_vec()).collect(),
                         Coll::SendRecv => inputs[((r + n - 1) % n) as usize].clone(),
+                        Coll::Scatter => inputs[c.root as usize][r as usize * k..][..k].to_vec(),
+                        Coll::Gather if r == c.root => inputs.concat(),
+                        Coll::Gather => vec![SENTINEL as f64; shape.out_len],
                     };
                     let mut buf = from_f64(dtype, &out);
                     assert_eq!(c.count_wrong(&buf).unwrap(), 0, "{coll} {dtype} rank {r}");

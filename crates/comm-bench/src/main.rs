@@ -52,14 +52,18 @@ SIZES (nccl-tests conventions, see shared/reference/nccl-tests-bw.md):
     all_gather                     in: count, out: n * count           full output, n * count * T
     reduce_scatter                 in: n * count, out: count           full input, n * count * T
     all_to_all                     in = out: n * count (count/peer)    send buffer, n * count * T
-  where the per-rank `count` of the last three is (S / T / n) rounded down to a multiple of
-  16 bytes, so size(B) may be slightly below the requested size; a size that leaves no
+    scatter                        root's in: n * count, out: count    root's input, n * count * T
+    gather                         in: count, root's out: n * count    root's output, n * count * T
+    sendrecv                       in = out: count                     the message, count * T
+  where the per-rank `count` of all_gather .. gather is (S / T / n) rounded down to a multiple
+  of 16 bytes, so size(B) may be slightly below the requested size; a size that leaves no
   element per rank is skipped.
 
 TIMING:
   time(us) = mean wall time of one op over the timed iterations, the maximum over ranks.
   algbw = size(B) / time; busbw = algbw * factor with factor 2(n-1)/n for all_reduce,
-  (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast and reduce.
+  (n-1)/n for all_gather, reduce_scatter, all_to_all, scatter and gather, 1 for broadcast,
+  reduce and sendrecv.
   GB/s means 10^9 bytes per second. Without --iters, iterations = clamp(4 GiB / size, 5, 10000);
   without --warmup, warm-up = clamp(iters / 10, 2, 1000). Before the first row, its op runs
   untimed for --settle milliseconds (default 500; not with --profile or --trace): a new
@@ -115,7 +119,8 @@ struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
     /// Ops, comma-separated: all_reduce, all_gather, reduce_scatter, broadcast, all_to_all,
-    /// reduce, sendrecv (each rank sends to the next and receives from the previous), or `all`.
+    /// reduce, sendrecv (each rank sends to the next and receives from the previous), scatter,
+    /// gather, or `all`.
     #[arg(long, value_delimiter = ',', default_value = "all_reduce", value_name = "OPS")]
     op: Vec<String>,
     /// Element types, comma-separated: u8, i8, i32, i64, f16, bf16, f32, f64, or `all`.
@@ -127,7 +132,7 @@ struct Cli {
     /// Reduce op of all_reduce, reduce_scatter and reduce: sum, prod, min, max, avg.
     #[arg(long, default_value = "sum")]
     redop: String,
-    /// Root rank of broadcast and reduce.
+    /// Root rank of broadcast, reduce, scatter and gather.
     #[arg(long, default_value_t = 0)]
     root: u32,
     /// Timed iterations per row (default: adaptive, see TIMING).
@@ -807,6 +812,12 @@ async fn issue(
         Coll::AllGather => in_out(pg.all_gather_into(input, output()?).await?),
         Coll::ReduceScatter => in_out(pg.reduce_scatter_into(input, op, output()?).await?),
         Coll::AllToAll => in_out(pg.all_to_all_single_into(input, output()?, None, None).await?),
+        Coll::Scatter => {
+            let input = (pg.rank() == root).then_some(input);
+            in_out(pg.scatter(output()?, input, root).await?)
+        }
+        // Non-roots pass their output buffer too, and get it back as it was.
+        Coll::Gather => in_out(pg.gather_into(input, output()?, root).await?),
         Coll::SendRecv => {
             let n = pg.world_size();
             let (next, prev) = ((pg.rank() + 1) % n, (pg.rank() + n - 1) % n);
@@ -857,7 +868,7 @@ mod tests {
         assert!(!p.check);
         assert!(plan(&["--no-check", "--check"]).unwrap().check);
         let p = plan(&["--op", "all", "--dtype", "all", "--redop", "max", "--iters", "7", "--warmup", "0"]).unwrap();
-        assert_eq!(p.colls.len(), 7);
+        assert_eq!(p.colls, Coll::ALL);
         assert_eq!(p.dtypes.len(), 8);
         assert_eq!((p.iters_for(8), p.warmup_for(7)), (7, 0));
     }

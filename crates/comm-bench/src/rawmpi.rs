@@ -1,6 +1,7 @@
 //! `--backend mpi-raw` (`COMM_BACKEND=mpi-raw` under `mpirun`): the system MPI's own
 //! collectives called directly on the bench's thread — `MPI_Allreduce`, `MPI_Allgather`,
-//! `MPI_Reduce_scatter_block`, `MPI_Bcast`, `MPI_Alltoall(v)`, `MPI_Reduce`, `MPI_Barrier`, as
+//! `MPI_Reduce_scatter_block`, `MPI_Bcast`, `MPI_Alltoall(v)`, `MPI_Reduce`, `MPI_Scatter`,
+//! `MPI_Gather`, `MPI_Barrier`, as
 //! `osu_allreduce` calls them (separate send and receive buffers; f16/bf16 through
 //! user-defined ops that add in f32) — with no actor, no header exchange and no checks. It is
 //! the reference every performance claim is stated against.
@@ -9,7 +10,6 @@
 //! the blocking MPI call and returns a completed `Work`. Point-to-point is the bench's
 //! `sendrecv` (`MPI_Isend` + `MPI_Recv` + `MPI_Wait`, what `MPI_Sendrecv` does): a send is
 //! posted and completes with the next receive, so a send must be followed by a receive.
-//! Scatter and gather, which the bench does not time, are `Unsupported`.
 
 use std::ffi::{c_int, c_void};
 use std::ptr;
@@ -252,6 +252,51 @@ impl RawMpi {
         Ok(InOut { input: r.input, output: out })
     }
 
+    fn scatter(&self, r: Scatter) -> Result<InOut, CommError> {
+        let mut out = r.output;
+        let (n, dt) = (count(out.len())?, datatype(out.dtype()));
+        let send: *const c_void = r.input.as_ref().map_or(ptr::null(), |b| b.as_bytes().as_ptr().cast());
+        // SAFETY: on the root the input holds size × n elements (validated); MPI reads the send
+        // buffer only there. `out` holds n elements.
+        check("MPI_Scatter", unsafe {
+            ffi::MPI_Scatter(
+                send,
+                n,
+                dt,
+                out.as_bytes_mut().as_mut_ptr().cast(),
+                n,
+                dt,
+                r.root as c_int,
+                ffi::RSMPI_COMM_WORLD,
+            )
+        })?;
+        let input = r.input.unwrap_or_else(|| HostBuffer::zeroed(out.dtype(), 0));
+        Ok(InOut { input, output: out })
+    }
+
+    fn gather(&self, r: Gather) -> Result<InOut, CommError> {
+        let root = r.root == self.0.rank;
+        let total = if root { r.input.len() * self.0.size as usize } else { 0 };
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed(r.input.dtype(), total));
+        let (n, dt) = (count(r.input.len())?, datatype(r.input.dtype()));
+        let recv: *mut c_void = if root { out.as_bytes_mut().as_mut_ptr().cast() } else { ptr::null_mut() };
+        // SAFETY: the input holds n elements; on the root `out` holds size × n (validated), and
+        // MPI writes the receive buffer only there.
+        check("MPI_Gather", unsafe {
+            ffi::MPI_Gather(
+                r.input.as_bytes().as_ptr().cast(),
+                n,
+                dt,
+                recv,
+                n,
+                dt,
+                r.root as c_int,
+                ffi::RSMPI_COMM_WORLD,
+            )
+        })?;
+        Ok(InOut { input: r.input, output: out })
+    }
+
     fn reduce_scatter(&self, r: ReduceScatter) -> Result<InOut, CommError> {
         let op = self.op(ReduceScatter::NAME, r.input.dtype(), r.op)?;
         let k = r.input.len() / self.0.size as usize;
@@ -375,8 +420,8 @@ ops! {
     ReduceScatter => RawMpi::reduce_scatter,
     AllToAll => RawMpi::all_to_all,
     Barrier => |b: &RawMpi, _| b.barrier(),
-    Scatter => |_: &RawMpi, _| Err(CommError::Unsupported { op: Scatter::NAME, dtype: None, backend: NAME }),
-    Gather => |_: &RawMpi, _| Err(CommError::Unsupported { op: Gather::NAME, dtype: None, backend: NAME }),
+    Scatter => RawMpi::scatter,
+    Gather => RawMpi::gather,
     RecvFrom => RawMpi::recv,
 }
 

@@ -211,8 +211,12 @@ pub struct Engine {
 
     sends: Vec<VecDeque<SendOp>>,
     recvs: Vec<VecDeque<RecvOp>>,
+    /// Chunks published to each peer.
     sent: Vec<u64>,
+    /// Chunks taken from each peer (and acknowledged to it).
     acked: Vec<u64>,
+    /// Each peer's acknowledgement of our chunks, as last read from its segment.
+    peer_acked: Vec<u64>,
     last_liveness: Instant,
     /// Peers' zero-copy buffers mapped so far (most recent last; a few are kept).
     zc_maps: Vec<(String, Arc<Segment>)>,
@@ -277,6 +281,7 @@ impl Engine {
             recvs: (0..world).map(|_| VecDeque::new()).collect(),
             sent: vec![0; world],
             acked: vec![0; world],
+            peer_acked: vec![0; world],
             last_liveness: Instant::now(),
             zc_maps: Vec::new(),
             finished: None,

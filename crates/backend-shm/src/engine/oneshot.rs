@@ -32,6 +32,23 @@ pub enum OneShot {
         /// Ranks (blocks).
         n: usize,
     },
+    /// The root's blocks for its peers go through its window, packed as all_to_all's; its own
+    /// goes straight to its output. `input` only on the root.
+    Scatter {
+        input: Option<HostBuffer>,
+        out: HostBuffer,
+        root: Rank,
+        /// Ranks (blocks).
+        n: usize,
+    },
+    /// Every rank but the root writes its block; the root reads them. `out`: the root's
+    /// result (made in the read when none was passed), or what a non-root passed (handed
+    /// back as it is).
+    Gather {
+        input: HostBuffer,
+        out: Option<HostBuffer>,
+        root: Rank,
+    },
     Barrier,
     /// The step that opens every queued collective (one of several steps, or one without a
     /// one-step form): header only. A caller can run it inline and park it like any one-step
@@ -64,6 +81,12 @@ impl OneShot {
             OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => {
                 InOut { output: HostBuffer::zeroed(buf.dtype(), 0), input: buf }
             }
+            OneShot::Scatter { input, out, .. } => {
+                InOut { input: input.unwrap_or_else(|| HostBuffer::zeroed(out.dtype(), 0)), output: out }
+            }
+            OneShot::Gather { input, out, .. } => {
+                InOut { output: out.unwrap_or_else(|| HostBuffer::zeroed(input.dtype(), 0)), input }
+            }
             OneShot::Barrier | OneShot::Arrive { .. } => {
                 InOut { input: HostBuffer::zeroed(DType::U8, 0), output: HostBuffer::zeroed(DType::U8, 0) }
             }
@@ -78,6 +101,8 @@ impl OneShot {
             OneShot::AllGather { .. } => "all_gather",
             OneShot::ReduceScatter { .. } => "reduce_scatter",
             OneShot::AllToAll { .. } => "all_to_all",
+            OneShot::Scatter { .. } => "scatter",
+            OneShot::Gather { .. } => "gather",
             OneShot::Barrier => "barrier",
             OneShot::Arrive { kind, .. } => kind.name(),
         }
@@ -96,6 +121,9 @@ impl OneShot {
             }
             // aux 0: equal splits, as in `Engine::all_to_all`.
             OneShot::AllToAll { input, .. } => e.header(OpKind::AllToAll, input.dtype(), input.len(), 0, None),
+            // As in `Engine::scatter` and `Engine::gather`.
+            OneShot::Scatter { out, root, .. } => e.header(OpKind::Scatter, out.dtype(), out.len(), *root, None),
+            OneShot::Gather { input, root, .. } => e.header(OpKind::Gather, input.dtype(), input.len(), *root, None),
             OneShot::Barrier => e.header(OpKind::Barrier, DType::U8, 0, 0, None),
             OneShot::Arrive { kind, dtype, count } => {
                 StepHeader { aux: AUX_ARRIVE, ..e.header(*kind, *dtype, *count, 0, None) }
@@ -107,7 +135,8 @@ impl OneShot {
     /// not).
     fn writes(&self, me: usize) -> bool {
         match self {
-            OneShot::Broadcast { root, .. } => *root as usize == me,
+            OneShot::Broadcast { root, .. } | OneShot::Scatter { root, .. } => *root as usize == me,
+            OneShot::Gather { root, .. } => *root as usize != me,
             OneShot::Barrier | OneShot::Arrive { .. } => false,
             _ => true,
         }
@@ -119,6 +148,9 @@ impl OneShot {
             OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf.byte_len(),
             OneShot::AllGather { input, .. } | OneShot::ReduceScatter { input, .. } => input.byte_len(),
             OneShot::AllToAll { input, n, .. } => input.byte_len() / n * (n - 1),
+            // What the root writes; every rank places and reads the step by it.
+            OneShot::Scatter { out, n, .. } => out.byte_len() * (n - 1),
+            OneShot::Gather { input, .. } => input.byte_len(),
             OneShot::Barrier | OneShot::Arrive { .. } => 0,
         }
     }
@@ -190,6 +222,32 @@ impl OneShot {
                     out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(src);
                 }
             }
+            // The root's block for rank j at slot j, or j - 1 past the root; its own block goes
+            // to its output here (it reads nothing, see `reads`).
+            (OneShot::Scatter { input: Some(input), out, root, n }, Io::Write(w)) if *root as usize == me => {
+                let b = out.byte_len();
+                for j in (0..*n).filter(|&j| j != me) {
+                    let at = (j - usize::from(j > me)) * b;
+                    to_window(stream, &mut w[at..at + b], &input.as_bytes()[j * b..(j + 1) * b]);
+                }
+                out.as_bytes_mut().copy_from_slice(&input.as_bytes()[me * b..(me + 1) * b]);
+            }
+            (OneShot::Scatter { out, root, .. }, Io::Read(views, _)) if *root as usize != me => {
+                let (b, root) = (out.byte_len(), *root as usize);
+                let at = (me - usize::from(me > root)) * b;
+                out.as_bytes_mut().copy_from_slice(&views[root][at..at + b]);
+            }
+            (OneShot::Gather { input, root, .. }, Io::Write(w)) if *root as usize != me => {
+                to_window(stream, &mut w[..input.byte_len()], input.as_bytes())
+            }
+            (OneShot::Gather { input, out, root }, Io::Read(views, _)) if *root as usize == me => {
+                let b = input.byte_len();
+                let out = out.get_or_insert_with(|| HostBuffer::zeroed(input.dtype(), input.len() * views.len()));
+                for (p, v) in views.iter().enumerate() {
+                    let src = if p == me { input.as_bytes() } else { &v[..b] };
+                    out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(src);
+                }
+            }
             _ => {}
         }
     }
@@ -204,6 +262,15 @@ impl OneShot {
             OneShot::ReduceScatter { input, mut out, op } => {
                 out.as_bytes_mut().copy_from_slice(input.as_bytes());
                 OneShot::ReduceScatter { input, out, op }
+            }
+            OneShot::Scatter { input: Some(input), mut out, root, n } => {
+                out.as_bytes_mut().copy_from_slice(input.as_bytes());
+                OneShot::Scatter { input: Some(input), out, root, n }
+            }
+            OneShot::Gather { input, out, root } => {
+                let mut out = out.unwrap_or_else(|| HostBuffer::zeroed(input.dtype(), input.len()));
+                out.as_bytes_mut().copy_from_slice(input.as_bytes());
+                OneShot::Gather { input, out: Some(out), root }
             }
             OneShot::AllToAll { input, mut out, n } => {
                 out.as_bytes_mut().copy_from_slice(input.as_bytes());
@@ -264,11 +331,24 @@ impl Engine {
         self.phase = Phase::Writable(k);
         self.write_phase(&mut op, k, &hdr);
         self.announce(k);
+        // Even a rank that reads nothing (a broadcast's root...) waits for its peers: if every
+        // rank took itself for the root, only the header check would tell.
+        if !self.poll(budget, |e| e.headers_reached(k)) {
+            self.parked = Some(Parked { op, k, hdr, then: None });
+            return Inline::Parked;
+        }
+        self.all_at = k;
+        Inline::Done(self.read_step(&mut op, k, &hdr).map(|()| op))
+    }
+
+    /// Polls `ready` on the caller's thread: spins for `budget`, then yields for
+    /// [`INLINE_YIELD`]; whether it became true.
+    fn poll(&self, budget: Duration, ready: impl Fn(&Engine) -> bool) -> bool {
         // The clock is first read after 64 polls, then every 64th: a read costs as much as a
         // few polls, and most ops are done before (the budget starts a few polls late).
         let mut t0 = None;
         let mut polls = 0u32;
-        while !self.headers_reached(k) {
+        while !ready(self) {
             polls = polls.wrapping_add(1);
             if !polls.is_multiple_of(64) && !budget.is_zero() {
                 std::hint::spin_loop();
@@ -276,8 +356,7 @@ impl Engine {
             }
             let waited = t0.get_or_insert_with(Instant::now).elapsed();
             if waited >= budget + INLINE_YIELD {
-                self.parked = Some(Parked { op, k, hdr, then: None });
-                return Inline::Parked;
+                return false;
             }
             if waited < budget {
                 // A true spin: the peer runs on another core and arrives within microseconds
@@ -290,8 +369,7 @@ impl Engine {
                 std::thread::yield_now();
             }
         }
-        self.all_at = k;
-        Inline::Done(self.read_step(&mut op, k, &hdr).map(|()| op))
+        true
     }
 
     /// Gives the parked op (after [`Inline::Parked`]) what follows it.

@@ -16,9 +16,12 @@ impl Engine {
         Ok(any)
     }
 
-    /// Progresses point-to-point traffic on a caller's thread until `done()` or for `budget`
-    /// (polling, as an inline collective waits for its peers). An error poisons the group,
-    /// as on the worker, and ends the wait.
+    /// Progresses point-to-point traffic on a caller's thread until `done()`, as an inline
+    /// collective waits for its peers: spinning for `budget`, then yielding for
+    /// [`INLINE_YIELD`]. A peer that lost its core for a moment is waited for rather than
+    /// handed to the worker, which would cost two wake-ups and make this rank late for the
+    /// peer's next message in turn. An error poisons the group, as on the worker, and ends
+    /// the wait.
     pub(crate) fn progress_inline(&mut self, budget: Duration, done: impl Fn() -> bool) {
         let start = Instant::now();
         loop {
@@ -28,10 +31,14 @@ impl Engine {
             if let Err(e) = self.progress_p2p() {
                 return self.poison_with(&e);
             }
-            if done() || start.elapsed() >= budget {
+            if done() {
                 return;
             }
-            std::hint::spin_loop();
+            match start.elapsed() {
+                t if t < budget => std::hint::spin_loop(),
+                t if t < budget + INLINE_YIELD => std::thread::yield_now(),
+                _ => return,
+            }
         }
     }
 
@@ -39,15 +46,18 @@ impl Engine {
     pub(super) fn progress_send(&mut self, peer: usize) -> Result<bool> {
         let Some(op) = self.sends[peer].front_mut() else { return Ok(false) };
         let chunk = self.sent[peer];
-        let acked = self.segs[peer].u64_at(self.lay.acked(self.rank)).load(Acquire);
-        if chunk - acked >= SLOTS {
-            return Ok(false);
+        // The peer's counter is read (a line from its cache) only when the slots we know to
+        // be free are used up.
+        if chunk - self.peer_acked[peer] >= SLOTS {
+            self.peer_acked[peer] = self.segs[peer].u64_at(self.lay.acked(self.rank)).load(Acquire);
+            if chunk - self.peer_acked[peer] >= SLOTS {
+                return Ok(false);
+            }
         }
         let total = op.req.buf.byte_len();
         let len = (total - op.offset).min(self.lay.slot);
         let me = &self.segs[self.rank];
         let hdr = MsgHeader {
-            chunk,
             total: total as u64,
             offset: op.offset as u64,
             len: len as u64,
@@ -57,9 +67,8 @@ impl Engine {
         };
         let stores = &mut self.write_stores[usize::from(OpKind::Send.code())];
         let (stream, start) = stores.start(len);
-        write_chunk(me, &self.lay, peer, hdr, &op.req.buf.as_bytes()[op.offset..op.offset + len], stream);
+        write_chunk(me, &self.lay, peer, chunk, hdr, &op.req.buf.as_bytes()[op.offset..op.offset + len], stream);
         stores.finish(len, stream, start);
-        me.u64_at(self.lay.sent(peer)).store(chunk + 1, SeqCst);
         self.sent[peer] = chunk + 1;
         op.offset += len;
         let finished = op.offset == total;
@@ -86,16 +95,20 @@ impl Engine {
         let Some(op) = self.recvs[peer].front_mut() else { return Ok(false) };
         let chunk = self.acked[peer];
         let src = &self.segs[peer];
-        if src.u64_at(self.lay.sent(self.rank)).load(Acquire) <= chunk {
+        let at = self.lay.msg_header(self.rank, chunk);
+        if src.u64_at(at).load(Acquire) != chunk + 1 {
             return Ok(false);
         }
-        let h: MsgHeader = src.read(self.lay.msg_header(self.rank, chunk));
+        let h: MsgHeader = src.read(at);
         let want_total = op.req.buf.byte_len() as u64;
         let want_dtype = op.req.buf.dtype();
-        if h.chunk != chunk || h.offset != op.offset as u64 {
+        if h.offset != op.offset as u64 {
             return Err(CommError::Mismatch {
                 op: "recv",
-                detail: format!("mailbox from rank {peer} is out of order (chunk {} at offset {}, expected chunk {chunk} at offset {})", h.chunk, h.offset, op.offset),
+                detail: format!(
+                    "mailbox from rank {peer} is out of order (chunk {chunk} at offset {}, expected offset {})",
+                    h.offset, op.offset
+                ),
             });
         }
         if h.tag != op.req.tag || h.total != want_total || h.dtype != want_dtype.code() {

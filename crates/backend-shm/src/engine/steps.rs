@@ -100,7 +100,7 @@ impl Engine {
         // SAFETY: every peer published `k - 1`, so all reads of this header from step `k - 2`
         // are finished; peers read it again only after `announce(k)` sets its step word, and
         // the step word (the first 8 bytes, atomic only) is not written here.
-        unsafe { self.me().write(self.lay.step_header(k) + 8, hdr.body()) };
+        unsafe { self.me().write(self.lay.step_header(k) + 8, body(hdr)) };
     }
 
     /// Whether every peer's header of step `k` is published: the inline path's wait, which
@@ -300,24 +300,48 @@ pub(super) fn write_reason(me: &Segment, cause: &str) {
 /// Writes chunk `hdr.chunk` of a message to `peer` into our mailbox slot for it, with
 /// streaming stores if `stream`. Call only when the peer has acknowledged chunk
 /// `hdr.chunk - SLOTS` (the slot's previous use).
-pub(super) fn write_chunk(me: &Segment, lay: &Layout, peer: usize, hdr: MsgHeader, data: &[u8], stream: bool) {
-    let chunk = hdr.chunk;
+/// Writes chunk `chunk` for `peer` (its data in the header when it fits) and publishes it.
+pub(super) fn write_chunk(
+    me: &Segment,
+    lay: &Layout,
+    peer: usize,
+    chunk: u64,
+    mut hdr: MsgHeader,
+    data: &[u8],
+    stream: bool,
+) {
+    let at = lay.msg_header(peer, chunk);
+    let carried = data.len() <= CARRIED;
+    if carried {
+        hdr.data[..data.len()].copy_from_slice(data);
+    }
     // SAFETY: slot `chunk % SLOTS` was last used by chunk `chunk - SLOTS`, which the peer
     // acknowledged after it finished copying it out (the caller checked), and the peer reads
-    // this one only after our release store of `sent > chunk`.
+    // this one only after the store of `published` below; the first word is not written here.
     unsafe {
-        me.write(lay.msg_header(peer, chunk), hdr);
-        super::stores::to_window(stream, me.bytes_mut(lay.msg_data(peer, chunk, data.len()), data.len()), data);
+        me.write(at + 8, body(&hdr));
+        if !carried {
+            super::stores::to_window(stream, me.bytes_mut(lay.msg_data(peer, chunk, data.len()), data.len()), data);
+        }
     }
+    // SeqCst: paired with the receiver's announcement that it sleeps (see `ring`).
+    me.u64_at(at).store(chunk + 1, SeqCst);
 }
 
-/// Chunk `chunk` of the message `src` (a peer's segment) sends rank `me`. Call only after
-/// reading `sent > chunk` from the peer (acquire), and drop the slice before acknowledging.
+/// Chunk `chunk` of the message `src` (a peer's segment) sends rank `me`, its header read
+/// from `at` (the data is in it up to [`CARRIED`] bytes). Call only after reading its
+/// `published` word (acquire), and drop the slice before acknowledging.
 pub(super) fn read_chunk<'a>(src: &'a Segment, lay: &Layout, me: usize, chunk: u64, len: usize) -> &'a [u8] {
-    // SAFETY: the sender published `sent > chunk` after writing this slot (the caller checked)
-    // and will not rewrite it until we acknowledge it, which the caller does after this
-    // borrow ends.
-    unsafe { src.bytes(lay.msg_data(me, chunk, len), len) }
+    let at = lay.msg_header(me, chunk);
+    // SAFETY: the sender published this chunk after writing its header and slot (the caller
+    // checked) and will not rewrite them until we acknowledge it, which the caller does after
+    // this borrow ends.
+    unsafe {
+        match len <= CARRIED {
+            true => src.bytes(at + CARRIED_AT, len),
+            false => src.bytes(lay.msg_data(me, chunk, len), len),
+        }
+    }
 }
 
 /// Every rank's window of a step: on the stack up to 16 ranks (a small op's step is a few
