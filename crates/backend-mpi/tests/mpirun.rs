@@ -121,6 +121,13 @@ fn small_ops_on_the_callers_thread_keep_their_order_in_native_mode() {
 }
 
 #[test]
+fn small_sends_and_receives_run_on_the_callers_thread_in_order() {
+    let Some(job) = job(2, "p2p", &[], Duration::from_secs(120)) else { return };
+    assert_eq!(job.code, Some(0), "{job}");
+    assert_eq!(lines(&job, "P2P-OK").len(), 2, "{job}");
+}
+
+#[test]
 fn a_small_op_waiting_for_a_late_peer_does_not_block_its_caller() {
     let Some(job) = job(2, "late", &[], Duration::from_secs(120)) else { return };
     assert_eq!(job.code, Some(0), "{job}");
@@ -201,6 +208,7 @@ fn child() {
             "mismatch" => mismatch().await,
             "lanes" => lanes().await,
             "late" => late().await,
+            "p2p" => p2p().await,
             "overlap" => overlap().await,
             "timeout" => timeout().await,
             "kill" => kill().await,
@@ -299,6 +307,39 @@ async fn lanes() -> i32 {
     }
     Collective::<Barrier>::submit(&w, Barrier).await.unwrap();
     println!("LANES-OK rank {me}");
+    w.shutdown().await.unwrap();
+    0
+}
+
+/// Small sends and receives run on the caller's thread while none of the group's
+/// point-to-point ops is with the actor: an eager send is done when `submit` returns (0 of 100
+/// were, through the actor). A large message, which the actor handles, and the small ones
+/// posted after it arrive in order.
+async fn p2p() -> i32 {
+    let w = MpiBackend::init(opts(Duration::from_secs(60))).await.unwrap();
+    let (me, n) = (w.rank(), w.world_size());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let mut inline = 0;
+    for i in 0..100u32 {
+        let send = w.submit(SendTo { buf: f32s(&[i as f32; 2]), dst: next, tag: 7 });
+        inline += usize::from(send.is_completed());
+        let got = w.submit(RecvFrom { buf: f32s(&[0.0; 2]), src: prev, tag: 7 }).await.unwrap();
+        assert_eq!(got.to_vec::<f32>().unwrap(), [i as f32; 2], "message #{i}");
+        send.await.unwrap();
+    }
+    assert!(inline >= 80, "only {inline} of 100 small sends were done when submit returned");
+    let big: Vec<f32> = (0..100_000).map(|x| x as f32).collect();
+    let msgs = [vec![1.0f32], big, vec![2.0]];
+    let sends: Vec<_> = msgs.iter().map(|m| w.submit(SendTo { buf: f32s(m), dst: next, tag: 9 })).collect();
+    let recvs: Vec<_> =
+        msgs.iter().map(|m| w.submit(RecvFrom { buf: f32s(&vec![0.0; m.len()]), src: prev, tag: 9 })).collect();
+    for (r, m) in recvs.into_iter().zip(&msgs) {
+        assert_eq!(&r.await.unwrap().to_vec::<f32>().unwrap(), m);
+    }
+    for s in sends {
+        s.await.unwrap();
+    }
+    println!("P2P-OK rank {me} ({inline} of 100 sends done in submit)");
     w.shutdown().await.unwrap();
     0
 }

@@ -582,7 +582,11 @@ impl ShmBackend {
         }
         let (done, work) = Work::pending();
         R::accept(Box::new(Pending { req, done }), &mut engine);
-        let budget = inner.inline_budget;
+        // A send that cannot finish at once waits for the peer's receive, which the peer may
+        // post only after its own send: it writes what the free slots take and leaves the
+        // rest (the worker, or this thread's next receive, goes on with it). A receive waits
+        // a moment for its message.
+        let budget = if R::KIND == OpKind::Send { None } else { Some(inner.inline_budget) };
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             engine.progress_inline(budget, || work.is_completed())
         }));

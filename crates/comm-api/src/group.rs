@@ -445,14 +445,21 @@ impl ProcessGroup {
     }
 
     /// Issues every op of `ops` at once (sends and receives progress concurrently, so any
-    /// order is deadlock-free) and returns their works in the same order.
+    /// order is deadlock-free) and returns their works in the same order. The sends are issued
+    /// first: a backend may wait a moment for a receive's message when it is issued, and the
+    /// peers' messages come from their sends. Messages between two ranks still match in the
+    /// order of `ops`.
     pub fn batch_isend_irecv(&self, ops: Vec<P2POp>) -> Vec<Work<HostBuffer>> {
-        ops.into_iter()
-            .map(|op| match op {
+        let mut works: Vec<Option<Work<HostBuffer>>> = ops.iter().map(|_| None).collect();
+        let (sends, recvs): (Vec<_>, Vec<_>) =
+            ops.into_iter().enumerate().partition(|(_, op)| matches!(op, P2POp::Send { .. }));
+        for (i, op) in sends.into_iter().chain(recvs) {
+            works[i] = Some(match op {
                 P2POp::Send { buf, peer, tag } => self.isend(buf, peer, tag),
                 P2POp::Recv { buf, peer, tag } => self.irecv(buf, peer, tag),
-            })
-            .collect()
+            });
+        }
+        works.into_iter().flatten().collect()
     }
 
     /// Resolves once every rank of the group has entered the barrier.

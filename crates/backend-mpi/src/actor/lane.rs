@@ -1,5 +1,6 @@
-//! Each group's lane: callers run small collectives on their own thread when the actor holds
-//! none of the group's collectives.
+//! Each group's lane: callers run collectives on their own thread when the actor holds none
+//! of the group's collectives, and sends and receives when it holds none of its sends and
+//! receives.
 
 use super::*;
 
@@ -18,6 +19,9 @@ pub(crate) struct Lane {
 pub(super) struct LaneState {
     /// Collectives handed to the actor and not finished.
     pub(super) queued: usize,
+    /// Sends and receives handed to the actor and not finished: a caller posts one itself only
+    /// when there are none (MPI matches messages in the order they were posted).
+    pub(super) p2p_queued: usize,
     /// The communicator, until the actor frees it.
     pub(super) comm: Option<raw::SharedComm>,
     /// Direct ops so far (for messages).
@@ -38,34 +42,62 @@ impl Lane {
     }
 }
 
-/// A collective handed to the actor: counted in its lane until the actor is done with it.
-pub(crate) struct Ticket(Arc<Lane>);
+/// An op handed to the actor: counted in its lane (as a collective, or a send or receive)
+/// until the actor is done with it.
+pub(crate) struct Ticket {
+    lane: Arc<Lane>,
+    p2p: bool,
+}
+
+impl Ticket {
+    /// Counts an op of kind `p2p` in `st`, the state of `lane`.
+    fn take(lane: &Arc<Lane>, st: &mut LaneState, p2p: bool) -> Ticket {
+        match p2p {
+            true => st.p2p_queued += 1,
+            false => st.queued += 1,
+        }
+        Ticket { lane: lane.clone(), p2p }
+    }
+}
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        let mut st = self.0.lock();
-        st.queued = st.queued.saturating_sub(1);
+        let mut st = self.lane.lock();
+        match self.p2p {
+            true => st.p2p_queued = st.p2p_queued.saturating_sub(1),
+            false => st.queued = st.queued.saturating_sub(1),
+        }
     }
 }
 
 /// Runs `op` on the caller's thread when its type allows it (`MpiOp::direct`) and the group's
 /// lane is free (`None`; see ARCHITECTURE.md, "The path of a small op"); else hands it back for
-/// the actor, with the ticket that counts it in the lane when it is a collective
-/// (point-to-point ops never wait for collectives).
+/// the actor, with the ticket that counts it in the lane (point-to-point ops never wait for
+/// collectives, nor collectives for them).
 pub(crate) fn submit_direct<R: MpiOp>(
     lane: &Arc<Lane>,
     info: &GroupInfo,
     tx: &std::sync::mpsc::Sender<Msg>,
     op: Pending<R>,
 ) -> Option<(Pending<R>, Option<Ticket>)> {
-    if R::P2P {
-        return Some((op, None));
-    }
     let mut st = lane.lock();
+    if R::P2P {
+        if st.comm.is_none() || st.p2p_queued > 0 || op.req.bytes() > P2P_DIRECT_MAX {
+            let ticket = Ticket::take(lane, &mut st, true);
+            return Some((op, Some(ticket)));
+        }
+        let Job::P2p(post) = op.req.job(op.done, &lane.params, info.size as usize) else {
+            unreachable!("a point-to-point op is posted")
+        };
+        let finished = p2p_direct(lane, &mut st, info, tx, post);
+        drop(st);
+        finished.complete(info);
+        return None;
+    }
     let direct = op.req.direct(&lane.params, info.size as usize);
     if st.comm.is_none() || st.queued > 0 || !direct || !lane.params.check || info.size < 2 {
-        st.queued += 1;
-        return Some((op, Some(Ticket(lane.clone()))));
+        let ticket = Ticket::take(lane, &mut st, false);
+        return Some((op, Some(ticket)));
     }
     st.seq += 1;
     let what = OpLabel { name: R::NAME, seq: st.seq, direct: true };
@@ -82,8 +114,8 @@ pub(crate) fn submit_direct<R: MpiOp>(
             // Peers are late: the actor polls it from here on (this thread must not block for
             // them: a task it would run may be what they wait for). Counted in the lane like
             // any collective the actor runs, and sent under the lock, so it runs first.
-            st.queued += 1;
-            let active = Active { ticket: Some(Ticket(lane.clone())), what, started, req, cont, reply };
+            let ticket = Ticket::take(lane, &mut st, false);
+            let active = Active { ticket: Some(ticket), what, started, req, cont, reply };
             if let Err(std::sync::mpsc::SendError(msg)) = tx.send(Msg::Adopt(info.gid, Box::new(active))) {
                 // The actor is gone (MPI finalised): the request stays with MPI.
                 drop(st);
@@ -110,6 +142,96 @@ pub(crate) fn submit_direct<R: MpiOp>(
     }
     None
 }
+
+/// Posts a send or receive (of at most [`P2P_DIRECT_MAX`] bytes, sent eagerly: a send needs
+/// no answer from the receiver) on the caller's thread and polls it for the lane's spin budget
+/// and a few yields (a small message is there by then). What is still in flight goes to the
+/// actor, counted in the lane (sent under the lock, so later sends and receives wait behind
+/// it). Returns what finished, to be completed once the lane is unlocked.
+fn p2p_direct(
+    lane: &Arc<Lane>,
+    st: &mut LaneState,
+    info: &GroupInfo,
+    tx: &std::sync::mpsc::Sender<Msg>,
+    post: Post,
+) -> Finished {
+    let timeout = lane.params.timeout;
+    let Some(comm) = &st.comm else { unreachable!("checked by the caller") };
+    let polled = comm.with(|comm| {
+        let mut p = P2p::start(post, comm, timeout, None).map_err(Finished::Refused)?;
+        let started = Instant::now();
+        let (mut yields, mut polls) = (0, 0u32);
+        loop {
+            polls = polls.wrapping_add(1);
+            if let Some(result) = p2p::poll(&mut p, comm, info.rank, Instant::now(), timeout) {
+                return Err(Finished::Done(Box::new(p), result));
+            }
+            // The clock read only every 16th poll: it costs about as much as a poll.
+            if !polls.is_multiple_of(16) || started.elapsed() < lane.spin {
+                std::hint::spin_loop();
+            } else if yields < DIRECT_YIELDS {
+                yields += 1;
+                std::thread::yield_now();
+            } else {
+                return Ok(p);
+            }
+        }
+    });
+    let mut p = match polled {
+        Ok(in_flight) => in_flight,
+        Err(finished) => return finished,
+    };
+    p.ticket = Some(Ticket::take(lane, st, true));
+    match tx.send(Msg::AdoptP2p(info.gid, Box::new(p))) {
+        Ok(()) => Finished::Nothing,
+        // The actor is gone (MPI finalised): the request stays with MPI.
+        Err(std::sync::mpsc::SendError(msg)) => Finished::Gone(msg),
+    }
+}
+
+/// What a direct send or receive leaves its caller to complete, once the lane is unlocked
+/// (completion hooks may submit the next op).
+enum Finished {
+    /// Handed to the actor.
+    Nothing,
+    Done(Box<P2p>, Result<(), CommError>),
+    /// MPI refused to post it.
+    Refused((Completer<HostBuffer>, CommError)),
+    /// The actor is gone: the message it was not sent.
+    Gone(Msg),
+}
+
+impl Finished {
+    fn complete(self, info: &GroupInfo) {
+        let failed = match self {
+            Finished::Nothing => None,
+            Finished::Done(p, result) => {
+                let mut graveyard = Vec::new();
+                let e = p2p::finish(*p, result, &mut graveyard);
+                // A failed request MPI may still use keeps its buffers (raw rule 3).
+                std::mem::forget(graveyard);
+                e
+            }
+            Finished::Refused((done, e)) => {
+                done.complete(Err(e.duplicate()));
+                Some(e).filter(CommError::poisons_group)
+            }
+            Finished::Gone(msg) => {
+                reject_with(msg, "the MPI actor is gone");
+                None
+            }
+        };
+        // As on the actor, a failed send or receive poisons the group.
+        if let Some(e) = failed {
+            info.poison.set(e.to_string());
+        }
+    }
+}
+
+/// Largest message a caller sends or receives itself: one that every transport sends eagerly
+/// (Open MPI's shared memory from 4 KiB on, and most others later, wait for the receiver's
+/// answer first, which this thread would only wait for; the actor handles those).
+const P2P_DIRECT_MAX: usize = 2 << 10;
 
 /// How far a direct op got on the caller's thread.
 pub(super) enum Direct {

@@ -94,6 +94,8 @@ pub(crate) enum Msg {
     Op(Gid, Box<dyn Queued>, Option<Ticket>),
     /// A caller's direct op whose exchange did not complete at once: the actor finishes it.
     Adopt(Gid, Box<Active>),
+    /// A caller's direct send or receive that did not complete at once: the actor polls it.
+    AdoptP2p(Gid, Box<P2p>),
     /// A new world group (a duplicate of MPI_COMM_WORLD).
     World(Params, Completer<GroupInfo>),
     /// Shut a group down (a world group: end MPI) after its submitted ops.
@@ -309,7 +311,7 @@ impl Actor {
                     return cmd.fail(e);
                 }
                 match cmd.job(&g.params, g.info.size as usize) {
-                    Job::P2p(post) => self.start_p2p(gid, post),
+                    Job::P2p(post) => self.start_p2p(gid, post, ticket),
                     Job::Collective(plan) => g.queue.push_back((plan, ticket)),
                 }
             }
@@ -325,6 +327,17 @@ impl Actor {
                 None => {
                     let Active { req, reply, .. } = *a;
                     reply.fail(CommError::Shutdown("the group was shut down".into()));
+                    std::mem::forget(req);
+                }
+            },
+            Msg::AdoptP2p(gid, p) => match self.groups.get_mut(&gid) {
+                Some(g) => match g.poison_error() {
+                    None => g.p2p.push(*p),
+                    Some(e) => drop(p2p::finish(*p, Err(e), &mut self.graveyard)),
+                },
+                None => {
+                    let P2p { req, done, .. } = *p;
+                    done.complete(Err(CommError::Shutdown("the group was shut down".into())));
                     std::mem::forget(req);
                 }
             },
@@ -379,34 +392,11 @@ impl Actor {
         }
     }
 
-    fn start_p2p(&mut self, gid: Gid, post: Post) {
+    fn start_p2p(&mut self, gid: Gid, post: Post, ticket: Option<Ticket>) {
         let Some(g) = self.groups.get_mut(&gid) else { return };
-        let Post { recv, buf, peer, tag, done } = post;
-        let (dtype, len) = (buf.dtype(), buf.len());
-        let t = mpi_tag(tag, dtype);
-        let deadline = Instant::now() + g.params.timeout;
-        if recv {
-            // Posted once its message is matched (`p2p::progress_p2p`).
-            let buf = Some(buf);
-            g.p2p.push(P2p { recv, peer, tag, dtype, len, deadline, req: None, buf, too_long: None, done });
-            return;
-        }
-        match raw::isend(&g.comm, buf, peer as i32, t) {
-            Ok(req) => {
-                g.p2p.push(P2p {
-                    recv,
-                    peer,
-                    tag,
-                    dtype,
-                    len,
-                    deadline,
-                    req: Some(req),
-                    buf: None,
-                    too_long: None,
-                    done,
-                });
-            }
-            Err(e) => {
+        match P2p::start(post, &g.comm, g.params.timeout, ticket) {
+            Ok(p) => g.p2p.push(p),
+            Err((done, e)) => {
                 if e.poisons_group() {
                     g.poison(&e, &mut self.graveyard);
                 }
@@ -570,7 +560,7 @@ impl Actor {
         }
         // Fault injection targets the actor: its groups keep every op there.
         let lane = (self.multiple && params.panic_at.is_none()).then(|| {
-            let state = LaneState { queued: 0, comm: Some(comm.share()), seq: 0, pool: Pool::default() };
+            let state = LaneState { queued: 0, p2p_queued: 0, comm: Some(comm.share()), seq: 0, pool: Pool::default() };
             Arc::new(Lane { state: Mutex::new(state), params: params.clone(), spin: self.spin })
         });
         let info = GroupInfo {
@@ -685,6 +675,11 @@ pub(crate) fn reject_with(m: Msg, why: &str) {
         Msg::Adopt(_, a) => {
             let Active { req, reply, .. } = *a;
             reply.fail(e());
+            std::mem::forget(req);
+        }
+        Msg::AdoptP2p(_, p) => {
+            let P2p { req, done, .. } = *p;
+            done.complete(Err(e()));
             std::mem::forget(req);
         }
         Msg::World(_, d) => d.complete(Err(e())),

@@ -17,7 +17,8 @@ pub trait MpiOp: Op + Sized {
     }
 
     /// Whether a caller may run it on its own thread while the group's lane is free (see
-    /// `lane.rs`): ops small enough to finish from the header exchange, and all_reduce.
+    /// `lane.rs`): ops small enough to finish from the header exchange, collectives up to
+    /// `plans::DIRECT_MAX`, and all_reduce.
     fn direct(&self, _params: &Params, _size: usize) -> bool {
         false
     }

@@ -8,7 +8,7 @@ pub(super) fn mpi_tag(tag: u32, dtype: DType) -> i32 {
     ((tag << 3) | u32::from(dtype.code())) as i32
 }
 
-pub(super) struct P2p {
+pub(crate) struct P2p {
     pub(super) recv: bool,
     pub(super) peer: Rank,
     pub(super) tag: u32,
@@ -24,9 +24,32 @@ pub(super) struct P2p {
     /// (so it leaves MPI's queue), then reported.
     pub(super) too_long: Option<usize>,
     pub(super) done: Completer<HostBuffer>,
+    /// Counts it in its group's lane while the actor holds it (see `Lane`).
+    pub(super) ticket: Option<Ticket>,
 }
 
 impl P2p {
+    /// Posts a send (a receive is posted once its message is matched, see [`poll`]). A send
+    /// MPI refuses comes back with its completer and the error.
+    pub(super) fn start(
+        post: Post,
+        comm: &Comm,
+        timeout: Duration,
+        ticket: Option<Ticket>,
+    ) -> Result<P2p, (Completer<HostBuffer>, CommError)> {
+        let Post { recv, buf, peer, tag, done } = post;
+        let (dtype, len) = (buf.dtype(), buf.len());
+        let deadline = Instant::now() + timeout;
+        let (req, buf) = match recv {
+            true => (None, Some(buf)),
+            false => match raw::isend(comm, buf, peer as i32, mpi_tag(tag, dtype)) {
+                Ok(req) => (Some(req), None),
+                Err(e) => return Err((done, e)),
+            },
+        };
+        Ok(P2p { recv, peer, tag, dtype, len, deadline, req, buf, too_long: None, done, ticket })
+    }
+
     pub(super) fn what(&self) -> String {
         let dir = if self.recv { "recv from" } else { "send to" };
         format!("{dir} rank {} (tag {}, {} × {})", self.peer, self.tag, self.dtype, self.len)
@@ -52,96 +75,104 @@ pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Ins
     let mut failure: Option<CommError> = None;
     let mut i = 0;
     while i < g.p2p.len() {
-        let p = &mut g.p2p[i];
-        if p.req.is_none() {
-            // Receives are matched in the order they were posted (the list keeps it), as
-            // MPI matches posted receives.
-            let failed = match match_recv(p, &g.comm) {
-                Ok(true) => None,
-                Ok(false) if now < p.deadline => {
-                    i += 1;
-                    continue;
-                }
-                Ok(false) => Some(p2p_timeout(p, &g.comm, g.params.timeout)),
-                Err(e) => Some(e),
-            };
-            any = true;
-            if let Some(e) = failed {
-                // Nothing was posted for it: no request to cancel or keep.
-                g.p2p.remove(i).done.complete(Err(e.duplicate()));
-                failure.get_or_insert(e);
-                continue;
-            }
-        }
-        let p = &mut g.p2p[i];
-        let Some(req) = p.req.as_mut() else { unreachable!("matched above") };
-        let result = match req.test() {
-            Polled::Pending if now < p.deadline => {
-                i += 1;
-                continue;
-            }
-            Polled::Pending => Err(p2p_timeout(p, &g.comm, g.params.timeout)),
-            Polled::Done(_) if p.too_long.is_some() => Err(CommError::Mismatch {
-                op: "recv",
-                detail: format!(
-                    "rank {} sent {} elements of {}, more than the {} elements rank {} posted a recv for (tag {})",
-                    p.peer,
-                    p.too_long.unwrap_or(0),
-                    p.dtype,
-                    p.len,
-                    g.info.rank,
-                    p.tag
-                ),
-            }),
-            Polled::Done(c) => {
-                if p.recv && c.count.is_some_and(|n| n != p.len) {
-                    Err(CommError::Mismatch {
-                        op: "recv",
-                        detail: format!(
-                            "rank {} sent {} elements of {} with tag {}, but rank {} posted a recv of {} elements",
-                            p.peer,
-                            c.count.unwrap_or(0),
-                            p.dtype,
-                            p.tag,
-                            g.info.rank,
-                            p.len
-                        ),
-                    })
-                } else {
-                    Ok(())
-                }
-            }
-            Polled::Failed { err, .. } if p.recv && err.is_truncation() => Err(CommError::Mismatch {
-                op: "recv",
-                detail: format!(
-                    "rank {} sent more than the {} elements of {} rank {} posted a recv for (tag {})",
-                    p.peer, p.len, p.dtype, g.info.rank, p.tag
-                ),
-            }),
-            Polled::Failed { err, .. } => Err(err.into_comm()),
+        // Receives are matched in the order they were posted (the list keeps it), as MPI
+        // matches posted receives.
+        let Some(result) = poll(&mut g.p2p[i], &g.comm, g.info.rank, now, g.params.timeout) else {
+            i += 1;
+            continue;
         };
         any = true;
-        let p = g.p2p.remove(i);
-        let Some(mut req) = p.req else { unreachable!("matched above") };
-        match result {
-            Ok(()) => match req.into_bufs() {
-                Some(b) => p.done.complete(if p.recv { take(b.recv) } else { take(b.send) }),
-                None => p.done.complete(Err(internal("a completed request kept its buffers"))),
-            },
-            Err(e) => {
-                if p.recv && !req.is_done() {
-                    req.cancel();
-                }
-                p.done.complete(Err(e.duplicate()));
-                bury(req, graveyard);
-                failure.get_or_insert(e);
-            }
+        if let Some(e) = finish(g.p2p.remove(i), result, graveyard) {
+            failure.get_or_insert(e);
         }
     }
     if let Some(e) = failure {
         g.poison(&e, graveyard);
     }
     any
+}
+
+/// Polls `p` once (matching a receive's message first): `None` while it is in flight within
+/// its deadline, else how it ended. `me`: this rank, for messages.
+pub(super) fn poll(
+    p: &mut P2p,
+    comm: &Comm,
+    me: Rank,
+    now: Instant,
+    timeout: Duration,
+) -> Option<Result<(), CommError>> {
+    if p.req.is_none() {
+        match match_recv(p, comm) {
+            Ok(true) => {}
+            Ok(false) if now < p.deadline => return None,
+            Ok(false) => return Some(Err(p2p_timeout(p, comm, timeout))),
+            Err(e) => return Some(Err(e)),
+        }
+    }
+    let req = p.req.as_mut()?;
+    Some(match req.test() {
+        Polled::Pending if now < p.deadline => return None,
+        Polled::Pending => Err(p2p_timeout(p, comm, timeout)),
+        Polled::Done(_) if p.too_long.is_some() => Err(CommError::Mismatch {
+            op: "recv",
+            detail: format!(
+                "rank {} sent {} elements of {}, more than the {} elements rank {me} posted a recv for (tag {})",
+                p.peer,
+                p.too_long.unwrap_or(0),
+                p.dtype,
+                p.len,
+                p.tag
+            ),
+        }),
+        Polled::Done(c) if p.recv && c.count.is_some_and(|n| n != p.len) => Err(CommError::Mismatch {
+            op: "recv",
+            detail: format!(
+                "rank {} sent {} elements of {} with tag {}, but rank {me} posted a recv of {} elements",
+                p.peer,
+                c.count.unwrap_or(0),
+                p.dtype,
+                p.tag,
+                p.len
+            ),
+        }),
+        Polled::Done(_) => Ok(()),
+        Polled::Failed { err, .. } if p.recv && err.is_truncation() => Err(CommError::Mismatch {
+            op: "recv",
+            detail: format!(
+                "rank {} sent more than the {} elements of {} rank {me} posted a recv for (tag {})",
+                p.peer, p.len, p.dtype, p.tag
+            ),
+        }),
+        Polled::Failed { err, .. } => Err(err.into_comm()),
+    })
+}
+
+/// Completes a finished `p` with `result` (the buffer back, or the error); a failed request
+/// MPI may still use goes to `graveyard`. Returns the error, which poisons the group.
+pub(super) fn finish(p: P2p, result: Result<(), CommError>, graveyard: &mut Vec<Request>) -> Option<CommError> {
+    let Some(mut req) = p.req else {
+        // A receive whose message never came: nothing was posted for it.
+        let e = result.err().unwrap_or_else(|| internal("a receive finished unmatched"));
+        p.done.complete(Err(e.duplicate()));
+        return Some(e);
+    };
+    match result {
+        Ok(()) => {
+            match req.into_bufs() {
+                Some(b) => p.done.complete(if p.recv { take(b.recv) } else { take(b.send) }),
+                None => p.done.complete(Err(internal("a completed request kept its buffers"))),
+            }
+            None
+        }
+        Err(e) => {
+            if p.recv && !req.is_done() {
+                req.cancel();
+            }
+            p.done.complete(Err(e.duplicate()));
+            bury(req, graveyard);
+            Some(e)
+        }
+    }
 }
 
 /// The error of a point-to-point op that ran out of time: a mismatch when a message from the

@@ -597,6 +597,24 @@ fn check_splits(m: &[i64], n: usize) -> Result<(), CommError> {
 
 // `d` below is each op's completer (`done` builds a finished step).
 
+/// Largest op (bytes this rank hands in or receives, whichever is more) that a caller runs on
+/// its own thread beyond what fits the exchange: once the exchange completed every rank is in
+/// the op, so the rest waits for the transfer, not for peers, and a hand-off to the actor and
+/// back costs more than a small transfer. Larger ones go to the actor, so that a caller that
+/// overlaps its own work with them is not held up (all_reduce excepted: see its `direct`).
+const DIRECT_MAX: usize = 1 << 20;
+
+/// Whether a caller may run a transfer of `bytes` (see [`DIRECT_MAX`]).
+fn direct_transfer(bytes: usize) -> bool {
+    bytes <= DIRECT_MAX
+}
+
+/// Whether a caller may run a reduction of `dtype` of `bytes` beyond the exchange: ours, or
+/// MPI's built-in ops (f16/bf16 MPI ops live on the actor).
+fn direct_reduction(params: &Params, dtype: DType, bytes: usize) -> bool {
+    direct_transfer(bytes) && (local_reduction(params, dtype) || direct_native(params, dtype))
+}
+
 impl MpiOp for AllReduce {
     /// Any size: once the exchange completed every rank is in it, so the rest waits for the
     /// transfer, not for peers (f16/bf16 in native mode excepted: their MPI ops live on the
@@ -612,8 +630,9 @@ impl MpiOp for AllReduce {
 }
 
 impl MpiOp for Reduce {
-    fn direct(&self, _: &Params, size: usize) -> bool {
-        small(self.buf.byte_len(), size)
+    fn direct(&self, params: &Params, size: usize) -> bool {
+        let bytes = self.buf.byte_len();
+        small(bytes, size) || direct_reduction(params, self.buf.dtype(), bytes)
     }
 
     fn job(self, d: Completer<HostBuffer>, params: &Params, n: usize) -> Job {
@@ -622,8 +641,9 @@ impl MpiOp for Reduce {
 }
 
 impl MpiOp for ReduceScatter {
-    fn direct(&self, _: &Params, size: usize) -> bool {
-        small(self.input.byte_len(), size)
+    fn direct(&self, params: &Params, size: usize) -> bool {
+        let bytes = self.input.byte_len();
+        small(bytes, size) || direct_reduction(params, self.input.dtype(), bytes)
     }
 
     fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
@@ -644,7 +664,7 @@ impl MpiOp for AllToAll {
 
 impl MpiOp for Broadcast {
     fn direct(&self, _: &Params, size: usize) -> bool {
-        small(self.buf.byte_len(), size)
+        small(self.buf.byte_len(), size) || direct_transfer(self.buf.byte_len())
     }
 
     fn job(self, d: Completer<HostBuffer>, _: &Params, n: usize) -> Job {
@@ -667,7 +687,7 @@ impl MpiOp for Broadcast {
 
 impl MpiOp for AllGather {
     fn direct(&self, _: &Params, size: usize) -> bool {
-        small(self.input.byte_len(), size)
+        small(self.input.byte_len(), size) || direct_transfer(self.input.byte_len().saturating_mul(size))
     }
 
     fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
@@ -698,7 +718,8 @@ fn scatter_inline(block: usize, size: usize) -> bool {
 
 impl MpiOp for Scatter {
     fn direct(&self, _: &Params, size: usize) -> bool {
-        scatter_inline(self.output.byte_len(), size)
+        let all = self.output.byte_len().saturating_mul(size);
+        scatter_inline(self.output.byte_len(), size) || direct_transfer(all)
     }
 
     fn job(self, d: Completer<InOut>, _: &Params, _: usize) -> Job {
@@ -734,7 +755,7 @@ impl MpiOp for Scatter {
 
 impl MpiOp for Gather {
     fn direct(&self, _: &Params, size: usize) -> bool {
-        small(self.input.byte_len(), size)
+        small(self.input.byte_len(), size) || direct_transfer(self.input.byte_len().saturating_mul(size))
     }
 
     fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {

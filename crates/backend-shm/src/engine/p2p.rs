@@ -18,11 +18,11 @@ impl Engine {
 
     /// Progresses point-to-point traffic on a caller's thread until `done()`, as an inline
     /// collective waits for its peers: spinning for `budget`, then yielding for
-    /// [`INLINE_YIELD`]. A peer that lost its core for a moment is waited for rather than
-    /// handed to the worker, which would cost two wake-ups and make this rank late for the
-    /// peer's next message in turn. An error poisons the group, as on the worker, and ends
-    /// the wait.
-    pub(crate) fn progress_inline(&mut self, budget: Duration, done: impl Fn() -> bool) {
+    /// [`INLINE_YIELD`] (`None`: one pass). A peer that lost its core for a moment is waited
+    /// for rather than handed to the worker, which would cost two wake-ups and make this rank
+    /// late for the peer's next message in turn. An error poisons the group, as on the
+    /// worker, and ends the wait.
+    pub(crate) fn progress_inline(&mut self, budget: Option<Duration>, done: impl Fn() -> bool) {
         let start = Instant::now();
         loop {
             if self.poisoned.is_some() {
@@ -31,9 +31,7 @@ impl Engine {
             if let Err(e) = self.progress_p2p() {
                 return self.poison_with(&e);
             }
-            if done() {
-                return;
-            }
+            let Some(budget) = budget.filter(|_| !done()) else { return };
             match start.elapsed() {
                 t if t < budget => std::hint::spin_loop(),
                 t if t < budget + INLINE_YIELD => std::thread::yield_now(),
