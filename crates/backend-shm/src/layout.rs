@@ -18,8 +18,9 @@ pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"commshm1");
 /// last, data right after the header; 4: small data in the header; 5: steps move through
 /// the window; 6: mailbox chunks move through their slot; 7: queued collectives open with an
 /// arrival step, and the sleeping word is a set of flags; 8: a mailbox chunk is published by
-/// its header's first word, small ones travel in the header, no `sent` counters).
-pub(crate) const VERSION: u32 = 8;
+/// its header's first word, small ones travel in the header, no `sent` counters; 9: the
+/// receiving flag).
+pub(crate) const VERSION: u32 = 9;
 
 pub(crate) const OFF_MAGIC: usize = 0;
 pub(crate) const OFF_VERSION: usize = 8;
@@ -47,6 +48,10 @@ pub(crate) const SLEEP_LOCAL: u32 = 2;
 pub(crate) const SLEEP_ENGINE: u32 = 4;
 pub(crate) const OFF_REASON: usize = 192;
 pub(crate) const REASON_LEN: usize = 256;
+/// Non-zero while a caller of this rank waits in a receive on its own thread (its own line:
+/// written at every such receive). A peer waiting for this rank's message gives up early
+/// when it is set: this rank may be waiting for the peer in turn.
+pub(crate) const OFF_RECEIVING: usize = 448;
 const OFF_P2P_COUNTERS: usize = 512;
 const LINE: usize = 64;
 const HDR: usize = 64;

@@ -16,28 +16,42 @@ impl Engine {
         Ok(any)
     }
 
-    /// Progresses point-to-point traffic on a caller's thread until `done()`, as an inline
-    /// collective waits for its peers: spinning for `budget`, then yielding for
-    /// [`INLINE_YIELD`] (`None`: one pass). A peer that lost its core for a moment is waited
+    /// Progresses point-to-point traffic on a caller's thread until `done()` (`budget`
+    /// `None`: one pass), as an inline collective waits for its peers: spinning for `budget`,
+    /// then yielding for [`INLINE_YIELD`]. A peer that lost its core for a moment is waited
     /// for rather than handed to the worker, which would cost two wake-ups and make this rank
-    /// late for the peer's next message in turn. An error poisons the group, as on the
-    /// worker, and ends the wait.
+    /// late for the peer's next message in turn; but not a peer that waits in a receive
+    /// itself (`OFF_RECEIVING`): ranks that each post a receive before their send (a ring of
+    /// `irecv` then `isend`) wait for each other, and only the worker gets them out. An error
+    /// poisons the group, as on the worker, and ends the wait.
     pub(crate) fn progress_inline(&mut self, budget: Option<Duration>, done: impl Fn() -> bool) {
         let start = Instant::now();
+        let me = self.segs[self.rank].clone();
+        let receiving = me.u32_at(OFF_RECEIVING);
+        if budget.is_some() {
+            receiving.store(1, Release);
+        }
         loop {
             if self.poisoned.is_some() {
-                return;
+                break;
             }
             if let Err(e) = self.progress_p2p() {
-                return self.poison_with(&e);
+                self.poison_with(&e);
+                break;
             }
-            let Some(budget) = budget.filter(|_| !done()) else { return };
+            let Some(budget) = budget.filter(|_| !done()) else { break };
             match start.elapsed() {
                 t if t < budget => std::hint::spin_loop(),
-                t if t < budget + INLINE_YIELD => std::thread::yield_now(),
-                _ => return,
+                t if t < budget + INLINE_YIELD && !self.awaited_peer_receiving() => std::thread::yield_now(),
+                _ => break,
             }
         }
+        receiving.store(0, Release);
+    }
+
+    /// Whether a peer we wait for a message from waits in a receive itself.
+    fn awaited_peer_receiving(&self) -> bool {
+        (0..self.world).any(|p| !self.recvs[p].is_empty() && self.segs[p].u32_at(OFF_RECEIVING).load(Acquire) != 0)
     }
 
     /// Writes the next chunk of the first queued send to `peer`, if a slot is free.
