@@ -149,7 +149,10 @@ pub(super) fn poll(
 
 /// Completes a finished `p` with `result` (the buffer back, or the error); a failed request
 /// MPI may still use goes to `graveyard`. Returns the error, which poisons the group.
-pub(super) fn finish(p: P2p, result: Result<(), CommError>, graveyard: &mut Vec<Request>) -> Option<CommError> {
+pub(super) fn finish(mut p: P2p, result: Result<(), CommError>, graveyard: &mut Vec<Request>) -> Option<CommError> {
+    // Counted down before the `Work` completes, as a collective's ticket: the caller's next
+    // send or receive may run on its own thread again.
+    drop(p.ticket.take());
     let Some(mut req) = p.req else {
         // A receive whose message never came: nothing was posted for it.
         let e = result.err().unwrap_or_else(|| internal("a receive finished unmatched"));
