@@ -26,10 +26,8 @@ impl Engine {
     /// poisons the group, as on the worker, and ends the wait.
     pub(crate) fn progress_inline(&mut self, budget: Option<Duration>, done: impl Fn() -> bool) {
         let start = Instant::now();
-        let me = self.segs[self.rank].clone();
-        let receiving = me.u32_at(OFF_RECEIVING);
         if budget.is_some() {
-            receiving.store(1, Release);
+            self.me().u32_at(OFF_RECEIVING).store(1, Release);
         }
         loop {
             if self.poisoned.is_some() {
@@ -46,7 +44,9 @@ impl Engine {
                 _ => break,
             }
         }
-        receiving.store(0, Release);
+        if budget.is_some() {
+            self.me().u32_at(OFF_RECEIVING).store(0, Release);
+        }
     }
 
     /// Whether a peer we wait for a message from waits in a receive itself.
