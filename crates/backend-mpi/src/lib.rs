@@ -431,8 +431,13 @@ impl<R: MpiOp> Collective<R> for MpiBackend {
             return Work::ready(Err(e));
         }
         let (done, work) = Work::pending();
+        // Counted before its header goes out, until it finishes (`actor::Held`).
+        let held = (!R::P2P).then(|| actor::Held::new(inner.info.gid));
         self.send(Pending { req, done });
-        work
+        match held {
+            Some(h) if !work.is_completed() => work.on_complete(move |_| drop(h)),
+            _ => work,
+        }
     }
 }
 

@@ -128,6 +128,13 @@ fn small_sends_and_receives_run_on_the_callers_thread_in_order() {
 }
 
 #[test]
+fn collectives_of_two_groups_in_opposite_orders_complete() {
+    let Some(job) = job(2, "crossed", &[], Duration::from_secs(120)) else { return };
+    assert_eq!(job.code, Some(0), "the job failed: {job}");
+    assert_eq!(lines(&job, "CROSSED-OK").len(), 2, "{job}");
+}
+
+#[test]
 fn a_small_op_waiting_for_a_late_peer_does_not_block_its_caller() {
     let Some(job) = job(2, "late", &[], Duration::from_secs(120)) else { return };
     assert_eq!(job.code, Some(0), "{job}");
@@ -209,6 +216,7 @@ fn child() {
             "lanes" => lanes().await,
             "late" => late().await,
             "p2p" => p2p().await,
+            "crossed" => crossed().await,
             "overlap" => overlap().await,
             "timeout" => timeout().await,
             "kill" => kill().await,
@@ -340,6 +348,55 @@ async fn p2p() -> i32 {
         s.await.unwrap();
     }
     println!("P2P-OK rank {me} ({inline} of 100 sends done in submit)");
+    w.shutdown().await.unwrap();
+    0
+}
+
+/// Two groups of the same ranks whose collectives the ranks submit in opposite orders, each
+/// behind a large broadcast that the actor runs (so both reach the actor): a nonblocking API
+/// must complete both, as MPI's nonblocking collectives on two communicators do, whichever
+/// order each rank chose. (Were both actors to make MPI's blocking calls, each could block in
+/// its first group's call, waiting for the peer's part queued behind the peer's.)
+async fn crossed() -> i32 {
+    let w = MpiBackend::init(opts(Duration::from_secs(30))).await.unwrap();
+    let (me, n) = (w.rank(), w.world_size());
+    let all: Vec<u32> = (0..n).collect();
+    let sub = w.new_group(&all).await.unwrap().unwrap();
+    let sum: f32 = (0..n).map(|r| r as f32).sum();
+    for (i, len) in [4usize, 1 << 10, 1 << 18].repeat(30).into_iter().enumerate() {
+        let big = 1 << 19;
+        let b1 = w.submit(Broadcast { buf: f32s(&vec![me as f32; big]), root: 0 });
+        let b2 = Collective::<Broadcast>::submit(&*sub, Broadcast { buf: f32s(&vec![me as f32; big]), root: 0 });
+        let ar = |g: &dyn Backend| {
+            Collective::<AllReduce>::submit(g, AllReduce { buf: f32s(&vec![me as f32; len]), op: ReduceOp::Sum })
+        };
+        let (x, y) = if me % 2 == 0 {
+            let x = ar(&w);
+            (x, ar(&*sub))
+        } else {
+            let y = ar(&*sub);
+            (ar(&w), y)
+        };
+        let all = async {
+            b1.await.unwrap();
+            b2.await.unwrap();
+            (x.await, y.await)
+        };
+        match tokio::time::timeout(Duration::from_secs(20), all).await {
+            Ok((Ok(x), Ok(y))) => {
+                assert!(
+                    x.to_vec::<f32>().unwrap().iter().chain(&y.to_vec::<f32>().unwrap()).all(|&v| v == sum),
+                    "{len}"
+                );
+            }
+            other => {
+                eprintln!("CROSSED-FAILED rank {me} round {i} len {len}: {:?}", other.map(|(a, b)| (a.err(), b.err())));
+                std::process::exit(1);
+            }
+        }
+    }
+    println!("CROSSED-OK rank {me}");
+    sub.shutdown().await.unwrap();
     w.shutdown().await.unwrap();
     0
 }

@@ -33,11 +33,13 @@ impl Group {
     pub(super) fn env<'a>(&'a self, half: Option<&'a raw::HalfOps>, pool: &'a Pool) -> Env<'a> {
         Env {
             comm: &self.comm,
+            gid: self.info.gid,
             rank: self.info.rank as usize,
             size: self.info.size as usize,
             params: &self.params,
             half,
             pool,
+            may_block: false,
         }
     }
 

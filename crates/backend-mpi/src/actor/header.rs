@@ -28,7 +28,7 @@ pub(super) fn exchange(
         return Err(internal("an exchange payload longer than the slot"));
     }
     let inline = data.is_some();
-    let mine = exchange_slot(pool, &header, data);
+    let mine = exchange_slot(pool, &header, data, held::alone(env.gid));
     // An all_reduce reads its own input from its buffer: only the header is copied over.
     let own = if whole.is_some() { 32 } else { mine.byte_len() };
     // Not zeroed when kept from an earlier op: every message starts with a whole header, and
@@ -46,8 +46,9 @@ pub(super) fn exchange(
         if let Err(e) = verify(&ex, env.size, &header, env.rank, what) {
             return drain(env, &ex, sends, e);
         }
+        let may_block = ex.all_alone(env.size);
         let Some(sends) = sends else {
-            let step = start(env, inline.then_some(&mut ex));
+            let step = start(&Env { may_block, ..*env }, inline.then_some(&mut ex));
             env.recycle(Some(ex.all));
             return step;
         };
@@ -59,7 +60,7 @@ pub(super) fn exchange(
             Ok(wait(sends, move |env, b| {
                 ex.input = b.send;
                 ex.bulk = Some(Bulk { peers, len });
-                let step = start(env, Some(&mut ex));
+                let step = start(&Env { may_block, ..*env }, Some(&mut ex));
                 env.recycle(Some(ex.all));
                 env.recycle(ex.bulk.map(|b| b.peers));
                 step
@@ -113,19 +114,26 @@ pub(super) fn beside_len(len: usize, n: usize) -> usize {
     len.min(WHOLE_MAX).max(len - in_slot)
 }
 
-/// What this rank sends in its slot of the exchange before a collective: the header, then a
-/// small op's data (a kept buffer when there is one of that length: a slot's data is read only
-/// up to the length its header gives).
-pub(super) fn exchange_slot(pool: &Pool, header: &Header, payload: Option<&[u8]>) -> HostBuffer {
+/// What this rank sends in its slot of the exchange before a collective: the header (with the
+/// [`ALONE`] bit when `alone`), then a small op's data (a kept buffer when there is one of that
+/// length: a slot's data is read only up to the length its header gives).
+pub(super) fn exchange_slot(pool: &Pool, header: &Header, payload: Option<&[u8]>, alone: bool) -> HostBuffer {
     let p = payload.unwrap_or_default();
     let mut mine = pool.buffer(DType::U8, 32 + p.len());
-    mine.as_bytes_mut()[..32].copy_from_slice(bytemuck::cast_slice(&header.encode()));
+    let mut words = header.encode();
+    if alone {
+        words[1] |= ALONE;
+    }
+    mine.as_bytes_mut()[..32].copy_from_slice(bytemuck::cast_slice(&words));
     mine.as_bytes_mut()[32..].copy_from_slice(p);
     mine
 }
 
 pub(super) const NO_VALUE: u8 = u8::MAX;
-pub(super) const MAGIC: u64 = 0x636f_6d6d_6d70_6901; // "commmpi" + version 1
+pub(super) const MAGIC: u64 = 0x636f_6d6d_6d70_6902; // "commmpi" + version 2
+/// In a header's second word (bits 24..32 are not the header's): the sender held no other
+/// group's collective when it sent it ([`held::alone`]). Not compared: ranks differ in it.
+pub(super) const ALONE: u64 = 1 << 24;
 
 pub(super) fn op_name(code: u8) -> &'static str {
     OpKind::from_code(code).filter(|k| *k != OpKind::Other).map_or("an unknown op", OpKind::name)
@@ -286,6 +294,15 @@ impl Exchange {
     /// This rank's whole input, when it went with the exchange.
     pub(super) fn take_input(&mut self) -> Option<HostBuffer> {
         self.input.take()
+    }
+
+    /// Whether every rank of a group of `n` sent its header [`ALONE`].
+    pub(super) fn all_alone(&self, n: usize) -> bool {
+        (0..n).all(|p| {
+            let at = p * self.slot;
+            let w: &[u64] = bytemuck::cast_slice(&self.all.as_bytes()[at..at + 16]);
+            w[1] & ALONE != 0
+        })
     }
 
     /// Rank `p`'s header.

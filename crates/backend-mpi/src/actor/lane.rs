@@ -258,7 +258,7 @@ pub(super) fn exchange_direct(
     what: OpLabel,
 ) -> Result<Direct, CommError> {
     let (size, rank) = (info.size as usize, info.rank as usize);
-    let env = Env { comm, rank, size, params: &lane.params, half: None, pool };
+    let env = Env { comm, gid: info.gid, rank, size, params: &lane.params, half: None, pool, may_block: false };
     let (mut req, finish) = exchange(&env, header, payload, whole, start, what)?;
     let started = Instant::now();
     let (mut yields, mut polls) = (0, 0u32);

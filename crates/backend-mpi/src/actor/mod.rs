@@ -32,6 +32,7 @@ use crate::{global, kernels, Reduction};
 
 mod group;
 mod header;
+mod held;
 mod lane;
 mod measure;
 mod op;
@@ -40,6 +41,7 @@ mod plans;
 
 use group::*;
 use header::*;
+pub(crate) use held::Held;
 use lane::*;
 pub(crate) use lane::{submit_direct, Lane, Ticket};
 pub(crate) use measure::GATHER_MIN;

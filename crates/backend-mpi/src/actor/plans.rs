@@ -3,13 +3,18 @@
 use super::*;
 
 /// What a group's continuation may use.
+#[derive(Clone, Copy)]
 pub(super) struct Env<'a> {
     pub(super) comm: &'a Comm,
+    pub(super) gid: Gid,
     pub(super) rank: usize,
     pub(super) size: usize,
     pub(super) params: &'a Params,
     pub(super) half: Option<&'a raw::HalfOps>,
     pub(super) pool: &'a Pool,
+    /// Every rank held no other group's collective when it sent this op's header (set for its
+    /// start): the op may make MPI's blocking calls ([`held`](super::held)).
+    pub(super) may_block: bool,
 }
 
 /// Spare large buffers, reused for scratch space and outputs: repeated ops of one size then
@@ -264,7 +269,7 @@ pub(super) fn plan_reduce(
             return done(buf);
         }
         let buf = input.ok_or_else(|| internal("an all_reduce's input went beside an exchange that did not happen"))?;
-        if root.is_none() && env.params.check && !local_reduction(env.params, dtype) {
+        if root.is_none() && env.may_block && !local_reduction(env.params, dtype) {
             // Every rank completed the header exchange, so every rank is in this all_reduce
             // and MPI's blocking call (its fastest algorithms) cannot wait on a missing one.
             // Wherever it runs (a caller's thread or the actor): blocking and nonblocking
@@ -318,7 +323,7 @@ pub(super) fn plan_reduce(
         // are gathered (to every rank, or the root).
         let per = (env.params.chunk / es).max(16 * n);
         let chunks = Chunks { dtype, op, len, root, per };
-        if root.is_none() && env.params.check {
+        if root.is_none() && env.may_block {
             // After a completed exchange: MPI's blocking calls (see the native case).
             let mut buf = buf;
             all_reduce_blocking(env, &mut buf, chunks)?;
