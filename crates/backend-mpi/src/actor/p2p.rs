@@ -74,10 +74,23 @@ pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Ins
     let mut any = false;
     let mut failure: Option<CommError> = None;
     let mut i = 0;
+    // Receives still unmatched in this pass: a later receive from the same rank with the same
+    // tag must not match first (its probe would take a message that arrived since theirs).
+    let mut waiting: Vec<(Rank, i32)> = Vec::new();
     while i < g.p2p.len() {
         // Receives are matched in the order they were posted (the list keeps it), as MPI
         // matches posted receives.
-        let Some(result) = poll(&mut g.p2p[i], &g.comm, g.info.rank, now, g.params.timeout) else {
+        let p = &mut g.p2p[i];
+        let key = (p.peer, mpi_tag(p.tag, p.dtype));
+        let unmatched = p.recv && p.req.is_none();
+        if unmatched && waiting.contains(&key) {
+            i += 1;
+            continue;
+        }
+        let Some(result) = poll(p, &g.comm, g.info.rank, now, g.params.timeout) else {
+            if unmatched && g.p2p[i].req.is_none() {
+                waiting.push(key);
+            }
             i += 1;
             continue;
         };
