@@ -10,10 +10,12 @@
 //!   provides `MPI_THREAD_MULTIPLE`, a small collective or an all_reduce submitted while the
 //!   actor holds none of its group's collectives runs on the caller's thread instead, under
 //!   the group's lane lock (no hand-off; handed to the actor if peers are late). See `actor/lane.rs`.
-//! - **Nonblocking everything.** Every op is an `MPI_I*` call completed by polling
+//! - **Nonblocking to the user.** Every op is an `MPI_I*` call completed by polling
 //!   (`MPI_Test`), so point-to-point ops and collectives of different groups are in flight
 //!   together: an `isend` never blocks a collective. A group's collectives run one at a time in
-//!   submission order, which is the order MPI needs on every rank.
+//!   submission order, which is the order MPI needs on every rank. Past the header exchange a
+//!   collective makes MPI's faster blocking calls where no rank had another group's collective
+//!   unfinished when it sent its header (then no two blocked threads can wait on each other).
 //! - **Owned buffers** move into the request and come back when MPI completes it; all `unsafe`
 //!   is in `raw.rs`, which never frees memory MPI may still use.
 //! - **Exact reductions.** By default every reduction is computed by this backend in rank

@@ -285,7 +285,9 @@ pub(super) fn plan_reduce(
             let mpi = mpi_op(env, dtype, op)?;
             let req = match root {
                 None => raw::iallreduce_in_place(env.comm, buf, mpi)?,
-                Some(r) => raw::ireduce(env.comm, buf, keep.then(|| env.buffer(dtype, len)), mpi, r as i32)?,
+                Some(r) => {
+                    raw::ireduce(env.comm, buf, keep.then(|| env.buffer(dtype, len)), mpi, r as i32, env.may_block)?
+                }
             };
             return Ok(wait(req, move |env, b| {
                 if !keep {
@@ -305,8 +307,8 @@ pub(super) fn plan_reduce(
             // input, reduce all of them in rank order.
             let all = keep.then(|| env.buffer(dtype, n * len));
             let req = match root {
-                None => raw::iallgather(env.comm, buf, take(all)?)?,
-                Some(r) => raw::igather(env.comm, buf, all, r as i32)?,
+                None => raw::iallgather(env.comm, buf, take(all)?, env.may_block)?,
+                Some(r) => raw::igather(env.comm, buf, all, r as i32, env.may_block)?,
             };
             return Ok(wait(req, move |env, b| {
                 let mut buf = take(b.send)?;
@@ -406,7 +408,7 @@ pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks
     let parts = chunk_parts(off, clen, n);
     let (at, mine) = parts[me];
     let (send_parts, recv_parts) = peer_parts(&parts, me);
-    let req = raw::ialltoallv(env.comm, buf, &send_parts, env.buffer(dtype, n * mine), &recv_parts)?;
+    let req = raw::ialltoallv(env.comm, buf, &send_parts, env.buffer(dtype, n * mine), &recv_parts, false)?;
     Ok(wait(req, move |env, b| {
         let (buf, slices) = (take(b.send)?, take(b.recv)?);
         let mut reduced = env.buffer(dtype, mine);
@@ -464,7 +466,7 @@ pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply, n: usize) -> P
             return done_io(r.input, out);
         }
         if !local_reduction(env.params, dtype) {
-            let req = raw::ireduce_scatter_block(env.comm, r.input, out, mpi_op(env, dtype, op)?)?;
+            let req = raw::ireduce_scatter_block(env.comm, r.input, out, mpi_op(env, dtype, op)?, env.may_block)?;
             return Ok(wait(req, move |_, b| {
                 let mut out = take(b.recv)?;
                 if op == ReduceOp::Avg {
@@ -496,7 +498,7 @@ pub(super) fn scatter_reduce(
     let clen = c.per.min(c.len - off);
     let parts: Vec<Part> = (0..n).map(|j| (j * c.len + off, clen)).collect();
     let (send_parts, recv_parts) = peer_parts(&parts, me);
-    let req = raw::ialltoallv(env.comm, input, &send_parts, env.buffer(dtype, n * clen), &recv_parts)?;
+    let req = raw::ialltoallv(env.comm, input, &send_parts, env.buffer(dtype, n * clen), &recv_parts, false)?;
     Ok(wait(req, move |env, b| {
         let (input, mine) = (take(b.send)?, take(b.recv)?);
         let mut out = out;
@@ -560,7 +562,12 @@ pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply, n: usize) -> Plan {
             return done_io(input, out);
         }
         // A group too large for the rows in its slots: gather them in a round of their own.
-        let req = raw::iallgather(env.comm, HostBuffer::from_slice(&row), HostBuffer::zeroed(DType::I64, 2 * n * n))?;
+        let req = raw::iallgather(
+            env.comm,
+            HostBuffer::from_slice(&row),
+            HostBuffer::zeroed(DType::I64, 2 * n * n),
+            env.may_block,
+        )?;
         Ok(wait(req, move |env, b| {
             check_splits(take(b.recv)?.as_slice::<i64>()?, n)?;
             ialltoallv(env, input, &send_parts, out, &recv_parts)
@@ -577,7 +584,7 @@ fn ialltoallv(
     out: HostBuffer,
     recv_parts: &[Part],
 ) -> Result<Step, CommError> {
-    let req = raw::ialltoallv(env.comm, input, send_parts, out, recv_parts)?;
+    let req = raw::ialltoallv(env.comm, input, send_parts, out, recv_parts, env.may_block)?;
     Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
 }
 
@@ -683,7 +690,7 @@ impl MpiOp for Broadcast {
                 buf.as_bytes_mut().copy_from_slice(ex.data(root as usize, bytes));
                 return done(buf);
             }
-            let req = raw::ibcast(env.comm, buf, root as i32)?;
+            let req = raw::ibcast(env.comm, buf, root as i32, env.may_block)?;
             Ok(wait(req, |_, b| done(take(b.recv)?)))
         };
         Job::Collective(Plan::new(Self::NAME, header, payload, start, Reply::Buf(d)))
@@ -709,7 +716,7 @@ impl MpiOp for AllGather {
                 }
                 return done_io(input, out);
             }
-            let req = raw::iallgather(env.comm, input, out)?;
+            let req = raw::iallgather(env.comm, input, out, env.may_block)?;
             Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
         };
         Job::Collective(Plan::new(Self::NAME, header, payload, start, Reply::Io(d)))
@@ -748,7 +755,7 @@ impl MpiOp for Scatter {
                 let input = input.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
                 return done_io(input, output);
             }
-            let req = raw::iscatter(env.comm, input, output, root as i32)?;
+            let req = raw::iscatter(env.comm, input, output, root as i32, env.may_block)?;
             Ok(wait(req, move |_, b| {
                 let input = b.send.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
                 done_io(input, take(b.recv)?)
@@ -789,7 +796,7 @@ impl MpiOp for Gather {
                 };
                 return done_io(input, output);
             }
-            let req = raw::igather(env.comm, input, out, root as i32)?;
+            let req = raw::igather(env.comm, input, out, root as i32, env.may_block)?;
             Ok(wait(req, move |_, b| {
                 let output = b.recv.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
                 done_io(take(b.send)?, output)

@@ -1,5 +1,6 @@
-//! The nonblocking (and the two blocking) collective calls, each moving its buffers into a
-//! [`Request`].
+//! The collective calls, each moving its buffers into a [`Request`]: nonblocking, or MPI's
+//! blocking form where the caller says `blocking` (returned completed); and two blocking calls
+//! on borrowed buffers.
 
 use super::*;
 use std::ops::Range;
@@ -14,23 +15,41 @@ pub(crate) fn ibarrier(comm: &Comm) -> Result<Request, CommError> {
     })
 }
 
-/// `MPI_Ibcast` of `buf` in place from `root`.
-pub(crate) fn ibcast(comm: &Comm, buf: HostBuffer, root: i32) -> Result<Request, CommError> {
+/// `MPI_Ibcast` of `buf` in place from `root` (`MPI_Bcast` where `blocking`: see
+/// [`Request::start_or_call`], as for every `blocking` below).
+pub(crate) fn ibcast(comm: &Comm, buf: HostBuffer, root: i32, blocking: bool) -> Result<Request, CommError> {
     let (dt, n) = (datatype(buf.dtype()), count("broadcast", buf.len())?);
-    Request::start("MPI_Ibcast", dt, Bufs { send: None, recv: Some(buf) }, vec![], |_, r, _, req| {
+    Request::start_or_call(blocking, "MPI_Ibcast", dt, Bufs { send: None, recv: Some(buf) }, vec![], |_, r, _, req| {
         // SAFETY: `r` points to `n` elements of the owned buffer (rule 2).
-        unsafe { ffi::MPI_Ibcast(r, n, dt, root, comm.raw, req) }
+        unsafe {
+            match req {
+                Some(req) => ffi::MPI_Ibcast(r, n, dt, root, comm.raw, req),
+                None => ffi::MPI_Bcast(r, n, dt, root, comm.raw),
+            }
+        }
     })
 }
 
-/// `MPI_Iallgather`: every rank's `send` (same length) concatenated into `recv`.
-pub(crate) fn iallgather(comm: &Comm, send: HostBuffer, recv: HostBuffer) -> Result<Request, CommError> {
+/// `MPI_Iallgather` (`MPI_Allgather`): every rank's `send` (same length) concatenated into
+/// `recv`.
+pub(crate) fn iallgather(
+    comm: &Comm,
+    send: HostBuffer,
+    recv: HostBuffer,
+    blocking: bool,
+) -> Result<Request, CommError> {
     let dt = datatype(send.dtype());
     let n = count("all_gather", send.len())?;
     debug_assert_eq!(recv.len(), send.len() * comm.size as usize);
-    Request::start("MPI_Iallgather", dt, Bufs { send: Some(send), recv: Some(recv) }, vec![], |s, r, _, req| {
+    let bufs = Bufs { send: Some(send), recv: Some(recv) };
+    Request::start_or_call(blocking, "MPI_Iallgather", dt, bufs, vec![], |s, r, _, req| {
         // SAFETY: `s` holds `n` elements and `r` holds `size × n` (rule 2).
-        unsafe { ffi::MPI_Iallgather(s, n, dt, r, n, dt, comm.raw, req) }
+        unsafe {
+            match req {
+                Some(req) => ffi::MPI_Iallgather(s, n, dt, r, n, dt, comm.raw, req),
+                None => ffi::MPI_Allgather(s, n, dt, r, n, dt, comm.raw),
+            }
+        }
     })
 }
 
@@ -186,21 +205,27 @@ pub(crate) fn iallgatherv(
     })
 }
 
-/// `MPI_Igather` to `root`; `recv` (`size × send.len()`) only on the root.
+/// `MPI_Igather` (`MPI_Gather`) to `root`; `recv` (`size × send.len()`) only on the root.
 pub(crate) fn igather(
     comm: &Comm,
     send: HostBuffer,
     recv: Option<HostBuffer>,
     root: i32,
+    blocking: bool,
 ) -> Result<Request, CommError> {
     let dt = datatype(send.dtype());
     let n = count("gather", send.len())?;
     debug_assert!(recv.as_ref().is_none_or(|r| r.len() == send.len() * comm.size as usize));
     debug_assert_eq!(recv.is_some(), comm.rank == root);
-    Request::start("MPI_Igather", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
+    Request::start_or_call(blocking, "MPI_Igather", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
         // SAFETY: `s` holds `n` elements; on the root `r` holds `size × n` (rule 2); elsewhere
         // the receive arguments are ignored by MPI.
-        unsafe { ffi::MPI_Igather(s, n, dt, r, n, dt, root, comm.raw, req) }
+        unsafe {
+            match req {
+                Some(req) => ffi::MPI_Igather(s, n, dt, r, n, dt, root, comm.raw, req),
+                None => ffi::MPI_Gather(s, n, dt, r, n, dt, root, comm.raw),
+            }
+        }
     })
 }
 
@@ -223,40 +248,54 @@ pub(crate) fn igatherv(
     })
 }
 
-/// `MPI_Iscatter` from `root`: block `j` of the root's `send` to rank `j`'s `recv`.
+/// `MPI_Iscatter` (`MPI_Scatter`) from `root`: block `j` of the root's `send` to rank `j`'s
+/// `recv`.
 pub(crate) fn iscatter(
     comm: &Comm,
     send: Option<HostBuffer>,
     recv: HostBuffer,
     root: i32,
+    blocking: bool,
 ) -> Result<Request, CommError> {
     let dt = datatype(recv.dtype());
     let n = count("scatter", recv.len())?;
     debug_assert!(send.as_ref().is_none_or(|s| s.len() == recv.len() * comm.size as usize));
-    Request::start("MPI_Iscatter", dt, Bufs { send, recv: Some(recv) }, vec![], |s, r, _, req| {
+    Request::start_or_call(blocking, "MPI_Iscatter", dt, Bufs { send, recv: Some(recv) }, vec![], |s, r, _, req| {
         // SAFETY: on the root `s` holds `size × n` elements (ignored elsewhere); `r` holds `n`.
-        unsafe { ffi::MPI_Iscatter(s, n, dt, r, n, dt, root, comm.raw, req) }
+        unsafe {
+            match req {
+                Some(req) => ffi::MPI_Iscatter(s, n, dt, r, n, dt, root, comm.raw, req),
+                None => ffi::MPI_Scatter(s, n, dt, r, n, dt, root, comm.raw),
+            }
+        }
     })
 }
 
-/// `MPI_Ialltoallv`: `send_parts[j]` of `send` to rank `j`, whose block lands at
-/// `recv_parts[i]` of rank `j`'s `recv` for sender `i`. Parts are `(offset, len)` in elements.
+/// `MPI_Ialltoallv` (`MPI_Alltoallv`): `send_parts[j]` of `send` to rank `j`, whose block
+/// lands at `recv_parts[i]` of rank `j`'s `recv` for sender `i`. Parts are `(offset, len)` in
+/// elements.
 pub(crate) fn ialltoallv(
     comm: &Comm,
     send: HostBuffer,
     send_parts: &[(usize, usize)],
     recv: HostBuffer,
     recv_parts: &[(usize, usize)],
+    blocking: bool,
 ) -> Result<Request, CommError> {
     let dt = datatype(send.dtype());
     let [sc, sd] = parts_arrays("all_to_all", send_parts, send.len())?;
     let [rc, rd] = parts_arrays("all_to_all", recv_parts, recv.len())?;
     let arrays = vec![sc, sd, rc, rd];
-    Request::start("MPI_Ialltoallv", dt, Bufs { send: Some(send), recv: Some(recv) }, arrays, |s, r, a, req| {
+    let bufs = Bufs { send: Some(send), recv: Some(recv) };
+    Request::start_or_call(blocking, "MPI_Ialltoallv", dt, bufs, arrays, |s, r, a, req| {
+        let (sc, sd, rc, rd) = (a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr());
         // SAFETY: every (displacement, count) lies inside its buffer (checked above); the arrays
         // live in the request (rule 2).
         unsafe {
-            ffi::MPI_Ialltoallv(s, a[0].as_ptr(), a[1].as_ptr(), dt, r, a[2].as_ptr(), a[3].as_ptr(), dt, comm.raw, req)
+            match req {
+                Some(req) => ffi::MPI_Ialltoallv(s, sc, sd, dt, r, rc, rd, dt, comm.raw, req),
+                None => ffi::MPI_Alltoallv(s, sc, sd, dt, r, rc, rd, dt, comm.raw),
+            }
         }
     })
 }
@@ -284,43 +323,51 @@ pub(crate) fn allreduce_in_place(comm: &Comm, buf: &mut HostBuffer, op: ffi::MPI
         .map_err(MpiError::into_comm)
 }
 
-/// `MPI_Ireduce` of `send` into the root's `recv` with `op`.
+/// `MPI_Ireduce` (`MPI_Reduce`) of `send` into the root's `recv` with `op`.
 pub(crate) fn ireduce(
     comm: &Comm,
     send: HostBuffer,
     recv: Option<HostBuffer>,
     op: ffi::MPI_Op,
     root: i32,
+    blocking: bool,
 ) -> Result<Request, CommError> {
     let dt = datatype(send.dtype());
     let n = count("reduce", send.len())?;
     debug_assert!(recv.as_ref().is_none_or(|r| r.len() == send.len()));
-    Request::start("MPI_Ireduce", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
+    Request::start_or_call(blocking, "MPI_Ireduce", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
         // SAFETY: `s` holds `n` elements, and so does `r` on the root (ignored elsewhere).
-        unsafe { ffi::MPI_Ireduce(s, r, n, dt, op, root, comm.raw, req) }
+        unsafe {
+            match req {
+                Some(req) => ffi::MPI_Ireduce(s, r, n, dt, op, root, comm.raw, req),
+                None => ffi::MPI_Reduce(s, r, n, dt, op, root, comm.raw),
+            }
+        }
     })
 }
 
-/// `MPI_Ireduce_scatter_block`: `send` (`size × k`) reduced, block `rank` into `recv` (`k`).
+/// `MPI_Ireduce_scatter_block` (`MPI_Reduce_scatter_block`): `send` (`size × k`) reduced,
+/// block `rank` into `recv` (`k`).
 pub(crate) fn ireduce_scatter_block(
     comm: &Comm,
     send: HostBuffer,
     recv: HostBuffer,
     op: ffi::MPI_Op,
+    blocking: bool,
 ) -> Result<Request, CommError> {
     let dt = datatype(send.dtype());
     let n = count("reduce_scatter", recv.len())?;
     debug_assert_eq!(send.len(), recv.len() * comm.size as usize);
-    Request::start(
-        "MPI_Ireduce_scatter_block",
-        dt,
-        Bufs { send: Some(send), recv: Some(recv) },
-        vec![],
-        |s, r, _, req| {
-            // SAFETY: `s` holds `size × n` elements and `r` holds `n` (rule 2).
-            unsafe { ffi::MPI_Ireduce_scatter_block(s, r, n, dt, op, comm.raw, req) }
-        },
-    )
+    let bufs = Bufs { send: Some(send), recv: Some(recv) };
+    Request::start_or_call(blocking, "MPI_Ireduce_scatter_block", dt, bufs, vec![], |s, r, _, req| {
+        // SAFETY: `s` holds `size × n` elements and `r` holds `n` (rule 2).
+        unsafe {
+            match req {
+                Some(req) => ffi::MPI_Ireduce_scatter_block(s, r, n, dt, op, comm.raw, req),
+                None => ffi::MPI_Reduce_scatter_block(s, r, n, dt, op, comm.raw),
+            }
+        }
+    })
 }
 
 /// `MPI_Alltoallv`, blocking (see [`allreduce_in_place`] for when that is allowed): as

@@ -106,6 +106,39 @@ impl Request {
         Ok(req)
     }
 
+    /// A collective as [`start`](Self::start) issues it (`issue` gets the request slot), or,
+    /// where `blocking`, MPI's blocking form (`issue` gets `None`), returned completed. Blocking
+    /// only where every rank is known to make the same call, and no cycle of blocked threads can
+    /// form (the actor's `held`).
+    pub(super) fn start_or_call(
+        blocking: bool,
+        call: &'static str,
+        datatype: ffi::MPI_Datatype,
+        bufs: Bufs,
+        arrays: Vec<Vec<c_int>>,
+        issue: impl FnOnce(*const c_void, *mut c_void, &[Vec<c_int>], Option<*mut ffi::MPI_Request>) -> c_int,
+    ) -> Result<Request, CommError> {
+        if !blocking {
+            return Self::start(call, datatype, bufs, arrays, |s, r, a, req| issue(s, r, a, Some(req)));
+        }
+        // SAFETY: reading a constant initialised at load time.
+        let mut req = Request {
+            raw: unsafe { ffi::RSMPI_REQUEST_NULL },
+            many: Vec::new(),
+            bufs,
+            _arrays: arrays,
+            datatype,
+            done: false,
+        };
+        let s = send_ptr(&req.bufs.send);
+        let r = recv_ptr(&mut req.bufs.recv);
+        let rc = issue(s, r, &req._arrays, None);
+        // The call returned: MPI no longer uses the buffers, whatever it reports.
+        req.done = true;
+        check(call, rc).map_err(MpiError::into_comm)?;
+        Ok(req)
+    }
+
     /// Polls the request once (this also drives MPI's progress engine).
     pub(crate) fn test(&mut self) -> Polled {
         if self.done {
