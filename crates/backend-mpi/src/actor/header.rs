@@ -250,10 +250,14 @@ pub(super) fn slot_max(n: usize) -> usize {
 /// What any group's exchange slot holds besides the header.
 pub(super) const INLINE_ANY: usize = 256 - 32;
 
-/// The most data a small op ships inside the exchange (and then needs no other MPI call).
+/// The most data a small op ships inside the exchange (and then needs no other MPI call): up
+/// to [`WHOLE_RANKS`], what keeps a slot's message within Open MPI's 4 KiB shared-memory eager
+/// limit with our header and its own (every rank sends its slot to every peer: larger data
+/// would cost a rendezvous per message, and a broadcast's or gather's data would cross
+/// n (n − 1) times where n − 1 do).
 pub(super) fn inline_max(n: usize) -> usize {
     if n <= WHOLE_RANKS {
-        return (1 << 10) - 32;
+        return (4 << 10) - 96;
     }
     slot_max(n)
 }

@@ -716,10 +716,11 @@ mod tests {
     #[test]
     fn the_exchange_slot_follows_the_group_size() {
         let slots: Vec<usize> = [1, 2, 4, 5, 8, 16, 64, 1000].iter().map(|&n| exchange_slot_bytes(n)).collect();
-        // Up to 8 ranks a slot holds most of a 64 KiB all_reduce input; small ops inline up to 992 B.
+        // Up to 8 ranks a slot holds most of a 64 KiB all_reduce input; small ops inline up to
+        // 4000 B there (one eager message on shared memory), 992 B in a group of 9..16.
         assert_eq!(slots, [65472, 65472, 65472, 65472, 65472, 1024, 256, 256]);
         assert_eq!(exchange_slot_bytes(32), 512);
-        assert_eq!((inline_max(2), inline_max(8), inline_max(16)), (992, 992, 992));
+        assert_eq!((inline_max(2), inline_max(8), inline_max(16)), (4000, 4000, 992));
         assert_eq!((slot_max(8), slot_max(9)), ((64 << 10) - 96, 992));
         assert!((1..5000).all(|n| inline_max(n) <= slot_max(n)));
         // What a scatter's root may always ship: every group's slot has room for it.
