@@ -325,10 +325,10 @@ pub(super) fn plan_reduce(
         // are gathered (to every rank, or the root).
         let per = (env.params.chunk / es).max(16 * n);
         let chunks = Chunks { dtype, op, len, root, per };
-        if root.is_none() && env.may_block {
+        if env.may_block {
             // After a completed exchange: MPI's blocking calls (see the native case).
             let mut buf = buf;
-            all_reduce_blocking(env, &mut buf, chunks)?;
+            reduce_blocking(env, &mut buf, chunks)?;
             return done(buf);
         }
         large_reduce(env, buf, 0, chunks)
@@ -378,10 +378,11 @@ fn reduce_slice(c: &Chunks, (me, n): (usize, usize), slices: &HostBuffer, own: k
     kernels::reduce_to(c.dtype, c.op, &ins, out, None);
 }
 
-/// A large exact all_reduce with MPI's blocking calls, chunk by chunk: the same slices, rank
-/// order and kernel as [`large_reduce`], each rank's reduced slice written in place and
-/// gathered in place (`MPI_IN_PLACE`).
-fn all_reduce_blocking(env: &Env<'_>, buf: &mut HostBuffer, c: Chunks) -> Result<(), CommError> {
+/// A large exact all_reduce or reduce with MPI's blocking calls, chunk by chunk: the same
+/// slices, rank order and kernel as [`large_reduce`], each rank's reduced slice gathered in
+/// place (`MPI_IN_PLACE`: written into its place of `buf` first) to every rank, or to the
+/// root (a non-root keeps its input, and sends its slice from a scratch buffer).
+fn reduce_blocking(env: &Env<'_>, buf: &mut HostBuffer, c: Chunks) -> Result<(), CommError> {
     let (me, n, dtype, es) = (env.rank, env.size, c.dtype, c.dtype.size());
     let mut off = 0;
     while off < c.len {
@@ -391,11 +392,25 @@ fn all_reduce_blocking(env: &Env<'_>, buf: &mut HostBuffer, c: Chunks) -> Result
         let (send_parts, recv_parts) = peer_parts(&parts, me);
         let mut slices = env.buffer(dtype, n * mine);
         raw::alltoallv(env.comm, buf, &send_parts, &mut slices, &recv_parts)?;
-        // The call returned, so our slice of `buf` was sent: it may take the result.
-        let out = &mut buf.as_bytes_mut()[at * es..(at + mine) * es];
-        reduce_slice(&c, (me, n), &slices, kernels::Src::Out, out);
+        match c.root {
+            Some(r) if r != me => {
+                let mut reduced = env.buffer(dtype, mine);
+                let own = kernels::Src::Buf(&buf.as_bytes()[at * es..(at + mine) * es]);
+                reduce_slice(&c, (me, n), &slices, own, reduced.as_bytes_mut());
+                raw::gatherv(env.comm, Some(&reduced), buf, &parts, r as i32)?;
+                env.recycle(Some(reduced));
+            }
+            root => {
+                // The call returned, so our slice of `buf` was sent: it may take the result.
+                let out = &mut buf.as_bytes_mut()[at * es..(at + mine) * es];
+                reduce_slice(&c, (me, n), &slices, kernels::Src::Out, out);
+                match root {
+                    None => raw::allgatherv_in_place(env.comm, buf, &parts)?,
+                    Some(r) => raw::gatherv(env.comm, None, buf, &parts, r as i32)?,
+                }
+            }
+        }
         env.recycle(Some(slices));
-        raw::allgatherv_in_place(env.comm, buf, &parts)?;
         off += clen;
     }
     Ok(())

@@ -406,3 +406,33 @@ pub(crate) fn allgatherv_in_place(
     check("MPI_Allgatherv", unsafe { ffi::MPI_Allgatherv(in_place(), 0, dt, r, c.as_ptr(), d.as_ptr(), dt, comm.raw) })
         .map_err(MpiError::into_comm)
 }
+
+/// `MPI_Gatherv` to `root`, blocking (see [`allreduce_in_place`]): rank `j`'s part `parts[j]`
+/// lands at the same place of the root's `buf`. A non-root sends `send` (`parts[rank]` long);
+/// the root passes `None`, its own part already in place (`MPI_IN_PLACE`).
+pub(crate) fn gatherv(
+    comm: &Comm,
+    send: Option<&HostBuffer>,
+    buf: &mut HostBuffer,
+    parts: &[(usize, usize)],
+    root: i32,
+) -> Result<(), CommError> {
+    let dt = datatype(buf.dtype());
+    let [c, d] = parts_arrays("reduce", parts, buf.len())?;
+    let rc = match send {
+        Some(s) => {
+            let n = count("reduce", s.len())?;
+            let p = s.as_bytes().as_ptr().cast::<c_void>();
+            // SAFETY: `p` holds `n` elements; off the root MPI ignores the receive arguments;
+            // buffers and arrays outlive the blocking call.
+            unsafe { ffi::MPI_Gatherv(p, n, dt, std::ptr::null_mut(), c.as_ptr(), d.as_ptr(), dt, root, comm.raw) }
+        }
+        None => {
+            let r = buf.as_bytes_mut().as_mut_ptr().cast::<c_void>();
+            // SAFETY: every (displacement, count) lies inside `buf` (checked above); MPI_IN_PLACE
+            // takes the root's part from it; buffer and arrays outlive the blocking call.
+            unsafe { ffi::MPI_Gatherv(in_place(), 0, dt, r, c.as_ptr(), d.as_ptr(), dt, root, comm.raw) }
+        }
+    };
+    check("MPI_Gatherv", rc).map_err(MpiError::into_comm)
+}
