@@ -583,3 +583,35 @@ async fn workers_bound_to_cores_of_their_own() {
     let ranks = world(2, ShmOptions { pin: Some(false), ..small_opts() }).await;
     assert!(ranks.iter().all(|b| b.worker_cpu().is_none()));
 }
+
+/// Two groups of the same ranks whose collectives the ranks submit in opposite orders (each
+/// group has its own engine): both complete, at sizes of one step and of many.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn collectives_of_two_groups_in_opposite_orders_complete() {
+    let ranks = world(2, small_opts()).await;
+    let subs = futures::future::join_all(ranks.iter().map(|b| b.new_group(&[0, 1]))).await;
+    let subs: Vec<_> = subs.into_iter().map(|s| s.unwrap().unwrap()).collect();
+    for len in [4usize, 5000, 1 << 16] {
+        for round in 0..20 {
+            let ar = |g: &dyn comm_core::Backend, r: usize| {
+                Collective::<AllReduce>::submit(
+                    g,
+                    AllReduce { buf: HostBuffer::from_slice(&vec![r as f32; len]), op: ReduceOp::Sum },
+                )
+            };
+            let (a0, b0) = (ar(&ranks[0], 0), ar(&*subs[0], 0));
+            let (b1, a1) = (ar(&*subs[1], 1), ar(&ranks[1], 1));
+            let all = futures::future::join_all([a0, b0, b1, a1]);
+            let done = tokio::time::timeout(Duration::from_secs(20), all).await.expect("no hang");
+            for got in done {
+                assert!(got.unwrap().to_vec::<f32>().unwrap().iter().all(|&x| x == 1.0), "len {len} round {round}");
+            }
+        }
+    }
+    for s in &subs {
+        s.shutdown().await.unwrap();
+    }
+    for b in &ranks {
+        b.shutdown().await.unwrap();
+    }
+}
