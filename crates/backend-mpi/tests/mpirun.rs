@@ -374,27 +374,42 @@ async fn crossed() -> i32 {
         let ar = |g: &dyn Backend| {
             Collective::<AllReduce>::submit(g, AllReduce { buf: f32s(&vec![me as f32; len]), op: ReduceOp::Sum })
         };
-        let (x, y) = if me % 2 == 0 {
-            let x = ar(&w);
-            (x, ar(&*sub))
+        let ag = |g: &dyn Backend| {
+            Collective::<AllGather>::submit(g, AllGather { input: f32s(&vec![me as f32; len]), output: None })
+        };
+        // all_reduce, then all_gather, on the world and the sub-group: in that order on even
+        // ranks, the groups swapped on odd ones.
+        let (x, y, u, v) = if me % 2 == 0 {
+            let (x, y) = (ar(&w), ar(&*sub));
+            (x, y, ag(&w), ag(&*sub))
         } else {
             let y = ar(&*sub);
-            (ar(&w), y)
+            let x = ar(&w);
+            let v = ag(&*sub);
+            (x, y, ag(&w), v)
         };
         let all = async {
             b1.await.unwrap();
             b2.await.unwrap();
-            (x.await, y.await)
+            let (x, y) = (x.await, y.await);
+            let (u, v) = (u.await, v.await);
+            (x.and_then(|x| Ok((x, y?))), u.and_then(|u| Ok((u, v?))))
         };
+        let gathered: Vec<f32> = (0..n).flat_map(|r| vec![r as f32; len]).collect();
         match tokio::time::timeout(Duration::from_secs(20), all).await {
-            Ok((Ok(x), Ok(y))) => {
+            Ok((Ok((x, y)), Ok((u, v)))) => {
                 assert!(
                     x.to_vec::<f32>().unwrap().iter().chain(&y.to_vec::<f32>().unwrap()).all(|&v| v == sum),
                     "{len}"
                 );
+                assert_eq!(u.output.to_vec::<f32>().unwrap(), gathered, "{len}");
+                assert_eq!(v.output.to_vec::<f32>().unwrap(), gathered, "{len}");
             }
             other => {
-                eprintln!("CROSSED-FAILED rank {me} round {i} len {len}: {:?}", other.map(|(a, b)| (a.err(), b.err())));
+                eprintln!(
+                    "CROSSED-FAILED rank {me} round {i} len {len}: {:?}",
+                    other.map(|(a, b)| (a.is_ok(), b.is_ok()))
+                );
                 std::process::exit(1);
             }
         }
