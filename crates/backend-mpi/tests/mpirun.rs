@@ -76,6 +76,12 @@ fn conformance_4_ranks_inputs_beside_the_exchange() {
     conformance(4, &[("COMM_MPI_SMALL_MAX", "4M")]);
 }
 
+/// Without the header exchange (`COMM_MPI_CHECK=0`) every op is MPI's nonblocking call.
+#[test]
+fn conformance_2_ranks_unchecked() {
+    conformance(2, &[("COMM_MPI_CHECK", "0")]);
+}
+
 /// MPI's own reductions (built-in ops for f32/f64, our user-defined ops for f16/bf16) are
 /// exact at two ranks (one combination per element), so the suite passes there too.
 #[test]
