@@ -40,11 +40,16 @@ fn lines<'a>(job: &'a Job, tag: &str) -> Vec<&'a str> {
     job.lines(tag)
 }
 
-fn conformance(np: u32, envs: &[(&str, &str)]) {
-    let Some(job) = job(np, "suite", envs, Duration::from_secs(600)) else { return };
+/// Runs `scenario` on `np` ranks (within `limit`): the job must succeed and every rank print
+/// `ok`.
+fn every_rank_ok(np: u32, scenario: &str, envs: &[(&str, &str)], limit: Duration, ok: &str) {
+    let Some(job) = job(np, scenario, envs, limit) else { return };
     assert_eq!(job.code, Some(0), "the job failed: {job}");
-    let ok = lines(&job, "SUITE-OK");
-    assert_eq!(ok.len(), np as usize, "every rank reports the suite passed: {job}");
+    assert_eq!(lines(&job, ok).len(), np as usize, "every rank reports {ok}: {job}");
+}
+
+fn conformance(np: u32, envs: &[(&str, &str)]) {
+    every_rank_ok(np, "suite", envs, Duration::from_secs(600), "SUITE-OK");
 }
 
 #[test]
@@ -94,9 +99,7 @@ fn conformance_native_reductions_2_ranks() {
 /// messages on the largest user tag cross a collective.
 #[test]
 fn an_isend_does_not_block_collectives() {
-    let Some(job) = job(2, "overlap", &[], Duration::from_secs(120)) else { return };
-    assert_eq!(job.code, Some(0), "the job failed: {job}");
-    assert_eq!(lines(&job, "OVERLAP-OK").len(), 2, "both ranks finished: {job}");
+    every_rank_ok(2, "overlap", &[], Duration::from_secs(120), "OVERLAP-OK");
 }
 
 #[test]
@@ -112,39 +115,29 @@ fn mismatched_calls_are_errors_not_aborts() {
 
 #[test]
 fn small_ops_on_the_callers_thread_keep_their_order() {
-    let Some(job) = job(3, "lanes", &[], Duration::from_secs(120)) else { return };
-    assert_eq!(job.code, Some(0), "{job}");
-    assert_eq!(lines(&job, "LANES-OK").len(), 3, "{job}");
+    every_rank_ok(3, "lanes", &[], Duration::from_secs(120), "LANES-OK");
 }
 
 /// Native mode: large all_reduces are MPI's blocking call after the exchange, on whichever
 /// thread runs them; every rank must make the same call whatever thread that is.
 #[test]
 fn small_ops_on_the_callers_thread_keep_their_order_in_native_mode() {
-    let Some(job) = job(3, "lanes", &[("COMM_MPI_REDUCTION", "native")], Duration::from_secs(120)) else { return };
-    assert_eq!(job.code, Some(0), "{job}");
-    assert_eq!(lines(&job, "LANES-OK").len(), 3, "{job}");
+    every_rank_ok(3, "lanes", &[("COMM_MPI_REDUCTION", "native")], Duration::from_secs(120), "LANES-OK");
 }
 
 #[test]
 fn small_sends_and_receives_run_on_the_callers_thread_in_order() {
-    let Some(job) = job(2, "p2p", &[], Duration::from_secs(120)) else { return };
-    assert_eq!(job.code, Some(0), "{job}");
-    assert_eq!(lines(&job, "P2P-OK").len(), 2, "{job}");
+    every_rank_ok(2, "p2p", &[], Duration::from_secs(120), "P2P-OK");
 }
 
 #[test]
 fn collectives_of_two_groups_in_opposite_orders_complete() {
-    let Some(job) = job(2, "crossed", &[], Duration::from_secs(120)) else { return };
-    assert_eq!(job.code, Some(0), "the job failed: {job}");
-    assert_eq!(lines(&job, "CROSSED-OK").len(), 2, "{job}");
+    every_rank_ok(2, "crossed", &[], Duration::from_secs(120), "CROSSED-OK");
 }
 
 #[test]
 fn a_small_op_waiting_for_a_late_peer_does_not_block_its_caller() {
-    let Some(job) = job(2, "late", &[], Duration::from_secs(120)) else { return };
-    assert_eq!(job.code, Some(0), "{job}");
-    assert_eq!(lines(&job, "LATE-OK").len(), 2, "{job}");
+    every_rank_ok(2, "late", &[], Duration::from_secs(120), "LATE-OK");
 }
 
 #[test]
@@ -176,9 +169,7 @@ fn a_panic_aborts_the_job_at_once() {
 #[test]
 fn a_panic_is_contained_without_abort_on_panic() {
     let envs = [("COMM_MPI_ABORT_ON_PANIC", "0"), ("COMM_FAULT_INJECT", "panic:all_reduce")];
-    let Some(job) = job(2, "contained", &envs, Duration::from_secs(120)) else { return };
-    assert_eq!(job.code, Some(0), "every rank contained its panic and shut down: {job}");
-    assert_eq!(lines(&job, "CONTAINED-OK").len(), 2, "{job}");
+    every_rank_ok(2, "contained", &envs, Duration::from_secs(120), "CONTAINED-OK");
 }
 
 /// Ranks bound to a core each (each sees one CPU) still poll: the node's ranks have a core
