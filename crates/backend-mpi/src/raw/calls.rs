@@ -136,16 +136,8 @@ fn imessages(
     let dt = datatype(DType::U8);
     let mut bufs = Bufs { send, recv };
     let (s, r) = (send_ptr(&bufs.send), recv_ptr(&mut bufs.recv));
-    // SAFETY: reading a constant initialised at load time.
-    let null = unsafe { ffi::RSMPI_REQUEST_NULL };
-    let mut req = Request {
-        raw: null,
-        many: vec![null; from.len() + to.len()],
-        bufs,
-        _arrays: Vec::new(),
-        datatype: dt,
-        done: false,
-    };
+    let mut req = Request::unissued(bufs, Vec::new(), dt);
+    req.many = vec![req.raw; from.len() + to.len()];
     for (i, (&(p, at, _), &n)) in from.iter().zip(&n_recv).enumerate() {
         // SAFETY: `len` writable bytes at `at` of the owned receive buffer (checked above).
         let rc = unsafe {

@@ -76,6 +76,13 @@ pub(super) fn recv_ptr(b: &mut Option<HostBuffer>) -> *mut c_void {
 }
 
 impl Request {
+    /// A request holding `bufs` and `arrays`, not yet issued (its handle null).
+    pub(super) fn unissued(bufs: Bufs, arrays: Vec<Vec<c_int>>, datatype: ffi::MPI_Datatype) -> Request {
+        // SAFETY: reading a constant initialised at load time.
+        let raw = unsafe { ffi::RSMPI_REQUEST_NULL };
+        Request { raw, many: Vec::new(), bufs, _arrays: arrays, datatype, done: false }
+    }
+
     /// Moves `bufs` and `arrays` into a new request and issues it with `issue`, which gets the
     /// buffers' pointers, the arrays and the request slot.
     pub(super) fn start(
@@ -87,16 +94,7 @@ impl Request {
     ) -> Result<Request, CommError> {
         let s = send_ptr(&bufs.send);
         let r = recv_ptr(&mut bufs.recv);
-        // SAFETY: reading a constant initialised at load time.
-        let mut req = Request {
-            raw: unsafe { ffi::RSMPI_REQUEST_NULL },
-            many: Vec::new(),
-            bufs,
-            _arrays: Vec::new(),
-            datatype,
-            done: false,
-        };
-        req._arrays = arrays;
+        let mut req = Request::unissued(bufs, arrays, datatype);
         let rc = issue(s, r, &req._arrays, &mut req.raw);
         if let Err(e) = check(call, rc) {
             // MPI's state after a failed issue is undefined: keep (leak) what it was given.
@@ -121,15 +119,7 @@ impl Request {
         if !blocking {
             return Self::start(call, datatype, bufs, arrays, |s, r, a, req| issue(s, r, a, Some(req)));
         }
-        // SAFETY: reading a constant initialised at load time.
-        let mut req = Request {
-            raw: unsafe { ffi::RSMPI_REQUEST_NULL },
-            many: Vec::new(),
-            bufs,
-            _arrays: arrays,
-            datatype,
-            done: false,
-        };
+        let mut req = Request::unissued(bufs, arrays, datatype);
         let s = send_ptr(&req.bufs.send);
         let r = recv_ptr(&mut req.bufs.recv);
         let rc = issue(s, r, &req._arrays, None);
