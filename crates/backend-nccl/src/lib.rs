@@ -59,7 +59,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
+use comm_core::handle::{self, shutdown_done, Admission, CpuSet, Poison, Subgroups};
 use comm_core::ops::Op;
 use comm_core::{Backend, Collective, CommError, DType, Group, Rank, Store, Work};
 pub use cudarc;
@@ -173,6 +173,8 @@ struct Inner {
     opts: NcclOptions,
     subgroups: Subgroups,
     info: NcclInfo,
+    /// How long a caller's first wait for an op spins ([`Work::with_spin`]).
+    spin: Duration,
 }
 
 impl std::fmt::Debug for NcclBackend {
@@ -239,10 +241,19 @@ impl NcclBackend {
         let ready = ready.await?;
 
         // One GPU per rank: NCCL refuses two ranks on one device, with a less helpful error.
-        let me = format!("{} {}", handle::host_identity(), ready.uuid);
-        store.set(&format!("{prefix}/dev/{rank}"), me.as_bytes()).await?;
+        // The CPUs each rank may use come along: whether callers may spin (below).
+        let host = handle::host_identity();
+        let mine = CpuSet::append_to(&format!("{host} {}", ready.uuid));
+        store.set(&format!("{prefix}/dev/{rank}"), mine.as_bytes()).await?;
+        let (me, my_cpus) = CpuSet::split_id(&mine);
+        let mut local_cpus = vec![my_cpus];
         for r in (0..world).filter(|&r| r != rank) {
-            if store.get(&format!("{prefix}/dev/{r}"), to).await? == me.as_bytes() {
+            let theirs = store.get(&format!("{prefix}/dev/{r}"), to).await?;
+            let (dev, cpus) = CpuSet::split_id(std::str::from_utf8(&theirs).unwrap_or_default());
+            if dev.rsplit_once(' ').is_some_and(|(h, _)| h == host) {
+                local_cpus.push(cpus);
+            }
+            if dev == me {
                 return Err(CommError::Unavailable {
                     backend: BACKEND,
                     why: format!(
@@ -282,7 +293,11 @@ impl NcclBackend {
             .name(format!("comm-nccl-watchdog-r{rank}"))
             .spawn(move || actor::watchdog(state, to, wd_poison, rank))
             .map_err(|e| CommError::io("starting the nccl watchdog thread", e))?;
-        tracing::debug!(rank, world, device, group = %prefix, "nccl: communicator ready");
+        // A caller that awaits an op spins for as long as the actor does after progress (see
+        // `Work::with_spin`), where this host's ranks' callers and actors can all run at once.
+        let cpus = CpuSet::runnable_of(CpuSet::union_of(local_cpus.iter().map(Option::as_ref)).as_ref());
+        let spin = if 2 * local_cpus.len() <= cpus { actor::SPIN } else { Duration::ZERO };
+        tracing::debug!(rank, world, device, group = %prefix, ?spin, "nccl: communicator ready");
         Ok(NcclBackend {
             inner: Arc::new(Inner {
                 admission: Admission::new(rank, world, poison),
@@ -294,6 +309,7 @@ impl NcclBackend {
                 opts,
                 subgroups: Subgroups::new(prefix),
                 info,
+                spin,
             }),
         })
     }
@@ -344,7 +360,7 @@ impl NcclBackend {
         // If the worker is gone the command (and its Completer) is dropped, which completes the
         // Work with `Shutdown`.
         let _ = self.inner.tx.send(Command::Op(Box::new(Pending { req, done })));
-        work
+        work.with_spin(self.inner.spin)
     }
 }
 

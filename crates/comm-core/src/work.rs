@@ -2,6 +2,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
 use self::sync::{Arc, AtomicBool, AtomicUsize, Condvar, Mutex, MutexGuard, Ordering};
 use crate::CommError;
@@ -39,6 +40,9 @@ mod sync {
 #[must_use = "ops are issued eagerly; drop the Work explicitly to detach from the result"]
 pub struct Work<T> {
     inner: Inner<T>,
+    /// How long the first wait for a pending op polls its flag before sleeping
+    /// ([`with_spin`](Work::with_spin)); zero once used.
+    spin: Duration,
 }
 
 enum Inner<T> {
@@ -101,7 +105,7 @@ impl<T> Shared<T> {
 impl<T: Send + 'static> Work<T> {
     /// A handle that is already complete, for ops that finish inline.
     pub fn ready(result: Result<T, CommError>) -> Self {
-        Work { inner: Inner::Ready(Some(result)) }
+        Work { inner: Inner::Ready(Some(result)), spin: Duration::ZERO }
     }
 
     /// A pending handle and the [`Completer`] a backend uses to finish it.
@@ -118,7 +122,28 @@ impl<T: Send + 'static> Work<T> {
             }),
             cond: Condvar::new(),
         });
-        (Completer { shared: Some(shared.clone()) }, Work { inner: Inner::Shared(shared) })
+        (Completer { shared: Some(shared.clone()) }, Work { inner: Inner::Shared(shared), spin: Duration::ZERO })
+    }
+
+    /// Lets the first wait for this op (a poll that finds it pending, or [`wait`](Work::wait))
+    /// poll its completion for up to `budget` before the task or thread sleeps. Waking a
+    /// sleeping thread takes several microseconds, more than a whole small op on a backend
+    /// that completes ops on its own thread; a backend sets this for ops that usually end
+    /// within `budget`, and only where the caller's spinning cannot take the core its worker
+    /// needs. The spinning happens once per op and blocks the polling thread (the runtime's
+    /// other tasks on it included) for at most `budget`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use comm_core::Work;
+    /// let (done, work) = Work::<u8>::pending();
+    /// let work = work.with_spin(Duration::from_micros(50));
+    /// std::thread::spawn(move || done.complete(Ok(5)));
+    /// assert_eq!(work.wait().unwrap(), 5);
+    /// ```
+    pub fn with_spin(mut self, budget: Duration) -> Self {
+        self.spin = budget;
+        self
     }
 
     /// Whether the op has finished (successfully or not). Never blocks.
@@ -157,6 +182,7 @@ impl<T: Send + 'static> Work<T> {
         match self.inner {
             Inner::Ready(mut r) => r.take().expect("Ready work holds its result until taken"),
             Inner::Shared(s) => {
+                spin_until(&s.done, self.spin);
                 let mut slot = s.lock();
                 while slot.result.is_none() && !slot.taken {
                     slot.waiting = true;
@@ -275,14 +301,14 @@ impl<T: Send + 'static> Work<T> {
     /// ```
     pub fn join_all(works: Vec<Work<T>>) -> Work<Vec<T>> {
         let results = works.iter().map(|_| None).collect();
-        Work { inner: Inner::Boxed(Box::new(Join { works, results })) }
+        Work { inner: Inner::Boxed(Box::new(Join { works, results })), spin: Duration::ZERO }
     }
 
     /// A handle whose result is `f` applied to this one's successful result.
     pub fn and_then<U: Send + 'static>(self, f: impl FnOnce(T) -> Result<U, CommError> + Send + 'static) -> Work<U> {
         match self.inner {
             Inner::Ready(mut r) => Work::ready(r.take().expect("Ready work holds its result").and_then(f)),
-            _ => Work { inner: Inner::Boxed(Box::new(Map { work: self, f: Some(f) })) },
+            _ => Work { inner: Inner::Boxed(Box::new(Map { work: self, f: Some(f) })), spin: Duration::ZERO },
         }
     }
 }
@@ -290,12 +316,14 @@ impl<T: Send + 'static> Work<T> {
 impl<T: Send + 'static> Future for Work<T> {
     type Output = Result<T, CommError>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match &mut self.inner {
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        match &mut this.inner {
             Inner::Ready(r) => {
                 Poll::Ready(r.take().unwrap_or_else(|| Err(CommError::invalid("Work", "polled after completion"))))
             }
             Inner::Shared(s) => {
+                spin_until(&s.done, std::mem::take(&mut this.spin));
                 let mut slot = s.lock();
                 if slot.result.is_some() || slot.taken {
                     return Poll::Ready(s.take(slot));
@@ -425,6 +453,22 @@ impl<T: Send + 'static> Source<Vec<T>> for Join<T> {
                     }
                 }
             }));
+        }
+    }
+}
+
+/// Polls `done` for up to `budget` (see [`Work::with_spin`]).
+fn spin_until(done: &AtomicBool, budget: Duration) {
+    if budget.is_zero() || cfg!(loom) {
+        return;
+    }
+    let start = Instant::now();
+    while !done.load(Ordering::Acquire) {
+        for _ in 0..32 {
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= budget {
+            return;
         }
     }
 }
@@ -641,6 +685,43 @@ mod tests {
         assert!(Pin::new(&mut w).poll(&mut cx).is_pending());
         c.complete(Ok(3));
         assert!(matches!(Pin::new(&mut w).poll(&mut cx), Poll::Ready(Ok(3))));
+    }
+
+    #[test]
+    fn with_spin_takes_an_op_that_ends_within_the_budget_without_a_wake() {
+        let waker = futures::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        // Completed by another thread during the first poll's spinning: ready at once, although
+        // nothing will ever wake this task.
+        let (c, w) = Work::<u8>::pending();
+        let mut w = w.with_spin(Duration::from_secs(10));
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            c.complete(Ok(4));
+        });
+        let start = Instant::now();
+        assert!(matches!(Pin::new(&mut w).poll(&mut cx), Poll::Ready(Ok(4))));
+        assert!(start.elapsed() < Duration::from_secs(5), "the spinning stops when the op ends");
+        t.join().unwrap();
+        // Not completed within the budget: the first poll spins it out, later ones do not.
+        let (c, w) = Work::<u8>::pending();
+        let mut w = w.with_spin(Duration::from_millis(30));
+        let start = Instant::now();
+        assert!(Pin::new(&mut w).poll(&mut cx).is_pending());
+        assert!(start.elapsed() >= Duration::from_millis(30));
+        let again = Instant::now();
+        assert!(Pin::new(&mut w).poll(&mut cx).is_pending());
+        assert!(again.elapsed() < Duration::from_millis(30), "spins once per op");
+        c.complete(Ok(5));
+        assert!(matches!(Pin::new(&mut w).poll(&mut cx), Poll::Ready(Ok(5))));
+        // `wait` spins too, then sleeps until the op ends.
+        let (c, w) = Work::<u8>::pending();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(40));
+            c.complete(Ok(6));
+        });
+        assert_eq!(w.with_spin(Duration::from_millis(5)).wait().unwrap(), 6);
+        t.join().unwrap();
     }
 
     #[test]

@@ -22,7 +22,7 @@ use comm_core::{CommError, Completer, Op, ReduceOp};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use crate::error::{call_error, cuda_error};
-use crate::ffi::{self, Call, CallError, Comm, CommState, DevPtr, ID_BYTES};
+use crate::ffi::{self, Call, CallError, Comm, CommState, ID_BYTES};
 
 mod deadline;
 mod staging;
@@ -224,7 +224,7 @@ const MAX_BATCH: usize = 1024;
 const MAX_EVENTS: usize = 64;
 /// How long after its last progress (an op submitted or completed) the actor polls without
 /// giving up its core: about one small op's round trip through the device.
-const SPIN: Duration = Duration::from_micros(50);
+pub(crate) const SPIN: Duration = Duration::from_micros(50);
 /// Turns that yield after the spinning, before sleeps (ops still in flight).
 const YIELD_TURNS: u32 = 32;
 
@@ -431,7 +431,7 @@ impl Actor {
             for (_, _, b) in &mut ops {
                 for s in &mut b.staged {
                     if let (true, Some(dev), Some(host)) = (s.download, &s.dev, &mut s.host) {
-                        host.download(&self.cx.stream, DevPtr::of(dev, &self.cx.stream, 0), s.bytes)?;
+                        host.download(&self.cx.stream, dev.ptr(0), s.bytes)?;
                     }
                 }
             }
