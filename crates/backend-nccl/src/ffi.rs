@@ -5,6 +5,8 @@
 //! - A [`DevPtr`] is made from a live `CudaSlice` with an in-bounds offset. Its owner (a staging
 //!   buffer or the caller's slice) is kept alive until the completion event recorded after the
 //!   op has fired, or forever (the actor's graveyard) when that cannot be known.
+//! - A [`Registered`] buffer is held by the actor like [`Pinned`] memory (until the op's event
+//!   fired, or the stream drained) and unregistered before it is handed back.
 //! - [`Pinned`] memory is written by the host only before its upload is enqueued and read only
 //!   after the completion event of its download has fired; a pinned buffer of an op that failed
 //!   is never reused or freed while the stream may still touch it.
@@ -21,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering::Se
 use std::sync::Arc;
 use std::time::Duration;
 
-use comm_core::{DType, ReduceOp};
+use comm_core::{DType, HostBuffer, ReduceOp};
 use cudarc::driver::{self, CudaContext, CudaSlice, CudaStream, DevicePtr, DriverError};
 use cudarc::nccl::{result as nccl, sys as nsys};
 
@@ -563,6 +565,77 @@ impl Pinned {
         let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), len) };
         // SAFETY: as above; `src` holds `len` bytes of device memory (DevPtr invariant).
         unsafe { driver::result::memcpy_dtoh_async(dst, src.0, stream.cu_stream()) }.map_err(cuda("cuMemcpyDtoHAsync"))
+    }
+}
+
+/// A caller's host buffer, page-locked for one op (`cuMemHostRegister`) so that the device
+/// copies to and from it directly, without the two host copies through [`Pinned`] memory. It
+/// owns the buffer (whose bytes are heap or mapped memory that does not move with it) and
+/// unlocks the pages before handing the buffer back or freeing it. `!Send`: it lives and dies on
+/// the actor thread.
+pub(crate) struct Registered {
+    buf: Option<HostBuffer>,
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl Registered {
+    /// Page-locks `buf`'s bytes (> 0 of them); on failure (another buffer's registration
+    /// covers one of its pages, the driver's limits...) hands `buf` back.
+    pub(crate) fn new(ctx: &CudaContext, mut buf: HostBuffer) -> Result<Registered, (DriverError, HostBuffer)> {
+        let bytes = buf.as_bytes_mut();
+        let (len, ptr) = (bytes.len(), NonNull::new(bytes.as_mut_ptr()));
+        let Some(ptr) = ptr.filter(|_| len > 0) else {
+            return Err((DriverError(driver::sys::CUresult::CUDA_ERROR_INVALID_VALUE), buf));
+        };
+        if let Err(e) = ctx.bind_to_thread() {
+            return Err((e, buf));
+        }
+        // SAFETY: the range is `buf`'s bytes, owned by the value returned (no host access to them
+        // until `into_buffer`, which unregisters first, as does `drop`).
+        let r = unsafe { driver::sys::cuMemHostRegister_v2(ptr.as_ptr() as *mut c_void, len, 0) }.result();
+        match r {
+            Ok(()) => Ok(Registered { buf: Some(buf), ptr, len }),
+            Err(e) => Err((e, buf)),
+        }
+    }
+
+    /// Enqueues host → device of the whole buffer.
+    pub(crate) fn upload(&self, stream: &CudaStream, dst: DevPtr) -> Result<(), CallError> {
+        // SAFETY: the registered range, untouched by the host until the op completes (the
+        // actor holds this value until then); `dst` holds `len` bytes (DevPtr invariant).
+        let src = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) };
+        // SAFETY: as above; the copy is ordered on `stream` with the op.
+        unsafe { driver::result::memcpy_htod_async(dst.0, src, stream.cu_stream()) }.map_err(cuda("cuMemcpyHtoDAsync"))
+    }
+
+    /// Enqueues device → host into the whole buffer.
+    pub(crate) fn download(&mut self, stream: &CudaStream, src: DevPtr) -> Result<(), CallError> {
+        // SAFETY: the registered range; the host reads it only after the completion event
+        // (`into_buffer` is called once the op's event fired).
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) };
+        // SAFETY: as above; `src` holds `len` bytes of device memory (DevPtr invariant).
+        unsafe { driver::result::memcpy_dtoh_async(dst, src.0, stream.cu_stream()) }.map_err(cuda("cuMemcpyDtoHAsync"))
+    }
+
+    /// The buffer, its pages unlocked (call only once the transfers on it completed).
+    pub(crate) fn into_buffer(mut self) -> HostBuffer {
+        self.unregister();
+        self.buf.take().expect("held until now")
+    }
+
+    fn unregister(&mut self) {
+        if self.buf.is_some() {
+            // SAFETY: registered by `new` and not yet unregistered (`buf` is still held); no
+            // transfer on it is pending (the op completed, or the stream drained: invariant).
+            let _ = unsafe { driver::sys::cuMemHostUnregister(self.ptr.as_ptr() as *mut c_void) };
+        }
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.unregister();
     }
 }
 

@@ -14,9 +14,11 @@
 //! - **One actor thread per communicator** owns the `!Send` communicator, its CUDA stream,
 //!   staging memory and events. Ops go to it over a channel in submission order; it issues them
 //!   on its stream and completes each [`Work`] when the CUDA event recorded after the op fires,
-//!   so `is_completed()` is an atomic load and `.await` never blocks a runtime thread.
+//!   so `is_completed()` is an atomic load; `.await` holds a runtime thread only for the 50 µs
+//!   its first poll spins where CPUs allow ([`Work::with_spin`]: a small op ends within it).
 //! - **Host buffers** ([`HostBuffer`](comm_core::HostBuffer)) are copied through pinned memory into device staging
-//!   buffers (pooled) and back. **Device buffers** (`CudaSlice<T>`) go to NCCL as they are,
+//!   buffers (pooled) and back; large ones are page-locked for the op and copied directly
+//!   ([`NcclOptions::register_min`]). **Device buffers** (`CudaSlice<T>`) go to NCCL as they are,
 //!   through the request types of [`device`] (e.g. [`DeviceAllReduce`]) on the same
 //!   [`Collective`] trait, on a [`NcclBackend`] handle.
 //! - **Ops.** all_reduce (sum, prod, min, max, avg), broadcast, reduce, all_gather and
@@ -91,6 +93,12 @@ pub struct NcclOptions {
     /// Bytes of staging memory (each of device and pinned host memory) kept for reuse.
     /// Default 256 MiB.
     pub pool_limit: usize,
+    /// Host buffers of at least this many bytes are page-locked for the op and copied to and
+    /// from the device directly; smaller ones are copied through pooled pinned memory (two
+    /// host copies, cheaper than locking pages for small buffers). `None` (the default):
+    /// where the two cost the same on this machine, measured once per process
+    /// ([`NcclBackend::register_min`] tells).
+    pub register_min: Option<usize>,
 }
 
 impl Default for NcclOptions {
@@ -100,13 +108,14 @@ impl Default for NcclOptions {
             device: None,
             p2p_linger: Duration::from_micros(200),
             pool_limit: 256 << 20,
+            register_min: None,
         }
     }
 }
 
 impl NcclOptions {
-    /// Defaults, overridden by `COMM_NCCL_DEVICE`, `COMM_NCCL_P2P_LINGER_US` and
-    /// `COMM_NCCL_POOL_MB`.
+    /// Defaults, overridden by `COMM_NCCL_DEVICE`, `COMM_NCCL_P2P_LINGER_US`,
+    /// `COMM_NCCL_POOL_MB` and `COMM_NCCL_REGISTER_MIN` (bytes, binary units allowed: `1MiB`).
     pub fn from_env() -> Result<Self, CommError> {
         let mut o = NcclOptions::default();
         let num = |name: &str| -> Result<Option<u64>, CommError> {
@@ -127,6 +136,9 @@ impl NcclOptions {
         }
         if let Some(mb) = num("COMM_NCCL_POOL_MB")? {
             o.pool_limit = (mb as usize) << 20;
+        }
+        if let Some(b) = comm_core::config::env_parse("COMM_NCCL_REGISTER_MIN", comm_core::config::parse_size)? {
+            o.register_min = Some(b);
         }
         Ok(o)
     }
@@ -175,6 +187,7 @@ struct Inner {
     info: NcclInfo,
     /// How long a caller's first wait for an op spins ([`Work::with_spin`]).
     spin: Duration,
+    register_min: usize,
 }
 
 impl std::fmt::Debug for NcclBackend {
@@ -229,6 +242,7 @@ impl NcclBackend {
             timeout: to,
             linger: opts.p2p_linger,
             pool_limit: opts.pool_limit,
+            register_min: opts.register_min,
             poison: poison.clone(),
         };
         let (tx, rx) = channel();
@@ -310,6 +324,7 @@ impl NcclBackend {
                 subgroups: Subgroups::new(prefix),
                 info,
                 spin,
+                register_min: ready.register_min,
             }),
         })
     }
@@ -324,6 +339,12 @@ impl NcclBackend {
     /// one avoids even that).
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.inner.stream
+    }
+
+    /// The size from which host buffers are page-locked for an op rather than copied through
+    /// pinned memory ([`NcclOptions::register_min`]; `usize::MAX`: never).
+    pub fn register_min(&self) -> usize {
+        self.inner.register_min
     }
 
     /// The CUDA device ordinal this rank uses.
@@ -414,6 +435,7 @@ mod tests {
         let o = NcclOptions::default();
         assert_eq!(o.timeout, Duration::from_secs(300));
         assert_eq!(o.p2p_linger, Duration::from_micros(200));
+        assert_eq!(o.register_min, None);
     }
 
     #[tokio::test]

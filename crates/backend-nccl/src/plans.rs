@@ -25,11 +25,11 @@ pub(crate) fn redop(op: &'static str, r: ReduceOp, d: DType) -> Result<ncclRedOp
     ffi::nccl_op(r).ok_or(CommError::Unsupported { op, dtype: Some(d), backend: BACKEND })
 }
 
-/// A plan whose output is computed by `output` from the downloaded staging buffers.
+/// A plan whose output is computed by `output` from the staging buffers, once the op is done.
 pub(crate) fn prepared<O: Send + 'static>(
     done: Completer<O>,
     body: Result<Body, CommError>,
-    output: impl FnOnce(&[Staged]) -> Result<O, CommError> + 'static,
+    output: impl FnOnce(&mut [Staged]) -> Result<O, CommError> + 'static,
 ) -> Prepared {
     Prepared { finish: Box::new(move |r| done.complete(r.and_then(output))), body }
 }
@@ -38,18 +38,9 @@ fn body(calls: Vec<Call>, group: bool, staged: Vec<Staged>) -> Result<Body, Comm
     Ok(Body { calls, group, staged })
 }
 
-/// Copies downloaded bytes into `buf` (same length by construction).
-fn fill(buf: &mut HostBuffer, s: &Staged) -> Result<(), CommError> {
-    let src = s.bytes();
-    let dst = buf.as_bytes_mut();
-    if src.len() != dst.len() {
-        return Err(CommError::invalid(
-            "nccl staging",
-            format!("{} bytes came back for a {}-byte buffer", src.len(), dst.len()),
-        ));
-    }
-    dst.copy_from_slice(src);
-    Ok(())
+/// The input and output of an op staged as `[input, output]`.
+fn in_out(st: &mut [Staged]) -> Result<InOut, CommError> {
+    Ok(InOut { input: st[0].take()?, output: st[1].take()? })
 }
 
 impl Plan for AllReduce {
@@ -57,33 +48,27 @@ impl Plan for AllReduce {
         Some(self.op)
     }
     fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
-        let AllReduce { mut buf, op } = self;
+        let AllReduce { buf, op } = self;
         let b = (|| {
-            let (dt, op) = (dt(Self::NAME, buf.dtype())?, redop(Self::NAME, op, buf.dtype())?);
-            let s = cx.stage_in(buf.as_bytes(), true)?;
+            let (count, dt, op) = (buf.len(), dt(Self::NAME, buf.dtype())?, redop(Self::NAME, op, buf.dtype())?);
+            let s = cx.stage_in(buf, true)?;
             let p = cx.ptr(&s, 0);
-            body(vec![Call::AllReduce { send: p, recv: p, count: buf.len(), dt, op }], false, vec![s])
+            body(vec![Call::AllReduce { send: p, recv: p, count, dt, op }], false, vec![s])
         })();
-        prepared(done, b, move |st| {
-            fill(&mut buf, &st[0])?;
-            Ok(buf)
-        })
+        prepared(done, b, |st| st[0].take())
     }
 }
 
 impl Plan for Broadcast {
     fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
-        let Broadcast { mut buf, root } = self;
+        let Broadcast { buf, root } = self;
         let b = (|| {
-            let dt = dt(Self::NAME, buf.dtype())?;
-            let s = cx.stage_in(buf.as_bytes(), true)?;
+            let (count, dt) = (buf.len(), dt(Self::NAME, buf.dtype())?);
+            let s = cx.stage_in(buf, true)?;
             let p = cx.ptr(&s, 0);
-            body(vec![Call::Broadcast { send: p, recv: p, count: buf.len(), dt, root: root as i32 }], false, vec![s])
+            body(vec![Call::Broadcast { send: p, recv: p, count, dt, root: root as i32 }], false, vec![s])
         })();
-        prepared(done, b, move |st| {
-            fill(&mut buf, &st[0])?;
-            Ok(buf)
-        })
+        prepared(done, b, |st| st[0].take())
     }
 }
 
@@ -92,21 +77,15 @@ impl Plan for Reduce {
         Some(self.op)
     }
     fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
-        let Reduce { mut buf, op, root } = self;
-        let is_root = cx.rank == root;
+        let Reduce { buf, op, root } = self;
         let b = (|| {
-            let (dt, op) = (dt(Self::NAME, buf.dtype())?, redop(Self::NAME, op, buf.dtype())?);
-            let s = cx.stage_in(buf.as_bytes(), is_root)?;
-            let p = cx.ptr(&s, 0);
-            body(vec![Call::Reduce { send: p, recv: p, count: buf.len(), dt, op, root: root as i32 }], false, vec![s])
-        })();
-        prepared(done, b, move |st| {
+            let (count, dt, op) = (buf.len(), dt(Self::NAME, buf.dtype())?, redop(Self::NAME, op, buf.dtype())?);
             // Non-roots get their input back, untouched.
-            if is_root {
-                fill(&mut buf, &st[0])?;
-            }
-            Ok(buf)
-        })
+            let s = cx.stage_in(buf, cx.rank == root)?;
+            let p = cx.ptr(&s, 0);
+            body(vec![Call::Reduce { send: p, recv: p, count, dt, op, root: root as i32 }], false, vec![s])
+        })();
+        prepared(done, b, |st| st[0].take())
     }
 }
 
@@ -114,18 +93,15 @@ impl Plan for AllGather {
     fn plan(self, cx: &mut Cx, done: Completer<InOut>) -> Prepared {
         let AllGather { input, output } = self;
         let n = cx.world as usize;
-        let mut out = output.unwrap_or_else(|| HostBuffer::zeroed(input.dtype(), input.len() * n));
         let b = (|| {
-            let dt = dt(Self::NAME, input.dtype())?;
-            let sin = cx.stage_in(input.as_bytes(), false)?;
-            let sout = cx.stage_out(out.byte_len())?;
-            let call = Call::AllGather { send: cx.ptr(&sin, 0), recv: cx.ptr(&sout, 0), count: input.len(), dt };
+            let (count, dt) = (input.len(), dt(Self::NAME, input.dtype())?);
+            let out = output.unwrap_or_else(|| HostBuffer::zeroed(input.dtype(), count * n));
+            let sin = cx.stage_in(input, false)?;
+            let sout = cx.stage_out(out)?;
+            let call = Call::AllGather { send: cx.ptr(&sin, 0), recv: cx.ptr(&sout, 0), count, dt };
             body(vec![call], false, vec![sin, sout])
         })();
-        prepared(done, b, move |st| {
-            fill(&mut out, &st[1])?;
-            Ok(InOut { input, output: out })
-        })
+        prepared(done, b, in_out)
     }
 }
 
@@ -136,18 +112,15 @@ impl Plan for ReduceScatter {
     fn plan(self, cx: &mut Cx, done: Completer<InOut>) -> Prepared {
         let ReduceScatter { input, op, output } = self;
         let k = input.len() / cx.world as usize;
-        let mut out = output.unwrap_or_else(|| HostBuffer::zeroed(input.dtype(), k));
         let b = (|| {
             let (dt, op) = (dt(Self::NAME, input.dtype())?, redop(Self::NAME, op, input.dtype())?);
-            let sin = cx.stage_in(input.as_bytes(), false)?;
-            let sout = cx.stage_out(out.byte_len())?;
+            let out = output.unwrap_or_else(|| HostBuffer::zeroed(input.dtype(), k));
+            let sin = cx.stage_in(input, false)?;
+            let sout = cx.stage_out(out)?;
             let call = Call::ReduceScatter { send: cx.ptr(&sin, 0), recv: cx.ptr(&sout, 0), count: k, dt, op };
             body(vec![call], false, vec![sin, sout])
         })();
-        prepared(done, b, move |st| {
-            fill(&mut out, &st[1])?;
-            Ok(InOut { input, output: out })
-        })
+        prepared(done, b, in_out)
     }
 }
 
@@ -168,7 +141,6 @@ impl Plan for AllToAll {
         let AllToAll { input, output, .. } = self;
         let (me, d) = (cx.rank as usize, input.dtype());
         let total: usize = outs.iter().sum();
-        let mut out = output.unwrap_or_else(|| HostBuffer::zeroed(d, total));
         let b = (|| {
             if ins[me] != outs[me] {
                 return Err(CommError::invalid(
@@ -178,8 +150,9 @@ impl Plan for AllToAll {
             }
             let dt = dt(Self::NAME, d)?;
             let sz = d.size();
-            let sin = cx.stage_in(input.as_bytes(), false)?;
-            let sout = cx.stage_out(total * sz)?;
+            let out = output.unwrap_or_else(|| HostBuffer::zeroed(d, total));
+            let sin = cx.stage_in(input, false)?;
+            let sout = cx.stage_out(out)?;
             let (oi, oo) = (offsets(&ins), offsets(&outs));
             let mut calls = Vec::with_capacity(2 * ins.len());
             for p in 0..ins.len() {
@@ -193,28 +166,26 @@ impl Plan for AllToAll {
             }
             body(calls, true, vec![sin, sout])
         })();
-        prepared(done, b, move |st| {
-            fill(&mut out, &st[1])?;
-            Ok(InOut { input, output: out })
-        })
+        prepared(done, b, in_out)
     }
 }
 
 impl Plan for Scatter {
     fn plan(self, cx: &mut Cx, done: Completer<InOut>) -> Prepared {
-        let Scatter { mut output, input, root } = self;
+        let Scatter { output, input, root } = self;
         let (me, n, k, d) = (cx.rank, cx.world, output.len(), output.dtype());
+        // Off the root nothing is sent: an input passed anyway comes back as it is.
+        let (input, spare) = if me == root { (input, None) } else { (None, input) };
         let b = (|| {
             let dt = dt(Self::NAME, d)?;
             let sz = d.size();
-            let sout = cx.stage_out(output.byte_len())?;
+            let sout = cx.stage_out(output)?;
             let mut calls = Vec::new();
             let mut staged = Vec::new();
             if me == root {
-                let all = input
-                    .as_ref()
-                    .ok_or_else(|| CommError::invalid(Self::NAME, "the root must pass the data to scatter"))?;
-                let sin = cx.stage_in(all.as_bytes(), false)?;
+                let all =
+                    input.ok_or_else(|| CommError::invalid(Self::NAME, "the root must pass the data to scatter"))?;
+                let sin = cx.stage_in(all, false)?;
                 for p in 0..n {
                     let src = cx.ptr(&sin, p as usize * k * sz);
                     if p == me {
@@ -231,8 +202,12 @@ impl Plan for Scatter {
             body(calls, true, staged)
         })();
         prepared(done, b, move |st| {
-            fill(&mut output, &st[0])?;
-            Ok(InOut { input: input.unwrap_or_else(|| HostBuffer::zeroed(d, 0)), output })
+            let output = st[0].take()?;
+            let input = match st.get_mut(1) {
+                Some(s) => s.take()?,
+                None => spare.unwrap_or_else(|| HostBuffer::zeroed(d, 0)),
+            };
+            Ok(InOut { input, output })
         })
     }
 }
@@ -250,11 +225,11 @@ impl Plan for Gather {
         let b = (|| {
             let dt = dt(Self::NAME, d)?;
             let sz = d.size();
-            let sin = cx.stage_in(input.as_bytes(), false)?;
+            let sin = cx.stage_in(input, false)?;
             let mut calls = Vec::new();
             let mut staged = vec![];
-            if let Some(out) = &out {
-                let sout = cx.stage_out(out.byte_len())?;
+            if let Some(out) = out {
+                let sout = cx.stage_out(out)?;
                 for p in 0..n {
                     let dst = cx.ptr(&sout, p as usize * k * sz);
                     if p == me {
@@ -267,15 +242,14 @@ impl Plan for Gather {
             } else {
                 calls.push(Call::Send { buf: cx.ptr(&sin, 0), count: k, dt, peer: root as i32 });
             }
-            staged.push(sin);
+            // [input, output] on the root, [input] elsewhere.
+            staged.insert(0, sin);
             body(calls, true, staged)
         })();
         prepared(done, b, move |st| {
-            let output = match out {
-                Some(mut o) => {
-                    fill(&mut o, &st[0])?;
-                    o
-                }
+            let input = st[0].take()?;
+            let output = match st.get_mut(1) {
+                Some(s) => s.take()?,
                 None => spare.unwrap_or_else(|| HostBuffer::zeroed(d, 0)),
             };
             Ok(InOut { input, output })
@@ -288,27 +262,24 @@ impl Plan for SendTo {
     fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
         let SendTo { buf, dst, .. } = self;
         let b = (|| {
-            let dt = dt(Self::NAME, buf.dtype())?;
-            let s = cx.stage_in(buf.as_bytes(), false)?;
-            body(vec![Call::Send { buf: cx.ptr(&s, 0), count: buf.len(), dt, peer: dst as i32 }], false, vec![s])
+            let (count, dt) = (buf.len(), dt(Self::NAME, buf.dtype())?);
+            let s = cx.stage_in(buf, false)?;
+            body(vec![Call::Send { buf: cx.ptr(&s, 0), count, dt, peer: dst as i32 }], false, vec![s])
         })();
-        prepared(done, b, move |_| Ok(buf))
+        prepared(done, b, |st| st[0].take())
     }
 }
 
 impl Plan for RecvFrom {
     const P2P: bool = true;
     fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
-        let RecvFrom { mut buf, src, .. } = self;
+        let RecvFrom { buf, src, .. } = self;
         let b = (|| {
-            let dt = dt(Self::NAME, buf.dtype())?;
-            let s = cx.stage_out(buf.byte_len())?;
-            body(vec![Call::Recv { buf: cx.ptr(&s, 0), count: buf.len(), dt, peer: src as i32 }], false, vec![s])
+            let (count, dt) = (buf.len(), dt(Self::NAME, buf.dtype())?);
+            let s = cx.stage_out(buf)?;
+            body(vec![Call::Recv { buf: cx.ptr(&s, 0), count, dt, peer: src as i32 }], false, vec![s])
         })();
-        prepared(done, b, move |st| {
-            fill(&mut buf, &st[0])?;
-            Ok(buf)
-        })
+        prepared(done, b, |st| st[0].take())
     }
 }
 

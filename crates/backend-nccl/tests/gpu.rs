@@ -19,7 +19,7 @@ use backend_nccl::{
     is_available, DeviceAllGather, DeviceAllReduce, DeviceAllToAll, DeviceBroadcast, DeviceReduce, DeviceReduceScatter,
     NcclBackend, NcclInfo, NcclOptions, Stall,
 };
-use comm_core::ops::{AllReduce, Barrier};
+use comm_core::ops::{AllGather, AllReduce, Barrier};
 use comm_core::{bf16, Backend, Collective, CommError, Group, HostBuffer, MemoryStore, ReduceOp, Store};
 use comm_test::SuiteConfig;
 
@@ -53,25 +53,65 @@ async fn one_rank(timeout: Duration) -> NcclBackend {
 async fn conformance_1_rank() {
     let Some(info) = gpu(1) else { return };
     println!("NCCL {:?}, driver CUDA {:?}, {} device(s)", info.nccl_version, info.driver_cuda_version, info.devices);
-    let b = one_rank(Duration::from_secs(120)).await;
-    let mut cfg = SuiteConfig::default();
-    cfg.allow_unsupported = true;
-    let start = Instant::now();
-    let report =
-        comm_test::suite::run(Arc::new(b.clone()) as Arc<dyn Backend>, &cfg).await.unwrap_or_else(|e| panic!("{e}"));
-    println!(
-        "conformance, 1 rank on device {}: {} checks passed, {} skipped (unsupported), {:.2}s",
-        b.device(),
-        report.checks,
-        report.skipped.len(),
-        start.elapsed().as_secs_f64()
-    );
-    // Only the bitwise reductions (which NCCL lacks) may be skipped.
-    for s in &report.skipped {
-        assert!(s.contains("band") || s.contains("bor") || s.contains("bxor"), "unexpected skip: {s}");
+    // Host buffers copied through pinned memory, then every non-empty one page-locked and
+    // copied directly.
+    for (how, register_min) in [("copied", usize::MAX), ("registered", 1)] {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let o = NcclOptions { register_min: Some(register_min), ..opts(Duration::from_secs(120)) };
+        let b = NcclBackend::new(store, 0, 1, o).await.expect("a 1-rank NCCL communicator");
+        let mut cfg = SuiteConfig::default();
+        cfg.allow_unsupported = true;
+        let start = Instant::now();
+        let report = comm_test::suite::run(Arc::new(b.clone()) as Arc<dyn Backend>, &cfg)
+            .await
+            .unwrap_or_else(|e| panic!("{how}: {e}"));
+        println!(
+            "conformance, 1 rank on device {}, host buffers {how}: {} checks passed, {} skipped (unsupported), {:.2}s",
+            b.device(),
+            report.checks,
+            report.skipped.len(),
+            start.elapsed().as_secs_f64()
+        );
+        // Only the bitwise reductions (which NCCL lacks) may be skipped.
+        for s in &report.skipped {
+            assert!(s.contains("band") || s.contains("bor") || s.contains("bxor"), "unexpected skip: {s}");
+        }
+        assert!(report.checks > 500, "{} checks", report.checks);
+        b.shutdown().await.unwrap();
     }
-    assert!(report.checks > 500, "{} checks", report.checks);
-    b.shutdown().await.unwrap();
+}
+
+/// Large host buffers, page-locked or copied, and many small ones in flight at once with every
+/// buffer registered: buffers that share a page cannot all be registered, and fall back to the
+/// copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_buffers_registered_or_copied() {
+    if gpu(1).is_none() {
+        return;
+    }
+    // Every buffer, those from the measured size, none.
+    for register_min in [Some(1), None, Some(usize::MAX)] {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let o = NcclOptions { register_min, ..opts(Duration::from_secs(120)) };
+        let b = NcclBackend::new(store, 0, 1, o).await.unwrap();
+        let register_min = b.register_min();
+        println!("host buffers page-locked from {register_min} bytes");
+        for n in [1usize << 18, (3 << 20) + 5, 16 << 20] {
+            let data: Vec<f32> = (0..n).map(|i| (i % 4099) as f32).collect();
+            let out = b.submit(AllReduce { buf: HostBuffer::from_slice(&data), op: ReduceOp::Max }).await.unwrap();
+            assert!(out.to_vec::<f32>().unwrap() == data, "all_reduce of {n} floats, register_min {register_min}");
+            let io = b.submit(AllGather { input: HostBuffer::from_slice(&data), output: None }).await.unwrap();
+            assert!(io.output.to_vec::<f32>().unwrap() == data, "all_gather of {n} floats");
+            assert!(io.input.to_vec::<f32>().unwrap() == data, "all_gather's input comes back as it was");
+        }
+        let works: Vec<_> = (0..64)
+            .map(|i| b.submit(AllReduce { buf: HostBuffer::from_slice(&[i as f64; 3]), op: ReduceOp::Sum }))
+            .collect();
+        for (i, w) in works.into_iter().enumerate() {
+            assert_eq!(w.await.unwrap().to_vec::<f64>().unwrap(), [i as f64; 3], "small op {i} in flight");
+        }
+        b.shutdown().await.unwrap();
+    }
 }
 
 #[test]

@@ -85,7 +85,7 @@ impl<R: Plan> Request for Pending<R> {
 }
 
 /// Completes the op: with the staging buffers once its event fired, or with the error.
-pub(crate) type Finish = Box<dyn FnOnce(Result<&[Staged], CommError>)>;
+pub(crate) type Finish = Box<dyn FnOnce(Result<&mut [Staged], CommError>)>;
 
 /// A planned op.
 pub struct Prepared {
@@ -117,6 +117,8 @@ pub(crate) struct Setup {
     pub(crate) timeout: Duration,
     pub(crate) linger: Duration,
     pub(crate) pool_limit: usize,
+    /// `None`: measured ([`staging::register_min`]).
+    pub(crate) register_min: Option<usize>,
     pub(crate) poison: Poison,
 }
 
@@ -128,6 +130,8 @@ pub(crate) struct Ready {
     pub(crate) uuid: String,
     /// Rank 0's fresh NCCL unique id.
     pub(crate) id: Option<[u8; ID_BYTES]>,
+    /// Host buffers from this size are page-locked instead of copied.
+    pub(crate) register_min: usize,
 }
 
 /// The request to create the communicator.
@@ -152,15 +156,16 @@ pub(crate) fn main(setup: Setup, ready: Once<Ready>, init: Receiver<InitRequest>
         } else {
             None
         };
-        Ok(Ready { ctx: ctx.clone(), stream, uuid, id })
+        let register_min = setup.register_min.unwrap_or_else(|| staging::register_min(&ctx));
+        Ok(Ready { ctx: ctx.clone(), stream, uuid, id, register_min })
     };
-    let stream = match set_up() {
+    let (stream, register_min) = match set_up() {
         Ok(r) => {
-            let stream = r.stream.clone();
+            let kept = (r.stream.clone(), r.register_min);
             if !ready.complete(Ok(r)) {
                 return;
             }
-            stream
+            kept
         }
         Err(e) => {
             ready.complete(Err(e));
@@ -185,6 +190,7 @@ pub(crate) fn main(setup: Setup, ready: Once<Ready>, init: Receiver<InitRequest>
         stream,
         pool: Pool { dev: HashMap::new(), host: HashMap::new(), kept_dev: 0, kept_host: 0, limit: setup.pool_limit },
         scratch: None,
+        register_min,
     };
     Actor {
         cx,
@@ -430,9 +436,7 @@ impl Actor {
         let downloaded = issued.and_then(|()| {
             for (_, _, b) in &mut ops {
                 for s in &mut b.staged {
-                    if let (true, Some(dev), Some(host)) = (s.download, &s.dev, &mut s.host) {
-                        host.download(&self.cx.stream, dev.ptr(0), s.bytes)?;
-                    }
+                    s.download(&self.cx.stream)?;
                 }
             }
             Ok(())
@@ -491,8 +495,8 @@ impl Actor {
         while let Some(front) = self.in_flight.front() {
             match front.event.try_is_complete() {
                 Ok(true) => {
-                    let f = self.in_flight.pop_front().expect("front exists");
-                    (f.finish)(Ok(&f.staged));
+                    let mut f = self.in_flight.pop_front().expect("front exists");
+                    (f.finish)(Ok(&mut f.staged));
                     self.cx.pool.recycle(f.staged);
                     // The last op of a batch gives the (fired) event back for reuse.
                     if let Ok(ev) = Arc::try_unwrap(f.event) {

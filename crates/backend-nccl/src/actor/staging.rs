@@ -2,13 +2,14 @@
 //! pooled for reuse by size class.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
-use comm_core::CommError;
+use comm_core::{CommError, HostBuffer};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 
 use crate::error::{call_error, cuda_error};
-use crate::ffi::{self, DevPtr, Pinned};
+use crate::ffi::{self, CallError, DevPtr, Pinned, Registered};
 
 /// Device memory of the pool and its address, taken once. The memory is used only on the
 /// actor's stream and freed in that stream's order, so it needs none of the events a
@@ -32,20 +33,49 @@ impl Dev {
     }
 }
 
-/// One host buffer's staging: device memory and the pinned host memory it is copied through.
+/// One host buffer's staging: the caller's buffer, held until the op is done, and the device
+/// memory the op works on.
 pub(crate) struct Staged {
     pub(super) dev: Option<Dev>,
-    pub(super) host: Option<Pinned>,
-    pub(super) bytes: usize,
-    pub(super) download: bool,
+    /// Pooled pinned memory the bytes are copied through (`None` where the buffer itself is
+    /// registered, or empty).
+    pub(super) pinned: Option<Pinned>,
+    user: User,
+    bytes: usize,
+    download: bool,
+}
+
+/// The caller's buffer in a [`Staged`].
+enum User {
+    Plain(HostBuffer),
+    /// Page-locked for the op: the device copies to and from it directly.
+    Registered(Registered),
+    Taken,
 }
 
 impl Staged {
-    /// The bytes downloaded from the device (only called once the op's event fired).
-    pub(crate) fn bytes(&self) -> &[u8] {
-        match &self.host {
-            Some(h) => h.read(self.bytes),
-            None => &[],
+    /// The caller's buffer, holding what the op downloaded into it (call once the op's event
+    /// fired).
+    pub(crate) fn take(&mut self) -> Result<HostBuffer, CommError> {
+        match std::mem::replace(&mut self.user, User::Taken) {
+            User::Plain(mut b) => {
+                if let (true, Some(p)) = (self.download, &self.pinned) {
+                    b.as_bytes_mut().copy_from_slice(p.read(self.bytes));
+                }
+                Ok(b)
+            }
+            User::Registered(r) => Ok(r.into_buffer()),
+            User::Taken => Err(CommError::invalid("nccl staging", "a staged buffer was taken twice")),
+        }
+    }
+
+    /// Enqueues the copy of the op's result back to the host (outputs and in-place buffers).
+    pub(super) fn download(&mut self, stream: &CudaStream) -> Result<(), CallError> {
+        let Some(dev) = self.dev.as_ref().filter(|_| self.download) else { return Ok(()) };
+        match (&mut self.user, &mut self.pinned) {
+            (User::Registered(r), _) => r.download(stream, dev.ptr(0)),
+            (_, Some(p)) => p.download(stream, dev.ptr(0), self.bytes),
+            _ => Ok(()),
         }
     }
 }
@@ -58,32 +88,47 @@ pub struct Cx {
     pub(crate) stream: Arc<CudaStream>,
     pub(super) pool: Pool,
     pub(super) scratch: Option<Dev>,
+    /// Buffers from this size are registered instead of copied through pinned memory.
+    pub(super) register_min: usize,
 }
 
 impl Cx {
-    /// Stages `data` on the device (upload enqueued now); `download` copies it back after the
-    /// op (in-place ops).
-    pub(crate) fn stage_in(&mut self, data: &[u8], download: bool) -> Result<Staged, CommError> {
-        let mut s = self.stage(data.len(), download)?;
-        if let (Some(host), Some(dev)) = (&mut s.host, &s.dev) {
-            host.write(data);
-            host.upload(&self.stream, dev.ptr(0), data.len()).map_err(|e| call_error(e, ""))?;
-        }
-        Ok(s)
+    /// Stages `buf` on the device (upload enqueued now); `download` copies the device's bytes
+    /// back into it after the op (in-place ops).
+    pub(crate) fn stage_in(&mut self, buf: HostBuffer, download: bool) -> Result<Staged, CommError> {
+        self.stage(buf, true, download)
     }
 
-    /// Device memory for an output of `bytes`, downloaded after the op.
-    pub(crate) fn stage_out(&mut self, bytes: usize) -> Result<Staged, CommError> {
-        self.stage(bytes, true)
+    /// Device memory for the output `buf`, downloaded into it after the op.
+    pub(crate) fn stage_out(&mut self, buf: HostBuffer) -> Result<Staged, CommError> {
+        self.stage(buf, false, true)
     }
 
-    fn stage(&mut self, bytes: usize, download: bool) -> Result<Staged, CommError> {
+    fn stage(&mut self, mut buf: HostBuffer, upload: bool, download: bool) -> Result<Staged, CommError> {
+        let bytes = buf.byte_len();
         if bytes == 0 {
-            return Ok(Staged { dev: None, host: None, bytes, download: false });
+            return Ok(Staged { dev: None, pinned: None, user: User::Plain(buf), bytes, download: false });
         }
         let dev = self.pool.device(&self.stream, bytes)?;
-        let host = self.pool.pinned(&self.ctx, bytes)?;
-        Ok(Staged { dev: Some(dev), host: Some(host), bytes, download })
+        let upload_err = |e| call_error(e, "");
+        if bytes >= self.register_min {
+            // A buffer that cannot be registered (a page of it is already) is copied instead.
+            match Registered::new(&self.ctx, buf) {
+                Ok(r) => {
+                    if upload {
+                        r.upload(&self.stream, dev.ptr(0)).map_err(upload_err)?;
+                    }
+                    return Ok(Staged { dev: Some(dev), pinned: None, user: User::Registered(r), bytes, download });
+                }
+                Err((_, b)) => buf = b,
+            }
+        }
+        let mut pinned = self.pool.pinned(&self.ctx, bytes)?;
+        if upload {
+            pinned.write(buf.as_bytes());
+            pinned.upload(&self.stream, dev.ptr(0), bytes).map_err(upload_err)?;
+        }
+        Ok(Staged { dev: Some(dev), pinned: Some(pinned), user: User::Plain(buf), bytes, download })
     }
 
     /// The device address of byte `offset` of a staged buffer.
@@ -111,6 +156,55 @@ impl Cx {
         }
         Ok(self.scratch.as_ref().expect("just set").ptr(0))
     }
+}
+
+/// The host-buffer size from which page-locking the caller's buffer for an op beats copying it
+/// through pinned memory, measured once per process. Locking costs a fixed part (system calls,
+/// the driver's bookkeeping: about 0.2 ms on a 16-core Xeon VM) and a part per page; copying
+/// costs two host copies per byte (in and out). The locking times of 256 KiB and 4 MiB (best of
+/// two each) give the line that meets the copies' (4 MiB copied, best of two) at the size
+/// returned, clamped to 256 KiB..=1 GiB; never (`usize::MAX`) where locking is not cheaper per
+/// byte or cannot be measured. The device copies cost the same either way.
+pub(super) fn register_min(ctx: &CudaContext) -> usize {
+    static MIN: OnceLock<usize> = OnceLock::new();
+    *MIN.get_or_init(|| {
+        let min = measure_register_min(ctx).unwrap_or(usize::MAX);
+        tracing::debug!(register_min = min, "nccl: host buffers page-locked from this size");
+        min
+    })
+}
+
+fn measure_register_min(ctx: &CudaContext) -> Option<usize> {
+    const SMALL: usize = 256 << 10;
+    const LARGE: usize = 4 << 20;
+    fn best(mut f: impl FnMut() -> Option<()>) -> Option<f64> {
+        let mut t = f64::MAX;
+        for _ in 0..2 {
+            let start = Instant::now();
+            f()?;
+            t = t.min(start.elapsed().as_secs_f64());
+        }
+        Some(t)
+    }
+    let src = vec![1u8; LARGE];
+    let lock = |bytes: usize| {
+        let mut buf = Some(HostBuffer::from_slice(&src[..bytes]));
+        best(|| {
+            let r = Registered::new(ctx, buf.take()?).ok()?;
+            buf = Some(r.into_buffer());
+            Some(())
+        })
+    };
+    let (small, large) = (lock(SMALL)?, lock(LARGE)?);
+    let lock_per_byte = ((large - small) / (LARGE - SMALL) as f64).max(0.0);
+    let fixed = (small - lock_per_byte * SMALL as f64).max(0.0);
+    let mut pinned = Pinned::alloc(ctx, LARGE).ok()?;
+    let copy_per_byte =
+        2.0 * best(|| {
+            pinned.write(&src);
+            Some(())
+        })? / LARGE as f64;
+    (copy_per_byte > lock_per_byte).then(|| ((fixed / (copy_per_byte - lock_per_byte)) as usize).clamp(SMALL, 1 << 30))
 }
 
 /// Staging memory kept for reuse, by power-of-two size class (idle buffers only).
@@ -170,7 +264,7 @@ impl Pool {
                 let c = d.mem.len();
                 keep(&mut self.dev, &mut self.kept_dev, self.limit, c, d);
             }
-            if let Some(h) = s.host {
+            if let Some(h) = s.pinned {
                 let c = h.cap();
                 keep(&mut self.host, &mut self.kept_host, self.limit, c, h);
             }
