@@ -436,6 +436,7 @@ impl<R: MpiOp> Collective<R> for MpiBackend {
         // Counted before its header goes out, until it finishes (`actor::Held`).
         let held = (!R::P2P).then(|| actor::Held::new(inner.info.gid));
         self.send(Pending { req, done });
+        let work = work.with_spin(inner.info.caller_spin);
         match held {
             Some(h) if !work.is_completed() => work.on_complete(move |_| drop(h)),
             _ => work,

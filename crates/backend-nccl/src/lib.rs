@@ -307,10 +307,10 @@ impl NcclBackend {
             .name(format!("comm-nccl-watchdog-r{rank}"))
             .spawn(move || actor::watchdog(state, to, wd_poison, rank))
             .map_err(|e| CommError::io("starting the nccl watchdog thread", e))?;
-        // A caller that awaits an op spins for as long as the actor does after progress (see
-        // `Work::with_spin`), where this host's ranks' callers and actors can all run at once.
+        // A caller that awaits an op spins for as long as the actor does after progress, where
+        // this host's ranks' callers and actors can all run at once.
         let cpus = CpuSet::runnable_of(CpuSet::union_of(local_cpus.iter().map(Option::as_ref)).as_ref());
-        let spin = if 2 * local_cpus.len() <= cpus { actor::SPIN } else { Duration::ZERO };
+        let spin = handle::caller_spin(actor::SPIN, local_cpus.len(), cpus);
         tracing::debug!(rank, world, device, group = %prefix, ?spin, "nccl: communicator ready");
         Ok(NcclBackend {
             inner: Arc::new(Inner {

@@ -6,6 +6,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::{CommError, Op, Rank, Work};
 
@@ -338,11 +339,33 @@ impl std::fmt::Display for CpuSet {
     }
 }
 
+/// How long a caller's first wait for an op that a worker thread runs may spin
+/// ([`Work::with_spin`]): the worker's own polling time `spin`, where the `ranks` ranks of this
+/// host, each a caller and a worker, can all run at once on `cpus` CPUs; else not at all
+/// (spinning callers would take their workers' CPUs).
+pub fn caller_spin(spin: Duration, ranks: usize, cpus: usize) -> Duration {
+    if ranks.saturating_mul(2) <= cpus {
+        spin
+    } else {
+        Duration::ZERO
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::ops::{AllReduce, Broadcast};
     use crate::{DType, HostBuffer, ReduceOp};
+
+    #[test]
+    fn callers_spin_only_where_callers_and_workers_all_fit() {
+        let us = Duration::from_micros(50);
+        assert_eq!(caller_spin(us, 1, 2), us);
+        assert_eq!(caller_spin(us, 8, 16), us);
+        assert_eq!(caller_spin(us, 2, 2), Duration::ZERO);
+        assert_eq!(caller_spin(us, 9, 16), Duration::ZERO);
+        assert_eq!(caller_spin(us, usize::MAX, 16), Duration::ZERO);
+    }
 
     #[test]
     fn the_first_cause_wins() {

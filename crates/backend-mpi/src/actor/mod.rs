@@ -21,7 +21,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use comm_core::handle::{CpuSet, Poison};
+use comm_core::handle::{self, CpuSet, Poison};
 use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
@@ -85,6 +85,9 @@ pub struct GroupInfo {
     pub(crate) local_size: u32,
     /// How long the actor and the lane poll before yielding.
     pub(crate) spin: Duration,
+    /// How long a caller's first wait for an op the actor runs polls before sleeping
+    /// (`handle::caller_spin`).
+    pub(crate) caller_spin: Duration,
     /// Where callers may run small collectives themselves (MPI provides
     /// `MPI_THREAD_MULTIPLE`).
     pub(crate) lane: Option<Arc<Lane>>,
@@ -575,6 +578,7 @@ impl Actor {
             local_rank: self.world.local_rank as Rank,
             local_size: self.world.local_size as u32,
             spin: self.spin,
+            caller_spin: handle::caller_spin(self.spin, self.world.local_size as usize, self.world.node_cpus),
             lane,
         };
         self.groups.insert(
