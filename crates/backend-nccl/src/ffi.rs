@@ -551,21 +551,41 @@ impl Pinned {
     /// Enqueues host → device of the first `len` bytes.
     pub(crate) fn upload(&self, stream: &CudaStream, dst: DevPtr, len: usize) -> Result<(), CallError> {
         assert!(len <= self.cap);
-        // SAFETY: the source is pinned memory that stays untouched until the op completes (the
-        // staging buffer is held by the in-flight op); `dst` holds `len` bytes (DevPtr invariant).
-        let src = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), len) };
-        // SAFETY: as above; the copy is ordered on `stream` with the op.
-        unsafe { driver::result::memcpy_htod_async(dst.0, src, stream.cu_stream()) }.map_err(cuda("cuMemcpyHtoDAsync"))
+        // SAFETY: in bounds; the staging buffer is held by the in-flight op and untouched by the
+        // host until it completes (invariant).
+        unsafe { upload(self.ptr, len, stream, dst) }
     }
 
     /// Enqueues device → host into the first `len` bytes.
     pub(crate) fn download(&mut self, stream: &CudaStream, src: DevPtr, len: usize) -> Result<(), CallError> {
         assert!(len <= self.cap);
         // SAFETY: in bounds; the host reads it only after the completion event (invariant).
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), len) };
-        // SAFETY: as above; `src` holds `len` bytes of device memory (DevPtr invariant).
-        unsafe { driver::result::memcpy_dtoh_async(dst, src.0, stream.cu_stream()) }.map_err(cuda("cuMemcpyDtoHAsync"))
+        unsafe { download(self.ptr, len, stream, src) }
     }
+}
+
+/// Enqueues host → device of `len` bytes at `src` into `dst`, ordered on `stream` with the op.
+///
+/// # Safety
+/// `src..src + len` is host memory that stays allocated and unwritten until the op completes;
+/// `dst` holds `len` bytes (DevPtr invariant).
+unsafe fn upload(src: NonNull<u8>, len: usize, stream: &CudaStream, dst: DevPtr) -> Result<(), CallError> {
+    // SAFETY: the caller's contract.
+    let src = unsafe { std::slice::from_raw_parts(src.as_ptr(), len) };
+    // SAFETY: as above.
+    unsafe { driver::result::memcpy_htod_async(dst.0, src, stream.cu_stream()) }.map_err(cuda("cuMemcpyHtoDAsync"))
+}
+
+/// Enqueues device → host of `len` bytes from `src` into `dst`, ordered on `stream` with the op.
+///
+/// # Safety
+/// `dst..dst + len` is host memory that stays allocated and untouched by the host until the op
+/// completes; `src` holds `len` bytes (DevPtr invariant).
+unsafe fn download(dst: NonNull<u8>, len: usize, stream: &CudaStream, src: DevPtr) -> Result<(), CallError> {
+    // SAFETY: the caller's contract.
+    let dst = unsafe { std::slice::from_raw_parts_mut(dst.as_ptr(), len) };
+    // SAFETY: as above.
+    unsafe { driver::result::memcpy_dtoh_async(dst, src.0, stream.cu_stream()) }.map_err(cuda("cuMemcpyDtoHAsync"))
 }
 
 /// A caller's host buffer, page-locked for one op (`cuMemHostRegister`) so that the device
@@ -602,20 +622,16 @@ impl Registered {
 
     /// Enqueues host → device of the whole buffer.
     pub(crate) fn upload(&self, stream: &CudaStream, dst: DevPtr) -> Result<(), CallError> {
-        // SAFETY: the registered range, untouched by the host until the op completes (the
-        // actor holds this value until then); `dst` holds `len` bytes (DevPtr invariant).
-        let src = unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) };
-        // SAFETY: as above; the copy is ordered on `stream` with the op.
-        unsafe { driver::result::memcpy_htod_async(dst.0, src, stream.cu_stream()) }.map_err(cuda("cuMemcpyHtoDAsync"))
+        // SAFETY: the registered range, owned by this value, which the actor holds until the
+        // op completed (or the stream drained).
+        unsafe { upload(self.ptr, self.len, stream, dst) }
     }
 
     /// Enqueues device → host into the whole buffer.
     pub(crate) fn download(&mut self, stream: &CudaStream, src: DevPtr) -> Result<(), CallError> {
-        // SAFETY: the registered range; the host reads it only after the completion event
-        // (`into_buffer` is called once the op's event fired).
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) };
-        // SAFETY: as above; `src` holds `len` bytes of device memory (DevPtr invariant).
-        unsafe { driver::result::memcpy_dtoh_async(dst, src.0, stream.cu_stream()) }.map_err(cuda("cuMemcpyDtoHAsync"))
+        // SAFETY: as for `upload`; the host reads it only in `into_buffer`, once the op's event
+        // fired.
+        unsafe { download(self.ptr, self.len, stream, src) }
     }
 
     /// The buffer, its pages unlocked (call only once the transfers on it completed).

@@ -45,8 +45,12 @@ fn opts(timeout: Duration) -> NcclOptions {
 }
 
 async fn one_rank(timeout: Duration) -> NcclBackend {
+    one_rank_with(opts(timeout)).await
+}
+
+async fn one_rank_with(o: NcclOptions) -> NcclBackend {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    NcclBackend::new(store, 0, 1, opts(timeout)).await.expect("a 1-rank NCCL communicator")
+    NcclBackend::new(store, 0, 1, o).await.expect("a 1-rank NCCL communicator")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -56,9 +60,7 @@ async fn conformance_1_rank() {
     // Host buffers copied through pinned memory, then every non-empty one page-locked and
     // copied directly.
     for (how, register_min) in [("copied", usize::MAX), ("registered", 1)] {
-        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-        let o = NcclOptions { register_min: Some(register_min), ..opts(Duration::from_secs(120)) };
-        let b = NcclBackend::new(store, 0, 1, o).await.expect("a 1-rank NCCL communicator");
+        let b = one_rank_with(NcclOptions { register_min: Some(register_min), ..opts(Duration::from_secs(120)) }).await;
         let mut cfg = SuiteConfig::default();
         cfg.allow_unsupported = true;
         let start = Instant::now();
@@ -91,9 +93,7 @@ async fn host_buffers_registered_or_copied() {
     }
     // Every buffer, those from the measured size, none.
     for register_min in [Some(1), None, Some(usize::MAX)] {
-        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-        let o = NcclOptions { register_min, ..opts(Duration::from_secs(120)) };
-        let b = NcclBackend::new(store, 0, 1, o).await.unwrap();
+        let b = one_rank_with(NcclOptions { register_min, ..opts(Duration::from_secs(120)) }).await;
         let register_min = b.register_min();
         println!("host buffers page-locked from {register_min} bytes");
         for n in [1usize << 18, (3 << 20) + 5, 16 << 20] {

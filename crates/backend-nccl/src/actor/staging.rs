@@ -36,10 +36,10 @@ impl Dev {
 /// One host buffer's staging: the caller's buffer, held until the op is done, and the device
 /// memory the op works on.
 pub(crate) struct Staged {
-    pub(super) dev: Option<Dev>,
+    dev: Option<Dev>,
     /// Pooled pinned memory the bytes are copied through (`None` where the buffer itself is
     /// registered, or empty).
-    pub(super) pinned: Option<Pinned>,
+    pinned: Option<Pinned>,
     user: User,
     bytes: usize,
     download: bool,
