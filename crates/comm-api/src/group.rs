@@ -246,23 +246,35 @@ impl ProcessGroup {
 
     /// All-gathers several buffers in one op (DeepSpeed's `all_gather_coalesced`): buffer `i`
     /// of the result holds every rank's buffer `i`, concatenated in rank order. Buffers may
-    /// differ in dtype and length, but every rank must pass the same shapes.
+    /// differ in dtype and length, but every rank must pass the same shapes: each rank's
+    /// packed data opens with a signature of its shapes, and ranks that disagree get
+    /// [`CommError::Mismatch`] on every rank.
     pub fn all_gather_coalesced(&self, inputs: Vec<HostBuffer>) -> Work<Vec<HostBuffer>> {
+        const SIG: usize = 8;
+        let sig = shape_signature(&inputs);
         let shapes: Vec<(DType, usize)> = inputs.iter().map(|b| (b.dtype(), b.byte_len())).collect();
-        let total: usize = shapes.iter().map(|s| s.1).sum();
-        let mut packed = HostBuffer::zeroed(DType::U8, total);
-        let mut at = 0;
+        let total = SIG + shapes.iter().map(|s| s.1).sum::<usize>();
+        let mut packed = match HostBuffer::try_zeroed(DType::U8, total) {
+            Ok(p) => p,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        packed.as_bytes_mut()[..SIG].copy_from_slice(&sig.to_le_bytes());
+        let mut at = SIG;
         for b in &inputs {
             packed.as_bytes_mut()[at..at + b.byte_len()].copy_from_slice(b.as_bytes());
             at += b.byte_len();
         }
         let n = self.world_size() as usize;
+        let me = self.rank();
         self.all_gather(packed).and_then(move |all| {
             let bytes = all.as_bytes();
+            let sigs =
+                (0..n).map(|r| u64::from_le_bytes(bytes[r * total..r * total + SIG].try_into().expect("8 bytes")));
+            check_signatures("all_gather_coalesced", me, sig, sigs)?;
             let mut out = Vec::with_capacity(shapes.len());
-            let mut at = 0;
+            let mut at = SIG;
             for (dtype, len) in shapes {
-                let mut b = HostBuffer::zeroed(dtype, n * len / dtype.size());
+                let mut b = HostBuffer::try_zeroed(dtype, n * len / dtype.size())?;
                 for r in 0..n {
                     let src = &bytes[r * total + at..r * total + at + len];
                     b.as_bytes_mut()[r * len..(r + 1) * len].copy_from_slice(src);
@@ -274,27 +286,52 @@ impl ProcessGroup {
         })
     }
 
+    /// The first op of a coalesced reduction: an all_gather of this rank's shape signature
+    /// and the element count of each packed op, so ranks whose packed ops differ in number
+    /// already disagree here (the backend's `Mismatch`, which poisons the group before any
+    /// of those ops can pair with another), and ranks whose shapes differ find it in the
+    /// signatures once the ops end. Returns the check and the signature.
+    fn shapes_agree(&self, bufs: &[HostBuffer], packed: &[usize]) -> (Work<HostBuffer>, u64) {
+        let sig = shape_signature(bufs);
+        // No u64 dtype: the words travel as i64 bit patterns.
+        let mut words = vec![sig as i64];
+        words.extend(packed.iter().map(|&c| c as i64));
+        (self.all_gather(HostBuffer::from_slice(&words)), sig)
+    }
+
     /// All-reduces several buffers with one collective per dtype (DeepSpeed's and torch's
     /// `all_reduce_coalesced`): each dtype's buffers are packed into one, reduced, and handed
-    /// back in the order given, as `all_reduce` of each would. Every rank passes the same
-    /// shapes.
+    /// back in the order given, as `all_reduce` of each would. Every rank must pass the same
+    /// shapes: a small all_gather of their signature goes first, and ranks that disagree get
+    /// [`CommError::Mismatch`] on every rank.
     pub fn all_reduce_coalesced(&self, bufs: Vec<HostBuffer>, op: ReduceOp) -> Work<Vec<HostBuffer>> {
+        const OP: &str = "all_reduce_coalesced";
         let groups = by_dtype(&bufs);
-        let works = groups
-            .iter()
-            .map(|(dtype, members)| {
-                let total = members.iter().map(|&i| bufs[i].byte_len()).sum();
-                let mut packed = HostBuffer::zeroed(DType::U8, total);
-                let mut at = 0;
-                for &i in members {
-                    packed.as_bytes_mut()[at..at + bufs[i].byte_len()].copy_from_slice(bufs[i].as_bytes());
-                    at += bufs[i].byte_len();
-                }
-                packed.reshape(*dtype, total / dtype.size());
-                self.all_reduce(packed, op)
-            })
-            .collect();
-        Work::join_all(works).and_then(move |reduced| {
+        let counts: Vec<usize> = groups.iter().map(|(_, m)| m.iter().map(|&i| bufs[i].len()).sum()).collect();
+        // Everything is packed before the first op is issued: a failed allocation issues none.
+        let packed = groups.iter().map(|(dtype, members)| {
+            let total = members.iter().map(|&i| bufs[i].byte_len()).sum();
+            let mut packed = HostBuffer::try_zeroed(DType::U8, total)?;
+            let mut at = 0;
+            for &i in members {
+                packed.as_bytes_mut()[at..at + bufs[i].byte_len()].copy_from_slice(bufs[i].as_bytes());
+                at += bufs[i].byte_len();
+            }
+            packed.reshape(*dtype, total / dtype.size());
+            Ok(packed)
+        });
+        let packed = match packed.collect::<Result<Vec<_>, CommError>>() {
+            Ok(p) => p,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        let (check, sig) = self.shapes_agree(&bufs, &counts);
+        let mut works = vec![check];
+        works.extend(packed.into_iter().map(|p| self.all_reduce(p, op)));
+        let me = self.rank();
+        Work::join_all(works).and_then(move |mut reduced| {
+            let sigs = reduced.remove(0);
+            let width = 1 + groups.len();
+            check_signatures(OP, me, sig, sigs.as_slice::<i64>()?.chunks(width).map(|w| w[0] as u64))?;
             let mut bufs = bufs;
             for ((_, members), packed) in groups.iter().zip(reduced) {
                 let mut at = 0;
@@ -310,7 +347,8 @@ impl ProcessGroup {
 
     /// Reduce-scatters several buffers with one collective per dtype (`reduce_scatter_coalesced`):
     /// buffer `i` (`world_size × kᵢ` elements) is reduced across ranks and this rank gets its
-    /// block `rank` (`kᵢ` elements), as `reduce_scatter` of each would.
+    /// block `rank` (`kᵢ` elements), as `reduce_scatter` of each would. Shapes are checked
+    /// across ranks as in [`all_reduce_coalesced`](Self::all_reduce_coalesced).
     pub fn reduce_scatter_coalesced(&self, inputs: Vec<HostBuffer>, op: ReduceOp) -> Work<Vec<HostBuffer>> {
         let n = self.world_size() as usize;
         if let Some(b) = inputs.iter().find(|b| !b.len().is_multiple_of(n)) {
@@ -320,27 +358,42 @@ impl ProcessGroup {
             )));
         }
         let groups = by_dtype(&inputs);
+        let counts: Vec<usize> = groups.iter().map(|(_, m)| m.iter().map(|&i| inputs[i].len()).sum()).collect();
         // Rank-major packing: block r of the packed buffer is block r of every member, so the
-        // packed reduce_scatter hands each rank exactly its blocks.
-        let works = groups
-            .iter()
-            .map(|(dtype, members)| {
-                let block: usize = members.iter().map(|&i| inputs[i].byte_len() / n).sum();
-                let mut packed = HostBuffer::zeroed(DType::U8, block * n);
-                let mut at = 0;
-                for r in 0..n {
-                    for &i in members {
-                        let k = inputs[i].byte_len() / n;
-                        packed.as_bytes_mut()[at..at + k].copy_from_slice(&inputs[i].as_bytes()[r * k..(r + 1) * k]);
-                        at += k;
-                    }
+        // packed reduce_scatter hands each rank exactly its blocks. Everything is packed before
+        // the first op is issued: a failed allocation issues none.
+        let packed = groups.iter().map(|(dtype, members)| {
+            let block: usize = members.iter().map(|&i| inputs[i].byte_len() / n).sum();
+            let mut packed = HostBuffer::try_zeroed(DType::U8, block * n)?;
+            let mut at = 0;
+            for r in 0..n {
+                for &i in members {
+                    let k = inputs[i].byte_len() / n;
+                    packed.as_bytes_mut()[at..at + k].copy_from_slice(&inputs[i].as_bytes()[r * k..(r + 1) * k]);
+                    at += k;
                 }
-                packed.reshape(*dtype, block * n / dtype.size());
-                self.reduce_scatter(packed, op)
-            })
-            .collect();
+            }
+            packed.reshape(*dtype, block * n / dtype.size());
+            Ok(packed)
+        });
+        let packed = match packed.collect::<Result<Vec<_>, CommError>>() {
+            Ok(p) => p,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        let (check, sig) = self.shapes_agree(&inputs, &counts);
+        let mut works = vec![check];
+        works.extend(packed.into_iter().map(|p| self.reduce_scatter(p, op)));
         let shapes: Vec<(DType, usize)> = inputs.iter().map(|b| (b.dtype(), b.len() / n)).collect();
-        Work::join_all(works).and_then(move |blocks| {
+        let me = self.rank();
+        Work::join_all(works).and_then(move |mut blocks| {
+            let sigs = blocks.remove(0);
+            let width = 1 + groups.len();
+            check_signatures(
+                "reduce_scatter_coalesced",
+                me,
+                sig,
+                sigs.as_slice::<i64>()?.chunks(width).map(|w| w[0] as u64),
+            )?;
             let mut out: Vec<Option<HostBuffer>> = shapes.iter().map(|_| None).collect();
             for ((_, members), block) in groups.iter().zip(blocks) {
                 let mut at = 0;
@@ -525,6 +578,34 @@ impl ProcessGroup {
 
 /// The indices of `bufs` grouped by dtype, groups in order of first appearance (the same on
 /// every rank that passes the same shapes, so the collectives line up).
+/// FNV-1a over `bytes`: a fingerprint that is the same on every rank.
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The shapes of `bufs` (dtype and element count of each, in order) as one word.
+fn shape_signature(bufs: &[HostBuffer]) -> u64 {
+    let mut bytes = Vec::with_capacity(bufs.len() * 9);
+    for b in bufs {
+        bytes.push(b.dtype().code());
+        bytes.extend_from_slice(&(b.len() as u64).to_le_bytes());
+    }
+    fnv1a(&bytes)
+}
+
+/// `Mismatch` naming the first rank whose shape signature differs from `mine`.
+fn check_signatures(op: &'static str, me: Rank, mine: u64, sigs: impl Iterator<Item = u64>) -> Result<(), CommError> {
+    match sigs.enumerate().find(|&(_, s)| s != mine) {
+        Some((r, _)) => Err(CommError::Mismatch {
+            op,
+            detail: format!(
+                "rank {r} passed buffers of other dtypes or lengths than rank {me} (every rank must pass the same shapes, in the same order)"
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
 fn by_dtype(bufs: &[HostBuffer]) -> Vec<(DType, Vec<usize>)> {
     let mut groups: Vec<(DType, Vec<usize>)> = Vec::new();
     for (i, b) in bufs.iter().enumerate() {

@@ -63,6 +63,28 @@ pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs).max(Duration::from_nanos(1)))
 }
 
+/// `d` for a message: seconds rounded to the millisecond (`3 s`, `0.3 s`, `1.5 s`), below
+/// that microseconds or nanoseconds, so a 3 s budget never reads as `2.9999989 s` or `0 s`.
+///
+/// ```
+/// use std::time::Duration;
+/// use comm_core::config::fmt_duration;
+/// assert_eq!(fmt_duration(Duration::from_nanos(2_999_998_908)), "3 s");
+/// assert_eq!(fmt_duration(Duration::from_millis(300)), "0.3 s");
+/// assert_eq!(fmt_duration(Duration::from_micros(40)), "40 µs");
+/// assert_eq!(fmt_duration(Duration::ZERO), "0 s");
+/// ```
+pub fn fmt_duration(d: Duration) -> String {
+    if d.is_zero() || d >= Duration::from_micros(500) {
+        let s = format!("{:.3}", d.as_secs_f64());
+        return format!("{} s", s.trim_end_matches('0').trim_end_matches('.'));
+    }
+    if d >= Duration::from_micros(1) {
+        return format!("{} µs", (d.as_nanos() as f64 / 1e3).round());
+    }
+    format!("{} ns", d.as_nanos())
+}
+
 /// A switch: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off`.
 pub fn parse_bool(s: &str) -> Result<bool, String> {
     match s.trim().to_ascii_lowercase().as_str() {

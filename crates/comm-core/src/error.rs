@@ -34,7 +34,7 @@ pub enum CommError {
         detail: String,
     },
     /// A wait ran past its deadline.
-    #[error("{op} timed out after {after:?}: {detail}")]
+    #[error("{op} timed out after {}: {detail}", crate::config::fmt_duration(*.after))]
     Timeout {
         /// What was being waited for.
         op: String,

@@ -390,9 +390,9 @@ async fn connect_with_retry(
         backoff = (backoff * 2).min(BACKOFF.1);
     };
     Err(CommError::Store(format!(
-        "rank 0's store never came up at {shown} after {} s (is MASTER_ADDR/MASTER_PORT right? did rank 0 start?); \
+        "rank 0's store never came up at {shown} after {} (is MASTER_ADDR/MASTER_PORT right? did rank 0 start?); \
          last error: {last}",
-        timeout.as_secs_f64()
+        comm_core::config::fmt_duration(timeout)
     )))
 }
 

@@ -133,17 +133,28 @@ async fn connect_ours_or_torch(
     timeout: Duration,
     bind: Option<IpAddr>,
 ) -> Result<Arc<dyn Store>, CommError> {
-    let deadline = Instant::now() + timeout;
+    let start = Instant::now();
+    let deadline = start + timeout;
     let mut backoff = Duration::from_millis(10);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        match probe(&info.master_addr, info.master_port, bind, PROBE_LIMIT.min(left)).await {
+        let probed = probe(&info.master_addr, info.master_port, bind, PROBE_LIMIT.min(left)).await;
+        let left = deadline.saturating_duration_since(Instant::now());
+        match probed {
             Probe::Torch => return Ok(Arc::new(torch_store(info, shown, left, bind).await?)),
-            Probe::Unreachable(why) if left.is_zero() => {
+            // Out of time before anything answered (an address that does not resolve in time
+            // lands here too): say so with the whole budget, not what was left of it.
+            Probe::Unreachable(_) | Probe::Silent if left.is_zero() => {
+                let why = match probed {
+                    Probe::Unreachable(why) => why,
+                    _ => {
+                        format!("nothing answered within {}", comm_core::config::fmt_duration(PROBE_LIMIT.min(timeout)))
+                    }
+                };
                 return Err(CommError::Store(format!(
-                    "rank 0's store never came up at {shown} after {} s (is MASTER_ADDR/MASTER_PORT right? did rank 0 \
+                    "rank 0's store never came up at {shown} after {} (is MASTER_ADDR/MASTER_PORT right? did rank 0 \
                      start?); last error: {why}",
-                    timeout.as_secs_f64()
+                    comm_core::config::fmt_duration(timeout)
                 )));
             }
             Probe::Unreachable(why) => {

@@ -474,6 +474,15 @@ fn bind_errors_name_the_address() {
     assert!(matches!(StoreServer::bind("127.0.0.1", 0, &long), Err(CommError::Config(_))));
 }
 
+#[tokio::test]
+async fn an_address_that_does_not_resolve_reports_the_whole_budget() {
+    let info = WorldInfo { master_addr: "no.such.host.invalid".into(), ..world(1, 2, 29999) };
+    let start = Instant::now();
+    let e = rendezvous(&info, Duration::from_millis(1500)).await.unwrap_err().to_string();
+    assert!(start.elapsed() < Duration::from_secs(6), "{:?}", start.elapsed());
+    assert!(e.contains("never came up at no.such.host.invalid:29999 after 1.5 s"), "{e}");
+}
+
 fn world(rank: u32, world_size: u32, port: u16) -> WorldInfo {
     WorldInfo {
         rank,

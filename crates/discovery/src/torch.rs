@@ -558,9 +558,9 @@ async fn connect_with_retry(
         backoff = (backoff * 2).min(BACKOFF.1);
     };
     Err(CommError::Store(format!(
-        "the torch store (torchrun's agent store) never came up at {shown} after {} s (are MASTER_ADDR/MASTER_PORT \
+        "the torch store (torchrun's agent store) never came up at {shown} after {} (are MASTER_ADDR/MASTER_PORT \
          right?); last error: {last}",
-        timeout.as_secs_f64()
+        comm_core::config::fmt_duration(timeout)
     )))
 }
 

@@ -13,7 +13,13 @@ pub(super) struct Group {
     pub(super) seq: u64,
     pub(super) closing: bool,
     pub(super) waiters: Vec<Completer<()>>,
+    /// When [`Group::hear`] last looked for a peer's poison notice.
+    pub(super) heard_at: Instant,
 }
+
+/// How often a group with ops in flight looks for a peer's poison notice: a peer that failed
+/// is known within this, not at the timeout, and the probe costs nothing on the fast path.
+const HEAR_EVERY: Duration = Duration::from_millis(1);
 
 impl Drop for Group {
     fn drop(&mut self) {
@@ -48,10 +54,29 @@ impl Group {
     }
 
     /// Marks the group unusable and fails everything queued or in flight; requests still in
-    /// flight go to the graveyard (their buffers stay with MPI).
+    /// flight go to the graveyard (their buffers stay with MPI). Every peer is sent a notice
+    /// with the cause, so its ops on the group fail within [`HEAR_EVERY`] instead of at their
+    /// timeout.
     pub(super) fn poison(&mut self, e: &CommError, graveyard: &mut Vec<Request>) {
+        if self.poison_only(e, graveyard) {
+            let cause = e.to_string();
+            let mut text = cause.as_bytes();
+            text = &text[..text.len().min(raw::NOTICE_MAX)];
+            for p in (0..self.info.size).filter(|&p| p != self.info.rank) {
+                if let Ok(buf) = HostBuffer::from_bytes(DType::U8, text) {
+                    // A peer that is gone may never take it: the request stays in the graveyard.
+                    if let Ok(req) = raw::isend(&self.comm, buf, p as i32, raw::notice_tag()) {
+                        bury(req, graveyard);
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`Group::poison`] without the notices; whether the group was healthy until now.
+    fn poison_only(&mut self, e: &CommError, graveyard: &mut Vec<Request>) -> bool {
         if self.poisoned.is_some() {
-            return;
+            return false;
         }
         let cause = e.to_string();
         tracing::warn!(group = self.info.gid, rank = self.info.rank, "comm mpi: group poisoned: {cause}");
@@ -74,6 +99,33 @@ impl Group {
         for (plan, _) in self.queue.drain(..) {
             plan.reply.fail(err());
         }
+        true
+    }
+
+    /// While ops are in flight, at most every [`HEAR_EVERY`]: poisons the group when a caller's
+    /// own op poisoned it on the caller's thread (telling the peers), or when a peer's notice
+    /// says the peer's group failed. Whether it did either.
+    pub(super) fn hear(&mut self, now: Instant, graveyard: &mut Vec<Request>) -> bool {
+        if self.poisoned.is_some() {
+            return false;
+        }
+        if let Some(cause) = self.info.poison.cause() {
+            self.poison(&CommError::Poisoned { cause }, graveyard);
+            return true;
+        }
+        if self.idle() || now.duration_since(self.heard_at) < HEAR_EVERY {
+            return false;
+        }
+        self.heard_at = now;
+        let e = match raw::take_notice(&self.comm) {
+            Ok(None) => return false,
+            Ok(Some((from, cause))) => CommError::PeerLost {
+                rank: from as Rank,
+                detail: format!("rank {from}'s side of the group failed: {cause}"),
+            },
+            Err(e) => e,
+        };
+        self.poison_only(&e, graveyard)
     }
 }
 

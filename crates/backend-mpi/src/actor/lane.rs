@@ -206,6 +206,11 @@ impl Finished {
         let failed = match self {
             Finished::Nothing => None,
             Finished::Done(p, result) => {
+                // Poisoned before the op completes (see `progress_p2p`); the actor tells the
+                // peers when it next looks (`Group::hear`).
+                if let Err(e) = &result {
+                    info.poison.set(e.to_string());
+                }
                 let mut graveyard = Vec::new();
                 let e = p2p::finish(*p, result, &mut graveyard);
                 // A failed request MPI may still use keeps its buffers (raw rule 3).

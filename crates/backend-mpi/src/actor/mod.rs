@@ -420,6 +420,7 @@ impl Actor {
         let pool = &self.pool;
         let now = Instant::now();
         for (&gid, g) in self.groups.iter_mut() {
+            any |= g.hear(now, &mut self.graveyard);
             any |= progress_p2p(g, &mut self.graveyard, now);
             loop {
                 if g.active.is_none() {
@@ -594,6 +595,7 @@ impl Actor {
                 seq: 0,
                 closing: false,
                 waiters: Vec::new(),
+                heard_at: Instant::now(),
             },
         );
         info

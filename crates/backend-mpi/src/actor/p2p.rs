@@ -72,7 +72,6 @@ fn match_recv(p: &mut P2p, comm: &Comm) -> Result<bool, CommError> {
 
 pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Instant) -> bool {
     let mut any = false;
-    let mut failure: Option<CommError> = None;
     let mut i = 0;
     // Receives still unmatched in this pass: a later receive from the same rank with the same
     // tag must not match first (its probe would take a message that arrived since theirs).
@@ -95,12 +94,13 @@ pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Ins
             continue;
         };
         any = true;
-        if let Some(e) = finish(g.p2p.remove(i), result, graveyard) {
-            failure.get_or_insert(e);
+        let p = g.p2p.remove(i);
+        // The group is poisoned before the op completes: the caller's next op, submitted as
+        // soon as it learns of the failure, must find it so (and the peers are told).
+        if let Err(e) = &result {
+            g.poison(e, graveyard);
         }
-    }
-    if let Some(e) = failure {
-        g.poison(&e, graveyard);
+        finish(p, result, graveyard);
     }
     any
 }
@@ -196,7 +196,7 @@ pub(super) fn finish(mut p: P2p, result: Result<(), CommError>, graveyard: &mut 
 pub(super) fn p2p_timeout(p: &P2p, comm: &Comm, after: Duration) -> CommError {
     if p.recv {
         // A header exchange's message (the peer is in a collective already) says nothing here.
-        if let Some((t, bytes)) = raw::probe(comm, p.peer as i32).filter(|(t, _)| *t != raw::exchange_tag()) {
+        if let Some((t, bytes)) = raw::probe(comm, p.peer as i32).filter(|(t, _)| *t < raw::exchange_tag()) {
             let (tag, code) = ((t as u32) >> 3, (t as u32 & 7) as u8);
             if let Some(d) = DType::from_code(code) {
                 return CommError::Mismatch {

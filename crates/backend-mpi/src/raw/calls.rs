@@ -66,6 +66,12 @@ pub(crate) fn bulk_tag() -> i32 {
     exchange_tag() + 1
 }
 
+/// The tag of a poisoned group's notice to its peers ([`take_notice`]): the third of the
+/// reserved block.
+pub(crate) fn notice_tag() -> i32 {
+    exchange_tag() + 2
+}
+
 /// An all-gather of small slots by point-to-point messages: `send` (at most `slot` bytes) goes
 /// to every other rank, and rank `p`'s lands at `p × slot` of `recv` (`size × slot` bytes; the
 /// first `own` bytes of ours are copied there). Cheaper than `MPI_Iallgather`, whose schedule (Open MPI's libnbc) costs

@@ -277,6 +277,47 @@ pub(crate) fn imrecv(m: Matched, buf: HostBuffer) -> Result<Request, CommError> 
     })
 }
 
+/// The longest notice [`take_notice`] receives (longer ones are cut there).
+pub(crate) const NOTICE_MAX: usize = 512;
+
+/// A poisoned group's notice from any peer, if one has arrived: `(source, text)`. Notices are
+/// at most [`NOTICE_MAX`] bytes, sent eagerly, so the matched message is received at once.
+pub(crate) fn take_notice(comm: &Comm) -> Result<Option<(i32, String)>, CommError> {
+    let mut flag: c_int = 0;
+    let mut status = MaybeUninit::<ffi::MPI_Status>::zeroed();
+    // SAFETY: reading a constant initialised at load time.
+    let mut message = unsafe { ffi::RSMPI_MESSAGE_NULL };
+    // SAFETY: out-parameters to locals; `status` is read only when a message was matched.
+    let rc = unsafe {
+        ffi::MPI_Improbe(ffi::RSMPI_ANY_SOURCE, notice_tag(), comm.raw, &mut flag, &mut message, status.as_mut_ptr())
+    };
+    check("MPI_Improbe", rc).map_err(MpiError::into_comm)?;
+    if flag == 0 {
+        return Ok(None);
+    }
+    // SAFETY: `status` was filled by the successful MPI_Improbe above.
+    let source = unsafe { status.assume_init() }.MPI_SOURCE;
+    let mut text = vec![0u8; NOTICE_MAX];
+    let mut got = MaybeUninit::<ffi::MPI_Status>::zeroed();
+    // SAFETY: `text` holds NOTICE_MAX bytes, the receive's count; `message` was matched above
+    // and is received once. A longer message is truncated (an error we report, not UB).
+    let rc = unsafe {
+        ffi::MPI_Mrecv(
+            text.as_mut_ptr().cast(),
+            NOTICE_MAX as c_int,
+            ffi::RSMPI_UINT8_T,
+            &mut message,
+            got.as_mut_ptr(),
+        )
+    };
+    check("MPI_Mrecv", rc).map_err(MpiError::into_comm)?;
+    let mut n: c_int = 0;
+    // SAFETY: `got` was filled by the successful MPI_Mrecv above.
+    unsafe { ffi::MPI_Get_count(got.as_ptr(), ffi::RSMPI_UINT8_T, &mut n) };
+    text.truncate(n.clamp(0, NOTICE_MAX as c_int) as usize);
+    Ok(Some((source, String::from_utf8_lossy(&text).into_owned())))
+}
+
 /// A message from `src` waiting to be received, whatever its tag: `(tag, bytes)`.
 pub(crate) fn probe(comm: &Comm, src: i32) -> Option<(i32, usize)> {
     let mut flag: c_int = 0;
