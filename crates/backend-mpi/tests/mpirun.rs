@@ -113,6 +113,14 @@ fn mismatched_calls_are_errors_not_aborts() {
     }
 }
 
+/// A receive that fails poisons its group before it completes (so the receiver's next op
+/// cannot pair with the sender's), and the sender learns of it in milliseconds, not at its
+/// timeout: its next collective fails with `PeerLost` naming the receiver.
+#[test]
+fn a_failed_receive_poisons_first_and_tells_the_sender() {
+    every_rank_ok(2, "told", &[], Duration::from_secs(120), "TOLD-OK");
+}
+
 #[test]
 fn small_ops_on_the_callers_thread_keep_their_order() {
     every_rank_ok(3, "lanes", &[], Duration::from_secs(120), "LANES-OK");
@@ -210,6 +218,7 @@ fn child() {
         match scenario.as_str() {
             "suite" => suite().await,
             "mismatch" => mismatch().await,
+            "told" => told().await,
             "lanes" => lanes().await,
             "late" => late().await,
             "p2p" => p2p().await,
@@ -608,6 +617,42 @@ async fn mismatch() -> i32 {
     let sum = w.submit(AllReduce { buf: f32s(&[1.0]), op: ReduceOp::Sum }).await.unwrap();
     assert_eq!(sum.to_vec::<f32>().unwrap(), [2.0]);
     w.shutdown().await.unwrap();
+    0
+}
+
+async fn told() -> i32 {
+    // A timeout far beyond what the test allows: only the notice can end rank 0's wait.
+    let w = MpiBackend::init(opts(Duration::from_secs(60))).await.unwrap();
+    let me = w.rank();
+    for round in 0..3 {
+        let w = if round == 0 { w.clone() } else { MpiBackend::init(opts(Duration::from_secs(60))).await.unwrap() };
+        if me == 0 {
+            w.submit(SendTo { buf: f32s(&vec![1.0; 1 << 20]), dst: 1, tag: 7 }).await.unwrap();
+            let t = Instant::now();
+            let got = w.submit(AllReduce { buf: f32s(&[5.0; 4]), op: ReduceOp::Sum }).await;
+            match got {
+                Err(CommError::PeerLost { rank: 1, ref detail }) if t.elapsed() < Duration::from_secs(5) => {
+                    println!("rank 0 round {round}: told after {:?}: {detail}", t.elapsed());
+                }
+                other => {
+                    panic!("rank 0: expected PeerLost naming rank 1 within 5 s, got {other:?} after {:?}", t.elapsed())
+                }
+            }
+        } else {
+            let got = w.submit(RecvFrom { buf: f32s(&[0.0; 1024]), src: 0, tag: 7 }).await;
+            expect_mismatch("told", me, got, &["sent 1048576 elements"]);
+            // Submitted the moment the receive failed: it must not meet rank 0's all_reduce.
+            let next = w.submit(AllReduce { buf: f32s(&[7.0; 4]), op: ReduceOp::Sum }).await;
+            assert!(matches!(next, Err(CommError::Poisoned { .. })), "rank 1: the op after a failed receive: {next:?}");
+        }
+    }
+    // The job is still healthy: a fresh group works, then MPI is finalised cleanly.
+    let fresh = MpiBackend::init(opts(Duration::from_secs(30))).await.unwrap();
+    let sum = fresh.submit(AllReduce { buf: f32s(&[1.0]), op: ReduceOp::Sum }).await.unwrap();
+    assert_eq!(sum.to_vec::<f32>().unwrap(), [2.0]);
+    println!("TOLD-OK rank {me}");
+    drop(w);
+    fresh.shutdown().await.unwrap();
     0
 }
 

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -12,7 +13,7 @@ use bytes::Bytes;
 use comm_core::{CommError, MemoryStore, Store};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
 
 use crate::auth;
 use crate::wire::{self, FrameError, Request};
@@ -65,20 +66,37 @@ impl Starting {
     }
 }
 
-/// Bounds a [`StoreServer`] puts on its clients.
+/// Bounds a [`StoreServer`] puts on its clients: what an authenticated client can make the
+/// server hold is bounded by these, and a client over a per-connection bound is disconnected
+/// with a logged reason.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ServerLimits {
     /// Once a request's first byte has arrived, the whole frame must follow within this; a
     /// client that stalls in the middle of a frame is disconnected (idle connections are fine).
     pub frame_deadline: Duration,
     /// Most bytes of keys and values the store holds (one store per job); a request past it
     /// fails with a [`CommError::Store`] naming the quota, and the server goes on serving.
+    /// Frames being received, on every connection together, are held to the same number
+    /// (at least one largest frame): a connection past it waits for room within its frame
+    /// deadline.
     pub quota: usize,
+    /// Most bytes one connection may have the server hold for it: responses it has not read
+    /// yet and the keys of its pending waits (one response is always allowed, so the largest
+    /// value can be read).
+    pub per_client: usize,
+    /// Most connections at once; more are closed as they come.
+    pub connections: usize,
 }
 
 impl Default for ServerLimits {
     fn default() -> Self {
-        ServerLimits { frame_deadline: Duration::from_secs(30), quota: 256 << 20 }
+        ServerLimits {
+            frame_deadline: Duration::from_secs(30),
+            quota: 256 << 20,
+            per_client: wire::MAX_FRAME,
+            connections: 8192,
+        }
     }
 }
 
@@ -87,6 +105,26 @@ impl ServerLimits {
     pub fn from_env() -> Result<Self, CommError> {
         let quota = comm_core::config::env_parse("COMM_STORE_QUOTA", comm_core::config::parse_size)?;
         Ok(ServerLimits { quota: quota.unwrap_or(ServerLimits::default().quota), ..ServerLimits::default() })
+    }
+
+    /// With another frame deadline.
+    pub fn with_frame_deadline(self, frame_deadline: Duration) -> Self {
+        ServerLimits { frame_deadline, ..self }
+    }
+
+    /// With another quota.
+    pub fn with_quota(self, quota: usize) -> Self {
+        ServerLimits { quota, ..self }
+    }
+
+    /// With another per-connection bound.
+    pub fn with_per_client(self, per_client: usize) -> Self {
+        ServerLimits { per_client, ..self }
+    }
+
+    /// With another connection count.
+    pub fn with_connections(self, connections: usize) -> Self {
+        ServerLimits { connections, ..self }
     }
 }
 
@@ -214,13 +252,23 @@ async fn listen(addr: &str, port: u16) -> Result<TcpListener, CommError> {
 /// Accepts connections until told to stop.
 async fn serve(listener: TcpListener, token: Arc<[u8]>, limits: ServerLimits, mut stop: oneshot::Receiver<()>) {
     let store = Arc::new(Quota::new(MemoryStore::new(), limits.quota));
+    let frames = Arc::new(Semaphore::new(limits.quota.clamp(wire::MAX_FRAME, Semaphore::MAX_PERMITS)));
+    let open = Arc::new(Semaphore::new(limits.connections.min(Semaphore::MAX_PERMITS)));
     loop {
         tokio::select! {
             _ = &mut stop => break,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    let Ok(slot) = open.clone().try_acquire_owned() else {
+                        tracing::warn!("comm store: refusing {peer}: {} connections are open already", limits.connections);
+                        continue;
+                    };
                     let _ = stream.set_nodelay(true);
-                    tokio::spawn(connection(stream, peer, token.clone(), store.clone(), limits.frame_deadline));
+                    let served = Served { token: token.clone(), store: store.clone(), frames: frames.clone(), limits };
+                    tokio::spawn(async move {
+                        connection(stream, peer, served).await;
+                        drop(slot);
+                    });
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
@@ -232,24 +280,80 @@ async fn serve(listener: TcpListener, token: Arc<[u8]>, limits: ServerLimits, mu
     }
 }
 
-/// Serves one connection: the handshake, then requests until it closes or misbehaves.
-async fn connection(
-    stream: TcpStream,
-    peer: SocketAddr,
+/// What every connection of a job shares.
+struct Served {
     token: Arc<[u8]>,
     store: Arc<Quota>,
-    frame_deadline: Duration,
-) {
+    /// The budget of frames being received ([`ServerLimits::quota`]).
+    frames: Arc<Semaphore>,
+    limits: ServerLimits,
+}
+
+/// What one connection makes the server hold: its unread responses and pending waits' keys,
+/// within [`ServerLimits::per_client`].
+struct Held {
+    bytes: AtomicUsize,
+    limit: usize,
+    /// Rung when a response or a wait would pass the limit: the connection is closed.
+    over: Notify,
+}
+
+impl Held {
+    /// Counts `n` more bytes, or rings `over` when that passes the limit and something is
+    /// held already. Whether they were counted.
+    fn take(&self, n: usize) -> bool {
+        let before = self.bytes.fetch_add(n, Ordering::AcqRel);
+        if before > 0 && before.saturating_add(n) > self.limit {
+            self.bytes.fetch_sub(n, Ordering::AcqRel);
+            self.over.notify_one();
+            return false;
+        }
+        true
+    }
+
+    fn give(&self, n: usize) {
+        self.bytes.fetch_sub(n, Ordering::AcqRel);
+    }
+
+    /// Queues a response for the writer, counted until written.
+    fn respond(&self, tx: &mpsc::UnboundedSender<Bytes>, frame: Bytes) {
+        if self.take(frame.len()) && tx.send(frame.clone()).is_err() {
+            self.give(frame.len());
+        }
+    }
+}
+
+/// What a pending wait on `keys` is counted as: the keys and their strings' overhead.
+fn wait_cost(keys: &[String]) -> usize {
+    keys.iter().map(|k| k.len() + std::mem::size_of::<String>() + 16).sum()
+}
+
+/// Serves one connection: the handshake, then requests until it closes or misbehaves.
+async fn connection(stream: TcpStream, peer: SocketAddr, served: Served) {
+    let Served { token, store, frames, limits } = served;
     let (mut rd, mut wr) = stream.into_split();
     if !handshake(&mut rd, &mut wr, peer, &token).await {
         return;
     }
     // Responses go through a writer task so reading never waits on writing: a client that
-    // pipelines requests without reading cannot deadlock against the server.
+    // pipelines requests without reading cannot deadlock against the server (and what it
+    // leaves unread is bounded by `Held`).
+    let held = Arc::new(Held { bytes: AtomicUsize::new(0), limit: limits.per_client, over: Notify::new() });
     let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
-    let writer = tokio::spawn(write_responses(wr, rx));
+    let writer = tokio::spawn(write_responses(wr, rx, held.clone()));
     loop {
-        let frame = match wire::read_frame_within(&mut rd, wire::MAX_FRAME, frame_deadline).await {
+        let read = tokio::select! {
+            _ = held.over.notified() => {
+                tracing::warn!(
+                    "comm store: closing the connection from {peer}: it would make the server hold more than {} bytes \
+                     of unread responses and pending waits",
+                    limits.per_client
+                );
+                break;
+            }
+            read = wire::read_frame_within(&mut rd, wire::MAX_FRAME, limits.frame_deadline, &frames) => read,
+        };
+        let (frame, permit) = match read {
             Ok(Some(f)) => f,
             Ok(None) => break,
             Err(FrameError::Io(e)) => {
@@ -261,7 +365,10 @@ async fn connection(
                 break;
             }
         };
-        let (id, req) = match wire::decode_request(&frame) {
+        let decoded = wire::decode_request(&frame);
+        // The frame's bytes are free again once decoded; what the request keeps is counted below.
+        drop((frame, permit));
+        let (id, req) = match decoded {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!("comm store: closing the connection from {peer}: malformed request ({})", e.0);
@@ -272,38 +379,44 @@ async fn connection(
             // Waits get a task each, so a blocked wait holds up nothing else.
             Request::Get { key, timeout } => {
                 let store = store.clone();
-                spawn_wait(id, tx.clone(), async move { store.store.get(&key, timeout).await });
+                let cost = wait_cost(std::slice::from_ref(&key));
+                if held.take(cost) {
+                    spawn_wait(id, tx.clone(), held.clone(), cost, async move { store.store.get(&key, timeout).await });
+                }
             }
             Request::Wait { keys, timeout } => {
                 let store = store.clone();
-                spawn_wait(
-                    id,
-                    tx.clone(),
-                    async move { wait(&store.store, &keys, timeout).await.map(|()| Vec::new()) },
-                );
+                let cost = wait_cost(&keys);
+                if held.take(cost) {
+                    spawn_wait(id, tx.clone(), held.clone(), cost, async move {
+                        wait(&store.store, &keys, timeout).await.map(|()| Vec::new())
+                    });
+                }
             }
             // The rest complete at once, in the order they arrived.
-            other => {
-                let _ = tx.send(store.immediate(id, other).await);
-            }
+            other => held.respond(&tx, store.immediate(id, other).await),
         }
     }
     // The client is gone or misbehaved: drop what it still waits for.
     writer.abort();
 }
 
-/// Serves a wait on a task of its own, which ends early if the connection goes away.
+/// Serves a wait on a task of its own, which ends early if the connection goes away; `cost`
+/// is given back to `held` when it ends.
 fn spawn_wait(
     id: u64,
     tx: mpsc::UnboundedSender<Bytes>,
+    held: Arc<Held>,
+    cost: usize,
     wait: impl Future<Output = Result<Vec<u8>, CommError>> + Send + 'static,
 ) {
     tokio::spawn(async move {
         tokio::select! {
             r = wait => {
-                let _ = tx.send(r.map_or_else(|e| error_response(id, e), |v| wire::response(id, wire::STATUS_OK, &v)));
+                held.give(cost);
+                held.respond(&tx, r.map_or_else(|e| error_response(id, e), |v| wire::response(id, wire::STATUS_OK, &v)));
             }
-            _ = tx.closed() => {}
+            _ = tx.closed() => held.give(cost),
         }
     });
 }
@@ -376,9 +489,11 @@ async fn authenticate(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: Soc
     sent && ok
 }
 
-async fn write_responses(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Bytes>) {
+async fn write_responses(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Bytes>, held: Arc<Held>) {
     while let Some(frame) = rx.recv().await {
-        if wire::write_frame(&mut wr, &frame).await.is_err() {
+        let written = wire::write_frame(&mut wr, &frame).await;
+        held.give(frame.len());
+        if written.is_err() {
             break;
         }
     }

@@ -312,6 +312,79 @@ async fn a_stalled_frame_is_cut_off() {
     idle.set("still", b"here").await.unwrap();
 }
 
+/// Reads until the server closes `stream` (within 10 s); how many bytes came first, or `None`
+/// if it stayed open.
+async fn bytes_until_closed(stream: &mut TcpStream) -> Option<usize> {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, stream.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) => return Some(total),
+            Ok(Ok(n)) => total += n,
+            Err(_) => return None,
+        }
+    }
+}
+
+/// A client that pipelines GETs of a large value and never reads the answers is disconnected
+/// once its unread responses pass the per-client bound; the server serves on.
+#[tokio::test]
+async fn unread_responses_are_bounded() {
+    let limits = crate::ServerLimits::default().with_per_client(4 << 20);
+    let srv = StoreServer::bind_with("127.0.0.1", 0, "", limits).unwrap();
+    client(&srv, "").await.set("big", &vec![9u8; 1 << 20]).await.unwrap();
+    let mut raw = raw_client(&srv).await;
+    for id in 0..30u64 {
+        let get = Enc::new().u64(id).u8(wire::op::GET).bytes(b"big").duration(T).finish(wire::MAX_FRAME).unwrap();
+        raw.write_all(&get).await.unwrap();
+    }
+    // Give the server time to queue what it would queue, then read.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let got = bytes_until_closed(&mut raw).await.expect("a client that never reads must be disconnected");
+    assert!(got < 20 << 20, "{got} bytes of the 30 MiB asked for were queued for a client that did not read");
+    still_serves(&srv).await;
+}
+
+/// Pending waits count their keys against the same bound: a client that piles up waits on
+/// many keys is disconnected, and the waits it left are dropped.
+#[tokio::test]
+async fn pending_waits_are_bounded() {
+    let limits = crate::ServerLimits::default().with_per_client(1 << 20);
+    let srv = StoreServer::bind_with("127.0.0.1", 0, "", limits).unwrap();
+    let mut raw = raw_client(&srv).await;
+    for id in 0..6u64 {
+        let keys: Vec<String> = (0..20_000).map(|k| format!("key-{id}-{k:08}")).collect();
+        let mut wait = Enc::new().u64(id).u8(wire::op::WAIT).duration(T).u32(keys.len() as u32);
+        for k in &keys {
+            wait = wait.bytes(k.as_bytes());
+        }
+        if raw.write_all(&wait.finish(wire::MAX_FRAME).unwrap()).await.is_err() {
+            break;
+        }
+    }
+    assert!(closed_by_server(&mut raw).await, "a client holding 120k waited keys stayed connected");
+    still_serves(&srv).await;
+}
+
+/// Connections past the limit are closed as they come; a slot frees when one ends.
+#[tokio::test]
+async fn connections_are_bounded() {
+    let limits = crate::ServerLimits::default().with_connections(3);
+    let srv = StoreServer::bind_with("127.0.0.1", 0, "", limits).unwrap();
+    let mut open = Vec::new();
+    for _ in 0..3 {
+        open.push(TcpStream::connect(srv.local_addr()).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut extra = TcpStream::connect(srv.local_addr()).await.unwrap();
+    assert!(closed_by_server(&mut extra).await, "a fourth connection was served");
+    drop(open.pop());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    still_serves(&srv).await;
+}
+
 async fn still_serves_with(s: &StoreServer, token: &str) {
     client(s, token).await.set("ok", b"1").await.unwrap();
 }

@@ -12,10 +12,12 @@
 //!    A client may have several requests in flight; responses carry the request's id and may
 //!    come back in any order (waits are answered when they are satisfied).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// First bytes of both handshake frames: tells a store from any other service on the port.
 pub(crate) const MAGIC: [u8; 8] = *b"COMMSTOR";
@@ -83,6 +85,17 @@ impl std::fmt::Display for FrameError {
 /// The buffer grows as bytes arrive, so a peer that announces a large frame and stalls costs
 /// only what it actually sent.
 pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> Result<Option<Bytes>, FrameError> {
+    Ok(read_frame_held(r, max, None).await?.map(|(f, _)| f))
+}
+
+/// [`read_frame`], holding `budget` permits for the frame's length from the moment its length
+/// is known (waiting for them first): frames in flight on every connection together stay
+/// within the budget. The permits come back with the frame.
+async fn read_frame_held<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max: usize,
+    budget: Option<&Arc<Semaphore>>,
+) -> Result<Option<(Bytes, Option<OwnedSemaphorePermit>)>, FrameError> {
     let mut header = [0u8; 4];
     let mut got = 0;
     while got < header.len() {
@@ -96,29 +109,34 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> R
     if len as usize > max {
         return Err(FrameError::TooLarge(len));
     }
+    let permit = match budget {
+        Some(b) => Some(b.clone().acquire_many_owned(len).await.map_err(|_| FrameError::Truncated)?),
+        None => None,
+    };
     let mut payload = Vec::with_capacity((len as usize).min(64 << 10));
     r.take(u64::from(len)).read_to_end(&mut payload).await.map_err(FrameError::Io)?;
     if payload.len() != len as usize {
         return Err(FrameError::Truncated);
     }
-    Ok(Some(payload.into()))
+    Ok(Some((payload.into(), permit)))
 }
 
-/// Like [`read_frame`], but once a frame's first byte has arrived the rest must follow within
-/// `deadline`: an idle connection may wait between frames as long as it likes, a client that
-/// stalls in the middle of one is cut off.
+/// Like [`read_frame_held`], but once a frame's first byte has arrived the rest must follow
+/// within `deadline` (waiting for the budget included): an idle connection may wait between
+/// frames as long as it likes, a client that stalls in the middle of one is cut off.
 pub(crate) async fn read_frame_within<R: AsyncRead + Unpin>(
     r: &mut R,
     max: usize,
     deadline: Duration,
-) -> Result<Option<Bytes>, FrameError> {
+    budget: &Arc<Semaphore>,
+) -> Result<Option<(Bytes, Option<OwnedSemaphorePermit>)>, FrameError> {
     let mut first = [0u8; 1];
     if r.read(&mut first).await.map_err(FrameError::Io)? == 0 {
         return Ok(None);
     }
     let rest = async {
         let mut chained = AsyncReadExt::chain(&first[..], &mut *r);
-        match read_frame(&mut chained, max).await? {
+        match read_frame_held(&mut chained, max, Some(budget)).await? {
             Some(f) => Ok(Some(f)),
             None => Err(FrameError::Truncated),
         }
@@ -313,6 +331,22 @@ pub(crate) fn response(id: u64, status: u8, body: &[u8]) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Frames being read hold their length of the shared budget until they are dropped: a
+    /// second frame waits for room (here past its deadline), and reads once there is.
+    #[tokio::test]
+    async fn frames_in_flight_share_one_budget() {
+        let budget = Arc::new(Semaphore::new(100));
+        let frame = |n: usize| Enc::new().raw(&vec![1u8; n]).finish(MAX_FRAME).unwrap();
+        let (a, b) = (frame(80), frame(50));
+        let held = read_frame_within(&mut &a[..], MAX_FRAME, Duration::from_secs(1), &budget).await.unwrap().unwrap();
+        assert_eq!((held.0.len(), budget.available_permits()), (80, 20));
+        let short = Duration::from_millis(100);
+        assert!(matches!(read_frame_within(&mut &b[..], MAX_FRAME, short, &budget).await, Err(FrameError::Stalled(_))));
+        drop(held);
+        let got = read_frame_within(&mut &b[..], MAX_FRAME, short, &budget).await.unwrap().unwrap();
+        assert_eq!(got.0.len(), 50);
+    }
 
     fn frame_payload(f: &[u8]) -> &[u8] {
         let len = u32::from_le_bytes([f[0], f[1], f[2], f[3]]) as usize;

@@ -125,6 +125,13 @@ impl Group {
             },
             Err(e) => e,
         };
+        // The op in flight fails with the real cause (its receives from the failed peer will
+        // never match: cancelled, so MPI can still be finalised); what is queued, as poisoned.
+        if let Some(mut a) = self.active.take() {
+            a.reply.fail(e.duplicate());
+            a.req.cancel();
+            bury(a.req, graveyard);
+        }
         self.poison_only(&e, graveyard)
     }
 }

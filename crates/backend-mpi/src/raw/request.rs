@@ -182,13 +182,27 @@ impl Request {
         Polled::Done(Completion { count: None })
     }
 
-    /// Asks MPI to cancel a receive that has not matched (used when it times out). Poll again
-    /// to see it complete.
+    /// Asks MPI to cancel a receive that has not matched (used when it times out; of an op
+    /// made of several calls, each one still live: its receives, and sends MPI can still take
+    /// back). Poll again to see it complete.
     pub(crate) fn cancel(&mut self) {
-        if !self.done {
+        if self.done {
+            return;
+        }
+        if self.many.is_empty() {
             // SAFETY: `self.raw` is our live request.
             unsafe {
                 ffi::MPI_Cancel(&mut self.raw);
+            }
+            return;
+        }
+        for r in self.many.iter_mut() {
+            // SAFETY: reading a constant initialised at load time; a request MPI completed is
+            // null and is skipped, the others are our live requests.
+            unsafe {
+                if *r != ffi::RSMPI_REQUEST_NULL {
+                    ffi::MPI_Cancel(r);
+                }
             }
         }
     }
