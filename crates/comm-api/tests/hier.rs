@@ -15,6 +15,8 @@ use std::time::Duration;
 use comm_api::{Config, HostBuffer, Rank, ReduceOp};
 use comm_test::mpirun::{Job, Launch};
 
+mod surfaces;
+
 const CHILD: &str = "COMM_HIER_CHILD";
 const LAYOUT: &str = "COMM_HIER_TEST_LAYOUT";
 
@@ -87,6 +89,17 @@ fn conformance_three_plus_one() {
     assert!(job.lines("DESCRIBE rank 3").iter().any(|l| l.contains("no rails")), "{job}");
 }
 
+/// The composite ops' cross-rank checks (shapes of coalesced ops, object types and sizes)
+/// hold on hier as on shm: every rank of 2 × 2 errs alike, nothing is allocated from a
+/// forged size.
+#[test]
+fn composite_ops_are_checked_across_hosts() {
+    let envs = [("COMM_TIMEOUT", "30")];
+    let Some(job) = job(&[2, 2], "surfaces", &envs, Duration::from_secs(120)) else { return };
+    assert_eq!(job.code, Some(0), "{job}");
+    assert_eq!(job.lines("SURFACES-OK").len(), 4, "{job}");
+}
+
 #[test]
 fn a_killed_rank_ends_the_job_on_every_host() {
     let envs = [("COMM_TIMEOUT", "10")];
@@ -113,6 +126,7 @@ fn child() {
         match scenario.as_str() {
             "suite" => suite().await,
             "kill" => kill().await,
+            "surfaces" => surfaces().await,
             other => {
                 eprintln!("unknown scenario {other}");
                 2
@@ -169,6 +183,20 @@ async fn suite() -> i32 {
     let code = comm_test::mpirun::suite_child(pg.backend().clone(), &cfg).await;
     pg.shutdown().await.expect("shutdown");
     code
+}
+
+async fn surfaces() -> i32 {
+    let pg = comm_api::init(Config::from_env().unwrap()).await.expect("init");
+    match surfaces::composite_checks(&pg, false).await {
+        Ok(()) => {
+            println!("SURFACES-OK rank {} on {}", pg.rank(), pg.backend_name());
+            0
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            1
+        }
+    }
 }
 
 async fn kill() -> i32 {
