@@ -90,7 +90,8 @@ fn drain(env: &Env<'_>, ex: &Exchange, sends: Option<Request>, e: CommError) -> 
     if parts.is_empty() {
         return then(env, Bufs::default());
     }
-    let recvs = raw::irecv_parts(env.comm, HostBuffer::zeroed(DType::U8, at), &parts, raw::bulk_tag())?;
+    // Lengths from the peers' headers: an allocation that fails is an error, not an abort.
+    let recvs = raw::irecv_parts(env.comm, HostBuffer::try_zeroed(DType::U8, at)?, &parts, raw::bulk_tag())?;
     Ok(wait(recvs, then))
 }
 

@@ -9,7 +9,7 @@ fn e(x: impl std::fmt::Display) -> String {
     x.to_string()
 }
 
-pub fn mismatch(r: &Result<impl std::fmt::Debug, CommError>, what: &str, me: u32) -> Result<(), String> {
+pub(crate) fn mismatch(r: &Result<impl std::fmt::Debug, CommError>, what: &str, me: u32) -> Result<(), String> {
     match r {
         Err(CommError::Mismatch { .. }) => Ok(()),
         other => Err(format!("rank {me}: {what}: expected Mismatch, got {other:?}")),
@@ -21,7 +21,7 @@ pub fn mismatch(r: &Result<impl std::fmt::Debug, CommError>, what: &str, me: u32
 /// `poisoning`: also the case that poisons the group (last), where a mismatch reaches every
 /// rank at once (not on hier: a mismatch in one host's phase reaches the other hosts only at
 /// their timeout).
-pub async fn composite_checks(pg: &ProcessGroup, poisoning: bool) -> Result<(), String> {
+pub(crate) async fn composite_checks(pg: &ProcessGroup, poisoning: bool) -> Result<(), String> {
     let me = pg.rank();
     // Same byte count, other dtype: the packed u8 all_gather alone cannot see it.
     let mine = if me == 0 { HostBuffer::from_slice(&[1.5f32; 4]) } else { HostBuffer::from_slice(&[7i32; 4]) };
