@@ -484,7 +484,8 @@ fn resolve(kind: BackendKind, world: &WorldInfo, have: Available) -> Result<(Bac
                 format!(
                     "shm: {hosts}; if they really are all on this host, set COMM_BACKEND=shm (it checks that \
                      the ranks share a host) or start them as one node (torchrun --nnodes 1 --nproc-per-node \
-                     {}: torchrun sets LOCAL_WORLD_SIZE itself); across hosts use the mpi backend",
+                     {}: torchrun sets LOCAL_WORLD_SIZE itself); across hosts, start the ranks with mpirun or srun \
+                     and build with the `mpi` feature (the mpi and hier backends)",
                     world.world_size
                 )
             } else {

@@ -46,52 +46,72 @@ fn vars(pairs: &[(&str, String)]) -> Vec<(String, String)> {
     pairs.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect()
 }
 
-/// Starts `n` ranks of this test binary running `test` with only `env(rank)` as launcher
-/// variables; waits (killing all past `T`) and panics with every rank's output if one failed.
-fn launch(test: &str, n: u32, env: impl Fn(u32) -> Vec<(String, String)>) {
-    let exe = std::env::current_exe().expect("the test binary");
-    let dir = std::env::temp_dir();
-    let mut ranks: Vec<(Child, std::path::PathBuf)> = Vec::new();
-    for rank in 0..n {
-        let log = dir.join(format!("comm-launchers-{}-{test}-{rank}.log", std::process::id()));
-        let out = File::create(&log).expect("log file");
-        let mut cmd = Command::new(&exe);
-        cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().expect("log file"))
-            .stderr(out);
-        for (k, _) in std::env::vars_os() {
-            let k = k.to_string_lossy();
-            if LAUNCHER_VARS.contains(&&*k) || LAUNCHER_PREFIXES.iter().any(|p| k.starts_with(p)) {
-                cmd.env_remove(&*k);
-            }
+/// A command running this test binary's `test` as a child, with only `env` as launcher
+/// variables, its output to `log`.
+fn rank_command(test: &str, log: &std::path::Path, env: Vec<(String, String)>) -> Command {
+    let mut cmd = child_command(std::env::current_exe().expect("the test binary"), log, env);
+    cmd.args([test, "--exact", "--nocapture", "--test-threads=1"]);
+    cmd
+}
+
+/// `program` with only `env` as launcher variables (and the child marker), output to `log`.
+fn child_command(program: impl AsRef<std::ffi::OsStr>, log: &std::path::Path, env: Vec<(String, String)>) -> Command {
+    let out = File::create(log).expect("log file");
+    let mut cmd = Command::new(program);
+    cmd.stdin(Stdio::null()).stdout(out.try_clone().expect("log file")).stderr(out);
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy();
+        if LAUNCHER_VARS.contains(&&*k) || LAUNCHER_PREFIXES.iter().any(|p| k.starts_with(p)) {
+            cmd.env_remove(&*k);
         }
-        cmd.env(CHILD_ENV, "1").env("RUST_BACKTRACE", "1").envs(env(rank));
-        ranks.push((cmd.spawn().expect("start a rank"), log));
     }
+    cmd.env(CHILD_ENV, "1").env("RUST_BACKTRACE", "1").envs(env);
+    cmd
+}
+
+fn log_path(test: &str, tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("comm-launchers-{}-{test}-{tag}.log", std::process::id()))
+}
+
+/// Waits for `procs` (killing all past `T`); each one's exit status and output.
+fn wait_all(procs: Vec<(Child, std::path::PathBuf)>) -> Vec<(Option<std::process::ExitStatus>, String)> {
     let deadline = Instant::now() + T;
-    let mut status = vec![None; ranks.len()];
-    while status.iter().any(Option::is_none) && Instant::now() < deadline {
-        for (i, (c, _)) in ranks.iter_mut().enumerate() {
-            if status[i].is_none() {
-                status[i] = c.try_wait().ok().flatten();
-            }
+    let mut procs: Vec<_> = procs.into_iter().map(|(c, log)| (c, log, None)).collect();
+    while procs.iter().any(|p| p.2.is_none()) && Instant::now() < deadline {
+        for (c, _, status) in procs.iter_mut().filter(|p| p.2.is_none()) {
+            *status = c.try_wait().ok().flatten();
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    procs
+        .into_iter()
+        .map(|(mut c, log, status)| {
+            let status = status.or_else(|| {
+                let _ = c.kill();
+                c.wait().ok()
+            });
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let _ = std::fs::remove_file(&log);
+            (status, text)
+        })
+        .collect()
+}
+
+/// Starts `n` ranks of this test binary running `test` with only `env(rank)` as launcher
+/// variables; waits (killing all past `T`) and panics with every rank's output if one failed.
+fn launch(test: &str, n: u32, env: impl Fn(u32) -> Vec<(String, String)>) {
+    let ranks = (0..n)
+        .map(|rank| {
+            let log = log_path(test, &rank.to_string());
+            (rank_command(test, &log, env(rank)).spawn().expect("start a rank"), log)
+        })
+        .collect();
     let mut report = String::new();
     let mut failed = false;
-    for (i, (c, log)) in ranks.iter_mut().enumerate() {
-        if status[i].is_none() {
-            let _ = c.kill();
-            status[i] = c.wait().ok();
-            report.push_str(&format!("--- rank {i}: killed after {T:?}\n"));
-        }
-        let text = std::fs::read_to_string(&*log).unwrap_or_default();
-        let _ = std::fs::remove_file(&*log);
-        let ok = status[i].is_some_and(|s| s.success()) && text.contains("COMM_TEST_CHILD_DONE");
+    for (i, (status, text)) in wait_all(ranks).into_iter().enumerate() {
+        let ok = status.is_some_and(|s| s.success()) && text.contains("COMM_TEST_CHILD_DONE");
         failed |= !ok;
-        report.push_str(&format!("--- rank {i}: {:?} ok={ok}\n{text}\n", status[i]));
+        report.push_str(&format!("--- rank {i}: {status:?} ok={ok}\n{text}\n"));
     }
     assert!(!failed, "`{test}` failed:\n{report}");
 }
@@ -163,6 +183,116 @@ fn mpich_variables_only() {
             ("MASTER_PORT", port.clone()),
         ])
     });
+}
+
+/// The job of the identity tests: job `COMM_TEST_JOB` (1 or 2) all-reduces values that name
+/// it; a rank prints `SUMS-OK` with its job's sum, or `REFUSED` with a clear start-up error.
+async fn identified_job() -> Result<(), String> {
+    let job: f64 = std::env::var("COMM_TEST_JOB").map_err(|e| e.to_string())?.parse().map_err(|e| format!("{e}"))?;
+    let pg = match comm_api::init(Config::from_env().map_err(|e| e.to_string())?).await {
+        Ok(pg) => pg,
+        Err(e @ (CommError::Store(_) | CommError::Io { .. } | CommError::Config(_))) => {
+            println!("REFUSED job {job}: {e}");
+            return Ok(());
+        }
+        Err(e) => return Err(format!("job {job}: not a clear refusal: {e}")),
+    };
+    let n = f64::from(pg.world_size());
+    let mine = job * 1000.0 + f64::from(pg.rank());
+    let got = pg.all_reduce(HostBuffer::from_slice(&[mine; 64]), ReduceOp::Sum).await.map_err(|e| e.to_string())?;
+    let want = job * 1000.0 * n + n * (n - 1.0) / 2.0;
+    let got = got.to_vec::<f64>().map_err(|e| e.to_string())?[0];
+    if got != want {
+        return Err(format!("WRONG job {job} rank {}: sum {got}, want {want}", pg.rank()));
+    }
+    println!("SUMS-OK job {job} rank {}", pg.rank());
+    pg.shutdown().await.map_err(|e| e.to_string())
+}
+
+/// Two Open MPI jobs inside one Slurm allocation (`salloc` exports `SLURM_JOB_ID` and no step
+/// id to both `mpirun`s) on one port: the launcher that started the ranks (mpirun, its job id)
+/// decides their identity, so they never pair. Each ends with its own right sums or refused.
+#[test]
+fn two_mpiruns_in_one_slurm_allocation_do_not_pair() {
+    const TEST: &str = "two_mpiruns_in_one_slurm_allocation_do_not_pair";
+    if is_child() {
+        return multiprocess::run(2, TEST, T, identified_job);
+    }
+    for round in 0..3 {
+        let port = free_port().to_string();
+        let mut procs = Vec::new();
+        for job in 1..=2u32 {
+            for r in 0..2u32 {
+                let env = vars(&[
+                    ("OMPI_COMM_WORLD_RANK", r.to_string()),
+                    ("OMPI_COMM_WORLD_SIZE", "2".into()),
+                    ("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string()),
+                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
+                    ("OMPI_MCA_ess_base_jobid", format!("28128706{job}7")),
+                    ("SLURM_JOB_ID", "4242".into()),
+                    ("SLURM_NTASKS", "4".into()),
+                    ("MASTER_PORT", port.clone()),
+                    ("COMM_TEST_JOB", job.to_string()),
+                    ("COMM_TIMEOUT", "20".into()),
+                ]);
+                let log = log_path(TEST, &format!("{round}-{job}-{r}"));
+                procs.push((rank_command(TEST, &log, env).spawn().expect("start a rank"), log));
+            }
+        }
+        let done = wait_all(procs);
+        let all: String = done.iter().map(|(s, t)| format!("--- {s:?}\n{t}\n")).collect();
+        for (status, text) in &done {
+            let clear = text.contains("SUMS-OK") || text.contains("REFUSED");
+            assert!(
+                status.is_some_and(|s| s.success()) && clear,
+                "round {round}: a rank neither summed nor was refused:\n{all}"
+            );
+        }
+        let summed = done.iter().filter(|(_, t)| t.contains("SUMS-OK")).count();
+        assert!(summed >= 2, "round {round}: no job ran:\n{all}");
+        let refused: Vec<&str> = done.iter().flat_map(|(_, t)| t.lines().filter(|l| l.contains("REFUSED"))).collect();
+        println!("round {round}: {summed} ranks summed right, refused: {refused:#?}");
+    }
+}
+
+/// MPICH's Hydra starts each rank through a wrapper that does not `exec` (`mpiexec -n 2 sh -c
+/// 'P; echo done'`, job scripts, `nsys`): every rank has its own `sh`, and their identity is
+/// the per-host proxy above them. Real processes: a `hydra_pmi_proxy` (a shell under that
+/// name) starting two ranks through `sh -c`.
+#[test]
+fn ranks_behind_a_wrapper_find_their_launcher() {
+    const TEST: &str = "ranks_behind_a_wrapper_find_their_launcher";
+    if is_child() {
+        return multiprocess::run(2, TEST, T, || all_reduce_job(Launcher::Mpich, StoreKind::Rank0));
+    }
+    let dir = std::env::temp_dir().join(format!("comm-hydra-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let proxy = dir.join("hydra_pmi_proxy");
+    let _ = std::fs::remove_file(&proxy);
+    std::os::unix::fs::symlink("/bin/sh", &proxy).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let rank = |r: u32| {
+        format!(
+            "PMI_RANK={r} MPI_LOCALRANKID={r} sh -c '\"{}\" {TEST} --exact --nocapture --test-threads=1; echo wrapped {r} done' &",
+            exe.display()
+        )
+    };
+    let script = format!("{}\n{}\nwait\n", rank(0), rank(1));
+    let log = log_path(TEST, "proxy");
+    let env = vars(&[
+        ("PMI_SIZE", "2".into()),
+        ("MPI_LOCALNRANKS", "2".into()),
+        ("PMI_FD", "6".into()),
+        ("MASTER_PORT", free_port().to_string()),
+    ]);
+    let mut proxy_cmd = child_command(&proxy, &log, env);
+    proxy_cmd.arg("-c").arg(&script);
+    let done = wait_all(vec![(proxy_cmd.spawn().expect("start the proxy"), log)]);
+    let _ = std::fs::remove_dir_all(&dir);
+    let (status, text) = &done[0];
+    assert!(status.is_some_and(|s| s.success()), "{text}");
+    assert_eq!(text.matches("COMM_TEST_CHILD_DONE").count(), 2, "both ranks ran to the end:\n{text}");
+    assert!(text.contains("wrapped 0 done") && text.contains("wrapped 1 done"), "both wrappers went on:\n{text}");
 }
 
 #[test]

@@ -28,49 +28,67 @@ const MIN_ATTEMPT: Duration = Duration::from_millis(100);
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
 
 /// The job token this process presents to (or expects from) the store, which keeps the ranks of
-/// two jobs that use the same address and port from ever pairing:
+/// two jobs that use the same address and port from ever pairing. The launcher that started
+/// the ranks decides:
 ///
 /// 1. `COMM_JOB_TOKEN` when set (commrun sets a random one; set but empty means none).
-/// 2. The job's identity as the launcher exports it: Slurm's job **and step** id (two `srun`
-///    steps of one allocation are two jobs), PMIx's namespace, Open MPI's job id, torch
-///    elastic's run id.
-/// 3. For launchers that start every rank of a host from one process (MPICH/Hydra's proxy,
-///    the DeepSpeed launcher) and a job on one host: that parent process (pid and start time).
+/// 2. The identity of the launcher that started this process: Open MPI's job id (or its PMIx
+///    namespace) under `mpirun`, even inside a Slurm allocation (two `mpirun`s of one
+///    `salloc` are two jobs); the PMIx namespace under a PMIx launcher; Slurm's job **and
+///    step** id under `srun`; torch elastic's run id under torchrun; under MPICH/Hydra or the
+///    DeepSpeed launcher on one host, the launcher's per-host process (`hydra_pmi_proxy`, the
+///    DeepSpeed launcher's python: pid and start time), found through any wrapper between it
+///    and the rank (`sh -c`, `nsys`, `perf`).
+/// 3. Any other identity the environment holds, in this order: Slurm job and step (the batch
+///    script counts as a step of its own), PMIx namespace, Open MPI job id, torch elastic run
+///    id.
 /// 4. None when the port was chosen for this job (`MASTER_PORT` set, or an explicit config).
 /// 5. Otherwise an error naming the fix: nothing tells this job from another one on the
 ///    default port.
 pub fn job_token(info: &WorldInfo) -> Result<String, CommError> {
-    job_token_from(info, |name| std::env::var(name).ok(), parent_process)
+    job_token_from(info, |name| std::env::var(name).ok(), ancestors)
 }
 
-/// [`job_token`] with the variables from `var` and the parent's identity from `parent`.
+/// One process above this one: `pid.start_time` (start time in clock ticks since boot, so a
+/// reused pid is another process), its name (`/proc/<pid>/comm`) and command line.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Ancestor {
+    pub(crate) id: String,
+    pub(crate) name: String,
+    pub(crate) cmdline: String,
+}
+
+/// [`job_token`] with the variables from `var` and the process tree from `ancestors`.
 pub(crate) fn job_token_from(
     info: &WorldInfo,
     var: impl Fn(&str) -> Option<String>,
-    parent: impl Fn() -> Option<String>,
+    ancestors: impl Fn() -> Vec<Ancestor>,
 ) -> Result<String, CommError> {
     if let Some(t) = var("COMM_JOB_TOKEN") {
         return Ok(t);
     }
     let set = |name: &str| var(name).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());
     let bounded = |t: String| t.chars().take(wire::MAX_TOKEN).collect::<String>();
-    if let Some(job) = set("SLURM_JOB_ID") {
-        // The batch script itself (no step id) is a job of its own too.
-        let step = set("SLURM_STEP_ID").unwrap_or_else(|| "batch".into());
-        return Ok(bounded(format!("slurm:{job}.{step}")));
-    }
-    let ids =
-        [("PMIX_NAMESPACE", "pmix"), ("OMPI_MCA_ess_base_jobid", "ompi"), ("TORCHELASTIC_RUN_ID", "torchelastic")];
+    // The batch script itself (no step id) is a job of its own too.
+    let slurm =
+        || set("SLURM_JOB_ID").map(|job| format!("slurm:{job}.{}", set("SLURM_STEP_ID").as_deref().unwrap_or("batch")));
+    let pmix = || set("PMIX_NAMESPACE").map(|ns| format!("pmix:{ns}"));
+    let ompi = || set("OMPI_MCA_ess_base_jobid").map(|id| format!("ompi:{id}"));
     // torchrun's run id is "none" unless a rendezvous id was given.
-    if let Some((kind, id)) = ids.iter().find_map(|(name, kind)| set(name).filter(|v| v != "none").map(|v| (kind, v))) {
-        return Ok(bounded(format!("{kind}:{id}")));
-    }
+    let elastic = || set("TORCHELASTIC_RUN_ID").filter(|v| v != "none").map(|id| format!("torchelastic:{id}"));
     let one_host = info.local_world_size == info.world_size;
-    let one_parent = matches!(info.source.launcher, Launcher::Mpich | Launcher::DeepSpeed);
-    if one_host && one_parent {
-        if let Some(p) = parent() {
-            return Ok(format!("parent:{p}"));
+    let own = match info.source.launcher {
+        Launcher::OpenMpi => ompi().or_else(pmix),
+        Launcher::Pmix => pmix(),
+        Launcher::Slurm => slurm(),
+        Launcher::Torchrun => elastic(),
+        Launcher::Mpich | Launcher::DeepSpeed if one_host => {
+            launcher_process(info.source.launcher, &ancestors()).map(|p| format!("parent:{p}"))
         }
+        _ => None,
+    };
+    if let Some(t) = own.or_else(slurm).or_else(pmix).or_else(ompi).or_else(elastic) {
+        return Ok(bounded(t));
     }
     if info.source.launcher == Launcher::Explicit || set("MASTER_PORT").is_some() {
         return Ok(String::new());
@@ -83,15 +101,40 @@ pub(crate) fn job_token_from(
     )))
 }
 
-/// The parent process as `pid.start_time` (start time in clock ticks since boot, from
-/// `/proc`), so a reused pid is another parent.
-pub(crate) fn parent_process() -> Option<String> {
-    let ppid = std::os::unix::process::parent_id();
-    let stat = std::fs::read_to_string(format!("/proc/{ppid}/stat")).ok()?;
+/// The per-host process of `launcher` among `ancestors` (nearest first): Hydra's proxy, or the
+/// DeepSpeed launcher's python; the direct parent when none is found (a launcher that starts
+/// the ranks itself).
+fn launcher_process(launcher: Launcher, ancestors: &[Ancestor]) -> Option<String> {
+    let is_launcher = |a: &&Ancestor| match launcher {
+        Launcher::Mpich => matches!(a.name.as_str(), "hydra_pmi_proxy" | "pmi_proxy"),
+        _ => a.cmdline.contains("deepspeed.launcher.launch") || a.cmdline.contains("deepspeed/launcher/launch.py"),
+    };
+    ancestors.iter().find(is_launcher).or(ancestors.first()).map(|a| a.id.clone())
+}
+
+/// This process's ancestors, parent first, up to (not including) init.
+pub(crate) fn ancestors() -> Vec<Ancestor> {
+    let mut out = Vec::new();
+    let mut pid = std::os::unix::process::parent_id();
+    while pid > 1 && out.len() < 64 {
+        let Some((a, ppid)) = read_process(pid) else { break };
+        out.push(a);
+        pid = ppid;
+    }
+    out
+}
+
+/// `pid`'s identity and its parent's pid, from `/proc`.
+fn read_process(pid: u32) -> Option<(Ancestor, u32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name (which may hold spaces and parentheses): state is field
-    // 3, start time field 22.
-    let start = stat.get(stat.rfind(')')? + 1..)?.split_whitespace().nth(19)?;
-    Some(format!("{ppid}.{start}"))
+    // 3, the parent field 4, start time field 22.
+    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 1..)?.split_whitespace().collect();
+    let (ppid, start) = (fields.get(1)?.parse().ok()?, fields.get(19)?);
+    let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default().trim().to_owned();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+    Some((Ancestor { id: format!("{pid}.{start}"), name, cmdline }, ppid))
 }
 
 /// `addr:port`, with brackets around an IPv6 address.
@@ -412,8 +455,9 @@ async fn hello(mut stream: TcpStream, token: &str, shown: &str) -> Result<TcpStr
     let not_a_store = || not_a_store(shown);
     let another_job = || {
         Hello::Refused(CommError::Store(format!(
-            "store at {shown} belongs to another job (job token mismatch); give every rank of a job the same \
-             COMM_JOB_TOKEN, or use another MASTER_PORT"
+            "store at {shown} belongs to another job (job token mismatch: the store was started with another \
+             job identity than this rank's); if these ranks are one job, started apart or by different launchers, \
+             give all of them the same COMM_JOB_TOKEN"
         )))
     };
     let reply = read_hello(&mut stream, shown).await?;

@@ -60,6 +60,15 @@ pub async fn rendezvous(
     if info.world_size == 1 {
         return Ok((Arc::new(MemoryStore::new()), None));
     }
+    if info.master_addr.is_empty() {
+        return Err(CommError::Config(format!(
+            "launched by {:?} across hosts ({} of the {} ranks on this host), and nothing says where rank 0 runs: \
+             export MASTER_ADDR=<rank 0's host> to every rank (e.g. `mpirun -x MASTER_ADDR=host0`), or pass the \
+             address explicitly (Config::explicit); under an MPI launcher the mpi and hier backends need no store \
+             (build comm-api with the `mpi` feature)",
+            info.source.launcher, info.local_world_size, info.world_size
+        )));
+    }
     let bind = bind_addr()?;
     let shown = display_addr(&info.master_addr, info.master_port);
     let needs_port = |what: &str| {

@@ -159,24 +159,14 @@ pub(super) fn both<'n>(
     }
 }
 
-/// The store address of a launcher that does not say where rank 0 runs: `MASTER_ADDR`, or
-/// this host when every rank is here.
-pub(super) fn mpi_master_addr(
-    r: &mut Recorder<'_>,
-    launcher: &str,
-    ws: (u32, &str),
-    lws: u32,
-    lws_name: &str,
-) -> Result<String, CommError> {
+/// The store address of a launcher that does not say where rank 0 runs: `MASTER_ADDR`, this
+/// host when every rank is here, else none (empty): the mpi and hier backends need no store,
+/// and [`rendezvous`](crate::rendezvous) refuses, naming what to set, where one is needed.
+pub(super) fn mpi_master_addr(r: &mut Recorder<'_>, ws: u32, lws: u32) -> Result<String, CommError> {
     match r.master_addr()? {
         Some(a) => Ok(a),
-        None if lws == ws.0 => Ok(DEFAULT_MASTER_ADDR.to_owned()),
-        None => Err(CommError::Config(format!(
-            "launched by {launcher} across hosts ({lws_name}={lws} < {}={}), and nothing says where rank 0 runs: \
-             export MASTER_ADDR=<rank 0's host> to every rank (e.g. `mpirun -x MASTER_ADDR=host0`), or pass the \
-             address explicitly (Config::explicit)",
-            ws.1, ws.0
-        ))),
+        None if lws == ws => Ok(DEFAULT_MASTER_ADDR.to_owned()),
+        None => Ok(String::new()),
     }
 }
 
