@@ -89,7 +89,7 @@ pub(crate) fn test(args: &[String]) -> Result {
             c.args(["test", "-p", "backend-mpi", "--", "--test-threads=1", "--nocapture"]);
             run(c)
         })?;
-        step("hier backend: suite on 2 × 2 and 3 + 1 simulated hosts, composite-op checks, a killed rank (mpirun, MPI over TCP)", || {
+        step("hier backend: suite on 2 × 2 (also on per-host daemons, no MASTER_ADDR) and 3 + 1 simulated hosts, composite-op checks, a killed rank (mpirun, MPI over TCP)", || {
             let mut c = cargo();
             c.args(["test", "-p", "comm-api", "--features", "mpi", "--test", "hier"]);
             c.args(["--", "--test-threads=1", "--nocapture"]);

@@ -66,6 +66,59 @@ fn job(sizes: &[usize], scenario: &str, envs: &[(&str, &str)], limit: Duration) 
     })
 }
 
+/// Runs `scenario` as real hosts are launched: `mpirun -H simhost-0:a,simhost-1:b` starting
+/// one Open MPI daemon per host (through `simhosts rsh`, entering the host), so each rank sees
+/// only its host's ranks as local, and no `MASTER_ADDR` anywhere: the README's command.
+/// `None` without Open MPI's mpirun.
+fn job_per_host_daemons(sizes: &[usize], scenario: &str, limit: Duration) -> Option<Job> {
+    match comm_test::mpirun::launcher() {
+        Some((_, true)) => {}
+        _ => {
+            eprintln!("skipped: per-host daemons need Open MPI's mpirun");
+            return None;
+        }
+    }
+    let hosts = Hosts::up(sizes.len());
+    let layout = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+    let list: Vec<String> = sizes.iter().enumerate().map(|(i, n)| format!("simhost-{i}:{n}")).collect();
+    let agent = format!("{} rsh {}", simhosts().display(), hosts.0.display());
+    let args = [
+        "-H",
+        &list.join(","),
+        "--mca",
+        "plm_rsh_agent",
+        &agent,
+        "--mca",
+        "oob_tcp_if_include",
+        "lo",
+        "--mca",
+        "btl",
+        "tcp,self",
+        "--mca",
+        "btl_tcp_if_include",
+        "lo",
+    ];
+    comm_test::mpirun::run(Launch {
+        np: sizes.iter().sum::<usize>() as u32,
+        child: (CHILD, scenario),
+        envs: &[(LAYOUT, &layout)],
+        limit,
+        open_mpi_args: &args,
+        wrapper: Vec::new(),
+        summary: &["-OK", "DESCRIBE"],
+    })
+}
+
+/// The README's multi-host command on per-host daemons: `Auto` picks hier from MPI's view of
+/// the hosts, with no `MASTER_ADDR`, and the suite passes.
+#[test]
+fn conformance_two_hosts_of_two_on_per_host_daemons() {
+    let Some(job) = job_per_host_daemons(&[2, 2], "suite", Duration::from_secs(600)) else { return };
+    assert_eq!(job.code, Some(0), "{job}");
+    assert_eq!(job.lines("SUITE-OK").len(), 4, "{job}");
+    assert!(job.lines("DESCRIBE rank 0").iter().any(|l| l.contains("hier (auto") && l.contains("simhost-1")), "{job}");
+}
+
 #[test]
 fn conformance_two_hosts_of_two() {
     // Every all_reduce over the rails (by default a machine with fewer cores than ranks, as
