@@ -220,38 +220,79 @@ fn two_mpiruns_in_one_slurm_allocation_do_not_pair() {
     }
     for round in 0..3 {
         let port = free_port().to_string();
-        let mut procs = Vec::new();
-        for job in 1..=2u32 {
-            for r in 0..2u32 {
-                let env = vars(&[
-                    ("OMPI_COMM_WORLD_RANK", r.to_string()),
-                    ("OMPI_COMM_WORLD_SIZE", "2".into()),
-                    ("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string()),
-                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
-                    ("OMPI_MCA_ess_base_jobid", format!("28128706{job}7")),
-                    ("SLURM_JOB_ID", "4242".into()),
-                    ("SLURM_NTASKS", "4".into()),
-                    ("MASTER_PORT", port.clone()),
-                    ("COMM_TEST_JOB", job.to_string()),
-                    ("COMM_TIMEOUT", "20".into()),
-                ]);
-                let log = log_path(TEST, &format!("{round}-{job}-{r}"));
-                procs.push((rank_command(TEST, &log, env).spawn().expect("start a rank"), log));
+        two_jobs(TEST, round, |job, r| {
+            vars(&[
+                ("OMPI_COMM_WORLD_RANK", r.to_string()),
+                ("OMPI_COMM_WORLD_SIZE", "2".into()),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string()),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
+                ("OMPI_MCA_ess_base_jobid", format!("28128706{job}7")),
+                ("SLURM_JOB_ID", "4242".into()),
+                ("SLURM_NTASKS", "4".into()),
+                ("MASTER_PORT", port.clone()),
+            ])
+        });
+    }
+}
+
+/// Two jobs of 2 ranks each started at once (`env(job, rank)` plus the job's number), each
+/// rank running [`identified_job`]: every rank ends with its own job's right sums or a clear
+/// refusal. How many ranks summed.
+fn two_jobs(test: &str, round: u32, env: impl Fn(u32, u32) -> Vec<(String, String)>) -> usize {
+    let mut procs = Vec::new();
+    for job in 1..=2u32 {
+        for r in 0..2u32 {
+            let mut vars = env(job, r);
+            vars.push(("COMM_TEST_JOB".into(), job.to_string()));
+            vars.push(("COMM_TIMEOUT".into(), "20".into()));
+            let log = log_path(test, &format!("{round}-{job}-{r}"));
+            procs.push((rank_command(test, &log, vars).spawn().expect("start a rank"), log));
+        }
+    }
+    let done = wait_all(procs);
+    let all: String = done.iter().map(|(s, t)| format!("--- {s:?}\n{t}\n")).collect();
+    for (status, text) in &done {
+        let clear = text.contains("SUMS-OK") || text.contains("REFUSED");
+        assert!(
+            status.is_some_and(|s| s.success()) && clear,
+            "round {round}: a rank neither summed nor was refused:\n{all}"
+        );
+    }
+    let summed = done.iter().filter(|(_, t)| t.contains("SUMS-OK")).count();
+    let refused: Vec<&str> = done.iter().flat_map(|(_, t)| t.lines().filter(|l| l.contains("REFUSED"))).collect();
+    println!("round {round}: {summed} ranks summed right, refused: {refused:#?}");
+    if std::env::var_os("DEBUG_JOBS").is_some() {
+        println!("{all}");
+    }
+    summed
+}
+
+/// Two jobs started by hand (`RANK`, `WORLD_SIZE`, one `MASTER_PORT`, no launcher) cannot
+/// mix: without a job token each is refused (nothing tells them apart), with a token of each
+/// job's own one runs and the other is refused.
+#[test]
+fn two_jobs_started_by_hand_on_one_port_do_not_pair() {
+    const TEST: &str = "two_jobs_started_by_hand_on_one_port_do_not_pair";
+    if is_child() {
+        return multiprocess::run(2, TEST, T, identified_job);
+    }
+    for round in 0..6 {
+        let port = free_port().to_string();
+        let with_tokens = round % 2 == 1;
+        let summed = two_jobs(TEST, round, |job, r| {
+            let mut v = vars(&[
+                ("RANK", r.to_string()),
+                ("WORLD_SIZE", "2".into()),
+                ("MASTER_ADDR", "127.0.0.1".into()),
+                ("MASTER_PORT", port.clone()),
+            ]);
+            if with_tokens {
+                v.push(("COMM_JOB_TOKEN".into(), format!("job-{job}-{port}")));
             }
-        }
-        let done = wait_all(procs);
-        let all: String = done.iter().map(|(s, t)| format!("--- {s:?}\n{t}\n")).collect();
-        for (status, text) in &done {
-            let clear = text.contains("SUMS-OK") || text.contains("REFUSED");
-            assert!(
-                status.is_some_and(|s| s.success()) && clear,
-                "round {round}: a rank neither summed nor was refused:\n{all}"
-            );
-        }
-        let summed = done.iter().filter(|(_, t)| t.contains("SUMS-OK")).count();
-        assert!(summed >= 2, "round {round}: no job ran:\n{all}");
-        let refused: Vec<&str> = done.iter().flat_map(|(_, t)| t.lines().filter(|l| l.contains("REFUSED"))).collect();
-        println!("round {round}: {summed} ranks summed right, refused: {refused:#?}");
+            v
+        });
+        let want = if with_tokens { 2 } else { 0 };
+        assert_eq!(summed, want, "round {round} (tokens: {with_tokens})");
     }
 }
 
@@ -372,6 +413,7 @@ fn ranks_on_simulated_hosts_meet_through_the_store() {
             ("MASTER_ADDR", "127.0.0.2".into()),
             ("MASTER_PORT", p1.clone()),
             ("COMM_BIND_ADDR", format!("127.0.0.{}", 2 + r)),
+            ("COMM_JOB_TOKEN", format!("simulated-hosts-{p1}")),
             ("SECOND_PORT", p2.clone()),
         ])
     });

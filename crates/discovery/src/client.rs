@@ -42,9 +42,10 @@ const BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from
 /// 3. Any other identity the environment holds, in this order: Slurm job and step (the batch
 ///    script counts as a step of its own), PMIx namespace, Open MPI job id, torch elastic run
 ///    id.
-/// 4. None when the port was chosen for this job (`MASTER_PORT` set, or an explicit config).
-/// 5. Otherwise an error naming the fix: nothing tells this job from another one on the
-///    default port.
+/// 4. None when the port was chosen for this job: an explicit config, `MASTER_PORT` from
+///    torchrun, or given to an MPI launcher across hosts.
+/// 5. Otherwise (ranks started by hand with `RANK`/`WORLD_SIZE`, whatever the port) an error
+///    naming the fix: two such jobs on one port would pair, silently mixing their data.
 pub fn job_token(info: &WorldInfo) -> Result<String, CommError> {
     job_token_from(info, |name| std::env::var(name).ok(), ancestors)
 }
@@ -90,14 +91,35 @@ pub(crate) fn job_token_from(
     if let Some(t) = own.or_else(slurm).or_else(pmix).or_else(ompi).or_else(elastic) {
         return Ok(bounded(t));
     }
-    if info.source.launcher == Launcher::Explicit || set("MASTER_PORT").is_some() {
+    // A port chosen for this job by the program (an explicit config), by torchrun for its
+    // agents, or given to an MPI launcher across hosts is the job's identity. Ranks started by
+    // hand have none: two such jobs on one port would pair, so they are refused.
+    let torchrun = ["TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "GROUP_RANK"].iter().any(|v| var(v).is_some());
+    let chosen_port = set("MASTER_PORT").is_some()
+        && match info.source.launcher {
+            Launcher::Torchrun => torchrun,
+            Launcher::Single => true,
+            _ => !one_host,
+        };
+    if info.source.launcher == Launcher::Explicit || chosen_port {
         return Ok(String::new());
     }
+    let by_hand = info.source.launcher == Launcher::Torchrun && !torchrun;
     Err(CommError::Config(format!(
-        "cannot tell this job from another job on the same rendezvous port ({}:{}): the launcher ({:?}) exports \
-         no job id and MASTER_PORT is not set; set MASTER_PORT to a port of this job's own, or COMM_JOB_TOKEN to \
-         a value shared by its ranks only",
-        info.master_addr, info.master_port, info.source.launcher
+        "cannot tell this job from another job on the same rendezvous port ({}:{}): {}; give its ranks the same \
+         COMM_JOB_TOKEN (any string of the job's own, e.g. `export COMM_JOB_TOKEN=$(uuidgen)`), or start them with \
+         commrun, torchrun, mpirun or srun",
+        info.master_addr,
+        info.master_port,
+        if by_hand {
+            "its ranks were started by hand (RANK and WORLD_SIZE, no launcher)".to_owned()
+        } else {
+            format!(
+                "the launcher ({:?}) exports no job id{}",
+                info.source.launcher,
+                if one_host { "" } else { " and no MASTER_PORT of the job's own was given" }
+            )
+        }
     )))
 }
 

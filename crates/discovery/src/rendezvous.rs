@@ -142,6 +142,15 @@ async fn connect_ours_or_torch(
     timeout: Duration,
     bind: Option<IpAddr>,
 ) -> Result<Arc<dyn Store>, CommError> {
+    // A rank that has no job identity can only use a torch store already serving the port
+    // (torch.distributed is up, so it is there already): else it is refused at once, as rank
+    // 0 is, instead of waiting for a store no rank of its job will serve.
+    if let Err(e) = job_token(info) {
+        return match probe(&info.master_addr, info.master_port, bind, PROBE_LIMIT.min(timeout)).await {
+            Probe::Torch => Ok(Arc::new(torch_store(info, shown, timeout, bind).await?)),
+            _ => Err(e),
+        };
+    }
     let start = Instant::now();
     let deadline = start + timeout;
     let mut backoff = Duration::from_millis(10);

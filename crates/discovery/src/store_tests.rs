@@ -451,8 +451,12 @@ fn job_tokens_come_from_the_launcher_when_unset() {
     let e = tok(Launcher::Mpich, 2, env(&[])).unwrap_err().to_string();
     assert!(e.contains("MASTER_PORT") && e.contains("COMM_JOB_TOKEN") && e.contains("Mpich"), "{e}");
     assert_eq!(tok(Launcher::Mpich, 2, env(&[("MASTER_PORT", "6000")])).unwrap(), "");
-    // Ranks started by hand: the port they were given is the job's; none given is an error.
-    assert_eq!(tok(Launcher::Torchrun, 4, env(&[("MASTER_PORT", "6000")])).unwrap(), "");
+    // torchrun chose the port for its job; ranks started by hand have no identity, whatever
+    // the port: two such jobs on one port would pair, so they are refused, naming the fix.
+    let torchrun = env(&[("MASTER_PORT", "6000"), ("TORCHELASTIC_RUN_ID", "none"), ("GROUP_RANK", "0")]);
+    assert_eq!(tok(Launcher::Torchrun, 4, torchrun).unwrap(), "");
+    let e = tok(Launcher::Torchrun, 4, env(&[("MASTER_PORT", "6000")])).unwrap_err().to_string();
+    assert!(e.contains("started by hand") && e.contains("COMM_JOB_TOKEN") && e.contains("commrun"), "{e}");
     assert!(tok(Launcher::Torchrun, 4, env(&[("SLURM_JOB_ID", " ")])).is_err());
     assert_eq!(tok(Launcher::Explicit, 4, env(&[])).unwrap(), "");
     // The launcher that started the ranks decides: two mpiruns inside one Slurm allocation
