@@ -594,6 +594,7 @@ mod tests {
         assert!(e.contains("nccl: not compiled in") && e.contains("mpi: not compiled in"), "{e}");
         // torchrun overwrites LOCAL_WORLD_SIZE: the advice is one it cannot undo.
         assert!(!e.contains("set LOCAL_WORLD_SIZE") && e.contains("--nnodes 1 --nproc-per-node 4"), "{e}");
+        assert!(e.contains("start the ranks with mpirun or srun") && !e.contains("use the mpi backend"), "{e}");
         assert!(e.contains("local world size 2 < world size 4") && e.contains("COMM_BACKEND=shm"), "{e}");
         let e = resolve(BackendKind::Auto, &world(Launcher::Torchrun, 4, 2), no_gpu).unwrap_err().to_string();
         assert!(e.contains("nccl: no usable GPU") && e.contains("not launched by an MPI launcher"), "{e}");
