@@ -235,6 +235,54 @@ fn two_mpiruns_in_one_slurm_allocation_do_not_pair() {
     }
 }
 
+/// The same with real `mpirun`s (Open MPI): two jobs at once inside what `salloc` gives them
+/// (`SLURM_JOB_ID`, no step), on one `MASTER_PORT`, shm backend (this binary has no `mpi`
+/// feature). Skipped without Open MPI.
+#[test]
+fn two_real_mpiruns_in_one_slurm_allocation_do_not_pair() {
+    const TEST: &str = "two_real_mpiruns_in_one_slurm_allocation_do_not_pair";
+    if is_child() {
+        return multiprocess::run(2, TEST, T, identified_job);
+    }
+    let Some((mpirun, true)) = comm_test::mpirun::launcher() else {
+        eprintln!("skipped: needs Open MPI's mpirun");
+        return;
+    };
+    for round in 0..3 {
+        let port = free_port().to_string();
+        let jobs = (1..=2u32).map(|job| {
+            let log = log_path(TEST, &format!("{round}-{job}"));
+            let env = vars(&[
+                ("SLURM_JOB_ID", "4242".into()),
+                ("MASTER_PORT", port.clone()),
+                ("COMM_TEST_JOB", job.to_string()),
+                ("COMM_TIMEOUT", "20".into()),
+            ]);
+            let mut cmd = child_command(&mpirun, &log, env);
+            cmd.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2"]);
+            for v in ["SLURM_JOB_ID", "MASTER_PORT", "COMM_TEST_JOB", "COMM_TIMEOUT", CHILD_ENV] {
+                cmd.args(["-x", v]);
+            }
+            cmd.arg(std::env::current_exe().unwrap()).args([TEST, "--exact", "--nocapture", "--test-threads=1"]);
+            (cmd.spawn().expect("start mpirun"), log)
+        });
+        let done = wait_all(jobs.collect());
+        let all: String = done.iter().map(|(s, t)| format!("--- {s:?}\n{t}\n")).collect();
+        assert!(
+            !all.contains("WRONG") && done.iter().all(|(s, _)| s.is_some_and(|s| s.success())),
+            "round {round}:\n{all}"
+        );
+        let summed = all.matches("SUMS-OK").count();
+        assert_eq!(
+            summed + all.matches("REFUSED").count(),
+            4,
+            "round {round}: every rank summed or was refused:\n{all}"
+        );
+        assert!(summed >= 2, "round {round}: no job ran:\n{all}");
+        println!("round {round}: {summed} ranks summed right, {} refused", 4 - summed);
+    }
+}
+
 /// Two jobs of 2 ranks each started at once (`env(job, rank)` plus the job's number), each
 /// rank running [`identified_job`]: every rank ends with its own job's right sums or a clear
 /// refusal. How many ranks summed.
