@@ -96,6 +96,19 @@ pub(crate) fn test(args: &[String]) -> Result {
             run(c)
         })?;
     }
+    step(
+        "publishable: cargo package of every library crate and commrun; comm-api's docs with docs.rs' features",
+        || {
+            let mut c = cargo();
+            c.args(["package", "--workspace", "--no-verify", "--allow-dirty"]);
+            c.args(["--exclude", "xtask", "--exclude", "comm-bench", "--exclude", "comm-test"]);
+            run(c)?;
+            let mut c = cargo();
+            c.args(["doc", "-p", "comm-api", "--no-deps", "--features", "shm,nccl,profiling,otel"]);
+            c.env("RUSTDOCFLAGS", "-D warnings");
+            run(c)
+        },
+    )?;
     step("build commrun, comm-bench, examples", || {
         let mut c = cargo();
         c.args(["build", "-p", "commrun", "-p", "comm-bench", "-p", "comm-api", "--bins", "--examples"]);
@@ -118,6 +131,9 @@ pub(crate) fn test(args: &[String]) -> Result {
             })?;
         }
     }
+    step("README's user crate: its two blocks built as a crate outside the workspace, run under commrun -n 2", || {
+        user_crate(&target_dir()?, &commrun)
+    })?;
     step("bench smoke (comm-bench, 2 ranks, with --profile and --trace)", || {
         let trace = target.join("smoke-trace.json");
         let _ = std::fs::remove_file(&trace);
@@ -233,4 +249,34 @@ mod tests {
         let names = examples(&root().join("crates/comm-api/examples")).unwrap();
         assert!(names.iter().any(|n| n == "all_reduce"), "{names:?}");
     }
+}
+
+/// The fenced block after `<!-- user-crate:NAME -->` in `readme`.
+fn readme_block(readme: &str, name: &str) -> Result<String> {
+    let missing = || Failure { code: 1, msg: format!("README.md has no block marked <!-- user-crate:{name} -->") };
+    let after = readme.split_once(&format!("<!-- user-crate:{name} -->")).ok_or_else(missing)?.1;
+    let body = after.split_once("```").and_then(|(_, b)| b.split_once('\n')).ok_or_else(missing)?.1;
+    Ok(body.split_once("```").ok_or_else(missing)?.0.to_owned())
+}
+
+/// Builds README's "Use it from your crate" blocks, as written (the checkout's path put in for
+/// `/path/to/comm`), as a crate of its own under `target`, and runs it on 2 ranks.
+fn user_crate(target: &Path, commrun: &Path) -> Result {
+    let io = |what: &str, e: std::io::Error| Failure { code: 1, msg: format!("{what}: {e}") };
+    let readme = std::fs::read_to_string(root().join("README.md")).map_err(|e| io("README.md", e))?;
+    let deps = readme_block(&readme, "Cargo.toml")?.replace("/path/to/comm", &root().display().to_string());
+    let main = readme_block(&readme, "main.rs")?;
+    let dir = target.join("user-crate");
+    std::fs::create_dir_all(dir.join("src")).map_err(|e| io("creating the user crate", e))?;
+    // `[workspace]`: a workspace of its own, although it lies inside this one's directory.
+    let manifest =
+        format!("[package]\nname = \"comm-user\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n[workspace]\n\n{deps}");
+    std::fs::write(dir.join("Cargo.toml"), manifest).map_err(|e| io("writing Cargo.toml", e))?;
+    std::fs::write(dir.join("src/main.rs"), main).map_err(|e| io("writing main.rs", e))?;
+    let mut c = cargo();
+    c.arg("build").arg("--manifest-path").arg(dir.join("Cargo.toml")).env("CARGO_TARGET_DIR", dir.join("target"));
+    run(c)?;
+    let mut c = Command::new(commrun);
+    c.env("COMM_TIMEOUT", "60").args(["-n", "2", "--"]).arg(dir.join("target/debug/comm-user"));
+    run_bounded(c, JOB_TIMEOUT)
 }

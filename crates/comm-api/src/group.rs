@@ -25,6 +25,46 @@ pub struct ProcessGroup {
     chosen: Arc<str>,
 }
 
+/// What a rooted op ([`ProcessGroup::reduce`], [`ProcessGroup::gather`]) gives a rank: the
+/// result on the root, the rank's own input (handed back for reuse) elsewhere.
+#[derive(Debug)]
+pub enum Rooted {
+    /// On the root: the op's result.
+    Root(HostBuffer),
+    /// On every other rank: its input, unchanged.
+    Input(HostBuffer),
+}
+
+impl Rooted {
+    fn new(root: bool, buf: HostBuffer) -> Rooted {
+        if root {
+            Rooted::Root(buf)
+        } else {
+            Rooted::Input(buf)
+        }
+    }
+
+    /// Whether this rank is the op's root.
+    pub fn is_root(&self) -> bool {
+        matches!(self, Rooted::Root(_))
+    }
+
+    /// The result on the root, `None` elsewhere.
+    pub fn into_result(self) -> Option<HostBuffer> {
+        match self {
+            Rooted::Root(b) => Some(b),
+            Rooted::Input(_) => None,
+        }
+    }
+
+    /// The buffer, whichever it is (to reuse it).
+    pub fn into_buffer(self) -> HostBuffer {
+        match self {
+            Rooted::Root(b) | Rooted::Input(b) => b,
+        }
+    }
+}
+
 /// One point-to-point op of a [`ProcessGroup::batch_isend_irecv`] batch.
 #[derive(Debug)]
 pub enum P2POp {
@@ -195,6 +235,8 @@ impl ProcessGroup {
     /// assert_eq!(b.to_vec::<u8>().unwrap(), [7, 8]);
     /// # });
     /// ```
+    #[doc(alias = "bcast")]
+    #[doc(alias = "MPI_Bcast")]
     pub fn broadcast(&self, buf: HostBuffer, root: Rank) -> Work<HostBuffer> {
         self.submit(Broadcast { buf, root })
     }
@@ -209,6 +251,8 @@ impl ProcessGroup {
     /// assert_eq!(out.to_vec::<f32>().unwrap(), [1.5, 2.0]); // one rank: the sum of one input
     /// # });
     /// ```
+    #[doc(alias = "allreduce")]
+    #[doc(alias = "MPI_Allreduce")]
     pub fn all_reduce(&self, buf: HostBuffer, op: ReduceOp) -> Work<HostBuffer> {
         self.submit(AllReduce { buf, op })
     }
@@ -220,9 +264,20 @@ impl ProcessGroup {
         self.all_reduce(buf, op)
     }
 
-    /// `root` ends with the reduction; other ranks get their input back unchanged.
-    pub fn reduce(&self, buf: HostBuffer, op: ReduceOp, root: Rank) -> Work<HostBuffer> {
-        self.submit(Reduce { buf, op, root })
+    /// `root` ends with the reduction ([`Rooted::Root`]); other ranks get their input back
+    /// unchanged ([`Rooted::Input`]).
+    ///
+    /// ```
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// use comm_api::{HostBuffer, ReduceOp};
+    /// let pg = comm_api::init(comm_api::Config::single()).await.unwrap();
+    /// let r = pg.reduce(HostBuffer::from_slice(&[2i32]), ReduceOp::Sum, 0).await.unwrap();
+    /// assert_eq!(r.into_result().unwrap().to_vec::<i32>().unwrap(), [2]); // rank 0 is the root
+    /// # });
+    /// ```
+    pub fn reduce(&self, buf: HostBuffer, op: ReduceOp, root: Rank) -> Work<Rooted> {
+        let root_here = self.rank() == root;
+        self.submit(Reduce { buf, op, root }).map(move |b| Rooted::new(root_here, b))
     }
 
     /// Concatenation of every rank's `input`, in rank order (`world_size × len`).
@@ -234,12 +289,17 @@ impl ProcessGroup {
     /// assert_eq!(all.to_vec::<i64>().unwrap(), [3]);
     /// # });
     /// ```
+    #[doc(alias = "all_gather_into_tensor")]
+    #[doc(alias = "allgather")]
+    #[doc(alias = "MPI_Allgather")]
     pub fn all_gather(&self, input: HostBuffer) -> Work<HostBuffer> {
         self.submit(AllGather { input, output: None }).map(|io| io.output)
     }
 
     /// [`all_gather`](Self::all_gather) into a caller's buffer (reused, no allocation); it must
     /// hold `world_size × input.len()` elements of the input's dtype. Both buffers come back.
+    #[doc(alias = "all_gather_into_tensor")]
+    #[doc(alias = "all_gather_base")]
     pub fn all_gather_into(&self, input: HostBuffer, output: HostBuffer) -> Work<InOut> {
         self.submit(AllGather { input, output: Some(output) })
     }
@@ -409,18 +469,26 @@ impl ProcessGroup {
     }
 
     /// `input` (`world_size × k` elements) reduced across ranks; rank `r` gets block `r`.
+    #[doc(alias = "reduce_scatter_tensor")]
+    #[doc(alias = "reduce_scatter_block")]
+    #[doc(alias = "MPI_Reduce_scatter_block")]
     pub fn reduce_scatter(&self, input: HostBuffer, op: ReduceOp) -> Work<HostBuffer> {
         self.submit(ReduceScatter { input, op, output: None }).map(|io| io.output)
     }
 
     /// [`reduce_scatter`](Self::reduce_scatter) into a caller's buffer of `input.len() / world_size`;
     /// both buffers come back.
+    #[doc(alias = "reduce_scatter_tensor")]
+    #[doc(alias = "reduce_scatter_base")]
     pub fn reduce_scatter_into(&self, input: HostBuffer, op: ReduceOp, output: HostBuffer) -> Work<InOut> {
         self.submit(ReduceScatter { input, op, output: Some(output) })
     }
 
     /// torch's `all_to_all_single` with equal blocks: block `j` of this rank's input goes to
     /// rank `j`, which stores it as its block `rank`.
+    #[doc(alias = "all_to_all")]
+    #[doc(alias = "alltoall")]
+    #[doc(alias = "MPI_Alltoall")]
     pub fn all_to_all_single(&self, input: HostBuffer) -> Work<HostBuffer> {
         self.submit(AllToAll { input, output: None, input_splits: None, output_splits: None }).map(|io| io.output)
     }
@@ -428,6 +496,9 @@ impl ProcessGroup {
     /// `all_to_all_single` with uneven blocks: `input_splits[j]` elements go to rank `j`,
     /// `output_splits[i]` elements come from rank `i`. Splits that do not match across ranks
     /// give [`CommError::Mismatch`].
+    #[doc(alias = "all_to_all_single")]
+    #[doc(alias = "alltoallv")]
+    #[doc(alias = "MPI_Alltoallv")]
     pub fn all_to_all_single_uneven(
         &self,
         input: HostBuffer,
@@ -462,15 +533,17 @@ impl ProcessGroup {
         self.submit(Scatter { output, input, root })
     }
 
-    /// The root receives every rank's `input` concatenated in rank order; other ranks get
-    /// their input back.
-    pub fn gather(&self, input: HostBuffer, root: Rank) -> Work<HostBuffer> {
+    /// The root receives every rank's `input` concatenated in rank order ([`Rooted::Root`]);
+    /// other ranks get their input back ([`Rooted::Input`]).
+    pub fn gather(&self, input: HostBuffer, root: Rank) -> Work<Rooted> {
         let root_here = self.rank() == root;
-        self.submit(Gather { input, output: None, root }).map(move |io| if root_here { io.output } else { io.input })
+        self.submit(Gather { input, output: None, root })
+            .map(move |io| Rooted::new(root_here, if root_here { io.output } else { io.input }))
     }
 
     /// [`gather`](Self::gather) into a caller's buffer on the root (others pass an empty one, or
     /// any buffer they want back as it is). Both buffers come back.
+    #[doc(alias = "gather")]
     pub fn gather_into(&self, input: HostBuffer, output: HostBuffer, root: Rank) -> Work<InOut> {
         self.submit(Gather { input, output: Some(output), root })
     }
@@ -488,11 +561,13 @@ impl ProcessGroup {
 
     /// Tagged send. Messages between two ranks arrive in order; a receive whose tag, dtype
     /// or size differs from the next message is a [`CommError::Mismatch`].
+    #[doc(alias = "MPI_Isend")]
     pub fn isend(&self, buf: HostBuffer, dst: Rank, tag: u32) -> Work<HostBuffer> {
         self.submit(SendTo { buf, dst, tag })
     }
 
     /// Tagged receive.
+    #[doc(alias = "MPI_Irecv")]
     pub fn irecv(&self, buf: HostBuffer, src: Rank, tag: u32) -> Work<HostBuffer> {
         self.submit(RecvFrom { buf, src, tag })
     }
@@ -516,6 +591,7 @@ impl ProcessGroup {
     }
 
     /// Resolves once every rank of the group has entered the barrier.
+    #[doc(alias = "MPI_Barrier")]
     pub fn barrier(&self) -> Work<()> {
         self.submit(Barrier)
     }

@@ -64,7 +64,7 @@ pub use comm_core::{
     Store, StoreKind, Work, WorldInfo, WorldSource,
 };
 pub use config::{builder, init, BackendKind, Builder, Config};
-pub use group::{P2POp, ProcessGroup};
+pub use group::{P2POp, ProcessGroup, Rooted};
 /// Spans per op, the `CommsLogger` summary and (feature `otel`) OpenTelemetry export: the
 /// `profiling` crate.
 #[cfg(feature = "profiling")]

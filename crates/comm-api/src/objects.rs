@@ -162,6 +162,7 @@ impl ProcessGroup {
 
     /// `root`'s object on every rank (torch's `broadcast_object_list` of one object): the root
     /// passes `Some(obj)`, the others `None`.
+    #[doc(alias = "broadcast_object_list")]
     pub async fn broadcast_object<T: Serialize + DeserializeOwned>(
         &self,
         obj: Option<T>,
@@ -200,15 +201,15 @@ impl ProcessGroup {
         let lens = every_rank_sent(OP, &h)?;
         let max = largest(lens.iter().copied());
         blocks(OP, lens.len(), max, h.cap)?;
-        let all = self.gather(padded(&mine, max, h.cap)?, root).await?;
-        if self.rank() != root {
+        let Some(all) = self.gather(padded(&mine, max, h.cap)?, root).await?.into_result() else {
             return Ok(None);
-        }
+        };
         lens.iter().enumerate().map(|(r, &len)| decode_block(OP, &all, max, r, len)).collect::<Result<_, _>>().map(Some)
     }
 
     /// Object `r` of the root's list on rank `r` (torch's `scatter_object_list`): the root
     /// passes `Some(list)` with one object per rank, the others `None`.
+    #[doc(alias = "scatter_object_list")]
     pub async fn scatter_object<T: Serialize + DeserializeOwned>(
         &self,
         objs: Option<Vec<T>>,

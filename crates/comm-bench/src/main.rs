@@ -808,7 +808,7 @@ async fn issue(
     Ok(match case.coll {
         Coll::AllReduce => in_place(pg.all_reduce(input, op).await?),
         Coll::Broadcast => in_place(pg.broadcast(input, root).await?),
-        Coll::Reduce => in_place(pg.reduce(input, op, root).await?),
+        Coll::Reduce => in_place(pg.reduce(input, op, root).await?.into_buffer()),
         Coll::AllGather => in_out(pg.all_gather_into(input, output()?).await?),
         Coll::ReduceScatter => in_out(pg.reduce_scatter_into(input, op, output()?).await?),
         Coll::AllToAll => in_out(pg.all_to_all_single_into(input, output()?, None, None).await?),

@@ -8,8 +8,10 @@ use crate::Rank;
 pub enum Launcher {
     /// Values given explicitly in code.
     Explicit,
-    /// torchrun / torch elastic, or `commrun` (which sets the same variables).
+    /// torchrun / torch elastic, or ranks started by hand with its variables.
     Torchrun,
+    /// `commrun` (torchrun's variables, plus `COMM_LAUNCHER=commrun`).
+    Commrun,
     /// The DeepSpeed launcher (torchrun variables plus `LOCAL_SIZE`).
     DeepSpeed,
     /// Open MPI's `mpirun`.

@@ -62,6 +62,8 @@ impl Job {
             ("MASTER_ADDR", self.master_addr.clone()),
             ("MASTER_PORT", self.master_port.to_string()),
             ("COMM_JOB_TOKEN", self.token.clone()),
+            // So `describe()` names commrun, not the torchrun whose variables it sets.
+            ("COMM_LAUNCHER", "commrun".to_owned()),
         ]
     }
 }
@@ -155,6 +157,7 @@ mod tests {
         assert_eq!(env["MASTER_ADDR"], "a");
         assert_eq!(env["MASTER_PORT"], "9");
         assert_eq!(env["COMM_JOB_TOKEN"], "t");
-        assert_eq!(env.len(), 8);
+        assert_eq!(env["COMM_LAUNCHER"], "commrun");
+        assert_eq!(env.len(), 9);
     }
 }

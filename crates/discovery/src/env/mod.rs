@@ -53,7 +53,7 @@ pub fn from_env() -> Result<WorldInfo, CommError> {
 /// Launchers are tried in precedence order; the first whose variables are present wins and is
 /// recorded in [`WorldInfo::source`] with the `NAME=value` pairs that were read:
 ///
-/// 1. torchrun / `commrun` ([`Launcher::Torchrun`]) and the DeepSpeed launcher
+/// 1. torchrun ([`Launcher::Torchrun`]), `commrun` ([`Launcher::Commrun`]) and the DeepSpeed launcher
 ///    ([`Launcher::DeepSpeed`], recognised by `LOCAL_SIZE`): `RANK`, `WORLD_SIZE`,
 ///    `LOCAL_RANK`, `LOCAL_WORLD_SIZE` (or DeepSpeed's `LOCAL_SIZE`), `GROUP_RANK`,
 ///    `MASTER_ADDR`, `MASTER_PORT`. `TORCHELASTIC_USE_AGENT_STORE=True` (torchrun's agent

@@ -53,7 +53,13 @@ fn read_torchrun(vars: &Vars) -> Result<WorldInfo, CommError> {
     let place =
         Place { rank, world_size: ws, local_rank: local_rank.map(|l| (l, "LOCAL_RANK")), local_world_size: lws }
             .resolve()?;
-    let launcher = if vars.has("LOCAL_SIZE") { Launcher::DeepSpeed } else { Launcher::Torchrun };
+    let launcher = if vars.has("LOCAL_SIZE") {
+        Launcher::DeepSpeed
+    } else if r.get("COMM_LAUNCHER").is_some_and(|l| l.trim() == "commrun") {
+        Launcher::Commrun
+    } else {
+        Launcher::Torchrun
+    };
     let addr = master_addr.unwrap_or_else(|| DEFAULT_MASTER_ADDR.to_owned());
     Ok(world(r, launcher, place, addr, master_port.unwrap_or(DEFAULT_MASTER_PORT), store))
 }
@@ -63,6 +69,13 @@ mod tests {
     use super::super::fixtures::*;
     use super::super::from_vars;
     use comm_core::{Launcher, StoreKind};
+
+    #[test]
+    fn commrun_says_so() {
+        let w = from_vars(parse("RANK=1\nWORLD_SIZE=2\nMASTER_PORT=5\nCOMM_LAUNCHER=commrun")).unwrap();
+        assert_eq!(w.source.launcher, Launcher::Commrun);
+        assert!(w.source.variables.contains(&"COMM_LAUNCHER=commrun".to_owned()), "{:?}", w.source.variables);
+    }
 
     #[test]
     fn torchrun_full_dump() {
