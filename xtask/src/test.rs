@@ -240,17 +240,6 @@ fn examples(dir: &Path) -> Result<Vec<String>> {
     Ok(names)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn comm_api_examples_are_found() {
-        let names = examples(&root().join("crates/comm-api/examples")).unwrap();
-        assert!(names.iter().any(|n| n == "all_reduce"), "{names:?}");
-    }
-}
-
 /// The fenced block after `<!-- user-crate:NAME -->` in `readme`.
 fn readme_block(readme: &str, name: &str) -> Result<String> {
     let missing = || Failure { code: 1, msg: format!("README.md has no block marked <!-- user-crate:{name} -->") };
@@ -279,4 +268,15 @@ fn user_crate(target: &Path, commrun: &Path) -> Result {
     let mut c = Command::new(commrun);
     c.env("COMM_TIMEOUT", "60").args(["-n", "2", "--"]).arg(dir.join("target/debug/comm-user"));
     run_bounded(c, JOB_TIMEOUT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn comm_api_examples_are_found() {
+        let names = examples(&root().join("crates/comm-api/examples")).unwrap();
+        assert!(names.iter().any(|n| n == "all_reduce"), "{names:?}");
+    }
 }
