@@ -84,12 +84,12 @@ pub(crate) fn test(args: &[String]) -> Result {
         run(c)
     })?;
     if with_mpi {
-        step("mpi backend: unit tests, singleton suite, suite under mpirun at 1-4 ranks, faults", || {
+        step("mpi backend: unit tests, singleton suite, suite under mpirun at 1-4 and 8 ranks, faults", || {
             let mut c = cargo();
             c.args(["test", "-p", "backend-mpi", "--", "--test-threads=1", "--nocapture"]);
             run(c)
         })?;
-        step("hier backend: suite on 2 × 2 (also on per-host daemons, no MASTER_ADDR) and 3 + 1 simulated hosts, composite-op checks, a killed rank (mpirun, MPI over TCP)", || {
+        step("hier backend: suite on 2 × 2 (also on per-host daemons, no MASTER_ADDR), 2 × 4 and 3 + 1 simulated hosts, composite-op checks, a killed rank (mpirun, MPI over TCP)", || {
             let mut c = cargo();
             c.args(["test", "-p", "comm-api", "--features", "mpi", "--test", "hier"]);
             c.args(["--", "--test-threads=1", "--nocapture"]);

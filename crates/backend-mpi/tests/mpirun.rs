@@ -74,6 +74,12 @@ fn conformance_4_ranks() {
     conformance(4, &[]);
 }
 
+/// Eight ranks on two cores, a reduced case list (`SuiteConfig::many_ranks`).
+#[test]
+fn conformance_8_ranks() {
+    conformance(8, &[("COMM_TEST_SUITE", "many")]);
+}
+
 /// Four ranks with a large gather threshold, so the suite's large all_reduces (100 003
 /// elements) send their whole inputs beside the header exchange.
 #[test]
@@ -265,7 +271,7 @@ fn opts(timeout: Duration) -> MpiOptions {
 async fn suite() -> i32 {
     let world = MpiBackend::init(MpiOptions::from_env().unwrap()).await.expect("init");
     let b: Arc<dyn Backend> = Arc::new(world.clone());
-    let code = comm_test::mpirun::suite_child(b, &comm_test::SuiteConfig::default()).await;
+    let code = comm_test::mpirun::suite_child(b, &comm_test::SuiteConfig::from_env()).await;
     world.shutdown().await.expect("shutdown");
     code
 }

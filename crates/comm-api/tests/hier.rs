@@ -134,6 +134,15 @@ fn conformance_two_hosts_of_two() {
     );
 }
 
+/// Two hosts of four ranks (eight on two cores): a reduced case list.
+#[test]
+fn conformance_two_hosts_of_four() {
+    let envs = [("COMM_TEST_SUITE", "many")];
+    let Some(job) = job(&[4, 4], "suite", &envs, Duration::from_secs(600)) else { return };
+    assert_eq!(job.code, Some(0), "{job}");
+    assert_eq!(job.lines("SUITE-OK").len(), 8, "{job}");
+}
+
 #[test]
 fn conformance_three_plus_one() {
     let Some(job) = job(&[3, 1], "suite", &[], Duration::from_secs(600)) else { return };
@@ -231,7 +240,7 @@ async fn suite() -> i32 {
             None => assert!(!members.contains(&me), "rank {me} is a member of {members:?}"),
         }
     }
-    let mut cfg = comm_test::SuiteConfig::default();
+    let mut cfg = comm_test::SuiteConfig::from_env();
     cfg.hosts = Some(hosts);
     let code = comm_test::mpirun::suite_child(pg.backend().clone(), &cfg).await;
     pg.shutdown().await.expect("shutdown");

@@ -1,4 +1,5 @@
-//! The shm backend as real separate processes: the conformance suite at world sizes 1–4,
+//! The shm backend as real separate processes: the conformance suite at world sizes 1–4, 8
+//! and 16,
 //! a 100 MiB all_reduce, and the bad-input and fault cases. Each test re-executes this test
 //! binary once per rank (comm_test::multiprocess).
 
@@ -52,6 +53,18 @@ fn suite_world_1() {
 #[test]
 fn suite_world_2() {
     multiprocess::run(2, "suite_world_2", T, || suite(SuiteConfig::default()));
+}
+
+// Many ranks oversubscribed on a small machine (16 processes on 2 cores): a reduced case
+// list, so each stays within seconds (the full one takes a minute at 16 ranks here).
+#[test]
+fn suite_world_8() {
+    multiprocess::run(8, "suite_world_8", T, || suite(SuiteConfig::many_ranks()));
+}
+
+#[test]
+fn suite_world_16() {
+    multiprocess::run(16, "suite_world_16", T, || suite(SuiteConfig::many_ranks()));
 }
 
 #[test]

@@ -79,6 +79,30 @@ pub struct SuiteConfig {
     pub hosts: Option<Vec<Vec<Rank>>>,
 }
 
+impl SuiteConfig {
+    /// For many ranks on few cores (8 or 16 processes on 2): three dtypes (f32, bf16, i64),
+    /// the usual lengths, one large f32 length and a shorter large message; every op, the
+    /// bad-input and the sub-group parts as by default.
+    pub fn many_ranks() -> Self {
+        SuiteConfig {
+            dtypes: vec![DType::F32, DType::BF16, DType::I64],
+            large_len: 20_011,
+            large_dtypes: vec![DType::F32],
+            p2p_large_len: 70_001,
+            ..SuiteConfig::default()
+        }
+    }
+
+    /// [`many_ranks`](Self::many_ranks) when `COMM_TEST_SUITE=many` (how a parent test asks
+    /// the ranks it launches for it), else the default.
+    pub fn from_env() -> Self {
+        match std::env::var("COMM_TEST_SUITE").as_deref() {
+            Ok("many") => SuiteConfig::many_ranks(),
+            _ => SuiteConfig::default(),
+        }
+    }
+}
+
 impl Default for SuiteConfig {
     fn default() -> Self {
         SuiteConfig {
