@@ -13,19 +13,15 @@ use comm_core::{CommError, Launcher, Store, WorldInfo};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
-use tokio::time::Instant;
 
 use crate::auth;
+use crate::net::Hello;
 use crate::wire::{self, op, Dec, Enc, FrameError};
 
 /// How long a request that does not wait (`set`, `add`...) may go unanswered by default.
 const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 /// Extra time a wait's reply may take beyond its timeout (the server answers at the timeout).
 const REPLY_GRACE: Duration = Duration::from_secs(10);
-/// Shortest time given to one connection attempt or handshake, even when the budget is spent.
-const MIN_ATTEMPT: Duration = Duration::from_millis(100);
-/// First and largest pause between connection attempts.
-const BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
 
 /// The job token this process presents to (or expects from) the store, which keeps the ranks of
 /// two jobs that use the same address and port from ever pairing. The launcher that started
@@ -412,14 +408,6 @@ impl Store for TcpStore {
     }
 }
 
-/// Why a handshake did not succeed.
-enum Hello {
-    /// The server answered and said no, or is not a store: retrying will not help.
-    Refused(CommError),
-    /// The connection failed: worth another attempt.
-    Retry(String),
-}
-
 async fn connect_with_retry(
     addr: &str,
     port: u16,
@@ -428,37 +416,30 @@ async fn connect_with_retry(
     timeout: Duration,
     shown: &str,
 ) -> Result<TcpStream, CommError> {
-    let start = Instant::now();
-    let deadline = start + timeout.min(wire::MAX_WAIT);
-    let mut backoff = BACKOFF.0;
-    let last = loop {
-        let left = deadline.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT);
+    let attempt = |left| async move {
         // A host name is resolved on every attempt: it may only appear once rank 0's host is up.
-        let why = match tokio::time::timeout(left, crate::net::dial(addr, port, bind)).await {
+        match tokio::time::timeout(left, crate::net::dial(addr, port, bind)).await {
             Ok(Ok(stream)) => match tokio::time::timeout(left, hello(stream, token, shown)).await {
-                Ok(Ok(stream)) => return Ok(stream),
-                Ok(Err(Hello::Refused(e))) => return Err(e),
-                Ok(Err(Hello::Retry(why))) => why,
-                Err(_) => "no handshake reply: something else listens on MASTER_PORT (a torch TCPStore, such as \
-                               torchrun's agent store, stays silent like this: set TORCHELASTIC_USE_AGENT_STORE=True \
-                               or COMM_STORE=torch to use it)"
-                    .into(),
+                Ok(done) => done,
+                Err(_) => Err(Hello::Retry(
+                    "no handshake reply: something else listens on MASTER_PORT (a torch TCPStore, such as torchrun's \
+                     agent store, stays silent like this: set TORCHELASTIC_USE_AGENT_STORE=True or COMM_STORE=torch \
+                     to use it)"
+                        .into(),
+                )),
             },
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => "the connection attempt timed out".into(),
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            break why;
+            Ok(Err(e)) => Err(Hello::Retry(e.to_string())),
+            Err(_) => Err(Hello::Retry("the connection attempt timed out".into())),
         }
-        tokio::time::sleep(backoff.min(left)).await;
-        backoff = (backoff * 2).min(BACKOFF.1);
     };
-    Err(CommError::Store(format!(
-        "rank 0's store never came up at {shown} after {} (is MASTER_ADDR/MASTER_PORT right? did rank 0 start?); \
-         last error: {last}",
-        comm_core::config::fmt_duration(timeout)
-    )))
+    crate::net::retry(timeout, attempt, |last| {
+        CommError::Store(format!(
+            "rank 0's store never came up at {shown} after {} (is MASTER_ADDR/MASTER_PORT right? did rank 0 \
+             start?); last error: {last}",
+            comm_core::config::fmt_duration(timeout)
+        ))
+    })
+    .await
 }
 
 /// Runs the client's side of the handshake (see `wire`): the server proves it knows the job

@@ -1,8 +1,54 @@
 //! Opening connections, optionally from a chosen local address.
 
+use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
 
+use comm_core::CommError;
 use tokio::net::{TcpSocket, TcpStream};
+use tokio::time::Instant;
+
+/// How a connection attempt to a store ended, short of success.
+pub(crate) enum Hello {
+    /// The server answered and said no, or is not a store: retrying will not help.
+    Refused(CommError),
+    /// The connection failed: worth another attempt.
+    Retry(String),
+}
+
+/// Shortest time given to one attempt, even when the budget is spent.
+const MIN_ATTEMPT: Duration = Duration::from_millis(100);
+/// First and largest pause between attempts.
+const BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
+
+/// Runs `attempt` (given the time left, at least 100 ms) until it succeeds or is refused, with
+/// backoff between attempts, for `timeout`; then fails with `gave_up(the last reason)`.
+pub(crate) async fn retry<T, Fut>(
+    timeout: Duration,
+    mut attempt: impl FnMut(Duration) -> Fut,
+    gave_up: impl FnOnce(String) -> CommError,
+) -> Result<T, CommError>
+where
+    Fut: Future<Output = Result<T, Hello>>,
+{
+    let deadline = Instant::now() + timeout.min(crate::wire::MAX_WAIT);
+    let mut backoff = BACKOFF.0;
+    let last = loop {
+        let left = deadline.saturating_duration_since(Instant::now()).max(MIN_ATTEMPT);
+        let why = match attempt(left).await {
+            Ok(done) => return Ok(done),
+            Err(Hello::Refused(e)) => return Err(e),
+            Err(Hello::Retry(why)) => why,
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break why;
+        }
+        tokio::time::sleep(backoff.min(left)).await;
+        backoff = (backoff * 2).min(BACKOFF.1);
+    };
+    Err(gave_up(last))
+}
 
 /// The local address to connect from: `COMM_BIND_ADDR` (an IP address), or `None` to let the
 /// system choose.

@@ -37,6 +37,8 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::client::display_addr;
+use crate::net::Hello;
+use crate::wire::MAX_WAIT;
 
 /// Command bytes (torch's `QueryType`).
 pub(crate) mod cmd {
@@ -75,12 +77,8 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 /// Deadline of requests that do not wait, unless changed.
 const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
-/// Longest wait honoured (tokio deadlines overflow past ~30 years).
-const MAX_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
 /// Idle connections kept for reuse.
 const MAX_IDLE: usize = 8;
-/// First and largest pause between connection attempts.
-const BACKOFF: (Duration, Duration) = (Duration::from_millis(10), Duration::from_millis(500));
 
 /// A [`Store`] over torch's `TCPStore` protocol, with every key under a prefix (like torch's
 /// `PrefixStore`), so this library's keys never collide with torch's own.
@@ -492,11 +490,6 @@ async fn hello(addr: &str, port: u16, bind: Option<IpAddr>, shown: &str, limit: 
     }
 }
 
-enum Hello {
-    Refused(CommError),
-    Retry(String),
-}
-
 /// What answers at an address, as far as a torch handshake can tell.
 #[derive(Debug)]
 pub(crate) enum Probe {
@@ -538,30 +531,21 @@ async fn connect_with_retry(
     timeout: Duration,
     shown: &str,
 ) -> Result<TcpStream, CommError> {
-    let deadline = Instant::now() + timeout.min(MAX_WAIT);
-    let mut backoff = BACKOFF.0;
-    let last = loop {
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+    let attempt = |left: Duration| async move {
         // A little past the PING limit, so a silent peer is reported as such.
         let attempt = hello(addr, port, bind, shown, left.min(HELLO_TIMEOUT));
-        let why = match tokio::time::timeout(left + Duration::from_millis(200), attempt).await {
-            Ok(Ok(c)) => return Ok(c),
-            Ok(Err(Hello::Refused(e))) => return Err(e),
-            Ok(Err(Hello::Retry(why))) => why,
-            Err(_) => "the connection attempt timed out".to_owned(),
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            break why;
-        }
-        tokio::time::sleep(backoff.min(left)).await;
-        backoff = (backoff * 2).min(BACKOFF.1);
+        tokio::time::timeout(left + Duration::from_millis(200), attempt)
+            .await
+            .unwrap_or_else(|_| Err(Hello::Retry("the connection attempt timed out".to_owned())))
     };
-    Err(CommError::Store(format!(
-        "the torch store (torchrun's agent store) never came up at {shown} after {} (are MASTER_ADDR/MASTER_PORT \
-         right?); last error: {last}",
-        comm_core::config::fmt_duration(timeout)
-    )))
+    crate::net::retry(timeout, attempt, |last| {
+        CommError::Store(format!(
+            "the torch store (torchrun's agent store) never came up at {shown} after {} (are \
+             MASTER_ADDR/MASTER_PORT right?); last error: {last}",
+            comm_core::config::fmt_duration(timeout)
+        ))
+    })
+    .await
 }
 
 #[async_trait]
