@@ -359,6 +359,32 @@ impl ProcessGroup {
         (self.all_gather(HostBuffer::from_slice(&words)), sig)
     }
 
+    /// A coalesced reduction's packed ops (`issue` of each), after the shape check
+    /// ([`shapes_agree`](Self::shapes_agree)): their results in order, once every rank's shapes
+    /// agreed. Nothing is issued when packing failed.
+    fn checked_coalesced(
+        &self,
+        op: &'static str,
+        bufs: &[HostBuffer],
+        counts: &[usize],
+        packed: Result<Vec<HostBuffer>, CommError>,
+        issue: impl Fn(HostBuffer) -> Work<HostBuffer>,
+    ) -> Work<Vec<HostBuffer>> {
+        let packed = match packed {
+            Ok(p) => p,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        let (check, sig) = self.shapes_agree(bufs, counts);
+        let mut works = vec![check];
+        works.extend(packed.into_iter().map(issue));
+        let (me, width) = (self.rank(), 1 + counts.len());
+        Work::join_all(works).and_then(move |mut results| {
+            let sigs = results.remove(0);
+            check_signatures(op, me, sig, sigs.as_slice::<i64>()?.chunks(width).map(|w| w[0] as u64))?;
+            Ok(results)
+        })
+    }
+
     /// All-reduces several buffers with one collective per dtype (DeepSpeed's and torch's
     /// `all_reduce_coalesced`): each dtype's buffers are packed into one, reduced, and handed
     /// back in the order given, as `all_reduce` of each would. Every rank must pass the same
@@ -380,18 +406,9 @@ impl ProcessGroup {
             packed.reshape(*dtype, total / dtype.size());
             Ok(packed)
         });
-        let packed = match packed.collect::<Result<Vec<_>, CommError>>() {
-            Ok(p) => p,
-            Err(e) => return Work::ready(Err(e)),
-        };
-        let (check, sig) = self.shapes_agree(&bufs, &counts);
-        let mut works = vec![check];
-        works.extend(packed.into_iter().map(|p| self.all_reduce(p, op)));
-        let me = self.rank();
-        Work::join_all(works).and_then(move |mut reduced| {
-            let sigs = reduced.remove(0);
-            let width = 1 + groups.len();
-            check_signatures(OP, me, sig, sigs.as_slice::<i64>()?.chunks(width).map(|w| w[0] as u64))?;
+        let packed = packed.collect::<Result<Vec<_>, CommError>>();
+        let reduced = self.checked_coalesced(OP, &bufs, &counts, packed, |p| self.all_reduce(p, op));
+        reduced.and_then(move |reduced| {
             let mut bufs = bufs;
             for ((_, members), packed) in groups.iter().zip(reduced) {
                 let mut at = 0;
@@ -436,24 +453,11 @@ impl ProcessGroup {
             packed.reshape(*dtype, block * n / dtype.size());
             Ok(packed)
         });
-        let packed = match packed.collect::<Result<Vec<_>, CommError>>() {
-            Ok(p) => p,
-            Err(e) => return Work::ready(Err(e)),
-        };
-        let (check, sig) = self.shapes_agree(&inputs, &counts);
-        let mut works = vec![check];
-        works.extend(packed.into_iter().map(|p| self.reduce_scatter(p, op)));
+        let packed = packed.collect::<Result<Vec<_>, CommError>>();
+        let blocks = self
+            .checked_coalesced("reduce_scatter_coalesced", &inputs, &counts, packed, |p| self.reduce_scatter(p, op));
         let shapes: Vec<(DType, usize)> = inputs.iter().map(|b| (b.dtype(), b.len() / n)).collect();
-        let me = self.rank();
-        Work::join_all(works).and_then(move |mut blocks| {
-            let sigs = blocks.remove(0);
-            let width = 1 + groups.len();
-            check_signatures(
-                "reduce_scatter_coalesced",
-                me,
-                sig,
-                sigs.as_slice::<i64>()?.chunks(width).map(|w| w[0] as u64),
-            )?;
+        blocks.and_then(move |blocks| {
             let mut out: Vec<Option<HostBuffer>> = shapes.iter().map(|_| None).collect();
             for ((_, members), block) in groups.iter().zip(blocks) {
                 let mut at = 0;
