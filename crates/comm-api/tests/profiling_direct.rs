@@ -20,3 +20,44 @@ fn sampled_direct_recording_lines_up_across_ranks() {
     }
     assert_eq!(summaries[0].rows[0].timed, summaries[1].rows[0].timed);
 }
+
+/// The straggler view is collective: called on one rank only, it fails after the group's
+/// timeout with an error naming the rank that did not join, instead of hanging.
+#[cfg(feature = "shm")]
+#[test]
+fn the_straggler_view_on_one_rank_only_names_the_missing_rank() {
+    use std::time::{Duration, Instant};
+
+    use backend_shm::{ShmBackend, ShmOptions};
+    use comm_api::profiling::{CommsConfig, CommsLogger, ProfilingLayer};
+    use comm_api::{HostBuffer, ProcessGroup, ReduceOp, Store, WorldInfo};
+    use comm_core::MemoryStore;
+    use std::sync::Arc;
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let opts = ShmOptions { timeout: Duration::from_secs(1), ..Default::default() };
+        let ranks = (0..2).map(|r| {
+            let (store, opts) = (store.clone(), opts.clone());
+            tokio::spawn(async move { ShmBackend::new(store, r, 2, opts).await })
+        });
+        let mut pgs = Vec::new();
+        let mut loggers = Vec::new();
+        for b in futures::future::join_all(ranks).await {
+            let logger = CommsLogger::new(CommsConfig::default());
+            let layer = ProfilingLayer::new().with_logger(logger.clone());
+            pgs.push(ProcessGroup::from_backend(Arc::new(layer.layer(b.unwrap().unwrap())), WorldInfo::single()));
+            loggers.push(logger);
+        }
+        let both = pgs.iter().map(|pg| pg.all_reduce(HostBuffer::from_slice(&[1.0f32; 8]), ReduceOp::Sum));
+        for r in futures::future::join_all(both).await {
+            r.unwrap();
+        }
+        let t = Instant::now();
+        let e = loggers[0].log_summary_with_stragglers(pgs[0].backend()).await.unwrap_err().to_string();
+        assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+        assert!(e.contains("timed out") && e.contains("rank 1"), "{e}");
+        println!("{e}");
+    });
+}

@@ -454,6 +454,9 @@ impl CommsLogger {
 
     /// [`summary_with_stragglers`](Self::summary_with_stragglers), printed on group rank 0
     /// (DeepSpeed's `log_summary(show_straggler=True)`); every rank gets the data.
+    ///
+    /// **Collective**: every rank of `group` calls it. Called on some ranks only, it fails after
+    /// the group's timeout with the backend's error naming a rank that did not join.
     pub async fn log_summary_with_stragglers<G>(&self, group: &G) -> Result<Summary, CommError>
     where
         G: Collective<AllGather> + Collective<AllReduce> + ?Sized,
