@@ -69,7 +69,7 @@ impl ProcessGroup {
         let width = mine.len();
         // No u64 dtype: the words travel as i64 bit patterns.
         let words: Vec<i64> = mine.iter().map(|&w| w as i64).collect();
-        let all = self.all_gather(HostBuffer::from_slice(&words)).await?;
+        let all = quietly(|| self.all_gather(HostBuffer::from_slice(&words))).await?;
         let all: Vec<u64> = all.as_slice::<i64>()?.iter().map(|&w| w as u64).collect();
         let ty = std::any::type_name::<T>();
         let me = self.rank();
@@ -111,6 +111,26 @@ fn blocks(op: &'static str, count: usize, block: u64, cap: u64) -> Result<HostBu
         )
     })?;
     HostBuffer::try_zeroed(DType::U8, total as usize)
+}
+
+/// The header exchange is the object op's bookkeeping: not profiled on its own.
+fn quietly<T>(f: impl FnOnce() -> T) -> T {
+    #[cfg(feature = "profiling")]
+    return profiling::without_profiling(f);
+    #[cfg(not(feature = "profiling"))]
+    f()
+}
+
+/// The op that moves the objects: profiled as the object op itself (`op`, this rank's encoded
+/// `bytes`), so the summary has one row per call.
+fn as_op<T>(op: &'static str, bytes: u64, f: impl FnOnce() -> T) -> T {
+    #[cfg(feature = "profiling")]
+    return profiling::recorded_as(op, bytes, f);
+    #[cfg(not(feature = "profiling"))]
+    {
+        let _ = (op, bytes);
+        f()
+    }
 }
 
 /// Each rank's size in an op where every rank sends an object.
@@ -156,7 +176,8 @@ impl ProcessGroup {
         let max = largest(lens.iter().copied());
         // Checked before the op: every rank allocates world_size × max bytes.
         blocks(OP, lens.len(), max, h.cap)?;
-        let all = self.all_gather(padded(&mine, max, h.cap)?).await?;
+        let input = padded(&mine, max, h.cap)?;
+        let all = as_op(OP, mine.len() as u64, || self.all_gather(input)).await?;
         lens.iter().enumerate().map(|(r, &len)| decode_block(OP, &all, max, r, len)).collect()
     }
 
@@ -181,7 +202,8 @@ impl ProcessGroup {
         if size == NONE {
             return Err(CommError::invalid(OP, format!("the root (rank {root}) passed no object")));
         }
-        let bytes = self.broadcast(padded(mine.as_deref().unwrap_or(&[]), size, h.cap)?, root).await?;
+        let buf = padded(mine.as_deref().unwrap_or(&[]), size, h.cap)?;
+        let bytes = as_op(OP, size, || self.broadcast(buf, root)).await?;
         match obj.filter(|_| is_root) {
             Some(o) => Ok(o),
             None => decode(OP, bytes.as_bytes(), root),
@@ -201,7 +223,8 @@ impl ProcessGroup {
         let lens = every_rank_sent(OP, &h)?;
         let max = largest(lens.iter().copied());
         blocks(OP, lens.len(), max, h.cap)?;
-        let Some(all) = self.gather(padded(&mine, max, h.cap)?, root).await?.into_result() else {
+        let input = padded(&mine, max, h.cap)?;
+        let Some(all) = as_op(OP, mine.len() as u64, || self.gather(input, root)).await?.into_result() else {
             return Ok(None);
         };
         lens.iter().enumerate().map(|(r, &len)| decode_block(OP, &all, max, r, len)).collect::<Result<_, _>>().map(Some)
@@ -249,8 +272,9 @@ impl ProcessGroup {
             }
             None => None,
         };
-        let block = self.scatter(blocks(OP, 1, max, h.cap)?, input, root).await?.output;
         let me = self.rank() as usize;
+        let output = blocks(OP, 1, max, h.cap)?;
+        let block = as_op(OP, sizes[me], || self.scatter(output, input, root)).await?.output;
         decode(OP, &block.as_bytes()[..sizes[me] as usize], root)
     }
 

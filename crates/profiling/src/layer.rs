@@ -150,6 +150,22 @@ impl<C> Profiling<C> {
 
 thread_local! {
     static SUPPRESSED: Cell<bool> = const { Cell::new(false) };
+    static LABEL: Cell<Option<(&'static str, u64)>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with the ops it *submits* on this thread recorded as op `op` of `bytes` bytes (span
+/// `comm.op`, summary row, timeline slice) instead of as themselves: an op composed of others
+/// (the facade's object collectives) shows as one row of its own by labelling its main op
+/// this way and submitting the rest under [`without_profiling`].
+pub fn recorded_as<T>(op: &'static str, bytes: u64, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<(&'static str, u64)>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            LABEL.with(|l| l.set(self.0));
+        }
+    }
+    let _restore = Restore(LABEL.with(|l| l.replace(Some((op, bytes)))));
+    f()
 }
 
 /// Runs `f` with profiling off for the ops it *submits* on this thread (their spans are not
@@ -279,28 +295,30 @@ impl<C: Group> Profiling<C> {
             Known::Send => op_span!("comm.send", self, req, R::NAME),
             Known::Recv => op_span!("comm.recv", self, req, R::NAME),
             Known::Barrier => op_span!("comm.barrier", self, req, R::NAME),
-            Known::Other => {
-                let span = tracing::info_span!(
-                    target: TARGET,
-                    "comm.op",
-                    comm.op = R::NAME,
-                    comm.bytes = req.bytes() as i64,
-                    comm.dtype = req.dtype().map(|d| d.name()),
-                    comm.rank = i64::from(self.rank),
-                    comm.world_size = i64::from(self.world_size),
-                    comm.group_rank = i64::from(self.inner.rank()),
-                    comm.group_size = i64::from(self.inner.world_size()),
-                    comm.backend = self.inner.backend_name(),
-                    otel.name = tracing::field::display(OtherSpanName(R::NAME)),
-                    otel.kind = "client",
-                    comm.logger = self.logger.as_ref().map(CommsLogger::id),
-                    comm.detached = Empty,
-                    otel.status_code = Empty,
-                    otel.status_description = Empty,
-                );
-                span
-            }
+            Known::Other => self.other_span(R::NAME, req.bytes() as u64, req.dtype()),
         }
+    }
+
+    /// The shared `comm.op` callsite, for an op outside the known list or a labelled one.
+    fn other_span(&self, op: &'static str, bytes: u64, dtype: Option<DType>) -> Span {
+        tracing::info_span!(
+            target: TARGET,
+            "comm.op",
+            comm.op = op,
+            comm.bytes = bytes as i64,
+            comm.dtype = dtype.map(|d| d.name()),
+            comm.rank = i64::from(self.rank),
+            comm.world_size = i64::from(self.world_size),
+            comm.group_rank = i64::from(self.inner.rank()),
+            comm.group_size = i64::from(self.inner.world_size()),
+            comm.backend = self.inner.backend_name(),
+            otel.name = tracing::field::display(OtherSpanName(op)),
+            otel.kind = "client",
+            comm.logger = self.logger.as_ref().map(CommsLogger::id),
+            comm.detached = Empty,
+            otel.status_code = Empty,
+            otel.status_description = Empty,
+        )
     }
 }
 
@@ -320,31 +338,35 @@ impl<R: Op, C: Collective<R>> Collective<R> for Profiling<C> {
         if SUPPRESSED.with(Cell::get) {
             return self.inner.submit(req);
         }
-        let Some((timeline, seq)) = &self.timeline else { return self.submit_profiled(req) };
+        let label = LABEL.with(Cell::get);
+        let Some((timeline, seq)) = &self.timeline else { return self.submit_profiled(req, label) };
+        let (op, bytes) = label.unwrap_or((R::NAME, req.bytes() as u64));
         let meta = Meta {
-            op: R::NAME,
-            bytes: req.bytes() as u64,
+            op,
+            bytes,
             dtype: req.dtype(),
             group_size: self.group_size,
             group_rank: self.inner.rank(),
             seq: seq.next(),
         };
         let start = timeline.start();
-        let work = self.submit_profiled(req);
+        let work = self.submit_profiled(req, label);
         timeline.record(start, meta, work)
     }
 }
 
 impl<C> Profiling<C> {
-    fn submit_profiled<R: Op>(&self, req: R) -> Work<R::Output>
+    /// `label`: record the op as this op name and size instead ([`recorded_as`]).
+    fn submit_profiled<R: Op>(&self, req: R, label: Option<(&'static str, u64)>) -> Work<R::Output>
     where
         C: Collective<R>,
     {
-        let span = self.span_for(&req);
-        let logged = self
-            .logger
-            .as_ref()
-            .and_then(|l| Some((l, l.begin(R::NAME, req.bytes() as u64, self.group_size, self.rank)?)));
+        let span = match label {
+            None => self.span_for(&req),
+            Some((op, bytes)) => self.other_span(op, bytes, req.dtype()),
+        };
+        let (op, bytes) = label.unwrap_or((R::NAME, req.bytes() as u64));
+        let logged = self.logger.as_ref().and_then(|l| Some((l, l.begin(op, bytes, self.group_size, self.rank)?)));
         let Some((logger, ticket)) = logged else {
             if span.is_disabled() {
                 return self.inner.submit(req);

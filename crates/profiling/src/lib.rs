@@ -44,7 +44,7 @@ pub mod otel;
 mod summary;
 mod timeline;
 
-pub use layer::{without_profiling, Profiling, ProfilingLayer};
+pub use layer::{recorded_as, without_profiling, Profiling, ProfilingLayer};
 pub use logger::{CommsConfig, CommsLogger};
 pub use summary::{human_size, Row, StragglerRow, Stragglers, Summary};
 pub use timeline::{chrome_trace, Timeline, TraceEvent, MAX_EVENTS};
