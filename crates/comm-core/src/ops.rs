@@ -6,6 +6,22 @@
 
 use crate::{CommError, DType, HostBuffer, Rank, ReduceOp};
 
+/// Slice `i` of `len` elements cut into `parts` contiguous slices, boundaries rounded up to
+/// 16 elements (slices start on cache lines for every dtype up to 4 bytes); the last slices
+/// may be short or empty. The one cut every backend's two-step algorithms use, so ranks agree
+/// on who owns what.
+///
+/// ```
+/// use comm_core::ops::slice_of;
+/// assert_eq!(slice_of(100, 3, 0), 0..48);
+/// assert_eq!(slice_of(100, 3, 2), 96..100);
+/// assert_eq!(slice_of(10, 4, 3), 10..10);
+/// ```
+pub fn slice_of(len: usize, parts: usize, i: usize) -> std::ops::Range<usize> {
+    let per = len.div_ceil(parts.max(1)).div_ceil(16) * 16;
+    (i * per).min(len)..((i + 1) * per).min(len)
+}
+
 /// The ops of [`ops`](self), as plain values; [`code`](OpKind::code) is a stable number for
 /// headers that ranks compare.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -587,6 +603,21 @@ impl Op for Barrier {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn slices_partition_in_order() {
+        for len in [0, 1, 15, 16, 17, 1000, 4099] {
+            for parts in 1..=5 {
+                let mut next = 0;
+                for i in 0..parts {
+                    let r = super::slice_of(len, parts, i);
+                    assert_eq!(r.start, next);
+                    next = r.end;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
     use super::*;
 
     fn f32s(n: usize) -> HostBuffer {

@@ -187,13 +187,6 @@ pub(super) fn inline(bytes: usize, n: usize, data: impl FnOnce() -> Vec<u8>) -> 
     small(bytes, n).then(data)
 }
 
-/// Slice `i` of `len` elements cut in `parts`, boundaries on 16 elements: `(offset, len)`.
-pub(super) fn slice_of(len: usize, parts: usize, i: usize) -> (usize, usize) {
-    let per = len.div_ceil(parts).div_ceil(16) * 16;
-    let (lo, hi) = ((i * per).min(len), ((i + 1) * per).min(len));
-    (lo, hi - lo)
-}
-
 /// Whether a reduction is done by us (rank order, bit-identical to the reference) rather than
 /// by an MPI op: always in exact mode; in native mode for 8-bit integers, which MPI libraries
 /// get wrong (Open MPI 4.1's AVX kernels saturate sums instead of wrapping; MPICH 4.0
@@ -353,8 +346,8 @@ type Part = (usize, usize);
 fn chunk_parts(off: usize, clen: usize, n: usize) -> Vec<Part> {
     (0..n)
         .map(|j| {
-            let (lo, l) = slice_of(clen, n, j);
-            (off + lo, l)
+            let r = slice_of(clen, n, j);
+            (off + r.start, r.len())
         })
         .collect()
 }

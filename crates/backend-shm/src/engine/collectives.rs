@@ -32,7 +32,7 @@ impl Engine {
             // is read straight from the user's buffer (peers never read it, so it is not
             // copied in), and its result is written in place and into our next buffer for
             // the peers in the same pass.
-            let (lo, hi) = slice_of(len, n, me);
+            let std::ops::Range { start: lo, end: hi } = slice_of(len, n, me);
             let own = lo * es..hi * es;
             // all_reduce's and reduce's pieces choose their stores and are timed whole (see
             // `stores`): the reads of what we stream happen in the second step (every rank
@@ -66,7 +66,7 @@ impl Engine {
                     // Start after our own slice and rotate, spreading readers over owners.
                     for i in 1..n {
                         let p = (me + i) % n;
-                        let (lo, hi) = slice_of(len, n, p);
+                        let std::ops::Range { start: lo, end: hi } = slice_of(len, n, p);
                         chunk[lo * es..hi * es].copy_from_slice(&views[p][lo * es..hi * es]);
                     }
                 }

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, TryLockError};
 use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
-use comm_core::ops::{AllGather, AllToAll, Gather, RecvFrom, ReduceScatter, Scatter, SendTo};
+use comm_core::ops::{slice_of, AllGather, AllToAll, Gather, RecvFrom, ReduceScatter, Scatter, SendTo};
 use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
 
 use crate::layout::*;
@@ -130,13 +130,6 @@ fn pieces(total: usize, per: usize) -> impl Iterator<Item = (usize, usize)> {
     let per = per.max(1);
     let n = total.div_ceil(per).max(1);
     (0..n).map(move |i| (i * per, per.min(total - (i * per).min(total))))
-}
-
-/// Splits `len` elements into `parts` contiguous slices, boundaries rounded to 16 elements so
-/// slices start on cache lines. Returns the `(start, end)` of slice `i`.
-fn slice_of(len: usize, parts: usize, i: usize) -> (usize, usize) {
-    let per = len.div_ceil(parts).div_ceil(16) * 16;
-    ((i * per).min(len), ((i + 1) * per).min(len))
 }
 
 /// How a step's copies into the window store (see `stores`).
@@ -538,7 +531,7 @@ mod tests {
             for parts in 1..=8 {
                 let mut next = 0;
                 for i in 0..parts {
-                    let (lo, hi) = slice_of(len, parts, i);
+                    let std::ops::Range { start: lo, end: hi } = slice_of(len, parts, i);
                     assert_eq!(lo, next);
                     assert!(hi >= lo);
                     next = hi;

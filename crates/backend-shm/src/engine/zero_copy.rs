@@ -30,7 +30,7 @@ impl Engine {
             *slot = Some(self.map_zero_copy(p, &theirs, count * es)?);
         }
         self.phase = Phase::Idle;
-        let (lo, hi) = slice_of(count, n, me);
+        let std::ops::Range { start: lo, end: hi } = slice_of(count, n, me);
         let (off, len) = (lo * es, (hi - lo) * es);
         // The first peer's slice is read and written through `copy` (`Src::Copy`); the
         // others' are read here and written after each piece.
