@@ -218,9 +218,11 @@ fn object_ops_respect_the_size_cap() {
     );
 }
 
-fn threads() -> usize {
+/// A `/proc/self/status` number (`Threads:`, `VmRSS:` in kB).
+fn status(field: &str) -> usize {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status.lines().find_map(|l| l.strip_prefix("Threads:")).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+    let value = status.lines().find_map(|l| l.strip_prefix(field)).unwrap_or_default();
+    value.split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0)
 }
 
 /// Monitored barriers with long timeouts and a late rank: no thread (or timer) outlives its
@@ -229,16 +231,18 @@ async fn monitored_is_flat() -> Result<(), String> {
     let pg = connect().await?;
     let me = pg.rank();
     pg.monitored_barrier(Duration::from_secs(600), true).await.map_err(e)?;
-    let before = threads();
+    let (before, rss_before) = (status("Threads:"), status("VmRSS:"));
     for _ in 0..3000 {
         if me == 1 {
             std::thread::sleep(Duration::from_micros(300));
         }
         pg.monitored_barrier(Duration::from_secs(600), true).await.map_err(e)?;
     }
-    let after = threads();
-    if after > before + 2 {
-        return Err(format!("rank {me}: {before} threads before 3000 monitored barriers, {after} after"));
+    let (after, rss_after) = (status("Threads:"), status("VmRSS:"));
+    if after > before + 2 || rss_after > rss_before + 16 * 1024 {
+        return Err(format!(
+            "rank {me}: {before} threads and {rss_before} kB before 3000 monitored barriers, {after} and {rss_after} kB after"
+        ));
     }
     let (mut passed, mut failed) = (0, 0);
     for round in 0..30 {
@@ -257,7 +261,7 @@ async fn monitored_is_flat() -> Result<(), String> {
             failed += 1
         }
     }
-    println!("rank {me}: threads {before} -> {after}; zero timeout: {passed} passed, {failed} failed on both ranks");
+    println!("rank {me}: threads {before} -> {after}, RSS {rss_before} -> {rss_after} kB; zero timeout: {passed} passed, {failed} failed on both ranks");
     Ok(())
 }
 
