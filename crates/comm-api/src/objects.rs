@@ -54,8 +54,8 @@ fn decode<T: DeserializeOwned>(op: &'static str, bytes: &[u8], from: Rank) -> Re
     }
 }
 
-/// Every rank's header, checked alike on every rank: the same magic and type, sizes within
-/// the smallest cap. Returns each rank's size slots (`slots` per rank) and that cap.
+/// Every rank's header, checked alike on every rank (the same magic and type, sizes within
+/// the smallest cap): each rank's size slots, and that cap.
 struct Headers {
     sizes: Vec<Vec<u64>>,
     cap: u64,
@@ -102,15 +102,20 @@ impl ProcessGroup {
     }
 }
 
-/// `count` blocks of `block` bytes, zeroed, or an error naming the cap.
-fn blocks(op: &'static str, count: usize, block: u64, cap: u64) -> Result<HostBuffer, CommError> {
+/// The bytes of `count` blocks of `block` bytes, or an error naming the cap.
+fn within_cap(op: &'static str, count: usize, block: u64, cap: u64) -> Result<usize, CommError> {
     let total = (count as u64).checked_mul(block).filter(|&t| t <= cap).ok_or_else(|| {
         CommError::invalid(
             op,
             format!("{count} objects of up to {block} bytes exceed the cap of {cap} (COMM_OBJECT_MAX)"),
         )
     })?;
-    HostBuffer::try_zeroed(DType::U8, total as usize)
+    Ok(total as usize)
+}
+
+/// `count` blocks of `block` bytes, zeroed, or an error naming the cap.
+fn blocks(op: &'static str, count: usize, block: u64, cap: u64) -> Result<HostBuffer, CommError> {
+    HostBuffer::try_zeroed(DType::U8, within_cap(op, count, block, cap)?)
 }
 
 /// The header exchange is the object op's bookkeeping: not profiled on its own.
@@ -175,7 +180,7 @@ impl ProcessGroup {
         let lens = every_rank_sent(OP, &h)?;
         let max = largest(lens.iter().copied());
         // Checked before the op: every rank allocates world_size × max bytes.
-        blocks(OP, lens.len(), max, h.cap)?;
+        within_cap(OP, lens.len(), max, h.cap)?;
         let input = padded(&mine, max, h.cap)?;
         let all = as_op(OP, mine.len() as u64, || self.all_gather(input)).await?;
         lens.iter().enumerate().map(|(r, &len)| decode_block(OP, &all, max, r, len)).collect()
@@ -222,7 +227,7 @@ impl ProcessGroup {
         let h = self.object_headers::<T>(OP, &[mine.len() as u64]).await?;
         let lens = every_rank_sent(OP, &h)?;
         let max = largest(lens.iter().copied());
-        blocks(OP, lens.len(), max, h.cap)?;
+        within_cap(OP, lens.len(), max, h.cap)?;
         let input = padded(&mine, max, h.cap)?;
         let Some(all) = as_op(OP, mine.len() as u64, || self.gather(input, root)).await?.into_result() else {
             return Ok(None);
@@ -260,7 +265,7 @@ impl ProcessGroup {
             return Err(CommError::invalid(OP, format!("the root (rank {root}) passed no list of {n} objects")));
         }
         let max = largest(sizes.iter().copied());
-        blocks(OP, n, max, h.cap)?;
+        within_cap(OP, n, max, h.cap)?;
         let input = match encoded {
             Some(e) => {
                 let mut all = blocks(OP, n, max, h.cap)?;
