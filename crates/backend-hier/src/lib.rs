@@ -197,7 +197,11 @@ fn on_lane<R: Plan>(lane: &Lane, parts: &Arc<Parts>, poison: &Poison, req: R) ->
         }
         let issued = req.issue(&parts);
         if let Issued::Done(Err(e)) = &issued {
-            poison.set(format!("{} failed: {e}", R::NAME));
+            let cause = format!("{} failed: {e}", R::NAME);
+            poison.set(cause.clone());
+            // The inner groups may be left mid-op, with ranks of other hosts waiting in them:
+            // fail them too, so those ranks learn now rather than at their timeout.
+            parts.abort(&cause);
         }
         issued
     })

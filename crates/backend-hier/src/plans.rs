@@ -37,6 +37,16 @@ pub trait Plan: Op + Sized {
 }
 
 /// One of the groups the phases run on.
+impl Parts {
+    /// Aborts every inner group ([`Group::abort`]).
+    pub(crate) fn abort(&self, cause: &str) {
+        self.world.abort(cause);
+        for inner in [Some(&self.local), self.rail.as_ref(), self.leaders.as_ref()].into_iter().flatten() {
+            inner.group.abort(cause);
+        }
+    }
+}
+
 pub(crate) struct Inner {
     pub(crate) group: Arc<dyn Backend>,
     /// The world rank of each of its ranks.

@@ -475,6 +475,12 @@ impl Group for MpiBackend {
         let _ = self.inner.tx.send(Msg::Shutdown(self.inner.info.gid, done));
         shutdown_done(work).await
     }
+
+    /// Later ops fail at once; the actor, on its next turn (within 100 ms when idle), poisons
+    /// the group and sends the peers its notice (see `Group::hear`).
+    fn abort(&self, cause: &str) {
+        self.inner.info.poison.set(cause);
+    }
 }
 
 #[cfg(test)]

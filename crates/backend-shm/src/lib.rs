@@ -676,6 +676,12 @@ impl Group for ShmBackend {
         self.enqueue(Command::Shutdown(done));
         shutdown_done(work).await
     }
+
+    /// The worker poisons the group as it takes the command (ahead of queued collectives),
+    /// writing the cause into this rank's segment, where the peers' waits see it.
+    fn abort(&self, cause: &str) {
+        self.enqueue(Command::Abort(cause.to_owned()));
+    }
 }
 
 #[cfg(test)]

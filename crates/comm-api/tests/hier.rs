@@ -153,7 +153,8 @@ fn conformance_three_plus_one() {
 
 /// The composite ops' cross-rank checks (shapes of coalesced ops, object types and sizes)
 /// hold on hier as on shm: every rank of 2 × 2 errs alike, nothing is allocated from a
-/// forged size.
+/// forged size, and a mismatch in one host's phase reaches the other host at once (its
+/// inner groups aborted), not at the 30 s timeout.
 #[test]
 fn composite_ops_are_checked_across_hosts() {
     let envs = [("COMM_TIMEOUT", "30")];
@@ -249,7 +250,7 @@ async fn suite() -> i32 {
 
 async fn surfaces() -> i32 {
     let pg = comm_api::init(Config::from_env().unwrap()).await.expect("init");
-    match surfaces::composite_checks(&pg, false).await {
+    match surfaces::composite_checks(&pg).await {
         Ok(()) => {
             println!("SURFACES-OK rank {} on {}", pg.rank(), pg.backend_name());
             0

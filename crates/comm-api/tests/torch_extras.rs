@@ -164,7 +164,7 @@ fn monitored_barrier_3_ranks() {
 
 /// Composite ops are checked like plain ones (2 ranks, shm).
 async fn composite_checks() -> Result<(), String> {
-    surfaces::composite_checks(&connect().await?, true).await
+    surfaces::composite_checks(&connect().await?).await
 }
 
 #[test]

@@ -30,6 +30,11 @@ pub trait Group: Send + Sync {
     fn alloc_buffer(&self, dtype: DType, len: usize) -> Result<HostBuffer, CommError> {
         HostBuffer::try_zeroed(dtype, len)
     }
+    /// Fails the group on this rank with `cause` (later ops: `Poisoned`) and, where the
+    /// backend can, tells the peers, whose ops on it then fail (`PeerLost` naming this rank)
+    /// instead of waiting out their timeout. For a layer over several groups (hier) whose op
+    /// failed in one of them. Default: nothing.
+    fn abort(&self, _cause: &str) {}
 }
 
 /// A backend's (or layer's) implementation of op `R`.
@@ -75,6 +80,9 @@ impl<T: Group + ?Sized> Group for Arc<T> {
     }
     fn alloc_buffer(&self, dtype: DType, len: usize) -> Result<HostBuffer, CommError> {
         (**self).alloc_buffer(dtype, len)
+    }
+    fn abort(&self, cause: &str) {
+        (**self).abort(cause)
     }
 }
 

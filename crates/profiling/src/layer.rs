@@ -438,6 +438,10 @@ impl<C: Group> Group for Profiling<C> {
     fn alloc_buffer(&self, dtype: DType, len: usize) -> Result<HostBuffer, CommError> {
         self.inner.alloc_buffer(dtype, len)
     }
+
+    fn abort(&self, cause: &str) {
+        self.inner.abort(cause)
+    }
 }
 
 #[cfg(test)]

@@ -96,6 +96,7 @@ impl Engine {
                 self.closing = true;
                 self.shutdown_waiters.push(d);
             }
+            Command::Abort(_) => {}
         }
     }
 

@@ -33,6 +33,8 @@ pub(crate) enum Command {
     /// A small collective the caller could not finish inline.
     OneShot(OneShot, Done),
     Shutdown(Completer<()>),
+    /// Poison the group now, with this cause, telling the peers (`Group::abort`).
+    Abort(String),
 }
 
 /// A queued op, whatever its request type (`plans::Pending`).
@@ -373,6 +375,7 @@ impl Engine {
     fn accept(&mut self, cmd: Command) {
         match cmd {
             Command::Op(op) => op.accept(self),
+            Command::Abort(cause) => self.poison_with(&CommError::Poisoned { cause }),
             other => self.colls.push_back(other),
         }
     }
@@ -413,6 +416,8 @@ impl Engine {
                 let r = self.run_op(name, |e| e.oneshot(op));
                 self.finished = Some((d, r));
             }
+            // Taken at once by `accept`, never queued.
+            Command::Abort(cause) => self.poison_with(&CommError::Poisoned { cause }),
         }
     }
 

@@ -18,10 +18,7 @@ pub(crate) fn mismatch(r: &Result<impl std::fmt::Debug, CommError>, what: &str, 
 
 /// Composite ops are checked like plain ones: ranks passing other shapes or types get an
 /// error on every rank, never each other's bytes (rank 0 against the rest; 2 ranks or more).
-/// `poisoning`: also the case that poisons the group (last), where a mismatch reaches every
-/// rank at once (not on hier: a mismatch in one host's phase reaches the other hosts only at
-/// their timeout).
-pub(crate) async fn composite_checks(pg: &ProcessGroup, poisoning: bool) -> Result<(), String> {
+pub(crate) async fn composite_checks(pg: &ProcessGroup) -> Result<(), String> {
     let me = pg.rank();
     // Same byte count, other dtype: the packed u8 all_gather alone cannot see it.
     let mine = if me == 0 { HostBuffer::from_slice(&[1.5f32; 4]) } else { HostBuffer::from_slice(&[7i32; 4]) };
@@ -61,9 +58,6 @@ pub(crate) async fn composite_checks(pg: &ProcessGroup, poisoning: bool) -> Resu
             }
         }
     }
-    if !poisoning {
-        return Ok(());
-    }
     // Ranks whose packed ops differ in number: the check op's lengths differ, so the backend
     // fails it on both (poisoning the group) before a packed op can pair with another.
     let bufs = if me == 0 {
@@ -71,7 +65,13 @@ pub(crate) async fn composite_checks(pg: &ProcessGroup, poisoning: bool) -> Resu
     } else {
         vec![HostBuffer::from_slice(&[1.0f32; 4]), HostBuffer::from_slice(&[1i32; 4])]
     };
-    mismatch(&pg.all_reduce_coalesced(bufs, ReduceOp::Sum).await, "all_reduce_coalesced, 1 dtype against 2", me)?;
+    // On hier the ranks of the other host learn it from their peers: `PeerLost` carrying the
+    // mismatch, at once rather than at their timeout.
+    match pg.all_reduce_coalesced(bufs, ReduceOp::Sum).await {
+        Err(CommError::Mismatch { .. }) => {}
+        Err(CommError::PeerLost { detail, .. }) if detail.contains("ranks disagree") => {}
+        other => return Err(format!("rank {me}: all_reduce_coalesced, 1 dtype against 2: {other:?}")),
+    }
     let t = Instant::now();
     let next = pg.all_reduce(HostBuffer::from_slice(&[1.0f32]), ReduceOp::Sum).await;
     if next.is_ok() || t.elapsed() > Duration::from_secs(5) {
