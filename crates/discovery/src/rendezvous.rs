@@ -145,14 +145,25 @@ async fn connect_ours_or_torch(
     // A rank that has no job identity can only use a torch store already serving the port
     // (torch.distributed is up, so it is there already): else it is refused at once, as rank
     // 0 is, instead of waiting for a store no rank of its job will serve.
-    if let Err(e) = job_token(info) {
-        return match probe(&info.master_addr, info.master_port, bind, PROBE_LIMIT.min(timeout)).await {
-            Probe::Torch => Ok(Arc::new(torch_store(info, shown, timeout, bind).await?)),
-            _ => Err(e),
-        };
-    }
-    let start = Instant::now();
-    let deadline = start + timeout;
+    let token = match job_token(info) {
+        Ok(token) => token,
+        Err(e) => {
+            return match probe(&info.master_addr, info.master_port, bind, PROBE_LIMIT.min(timeout)).await {
+                Probe::Torch => Ok(Arc::new(torch_store(info, shown, timeout, bind).await?)),
+                _ => Err(e),
+            };
+        }
+    };
+    // Out of time before anything answered (an address that does not resolve in time lands
+    // here too): said with the whole budget, not what was left of it.
+    let never_came_up = |why: String| {
+        CommError::Store(format!(
+            "rank 0's store never came up at {shown} after {} (is MASTER_ADDR/MASTER_PORT right? did rank 0 \
+             start?); last error: {why}",
+            comm_core::config::fmt_duration(timeout)
+        ))
+    };
+    let deadline = Instant::now() + timeout;
     let mut backoff = Duration::from_millis(10);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -160,20 +171,10 @@ async fn connect_ours_or_torch(
         let left = deadline.saturating_duration_since(Instant::now());
         match probed {
             Probe::Torch => return Ok(Arc::new(torch_store(info, shown, left, bind).await?)),
-            // Out of time before anything answered (an address that does not resolve in time
-            // lands here too): say so with the whole budget, not what was left of it.
-            Probe::Unreachable(_) | Probe::Silent if left.is_zero() => {
-                let why = match probed {
-                    Probe::Unreachable(why) => why,
-                    _ => {
-                        format!("nothing answered within {}", comm_core::config::fmt_duration(PROBE_LIMIT.min(timeout)))
-                    }
-                };
-                return Err(CommError::Store(format!(
-                    "rank 0's store never came up at {shown} after {} (is MASTER_ADDR/MASTER_PORT right? did rank 0 \
-                     start?); last error: {why}",
-                    comm_core::config::fmt_duration(timeout)
-                )));
+            Probe::Unreachable(why) if left.is_zero() => return Err(never_came_up(why)),
+            Probe::Silent if left.is_zero() => {
+                let limit = comm_core::config::fmt_duration(PROBE_LIMIT.min(timeout));
+                return Err(never_came_up(format!("nothing answered within {limit}")));
             }
             Probe::Unreachable(why) => {
                 tracing::trace!("comm: store at {shown} not reachable yet: {why}");
@@ -182,7 +183,7 @@ async fn connect_ours_or_torch(
             }
             // Ours, something else, or out of time: our client retries and reports as usual.
             _ => {
-                let store = TcpStore::connect_from(&info.master_addr, info.master_port, &job_token(info)?, left, bind)
+                let store = TcpStore::connect_from(&info.master_addr, info.master_port, &token, left, bind)
                     .await?
                     .with_request_timeout(timeout);
                 tracing::debug!(addr = %shown, local = ?store.local_addr(), "comm: connected to the store");

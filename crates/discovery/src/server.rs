@@ -317,8 +317,9 @@ impl Held {
 
     /// Queues a response for the writer, counted until written.
     fn respond(&self, tx: &mpsc::UnboundedSender<Bytes>, frame: Bytes) {
-        if self.take(frame.len()) && tx.send(frame.clone()).is_err() {
-            self.give(frame.len());
+        let n = frame.len();
+        if self.take(n) && tx.send(frame).is_err() {
+            self.give(n);
         }
     }
 }
