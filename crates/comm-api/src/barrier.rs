@@ -68,8 +68,7 @@ impl ProcessGroup {
             let deadline = deadline + VERDICT_GRACE;
             let waited = match before(&mut sent, deadline).await {
                 Some(Ok(_)) => before(&mut verdict, deadline).await,
-                Some(Err(e)) => Some(Err(e)),
-                None => None,
+                other => other,
             };
             return match waited {
                 Some(Ok(v)) => match v.as_slice::<i32>()?[0] {
@@ -95,8 +94,8 @@ impl ProcessGroup {
         // Every rank gets the verdict, the missing ones too: one that arrives late then fails
         // as the others did (its arrival meets the receive posted above).
         let word = missing.first().map_or(THROUGH, |&r| r as i32);
-        let verdicts: Vec<(Rank, Work<HostBuffer>)> =
-            (1..n).map(|r| (r, self.isend(HostBuffer::from_slice(&[word]), r, tag))).collect();
+        let verdicts: Vec<Work<HostBuffer>> =
+            (1..n).map(|r| self.isend(HostBuffer::from_slice(&[word]), r, tag)).collect();
         if !missing.is_empty() {
             if !wait_all_ranks {
                 missing.truncate(1);
@@ -104,7 +103,7 @@ impl ProcessGroup {
             let which = if wait_all_ranks { "ranks" } else { "the first missing rank:" };
             return Err(timed_out(format!("{which} {} did not arrive", names(&missing))));
         }
-        for (_, mut v) in verdicts {
+        for mut v in verdicts {
             match before(&mut v, deadline + VERDICT_GRACE).await {
                 Some(r) => r.map(drop)?,
                 None => return Err(timed_out("every rank arrived but could not be let through in time".into())),
