@@ -203,32 +203,28 @@ enum Finished {
 
 impl Finished {
     fn complete(self, info: &GroupInfo) {
-        let failed = match self {
-            Finished::Nothing => None,
+        // As on the actor (`progress_p2p`), a failed send or receive poisons the group before
+        // the op completes: the caller's next op must find it so. The actor tells the peers
+        // when it next looks (`Group::hear`).
+        let poison = |e: &CommError| info.poison.set(e.to_string());
+        match self {
+            Finished::Nothing => {}
             Finished::Done(p, result) => {
-                // Poisoned before the op completes (see `progress_p2p`); the actor tells the
-                // peers when it next looks (`Group::hear`).
                 if let Err(e) = &result {
-                    info.poison.set(e.to_string());
+                    poison(e);
                 }
                 let mut graveyard = Vec::new();
-                let e = p2p::finish(*p, result, &mut graveyard);
+                p2p::finish(*p, result, &mut graveyard);
                 // A failed request MPI may still use keeps its buffers (raw rule 3).
                 std::mem::forget(graveyard);
-                e
             }
             Finished::Refused((done, e)) => {
-                done.complete(Err(e.duplicate()));
-                Some(e).filter(CommError::poisons_group)
+                if e.poisons_group() {
+                    poison(&e);
+                }
+                done.complete(Err(e));
             }
-            Finished::Gone(msg) => {
-                reject_with(msg, "the MPI actor is gone");
-                None
-            }
-        };
-        // As on the actor, a failed send or receive poisons the group.
-        if let Some(e) = failed {
-            info.poison.set(e.to_string());
+            Finished::Gone(msg) => reject_with(msg, "the MPI actor is gone"),
         }
     }
 }

@@ -339,7 +339,7 @@ impl Actor {
             Msg::AdoptP2p(gid, p) => match self.groups.get_mut(&gid) {
                 Some(g) => match g.poison_error() {
                     None => g.p2p.push(*p),
-                    Some(e) => drop(p2p::finish(*p, Err(e), &mut self.graveyard)),
+                    Some(e) => p2p::finish(*p, Err(e), &mut self.graveyard),
                 },
                 None => {
                     let P2p { req, done, .. } = *p;

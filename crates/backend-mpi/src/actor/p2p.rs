@@ -161,32 +161,26 @@ pub(super) fn poll(
 }
 
 /// Completes a finished `p` with `result` (the buffer back, or the error); a failed request
-/// MPI may still use goes to `graveyard`. Returns the error, which poisons the group.
-pub(super) fn finish(mut p: P2p, result: Result<(), CommError>, graveyard: &mut Vec<Request>) -> Option<CommError> {
+/// MPI may still use goes to `graveyard`. The caller poisons the group first on a failure.
+pub(super) fn finish(mut p: P2p, result: Result<(), CommError>, graveyard: &mut Vec<Request>) {
     // Counted down before the `Work` completes, as a collective's ticket: the caller's next
     // send or receive may run on its own thread again.
     drop(p.ticket.take());
     let Some(mut req) = p.req else {
         // A receive whose message never came: nothing was posted for it.
-        let e = result.err().unwrap_or_else(|| internal("a receive finished unmatched"));
-        p.done.complete(Err(e.duplicate()));
-        return Some(e);
+        return p.done.complete(Err(result.err().unwrap_or_else(|| internal("a receive finished unmatched"))));
     };
     match result {
-        Ok(()) => {
-            match req.into_bufs() {
-                Some(b) => p.done.complete(if p.recv { take(b.recv) } else { take(b.send) }),
-                None => p.done.complete(Err(internal("a completed request kept its buffers"))),
-            }
-            None
-        }
+        Ok(()) => match req.into_bufs() {
+            Some(b) => p.done.complete(if p.recv { take(b.recv) } else { take(b.send) }),
+            None => p.done.complete(Err(internal("a completed request kept its buffers"))),
+        },
         Err(e) => {
             if p.recv && !req.is_done() {
                 req.cancel();
             }
-            p.done.complete(Err(e.duplicate()));
+            p.done.complete(Err(e));
             bury(req, graveyard);
-            Some(e)
         }
     }
 }
