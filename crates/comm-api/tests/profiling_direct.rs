@@ -4,7 +4,7 @@
 #![cfg(feature = "profiling")]
 
 mod common;
-use common::{two_rank_summaries, Recording};
+use common::{two_rank_summaries, two_ranks, Recording};
 
 /// Direct recording with the default sampling: every rank times the same calls, so the
 /// straggler view compares all of them call by call (no rank recorded more).
@@ -66,36 +66,18 @@ fn the_straggler_view_on_one_rank_only_names_the_missing_rank() {
 /// header exchange and data op do not show as all_gather, broadcast, gather or scatter rows.
 #[test]
 fn object_collectives_are_rows_of_their_own() {
-    use std::sync::Arc;
-
-    use comm_api::profiling::{CommsConfig, CommsLogger, ProfilingLayer};
-    use comm_api::{ProcessGroup, WorldInfo};
-
-    let threads: Vec<_> = comm_test::LocalWorld::new(2)
-        .into_iter()
-        .enumerate()
-        .map(|(r, b)| {
-            std::thread::spawn(move || {
-                let logger = CommsLogger::new(CommsConfig::default());
-                let layer = ProfilingLayer::new().with_logger(logger.clone());
-                let mut world = WorldInfo::single();
-                (world.rank, world.world_size, world.local_world_size) = (r as u32, 2, 2);
-                let pg = ProcessGroup::from_backend(Arc::new(layer.layer(b)), world);
-                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-                rt.block_on(async {
-                    for _ in 0..3 {
-                        pg.all_gather_object(&vec![7u8; 100]).await.unwrap();
-                    }
-                    pg.broadcast_object((r == 0).then(|| "hello".to_owned()), 0).await.unwrap();
-                    pg.gather_object(&1u64, 1).await.unwrap();
-                    let list = (r == 0).then(|| vec![5u32, 6]);
-                    pg.scatter_object(list, 0).await.unwrap();
-                });
-                logger.summary()
-            })
+    let summaries = two_ranks(Recording::Direct, |pg, logger, r| {
+        Box::pin(async move {
+            for _ in 0..3 {
+                pg.all_gather_object(&vec![7u8; 100]).await.unwrap();
+            }
+            pg.broadcast_object((r == 0).then(|| "hello".to_owned()), 0).await.unwrap();
+            pg.gather_object(&1u64, 1).await.unwrap();
+            pg.scatter_object((r == 0).then(|| vec![5u32, 6]), 0).await.unwrap();
+            logger.summary()
         })
-        .collect();
-    for s in threads.into_iter().map(|t| t.join().unwrap()) {
+    });
+    for s in summaries {
         let rows: Vec<(String, u64, u64)> = s.rows.iter().map(|r| (r.op.clone(), r.count, r.bytes)).collect();
         // postcard: a Vec<u8> of 100 is 1 length byte + 100, a String of 5 is 6, a u64 of 1
         // is 1 (varint), a u32 of 5 or 6 is 1.

@@ -1,6 +1,8 @@
 //! Helpers shared by the profiling test binaries.
 #![allow(dead_code, unreachable_pub)]
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use comm_api::profiling::{CommsConfig, CommsLogger, ProfilingLayer, Summary};
@@ -19,10 +21,27 @@ pub enum Recording {
 /// Two in-process ranks (threads) run `ops` small all_reduces through a profiled group, then
 /// the collective `log_summary_with_stragglers`; returns each rank's summary.
 pub fn two_rank_summaries(recording: Recording, ops: usize) -> Vec<Summary> {
+    two_ranks(recording, move |pg, logger, r| {
+        Box::pin(async move {
+            for _ in 0..ops {
+                pg.all_reduce(HostBuffer::from_slice(&[r as f32; 64]), ReduceOp::Sum).await.unwrap();
+            }
+            logger.log_summary_with_stragglers(pg.backend()).await.unwrap()
+        })
+    })
+}
+
+/// Two in-process ranks (threads, `LocalWorld`), each running `body` on a profiled group
+/// recording into its own logger; returns what each returned.
+pub fn two_ranks(
+    recording: Recording,
+    body: impl Fn(ProcessGroup, CommsLogger, u32) -> Pin<Box<dyn Future<Output = Summary>>> + Clone + Send + 'static,
+) -> Vec<Summary> {
     let threads: Vec<_> = comm_test::LocalWorld::new(2)
         .into_iter()
         .enumerate()
         .map(|(r, b)| {
+            let body = body.clone();
             std::thread::spawn(move || {
                 let logger = CommsLogger::new(CommsConfig::default());
                 let (layer, _guard) = match recording {
@@ -36,12 +55,7 @@ pub fn two_rank_summaries(recording: Recording, ops: usize) -> Vec<Summary> {
                 (world.rank, world.world_size, world.local_world_size) = (r as u32, 2, 2);
                 let pg = ProcessGroup::from_backend(Arc::new(layer.layer(b)), world);
                 let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-                rt.block_on(async {
-                    for _ in 0..ops {
-                        pg.all_reduce(HostBuffer::from_slice(&[r as f32; 64]), ReduceOp::Sum).await.unwrap();
-                    }
-                    logger.log_summary_with_stragglers(pg.backend()).await.unwrap()
-                })
+                rt.block_on(body(pg, logger, r as u32))
             })
         })
         .collect();
