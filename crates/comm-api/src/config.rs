@@ -63,7 +63,7 @@ pub struct Config {
     pub timeout: Duration,
 }
 
-const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `COMM_BACKEND` and `COMM_TIMEOUT` from `var`, with their defaults.
 fn env_overrides(var: impl Fn(&str) -> Option<String>) -> Result<(BackendKind, Duration), CommError> {
@@ -306,7 +306,7 @@ impl Builder {
                 }
             };
             tracing::debug!(backend = b.backend_name(), "comm: backend ready");
-            return Ok(ProcessGroup::new(layers.apply(b), world, server.map(Arc::new), why));
+            return Ok(ProcessGroup::new(layers.apply(b), world, server.map(Arc::new), why, timeout));
         }
         let (store, server) = discovery::rendezvous(&world, timeout).await?;
         let started: Result<Arc<dyn Backend>, CommError> = match kind {
@@ -349,7 +349,7 @@ impl Builder {
             }
         };
         tracing::debug!(backend = backend.backend_name(), "comm: backend ready");
-        Ok(ProcessGroup::new(layers.apply(backend), world, server.map(Arc::new), why))
+        Ok(ProcessGroup::new(layers.apply(backend), world, server.map(Arc::new), why, timeout))
     }
 }
 

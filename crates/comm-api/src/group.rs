@@ -1,5 +1,8 @@
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
+
+use crate::issuers::Issuers;
 
 use comm_core::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
@@ -23,6 +26,10 @@ pub struct ProcessGroup {
     _server: Option<Arc<discovery::StoreServer>>,
     /// Why this backend was chosen (for [`ProcessGroup::describe`]).
     chosen: Arc<str>,
+    /// Who has ops in flight on this group (or stream): the check that one task issues them.
+    issuers: Arc<Issuers>,
+    /// `COMM_TIMEOUT`: bounds a stream's wait for its peers' ops.
+    timeout: Duration,
 }
 
 /// What a rooted op ([`ProcessGroup::reduce`], [`ProcessGroup::gather`]) gives a rank: the
@@ -105,6 +112,7 @@ impl ProcessGroup {
         world: WorldInfo,
         server: Option<Arc<discovery::StoreServer>>,
         chosen: String,
+        timeout: Duration,
     ) -> ProcessGroup {
         let members = (0..backend.world_size()).collect();
         ProcessGroup {
@@ -113,13 +121,25 @@ impl ProcessGroup {
             members: Arc::new(members),
             _server: server,
             chosen: chosen.into(),
+            issuers: Arc::default(),
+            timeout,
         }
+    }
+
+    /// A group of the same members over another backend (a sub-group of all of them, a
+    /// stream), with its own issuers.
+    pub(crate) fn over(&self, backend: Arc<dyn Backend>, issuers: Arc<Issuers>) -> ProcessGroup {
+        ProcessGroup { backend, issuers, ..self.clone() }
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// Wraps a backend you built yourself (for example `comm_test::LocalWorld` ranks);
     /// `world` describes the process.
     pub fn from_backend(backend: Arc<dyn Backend>, world: WorldInfo) -> ProcessGroup {
-        ProcessGroup::new(backend, world, None, "given to from_backend".into())
+        ProcessGroup::new(backend, world, None, "given to from_backend".into(), crate::config::DEFAULT_TIMEOUT)
     }
 
     /// The backend under this group.
@@ -131,7 +151,11 @@ impl ProcessGroup {
     where
         dyn Backend: Collective<R>,
     {
-        Collective::<R>::submit(&*self.backend, req)
+        let entered = match self.issuers.enter(R::NAME) {
+            Ok(entered) => entered,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        entered.until(Collective::<R>::submit(&*self.backend, req))
     }
 
     /// This process's rank in the group.
@@ -615,6 +639,8 @@ impl ProcessGroup {
             members: Arc::new(members),
             _server: self._server.clone(),
             chosen: self.chosen.clone(),
+            issuers: Arc::default(),
+            timeout: self.timeout,
         }))
     }
 

@@ -56,7 +56,9 @@ mod config;
 mod group;
 #[cfg(feature = "mpi")]
 mod hier;
+mod issuers;
 mod objects;
+mod streams;
 
 pub use barrier::MONITORED_BARRIER_TAG;
 pub use comm_core::{
@@ -70,6 +72,7 @@ pub use group::{P2POp, ProcessGroup, Rooted};
 #[cfg(feature = "profiling")]
 #[cfg_attr(docsrs, doc(cfg(feature = "profiling")))]
 pub use profiling;
+pub use streams::Streams;
 
 // Compile-time guarantees users rely on: handles move across tasks and threads, futures of
 // ops can be spawned on a multi-threaded runtime.

@@ -1,0 +1,794 @@
+//! Streams: independent ordering domains over one group, so that several tasks can each issue
+//! their own ops without pairing up with another task's ops on another rank.
+//!
+//! A [`Streams`] owns two sub-groups of all the parent's ranks: `data`, where every stream's ops
+//! run, and `control`, which carries the arbitration. Each op is named by its stream, its
+//! *channel* (the stream's collectives, or its messages from `src` to `dst`) and its number in
+//! that channel, which every rank computes alike. Rank 0 of the group (the *arbiter*) learns
+//! which ops each rank has issued (the others send it a frame per batch) and decides the order:
+//! an op is decided once every rank it involves has issued it and it is the oldest undecided
+//! op of its channel on each of them; the decisions go to the ranks involved, and every rank
+//! submits its decided ops to `data` in the order decided. So every rank runs the same
+//! sequence (restricted to its own ops): a stream's collectives in its order, its messages
+//! between two ranks in theirs (as a communicator orders them), whatever order the tasks
+//! issued them in.
+//!
+//! It cannot deadlock: an op that every rank it involves has issued, and whose channel's
+//! earlier ops are decided, is decided at the arbiter's next turn, whatever other channels
+//! hold; an op never waits for another stream, nor a message for a collective. An op whose peers do not issue it within
+//! `COMM_TIMEOUT` fails (`Timeout`, naming the stream and the rank that is missing), and
+//! with it the stream; ranks that issued different ops under the same name get `Mismatch`.
+//! Every frame is bounded (4 KiB) and checked; when nothing happens the ranks exchange an empty
+//! frame every quarter of the timeout, so the standing receives never time out and a lost
+//! rank is noticed.
+
+use std::any::Any;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use comm_core::ops::{RecvFrom, SendTo};
+use comm_core::{Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Op, Rank, Work};
+
+use crate::group::fnv1a;
+use crate::issuers::Issuers;
+use crate::ProcessGroup;
+
+const FRAME: usize = 4096;
+const MAGIC: u32 = u32::from_le_bytes(*b"cstr");
+const ENTRY: usize = 48;
+const PER_FRAME: usize = (FRAME - 8) / ENTRY;
+
+const COLL: u8 = 0;
+const P2P: u8 = 1;
+
+/// What a frame entry says of an op: issued (to the arbiter), or its verdict (from it).
+const POSTED: u8 = 0;
+const RUN: u8 = 1;
+const MISMATCH: u8 = 2;
+const TIMEOUT: u8 = 3;
+/// The stream failed earlier (`sig`: that failure's code, `a`/`b`: its ranks).
+const DEAD: u8 = 4;
+
+/// Every rank's name for one op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct OpKey {
+    stream: u64,
+    class: u8,
+    src: u32,
+    dst: u32,
+    n: u64,
+}
+
+impl OpKey {
+    fn involves(&self, world: u32) -> Vec<u32> {
+        match self.class {
+            COLL => (0..world).collect(),
+            _ => vec![self.src, self.dst],
+        }
+    }
+
+    /// The sequence this op is numbered in: a stream's collectives, or its messages from
+    /// `src` to `dst`. Each is ordered on its own, as a communicator orders its collectives
+    /// and the messages between two ranks, and independently of the others.
+    fn channel(&self) -> OpKey {
+        OpKey { n: 0, ..*self }
+    }
+
+    fn describe(&self) -> String {
+        match self.class {
+            COLL => format!("collective #{}", self.n),
+            _ => format!("message #{} from rank {} to rank {}", self.n, self.src, self.dst),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Entry {
+    key: OpKey,
+    code: u8,
+    /// POSTED: the op's signature; DEAD: the code of the stream's failure.
+    sig: u64,
+    a: u32,
+    b: u32,
+}
+
+fn encode(entries: &[Entry]) -> Vec<HostBuffer> {
+    let chunks: Vec<&[Entry]> = if entries.is_empty() { vec![&[]] } else { entries.chunks(PER_FRAME).collect() };
+    chunks
+        .into_iter()
+        .map(|chunk| {
+            let mut buf = HostBuffer::zeroed(DType::U8, FRAME);
+            let b = buf.as_bytes_mut();
+            b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+            b[4..8].copy_from_slice(&(chunk.len() as u32).to_le_bytes());
+            for (e, out) in chunk.iter().zip(b[8..].chunks_exact_mut(ENTRY)) {
+                out[0..8].copy_from_slice(&e.key.stream.to_le_bytes());
+                out[8..16].copy_from_slice(&e.key.n.to_le_bytes());
+                out[16..24].copy_from_slice(&e.sig.to_le_bytes());
+                out[24..28].copy_from_slice(&e.key.src.to_le_bytes());
+                out[28..32].copy_from_slice(&e.key.dst.to_le_bytes());
+                out[32..34].copy_from_slice(&[e.key.class, e.code]);
+                out[36..40].copy_from_slice(&e.a.to_le_bytes());
+                out[40..44].copy_from_slice(&e.b.to_le_bytes());
+            }
+            buf
+        })
+        .collect()
+}
+
+/// A peer's frame, checked: everything in it is bounded by `world` before it is used.
+fn decode(buf: &HostBuffer, world: u32) -> Result<Vec<Entry>, String> {
+    let b = buf.as_bytes();
+    let word = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+    let long = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+    if b.len() != FRAME || word(0) != MAGIC {
+        return Err("not a stream frame".into());
+    }
+    let count = word(4) as usize;
+    if count > PER_FRAME {
+        return Err(format!("{count} entries (at most {PER_FRAME})"));
+    }
+    (0..count)
+        .map(|i| {
+            let at = 8 + i * ENTRY;
+            let key =
+                OpKey { stream: long(at), n: long(at + 8), src: word(at + 24), dst: word(at + 28), class: b[at + 32] };
+            let e = Entry { key, code: b[at + 33], sig: long(at + 16), a: word(at + 36), b: word(at + 40) };
+            let ranks_ok = key.class == COLL || (key.src < world && key.dst < world && key.src != key.dst);
+            let ok = key.class <= P2P && e.code <= DEAD && ranks_ok && e.a < world.max(1) && e.b < world.max(1);
+            ok.then_some(e).ok_or_else(|| format!("entry {i} is malformed"))
+        })
+        .collect()
+}
+
+/// Why a stream failed.
+#[derive(Clone, Copy, Debug)]
+struct Failure {
+    code: u8,
+    key: OpKey,
+    a: u32,
+    b: u32,
+}
+
+impl Failure {
+    fn detail(&self) -> String {
+        let what = self.key.describe();
+        match self.code {
+            MISMATCH => format!(
+                "ranks {} and {} issued different ops (op, dtype, size or tag) as {what} of stream {}",
+                self.a, self.b, self.key.stream
+            ),
+            _ => format!("rank {} did not issue {what} of stream {}", self.a, self.key.stream),
+        }
+    }
+
+    /// The error of the op that failed the stream (`first`) or of a later op of it.
+    fn error(&self, op: &'static str, timeout: Duration, first: bool) -> CommError {
+        let detail = self.detail();
+        match self.code {
+            _ if !first => CommError::Poisoned { cause: format!("stream {} failed: {detail}", self.key.stream) },
+            MISMATCH => CommError::Mismatch { op, detail: detail + "; the stream is failed" },
+            _ => CommError::Timeout {
+                op: format!("{op} on stream {}", self.key.stream),
+                after: timeout,
+                detail: detail + "; the stream is failed, other streams go on",
+            },
+        }
+    }
+}
+
+/// An op waiting for its turn, whatever its request type.
+trait Deferred: Send {
+    fn run(self: Box<Self>, data: &Arc<dyn Backend>);
+    fn fail(self: Box<Self>, error: &dyn Fn(&'static str) -> CommError);
+}
+
+struct Held<R: Op> {
+    req: R,
+    done: Completer<R::Output>,
+}
+
+impl<R: Op> Deferred for Held<R>
+where
+    dyn Backend: Collective<R>,
+{
+    fn run(self: Box<Self>, data: &Arc<dyn Backend>) {
+        let Held { req, done } = *self;
+        Collective::<R>::submit(&**data, req).forward(done);
+    }
+
+    fn fail(self: Box<Self>, error: &dyn Fn(&'static str) -> CommError) {
+        self.done.complete(Err(error(R::NAME)));
+    }
+}
+
+enum Event {
+    Post {
+        key: OpKey,
+        sig: u64,
+        op: Box<dyn Deferred>,
+    },
+    /// The standing receive from this peer completed.
+    Frame(u32),
+    Stop,
+}
+
+/// Independent ordering domains over the ranks of a group: see [`ProcessGroup::streams`].
+/// Cheap to clone; the streams live until the last clone and the last stream are dropped.
+#[derive(Clone)]
+pub struct Streams {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    data: Arc<dyn Backend>,
+    tx: Sender<Event>,
+    /// The live stream of each key, so that `stream(key)` twice shares one numbering.
+    registry: Mutex<HashMap<u64, Weak<StreamBackend>>>,
+    parent: ProcessGroup,
+    broken: Arc<Mutex<Option<String>>>,
+    driver: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Event::Stop);
+        if let Some(driver) = self.driver.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = driver.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for Streams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Streams").field("group", &self.shared.parent).finish()
+    }
+}
+
+impl ProcessGroup {
+    /// Independent ordering domains over this group's ranks, for a service whose tasks each
+    /// issue their own ops. Collective (like [`new_group`](ProcessGroup::new_group): every
+    /// rank calls it, in the same order relative to other collectives); then
+    /// [`Streams::stream`] is local and cheap.
+    ///
+    /// Ops on different streams never pair with each other, whatever order the tasks issued
+    /// them in on each rank; ops of one stream pair in that stream's order. Rank 0 decides
+    /// the order in which every rank runs them (module docs: `comm_api::streams`); this costs
+    /// each op a message to rank 0 and one back, and uses two sub-groups of all the ranks.
+    ///
+    /// ```
+    /// # use comm_api::{ProcessGroup, HostBuffer, ReduceOp, WorldInfo};
+    /// # let pg = ProcessGroup::from_backend(comm_test::LocalWorld::new(1).remove(0), WorldInfo::single());
+    /// # futures::executor::block_on(async {
+    /// let streams = pg.streams().await?;
+    /// let mut handlers = Vec::new();
+    /// for request in 0..4u64 {
+    ///     let stream = streams.stream(request); // the same key on every rank
+    ///     handlers.push(std::thread::spawn(move || stream.all_reduce(HostBuffer::from_slice(&[1.0f32]), ReduceOp::Sum).wait()));
+    /// }
+    /// for h in handlers {
+    ///     assert_eq!(h.join().unwrap()?.to_vec::<f32>()?, [pg.world_size() as f32]);
+    /// }
+    /// # Ok::<(), comm_api::CommError>(()) }).unwrap();
+    /// ```
+    pub async fn streams(&self) -> Result<Streams, CommError> {
+        let all: Vec<Rank> = (0..self.world_size()).collect();
+        let member = |g: Option<Arc<dyn Backend>>| g.ok_or_else(|| CommError::invalid("streams", "not a member"));
+        let data = member(self.backend().new_group(&all).await?)?;
+        let control = member(self.backend().new_group(&all).await?)?;
+        let (tx, rx) = mpsc::channel();
+        let broken = Arc::new(Mutex::new(None));
+        let timeout = self.timeout();
+        let driver = Driver::new(data.clone(), control, tx.clone(), timeout, broken.clone());
+        let thread = std::thread::Builder::new()
+            .name("comm-streams".into())
+            .spawn(move || driver.run(rx))
+            .map_err(|e| CommError::io("starting the streams thread", e))?;
+        Ok(Streams {
+            shared: Arc::new(Shared {
+                data,
+                tx,
+                registry: Mutex::default(),
+                parent: self.clone(),
+                broken,
+                driver: Mutex::new(Some(thread)),
+            }),
+        })
+    }
+}
+
+impl Streams {
+    /// The stream named `key` (the same key on every rank names the same stream): a group of
+    /// the same ranks whose ops are ordered only among themselves. Local, no communication.
+    /// While a handle of `key` lives, `stream(key)` returns one sharing its numbering; once
+    /// all are dropped the next one starts a new stream (every rank must then do the same).
+    pub fn stream(&self, key: u64) -> ProcessGroup {
+        let mut registry = self.shared.registry.lock().unwrap_or_else(|p| p.into_inner());
+        let backend = match registry.get(&key).and_then(Weak::upgrade) {
+            Some(live) => live,
+            None => {
+                let live = Arc::new(StreamBackend {
+                    key,
+                    shared: self.shared.clone(),
+                    counters: Mutex::default(),
+                    issuers: Arc::default(),
+                    closed: AtomicBool::new(false),
+                });
+                registry.insert(key, Arc::downgrade(&live));
+                live
+            }
+        };
+        let issuers = backend.issuers.clone();
+        self.shared.parent.over(backend, issuers)
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    collectives: u64,
+    sent: HashMap<u32, u64>,
+    received: HashMap<u32, u64>,
+}
+
+struct StreamBackend {
+    key: u64,
+    shared: Arc<Shared>,
+    counters: Mutex<Counters>,
+    issuers: Arc<Issuers>,
+    closed: AtomicBool,
+}
+
+impl Drop for StreamBackend {
+    fn drop(&mut self) {
+        let mut registry = self.shared.registry.lock().unwrap_or_else(|p| p.into_inner());
+        if registry.get(&self.key).is_some_and(|w| std::ptr::eq(w.as_ptr(), self)) {
+            registry.remove(&self.key);
+        }
+    }
+}
+
+impl StreamBackend {
+    fn post<R: Op>(&self, req: R) -> Work<R::Output>
+    where
+        dyn Backend: Collective<R>,
+    {
+        let data = &self.shared.data;
+        let (rank, world) = (data.rank(), data.world_size());
+        if let Err(e) = req.validate(rank, world) {
+            return Work::ready(Err(e));
+        }
+        if let Some(cause) = self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Work::ready(Err(CommError::Poisoned { cause }));
+        }
+        if self.closed.load(SeqCst) {
+            return Work::ready(Err(CommError::Shutdown(format!("stream {} was shut down", self.key))));
+        }
+        let any: &dyn Any = &req;
+        let p2p = match (any.downcast_ref::<SendTo>(), any.downcast_ref::<RecvFrom>()) {
+            (Some(s), _) => Some((rank, s.dst, s.tag, true)),
+            (_, Some(r)) => Some((r.src, rank, r.tag, false)),
+            _ => None,
+        };
+        if p2p.is_some_and(|(src, dst, ..)| src == dst) {
+            return Work::ready(Err(CommError::invalid(R::NAME, "a stream carries no message from a rank to itself")));
+        }
+        let dtype = req.dtype().map_or(u8::MAX, DType::code);
+        let mut counters = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        let next = |n: &mut u64| std::mem::replace(n, *n + 1);
+        let (key, tag) = match p2p {
+            None => (OpKey { stream: self.key, class: COLL, src: 0, dst: 0, n: next(&mut counters.collectives) }, 0),
+            Some((src, dst, tag, send)) => {
+                let n = if send { counters.sent.entry(dst) } else { counters.received.entry(src) };
+                (OpKey { stream: self.key, class: P2P, src, dst, n: next(n.or_default()) }, tag)
+            }
+        };
+        // What both sides of an op must agree on: a send and its receive differ only in name.
+        let mut what = Vec::with_capacity(R::NAME.len() + 13);
+        what.extend_from_slice(if p2p.is_some() { b"message" } else { R::NAME.as_bytes() });
+        what.push(dtype);
+        what.extend_from_slice(&(req.bytes() as u64).to_le_bytes());
+        what.extend_from_slice(&tag.to_le_bytes());
+        let (done, work) = Work::pending();
+        // Sent while the counters are held, so that the driver gets a stream's ops in order.
+        // Without a driver the op is dropped, which completes it with `Shutdown`.
+        let _ = self.shared.tx.send(Event::Post { key, sig: fnv1a(&what), op: Box::new(Held { req, done }) });
+        drop(counters);
+        work
+    }
+}
+
+impl<R: Op> Collective<R> for StreamBackend
+where
+    dyn Backend: Collective<R>,
+{
+    fn submit(&self, req: R) -> Work<R::Output> {
+        self.post(req)
+    }
+}
+
+#[async_trait]
+impl Group for StreamBackend {
+    fn rank(&self) -> Rank {
+        self.shared.data.rank()
+    }
+
+    fn world_size(&self) -> u32 {
+        self.shared.data.world_size()
+    }
+
+    fn backend_name(&self) -> &'static str {
+        self.shared.data.backend_name()
+    }
+
+    async fn new_group(&self, _: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
+        Err(CommError::invalid(
+            "new_group",
+            "a stream has no sub-groups: create them on the group, and streams on them",
+        ))
+    }
+
+    /// Later ops on this stream fail with `Shutdown`; the others go on.
+    async fn shutdown(&self) -> Result<(), CommError> {
+        self.closed.store(true, SeqCst);
+        Ok(())
+    }
+
+    fn alloc_buffer(&self, dtype: DType, len: usize) -> Result<HostBuffer, CommError> {
+        self.shared.data.alloc_buffer(dtype, len)
+    }
+
+    fn abort(&self, cause: &str) {
+        self.shared.data.abort(cause)
+    }
+}
+
+/// What rank 0 knows of an undecided op.
+struct Known {
+    /// Each rank's signature of it, once that rank issued it.
+    sigs: Vec<Option<u64>>,
+    first: Instant,
+    at: u64,
+}
+
+/// Rank 0's view: every undecided op, in the order it first heard of them.
+#[derive(Default)]
+struct Arbiter {
+    known: HashMap<OpKey, Known>,
+    order: BTreeMap<u64, OpKey>,
+    next: u64,
+    /// Each rank's undecided ops of each channel, in the order it issued them.
+    queues: HashMap<(u32, OpKey), VecDeque<OpKey>>,
+}
+
+/// The thread that runs the arbitration on every rank (and the arbiter on rank 0).
+struct Driver {
+    rank: u32,
+    world: u32,
+    data: Arc<dyn Backend>,
+    control: Arc<dyn Backend>,
+    tx: Sender<Event>,
+    timeout: Duration,
+    broken: Arc<Mutex<Option<String>>>,
+    /// This rank's ops waiting for their verdict.
+    mine: HashMap<OpKey, Box<dyn Deferred>>,
+    /// Streams that failed, and why.
+    dead: HashMap<u64, Failure>,
+    /// The standing receive from each peer this rank hears from.
+    recvs: Vec<Option<Work<HostBuffer>>>,
+    /// Entries to send to each peer, and when it was last sent one.
+    outbox: Vec<Vec<Entry>>,
+    last_sent: Vec<Instant>,
+    arbiter: Option<Arbiter>,
+}
+
+impl Driver {
+    fn new(
+        data: Arc<dyn Backend>,
+        control: Arc<dyn Backend>,
+        tx: Sender<Event>,
+        timeout: Duration,
+        broken: Arc<Mutex<Option<String>>>,
+    ) -> Driver {
+        let (rank, world) = (data.rank(), data.world_size());
+        let n = world as usize;
+        Driver {
+            rank,
+            world,
+            data,
+            control,
+            tx,
+            timeout,
+            broken,
+            mine: HashMap::new(),
+            dead: HashMap::new(),
+            recvs: (0..n).map(|_| None).collect(),
+            outbox: vec![Vec::new(); n],
+            last_sent: vec![Instant::now(); n],
+            arbiter: (rank == 0).then(Arbiter::default),
+        }
+    }
+
+    /// The peers this rank exchanges frames with: the arbiter hears everyone, the others it.
+    fn peers(&self) -> Vec<u32> {
+        if self.rank == 0 {
+            (1..self.world).collect()
+        } else {
+            vec![0]
+        }
+    }
+
+    fn keepalive(&self) -> Duration {
+        (self.timeout / 4).max(Duration::from_millis(1))
+    }
+
+    fn run(mut self, rx: Receiver<Event>) {
+        for p in self.peers() {
+            self.listen(p);
+        }
+        loop {
+            let wait = self.next_deadline().saturating_duration_since(Instant::now());
+            let first = match rx.recv_timeout(wait) {
+                Ok(ev) => Some(ev),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            // Everything that arrived meanwhile in one turn: one frame per peer per batch.
+            for ev in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+                if let Err(why) = self.handle(ev) {
+                    if why.is_empty() {
+                        return;
+                    }
+                    self.fail_all(why);
+                    return;
+                }
+            }
+            if let Err(why) = self.turn() {
+                self.fail_all(why);
+                return;
+            }
+        }
+    }
+
+    fn next_deadline(&self) -> Instant {
+        let keepalive = self.peers().iter().map(|&p| self.last_sent[p as usize] + self.keepalive()).min();
+        let oldest =
+            self.arbiter.as_ref().and_then(|a| a.order.values().next().map(|k| a.known[k].first + self.timeout));
+        keepalive.into_iter().chain(oldest).min().unwrap_or_else(|| Instant::now() + self.keepalive())
+    }
+
+    /// Handles one event; `Err("")` to stop, `Err(why)` when the streams are broken.
+    fn handle(&mut self, ev: Event) -> Result<(), String> {
+        match ev {
+            Event::Stop => Err(String::new()),
+            Event::Post { key, sig, op } => {
+                if let Some(f) = self.dead.get(&key.stream).copied() {
+                    op.fail(&|name| f.error(name, self.timeout, false));
+                    return Ok(());
+                }
+                self.mine.insert(key, op);
+                match self.rank {
+                    0 => self.posted(0, key, sig),
+                    _ => self.outbox[0].push(Entry { key, code: POSTED, sig, a: 0, b: 0 }),
+                }
+                Ok(())
+            }
+            Event::Frame(peer) => {
+                let work = self.recvs[peer as usize].take().expect("a frame event follows its receive");
+                let buf = work.wait().map_err(|e| format!("the streams' control group failed: {e}"))?;
+                let entries = decode(&buf, self.world).map_err(|e| format!("rank {peer} sent a bad frame: {e}"))?;
+                self.listen(peer);
+                for e in entries {
+                    match (self.rank, e.code) {
+                        (0, POSTED) if e.key.involves(self.world).contains(&peer) => self.posted(peer, e.key, e.sig),
+                        (r, code) if r != 0 && code != POSTED => self.verdict(e),
+                        _ => return Err(format!("rank {peer} sent an entry out of protocol: {e:?}")),
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn listen(&mut self, peer: u32) {
+        let tx = self.tx.clone();
+        let recv = RecvFrom { buf: HostBuffer::zeroed(DType::U8, FRAME), src: peer, tag: 0 };
+        let work = Collective::<RecvFrom>::submit(&*self.control, recv).on_complete(move |_| {
+            let _ = tx.send(Event::Frame(peer));
+        });
+        self.recvs[peer as usize] = Some(work);
+    }
+
+    /// A verdict from the arbiter on one of this rank's ops.
+    fn verdict(&mut self, e: Entry) {
+        let failure = |code| Failure { code, key: e.key, a: e.a, b: e.b };
+        match e.code {
+            RUN => {
+                if let Some(op) = self.mine.remove(&e.key) {
+                    op.run(&self.data);
+                }
+            }
+            DEAD => {
+                let f = *self.dead.entry(e.key.stream).or_insert(failure(e.sig as u8));
+                if let Some(op) = self.mine.remove(&e.key) {
+                    op.fail(&|name| f.error(name, self.timeout, false));
+                }
+            }
+            code => {
+                let f = failure(code);
+                self.dead.insert(e.key.stream, f);
+                if let Some(op) = self.mine.remove(&e.key) {
+                    op.fail(&|name| f.error(name, self.timeout, true));
+                }
+            }
+        }
+    }
+
+    /// Rank 0: `from` issued `key`.
+    fn posted(&mut self, from: u32, key: OpKey, sig: u64) {
+        if let Some(f) = self.dead.get(&key.stream).copied() {
+            let e = Entry { key, code: DEAD, sig: u64::from(f.code), a: f.a, b: f.b };
+            return self.deliver(from, e);
+        }
+        let world = self.world as usize;
+        let a = self.arbiter.as_mut().expect("rank 0 arbitrates");
+        let at = a.next;
+        let known = a.known.entry(key).or_insert_with(|| Known { sigs: vec![None; world], first: Instant::now(), at });
+        if known.at == at {
+            a.order.insert(at, key);
+            a.next += 1;
+        }
+        known.sigs[from as usize] = Some(sig);
+        a.queues.entry((from, key.channel())).or_default().push_back(key);
+    }
+
+    /// Rank 0: decides every op it can, fails those that waited too long, then sends.
+    fn turn(&mut self) -> Result<(), String> {
+        if self.arbiter.is_some() {
+            self.decide();
+            self.expire();
+        }
+        self.flush()
+    }
+
+    fn decide(&mut self) {
+        let world = self.world;
+        loop {
+            let a = self.arbiter.as_ref().expect("rank 0 arbitrates");
+            let ready = a.order.values().find_map(|key| {
+                let known = &a.known[key];
+                let involved = key.involves(world);
+                let all_issued = involved.iter().all(|&p| known.sigs[p as usize].is_some());
+                let first_of_channel =
+                    involved.iter().all(|&p| a.queues.get(&(p, key.channel())).and_then(VecDeque::front) == Some(key));
+                (all_issued && first_of_channel).then(|| {
+                    let sig = known.sigs[involved[0] as usize];
+                    let odd = involved.iter().find(|&&p| known.sigs[p as usize] != sig);
+                    (*key, odd.map(|&p| (involved[0], p)))
+                })
+            });
+            match ready {
+                None => return,
+                Some((key, None)) => self.settle(key, |_| RUN),
+                Some((key, Some((a, b)))) => self.kill(Failure { code: MISMATCH, key, a, b }),
+            }
+        }
+    }
+
+    /// Rank 0: fails the ops that some rank has not issued within the timeout.
+    fn expire(&mut self) {
+        loop {
+            let a = self.arbiter.as_ref().expect("rank 0 arbitrates");
+            let Some(key) = a.order.values().next().copied() else { return };
+            let known = &a.known[&key];
+            if known.first.elapsed() < self.timeout {
+                return;
+            }
+            let missing = key.involves(self.world).into_iter().find(|&p| known.sigs[p as usize].is_none()).unwrap_or(0);
+            self.kill(Failure { code: TIMEOUT, key, a: missing, b: 0 });
+        }
+    }
+
+    /// Rank 0: fails the stream of `f.key`: that op with `f`, its other undecided ops as dead.
+    fn kill(&mut self, f: Failure) {
+        self.dead.insert(f.key.stream, f);
+        let a = self.arbiter.as_ref().expect("rank 0 arbitrates");
+        let of_stream: Vec<OpKey> = a.order.values().filter(|k| k.stream == f.key.stream).copied().collect();
+        for key in of_stream {
+            self.settle(key, |key| if key == f.key { f.code } else { DEAD });
+        }
+    }
+
+    /// Rank 0: sends `key`'s verdict to every rank that issued it, and forgets it.
+    fn settle(&mut self, key: OpKey, code: impl Fn(OpKey) -> u8) {
+        let a = self.arbiter.as_mut().expect("rank 0 arbitrates");
+        let Some(known) = a.known.remove(&key) else { return };
+        a.order.remove(&known.at);
+        let f = self.dead.get(&key.stream).copied();
+        let code = code(key);
+        for (p, _) in known.sigs.iter().enumerate().filter(|(_, s)| s.is_some()) {
+            let p = p as u32;
+            if let Some(q) = a.queues.get_mut(&(p, key.channel())) {
+                q.retain(|k| *k != key);
+                if q.is_empty() {
+                    a.queues.remove(&(p, key.channel()));
+                }
+            }
+        }
+        for p in known.sigs.iter().enumerate().filter(|(_, s)| s.is_some()).map(|(p, _)| p as u32) {
+            let e = match (code, f) {
+                (DEAD, Some(f)) => Entry { key, code, sig: u64::from(f.code), a: f.a, b: f.b },
+                (_, Some(f)) => Entry { key, code, sig: 0, a: f.a, b: f.b },
+                _ => Entry { key, code, sig: 0, a: 0, b: 0 },
+            };
+            self.deliver(p, e);
+        }
+    }
+
+    fn deliver(&mut self, to: u32, e: Entry) {
+        if to == self.rank {
+            self.verdict(e);
+        } else {
+            self.outbox[to as usize].push(e);
+        }
+    }
+
+    /// Sends what each peer is owed, or an empty frame when it has heard nothing for a while.
+    fn flush(&mut self) -> Result<(), String> {
+        let now = Instant::now();
+        for p in self.peers() {
+            let p = p as usize;
+            if self.outbox[p].is_empty() && now < self.last_sent[p] + self.keepalive() {
+                continue;
+            }
+            for buf in encode(&std::mem::take(&mut self.outbox[p])) {
+                let work = Collective::<SendTo>::submit(&*self.control, SendTo { buf, dst: p as u32, tag: 0 });
+                if let Some(c) = work.inline_completion() {
+                    if let Some(e) = c.error {
+                        return Err(format!("the streams' control group failed: {e}"));
+                    }
+                }
+            }
+            self.last_sent[p] = now;
+        }
+        Ok(())
+    }
+
+    /// Fails every waiting op with `why`, and every later one.
+    fn fail_all(&mut self, why: String) {
+        tracing::warn!(target: "comm", "streams: {why}");
+        *self.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.clone());
+        for (_, op) in self.mine.drain() {
+            op.fail(&|_| CommError::Poisoned { cause: why.clone() });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_bad_ones_are_refused() {
+        let key = OpKey { stream: 7, class: P2P, src: 1, dst: 0, n: 3 };
+        let entries: Vec<Entry> = (0..PER_FRAME as u64 + 5)
+            .map(|i| Entry { key: OpKey { n: i, ..key }, code: RUN, sig: i * 3, a: 1, b: 0 })
+            .collect();
+        let frames = encode(&entries);
+        assert_eq!(frames.len(), 2);
+        let back: Vec<Entry> = frames.iter().flat_map(|f| decode(f, 2).unwrap()).collect();
+        assert_eq!(back, entries);
+        assert!(decode(&encode(&[])[0], 2).unwrap().is_empty());
+        // A peer naming a rank outside the group, or a count past the frame, is refused.
+        assert!(decode(&frames[0], 1).unwrap_err().contains("malformed"));
+        let mut bad = frames[1].clone();
+        bad.as_bytes_mut()[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode(&bad, 2).unwrap_err().contains("entries"));
+        bad.as_bytes_mut()[0] ^= 1;
+        assert!(decode(&bad, 2).is_err());
+    }
+}

@@ -1,0 +1,217 @@
+//! Several tokio tasks per rank sharing one group: on streams of their own every result is
+//! right; on one shared group the race is reported (strict mode, on in debug builds).
+//! Real processes, shm (the streams layer is the same over every backend).
+
+use std::time::Duration;
+
+use comm_api::{init, CommError, Config, HostBuffer, ProcessGroup, ReduceOp};
+use comm_test::multiprocess;
+
+const T: Duration = Duration::from_secs(120);
+
+/// A small deterministic generator, so every rank draws the same shapes per op.
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51afd7ed558ccd);
+    x ^ (x >> 33)
+}
+
+/// Task `task`'s `ops` mixed ops on `pg` (its own stream, or a shared group), each result
+/// checked; the number of wrong results, or the first error.
+async fn mixed_ops(pg: ProcessGroup, task: u64, ops: u64) -> Result<u64, CommError> {
+    let (me, n) = (pg.rank() as u64, pg.world_size() as u64);
+    let mut wrong = 0;
+    for i in 0..ops {
+        let draw = mix(task * 1_000_003 + i);
+        let len = 1 + (draw % 300) as usize;
+        let value = |r: u64| (task * 1000 + r * 10 + i % 7) as f32;
+        if draw % 3 == 0 {
+            // Now and then a pause, so the tasks interleave differently on each rank.
+            tokio::time::sleep(Duration::from_micros(draw % 200)).await;
+        }
+        let ok = match (draw >> 8) % 4 {
+            0 => {
+                let out = pg.all_reduce(HostBuffer::from_slice(&vec![value(me); len]), ReduceOp::Sum).await?;
+                let sum: f32 = (0..n).map(value).sum();
+                out.to_vec::<f32>()?.iter().all(|&x| x == sum)
+            }
+            1 => {
+                let got = pg.all_gather(HostBuffer::from_slice(&vec![value(me); len])).await?.to_vec::<f32>()?;
+                (0..n).all(|r| got[r as usize * len..][..len].iter().all(|&x| x == value(r)))
+            }
+            2 => {
+                let root = (draw >> 16) % n;
+                let out = pg.broadcast(HostBuffer::from_slice(&vec![value(me); len]), root as u32).await?;
+                out.to_vec::<f32>()?.iter().all(|&x| x == value(root))
+            }
+            _ => {
+                // A ring: send to the next rank, receive from the previous.
+                let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+                let sent = pg.isend(HostBuffer::from_slice(&vec![value(me); len]), next as u32, task as u32);
+                let got = pg.irecv(HostBuffer::zeroed(comm_api::DType::F32, len), prev as u32, task as u32).await?;
+                sent.await?;
+                got.to_vec::<f32>()?.iter().all(|&x| x == value(prev))
+            }
+        };
+        wrong += u64::from(!ok);
+    }
+    Ok(wrong)
+}
+
+/// `tasks` tasks per rank, each on its own stream, `ops` mixed ops each: no wrong result.
+async fn tasks_on_streams(tasks: u64, ops: u64) -> Result<(), String> {
+    let pg = init(Config::from_env().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
+    let streams = pg.streams().await.map_err(|e| e.to_string())?;
+    let handles: Vec<_> = (0..tasks).map(|t| tokio::spawn(mixed_ops(streams.stream(t), t, ops))).collect();
+    for (t, h) in handles.into_iter().enumerate() {
+        let wrong = h.await.map_err(|e| e.to_string())?.map_err(|e| format!("task {t}: {e}"))?;
+        if wrong != 0 {
+            return Err(format!("task {t}: {wrong} of {ops} results wrong"));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn tasks_on_their_own_streams_world_2() {
+    multiprocess::run(2, "tasks_on_their_own_streams_world_2", T, || tasks_on_streams(4, 300));
+}
+
+#[test]
+fn tasks_on_their_own_streams_world_3() {
+    multiprocess::run(3, "tasks_on_their_own_streams_world_3", T, || tasks_on_streams(3, 200));
+}
+
+/// The issue's scenario on one shared group: two tasks, same-shaped all_reduces. Strict mode
+/// (debug builds) reports the race on some rank instead of returning wrong sums.
+#[test]
+fn two_tasks_on_one_group_are_reported() {
+    multiprocess::run_with_env(
+        2,
+        "two_tasks_on_one_group_are_reported",
+        T,
+        |_| vec![("COMM_TIMEOUT".into(), "3".into()), ("COMM_STRICT".into(), "1".into())],
+        || async {
+            let pg = init(Config::from_env().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
+            let run = |task: u64| {
+                let pg = pg.clone();
+                tokio::spawn(async move {
+                    for i in 0..300u64 {
+                        let mine = if task == 0 { 1.0f32 } else { 100.0 };
+                        let out = pg.all_reduce(HostBuffer::from_slice(&[mine; 1024]), ReduceOp::Sum).await?;
+                        if i % 16 == 0 {
+                            tokio::time::sleep(Duration::from_micros(50)).await;
+                        }
+                        drop(out);
+                    }
+                    Ok::<(), CommError>(())
+                })
+            };
+            let (a, b) = (run(0), run(1));
+            let results = [a.await.map_err(|e| e.to_string())?, b.await.map_err(|e| e.to_string())?];
+            let reported = results
+                .iter()
+                .any(|r| matches!(r, Err(CommError::InvalidArgument { reason, .. }) if reason.contains("stream")));
+            // A rank that did not see it meets a peer that stopped: its op times out, or the
+            // peer's exit is noticed first.
+            let other = results.iter().all(|r| {
+                r.is_ok()
+                    || matches!(
+                        r,
+                        Err(CommError::Timeout { .. }
+                            | CommError::Poisoned { .. }
+                            | CommError::PeerLost { .. }
+                            | CommError::InvalidArgument { .. }
+                            | CommError::Mismatch { .. })
+                    )
+            });
+            if !other {
+                return Err(format!("unexpected results: {results:?}"));
+            }
+            println!("rank {}: reported here: {reported}; {results:?}", pg.rank());
+            Ok(())
+        },
+    );
+}
+
+/// Rank 0 issues stream A's op then stream B's, rank 1 the other way round, with the same
+/// shapes: each pairs with its own. The same crossing on one stream, with different shapes,
+/// is `Mismatch` on both ranks.
+#[test]
+fn crossed_streams() {
+    multiprocess::run(2, "crossed_streams", T, || async {
+        let pg = init(Config::from_env().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
+        let streams = pg.streams().await.map_err(|e| e.to_string())?;
+        let me = pg.rank();
+        let (a, b) = (streams.stream(1), streams.stream(2));
+        let issue = |s: &ProcessGroup, v: f32| s.all_reduce(HostBuffer::from_slice(&[v; 16]), ReduceOp::Sum);
+        let (wa, wb) = if me == 0 {
+            let wa = issue(&a, 1.0);
+            (wa, issue(&b, 10.0))
+        } else {
+            let wb = issue(&b, 10.0);
+            (issue(&a, 1.0), wb)
+        };
+        let (ra, rb) = (wa.await.map_err(|e| e.to_string())?, wb.await.map_err(|e| e.to_string())?);
+        if ra.to_vec::<f32>().unwrap() != [2.0; 16] || rb.to_vec::<f32>().unwrap() != [20.0; 16] {
+            return Err(format!("crossed streams paired wrongly: {ra:?} {rb:?}"));
+        }
+        // One stream, crossed, different shapes.
+        let c = streams.stream(3);
+        let (first, second) = if me == 0 { (16, 32) } else { (32, 16) };
+        let w1 = c.all_reduce(HostBuffer::from_slice(&vec![1.0f32; first]), ReduceOp::Sum);
+        let w2 = c.all_reduce(HostBuffer::from_slice(&vec![1.0f32; second]), ReduceOp::Sum);
+        match (w1.await, w2.await) {
+            (Err(CommError::Mismatch { detail, .. }), Err(CommError::Poisoned { cause }))
+                if detail.contains("stream 3") && cause.contains("stream 3") => {}
+            other => return Err(format!("one stream crossed: {other:?}")),
+        }
+        // The other streams go on.
+        let r = issue(&a, 1.0).await.map_err(|e| e.to_string())?;
+        if r.to_vec::<f32>().unwrap() != [2.0; 16] {
+            return Err("stream 1 after stream 3 failed".into());
+        }
+        Ok(())
+    });
+}
+
+/// A stream whose peer never issues its op times out, naming the stream and the rank; the
+/// other streams go on meanwhile.
+#[test]
+fn a_missing_op_times_out_alone() {
+    multiprocess::run_with_env(
+        2,
+        "a_missing_op_times_out_alone",
+        T,
+        |_| vec![("COMM_TIMEOUT".into(), "2".into())],
+        || async {
+            let pg = init(Config::from_env().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
+            let streams = pg.streams().await.map_err(|e| e.to_string())?;
+            let (lonely, busy) = (streams.stream(7), streams.stream(8));
+            let waiting = (pg.rank() == 0).then(|| lonely.all_reduce(HostBuffer::from_slice(&[1.0f32]), ReduceOp::Sum));
+            let start = std::time::Instant::now();
+            while start.elapsed() < Duration::from_secs(3) {
+                let r = busy
+                    .all_reduce(HostBuffer::from_slice(&[1.0f32; 8]), ReduceOp::Sum)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if r.to_vec::<f32>().unwrap() != [2.0; 8] {
+                    return Err("busy stream: wrong sum".into());
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            if let Some(w) = waiting {
+                match w.await {
+                    Err(CommError::Timeout { op, detail, .. })
+                        if op.contains("stream 7") && detail.contains("rank 1") => {}
+                    other => return Err(format!("lonely op: {other:?}")),
+                }
+                match lonely.barrier().await {
+                    Err(CommError::Poisoned { cause }) if cause.contains("stream 7") => {}
+                    other => return Err(format!("after the timeout: {other:?}")),
+                }
+            }
+            Ok(())
+        },
+    );
+}
