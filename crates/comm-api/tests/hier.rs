@@ -15,6 +15,7 @@ use std::time::Duration;
 use comm_api::{Config, HostBuffer, Rank, ReduceOp};
 use comm_test::mpirun::{Job, Launch};
 
+mod streams_body;
 mod surfaces;
 
 const CHILD: &str = "COMM_HIER_CHILD";
@@ -163,6 +164,15 @@ fn composite_ops_are_checked_across_hosts() {
     assert_eq!(job.lines("SURFACES-OK").len(), 4, "{job}");
 }
 
+/// Several tasks per rank, each on its own stream, across 2 × 2 simulated hosts: every
+/// result right.
+#[test]
+fn tasks_on_their_own_streams_across_hosts() {
+    let Some(job) = job(&[2, 2], "streams", &[("COMM_TIMEOUT", "60")], Duration::from_secs(120)) else { return };
+    assert_eq!(job.code, Some(0), "{job}");
+    assert_eq!(job.lines("STREAMS-OK").len(), 4, "{job}");
+}
+
 #[test]
 fn a_killed_rank_ends_the_job_on_every_host() {
     let envs = [("COMM_TIMEOUT", "10")];
@@ -190,6 +200,7 @@ fn child() {
             "suite" => suite().await,
             "kill" => kill().await,
             "surfaces" => surfaces().await,
+            "streams" => streams().await,
             other => {
                 eprintln!("unknown scenario {other}");
                 2
@@ -253,6 +264,20 @@ async fn surfaces() -> i32 {
     match surfaces::composite_checks(&pg).await {
         Ok(()) => {
             println!("SURFACES-OK rank {} on {}", pg.rank(), pg.backend_name());
+            0
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            1
+        }
+    }
+}
+
+async fn streams() -> i32 {
+    let pg = comm_api::init(Config::from_env().unwrap()).await.expect("init");
+    match streams_body::tasks_on_streams(&pg, 4, 300).await {
+        Ok(()) => {
+            println!("STREAMS-OK rank {} on {}", pg.rank(), pg.backend_name());
             0
         }
         Err(e) => {

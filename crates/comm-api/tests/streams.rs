@@ -9,77 +9,26 @@ use comm_test::multiprocess;
 
 const T: Duration = Duration::from_secs(120);
 
-/// A small deterministic generator, so every rank draws the same shapes per op.
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51afd7ed558ccd);
-    x ^ (x >> 33)
-}
+mod streams_body;
 
-/// Task `task`'s `ops` mixed ops on `pg` (its own stream, or a shared group), each result
-/// checked; the number of wrong results, or the first error.
-async fn mixed_ops(pg: ProcessGroup, task: u64, ops: u64) -> Result<u64, CommError> {
-    let (me, n) = (pg.rank() as u64, pg.world_size() as u64);
-    let mut wrong = 0;
-    for i in 0..ops {
-        let draw = mix(task * 1_000_003 + i);
-        let len = 1 + (draw % 300) as usize;
-        let value = |r: u64| (task * 1000 + r * 10 + i % 7) as f32;
-        if draw % 3 == 0 {
-            // Now and then a pause, so the tasks interleave differently on each rank.
-            tokio::time::sleep(Duration::from_micros(draw % 200)).await;
-        }
-        let ok = match (draw >> 8) % 4 {
-            0 => {
-                let out = pg.all_reduce(HostBuffer::from_slice(&vec![value(me); len]), ReduceOp::Sum).await?;
-                let sum: f32 = (0..n).map(value).sum();
-                out.to_vec::<f32>()?.iter().all(|&x| x == sum)
-            }
-            1 => {
-                let got = pg.all_gather(HostBuffer::from_slice(&vec![value(me); len])).await?.to_vec::<f32>()?;
-                (0..n).all(|r| got[r as usize * len..][..len].iter().all(|&x| x == value(r)))
-            }
-            2 => {
-                let root = (draw >> 16) % n;
-                let out = pg.broadcast(HostBuffer::from_slice(&vec![value(me); len]), root as u32).await?;
-                out.to_vec::<f32>()?.iter().all(|&x| x == value(root))
-            }
-            _ => {
-                // A ring: send to the next rank, receive from the previous.
-                let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
-                let sent = pg.isend(HostBuffer::from_slice(&vec![value(me); len]), next as u32, task as u32);
-                let got = pg.irecv(HostBuffer::zeroed(comm_api::DType::F32, len), prev as u32, task as u32).await?;
-                sent.await?;
-                got.to_vec::<f32>()?.iter().all(|&x| x == value(prev))
-            }
-        };
-        wrong += u64::from(!ok);
-    }
-    Ok(wrong)
-}
-
-/// `tasks` tasks per rank, each on its own stream, `ops` mixed ops each: no wrong result.
 async fn tasks_on_streams(tasks: u64, ops: u64) -> Result<(), String> {
     let pg = init(Config::from_env().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
-    let streams = pg.streams().await.map_err(|e| e.to_string())?;
-    let handles: Vec<_> = (0..tasks).map(|t| tokio::spawn(mixed_ops(streams.stream(t), t, ops))).collect();
-    for (t, h) in handles.into_iter().enumerate() {
-        let wrong = h.await.map_err(|e| e.to_string())?.map_err(|e| format!("task {t}: {e}"))?;
-        if wrong != 0 {
-            return Err(format!("task {t}: {wrong} of {ops} results wrong"));
-        }
-    }
-    Ok(())
+    streams_body::tasks_on_streams(&pg, tasks, ops).await
 }
 
 #[test]
 fn tasks_on_their_own_streams_world_2() {
-    multiprocess::run(2, "tasks_on_their_own_streams_world_2", T, || tasks_on_streams(4, 300));
+    multiprocess::run(2, "tasks_on_their_own_streams_world_2", T, || tasks_on_streams(8, 1000));
 }
 
 #[test]
 fn tasks_on_their_own_streams_world_3() {
-    multiprocess::run(3, "tasks_on_their_own_streams_world_3", T, || tasks_on_streams(3, 200));
+    multiprocess::run(3, "tasks_on_their_own_streams_world_3", T, || tasks_on_streams(4, 1000));
+}
+
+#[test]
+fn tasks_on_their_own_streams_world_4() {
+    multiprocess::run(4, "tasks_on_their_own_streams_world_4", T, || tasks_on_streams(2, 1000));
 }
 
 /// The scenario on one shared group: two tasks, same-shaped all_reduces. Strict mode
