@@ -50,7 +50,7 @@ async fn main() -> Result<(), comm_api::CommError> {
         }
     }
     println!("rank {}/{}: served {} requests on their own streams", pg.rank(), pg.world_size(), requests.len());
-    drop(streams);
+    streams.shutdown().await?;
     pg.barrier().await?;
     pg.shutdown().await
 }

@@ -27,7 +27,6 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, Weak};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -40,6 +39,8 @@ use crate::ProcessGroup;
 
 const FRAME: usize = 4096;
 const MAGIC: u32 = u32::from_le_bytes(*b"cstr");
+/// A rank's last frame to a peer: it sends and listens no more.
+const BYE: u32 = u32::from_le_bytes(*b"cbye");
 const ENTRY: usize = 48;
 const PER_FRAME: usize = (FRAME - 8) / ENTRY;
 
@@ -121,11 +122,21 @@ fn encode(entries: &[Entry]) -> Vec<HostBuffer> {
         .collect()
 }
 
-/// A peer's frame, checked: everything in it is bounded by `world` before it is used.
-fn decode(buf: &HostBuffer, world: u32) -> Result<Vec<Entry>, String> {
+fn bye() -> HostBuffer {
+    let mut buf = HostBuffer::zeroed(DType::U8, FRAME);
+    buf.as_bytes_mut()[0..4].copy_from_slice(&BYE.to_le_bytes());
+    buf
+}
+
+/// A peer's frame, checked: everything in it is bounded by `world` before it is used. `None`:
+/// the peer's goodbye.
+fn decode(buf: &HostBuffer, world: u32) -> Result<Option<Vec<Entry>>, String> {
     let b = buf.as_bytes();
     let word = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
     let long = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"));
+    if b.len() == FRAME && word(0) == BYE {
+        return Ok(None);
+    }
     if b.len() != FRAME || word(0) != MAGIC {
         return Err("not a stream frame".into());
     }
@@ -143,7 +154,8 @@ fn decode(buf: &HostBuffer, world: u32) -> Result<Vec<Entry>, String> {
             let ok = key.class <= P2P && e.code <= DEAD && ranks_ok && e.a < world.max(1) && e.b < world.max(1);
             ok.then_some(e).ok_or_else(|| format!("entry {i} is malformed"))
         })
-        .collect()
+        .collect::<Result<_, _>>()
+        .map(Some)
 }
 
 /// Why a stream failed.
@@ -215,7 +227,9 @@ enum Event {
     },
     /// The standing receive from this peer completed.
     Frame(u32),
-    Stop,
+    /// Say goodbye to the peers, wait for theirs (at most the timeout), then end; completes
+    /// the completer, if any, when done.
+    Stop(Option<Completer<()>>),
 }
 
 /// Independent ordering domains over the ranks of a group: see [`ProcessGroup::streams`].
@@ -232,15 +246,13 @@ struct Shared {
     registry: Mutex<HashMap<u64, Weak<StreamBackend>>>,
     parent: ProcessGroup,
     broken: Arc<Mutex<Option<String>>>,
-    driver: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// Without [`Streams::shutdown`], the driver says goodbye when the last handle goes and ends
+/// once the peers said theirs (or after the timeout).
 impl Drop for Shared {
     fn drop(&mut self) {
-        let _ = self.tx.send(Event::Stop);
-        if let Some(driver) = self.driver.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = driver.join();
-        }
+        let _ = self.tx.send(Event::Stop(None));
     }
 }
 
@@ -285,24 +297,29 @@ impl ProcessGroup {
         let broken = Arc::new(Mutex::new(None));
         let timeout = self.timeout();
         let driver = Driver::new(data.clone(), control, tx.clone(), timeout, broken.clone());
-        let thread = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("comm-streams".into())
             .spawn(move || driver.run(rx))
             .map_err(|e| CommError::io("starting the streams thread", e))?;
-        Ok(Streams {
-            shared: Arc::new(Shared {
-                data,
-                tx,
-                registry: Mutex::default(),
-                parent: self.clone(),
-                broken,
-                driver: Mutex::new(Some(thread)),
-            }),
-        })
+        Ok(Streams { shared: Arc::new(Shared { data, tx, registry: Mutex::default(), parent: self.clone(), broken }) })
     }
 }
 
 impl Streams {
+    /// Ends every stream on this rank once the other ranks call it too (or after the
+    /// timeout): ops not yet run fail with `Shutdown`, and so do later ones. Collective, like
+    /// [`ProcessGroup::shutdown`]; dropping every handle does the same without waiting.
+    pub async fn shutdown(&self) -> Result<(), CommError> {
+        let (done, work) = Work::pending();
+        if self.shared.tx.send(Event::Stop(Some(done))).is_err() {
+            return Ok(());
+        }
+        match work.await {
+            Err(CommError::Shutdown(_)) => Ok(()),
+            other => other,
+        }
+    }
+
     /// The stream named `key` (the same key on every rank names the same stream): a group of
     /// the same ranks whose ops are ordered only among themselves. Local, no communication.
     /// While a handle of `key` lives, `stream(key)` returns one sharing its numbering; once
@@ -483,6 +500,12 @@ struct Driver {
     /// Entries to send to each peer, and when it was last sent one.
     outbox: Vec<Vec<Entry>>,
     last_sent: Vec<Instant>,
+    /// Goodbyes sent to and received from each peer: a pair that exchanged both sends and
+    /// listens no more, so nothing is left pending on `control`.
+    bye_sent: Vec<bool>,
+    gone: Vec<bool>,
+    /// Since when this rank is ending its streams, and who waits for it.
+    stopping: Option<(Instant, Vec<Completer<()>>)>,
     arbiter: Option<Arbiter>,
 }
 
@@ -509,17 +532,18 @@ impl Driver {
             recvs: (0..n).map(|_| None).collect(),
             outbox: vec![Vec::new(); n],
             last_sent: vec![Instant::now(); n],
+            bye_sent: vec![false; n],
+            gone: vec![false; n],
+            stopping: None,
             arbiter: (rank == 0).then(Arbiter::default),
         }
     }
 
-    /// The peers this rank exchanges frames with: the arbiter hears everyone, the others it.
+    /// The peers this rank exchanges frames with (the arbiter hears everyone, the others it)
+    /// and has not said goodbye to.
     fn peers(&self) -> Vec<u32> {
-        if self.rank == 0 {
-            (1..self.world).collect()
-        } else {
-            vec![0]
-        }
+        let all = if self.rank == 0 { (1..self.world).collect() } else { vec![0] };
+        all.into_iter().filter(|&p| !self.bye_sent[p as usize]).collect()
     }
 
     fn keepalive(&self) -> Duration {
@@ -540,17 +564,39 @@ impl Driver {
             // Everything that arrived meanwhile in one turn: one frame per peer per batch.
             for ev in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
                 if let Err(why) = self.handle(ev) {
-                    if why.is_empty() {
-                        return;
-                    }
                     self.fail_all(why);
-                    return;
+                    return self.end();
                 }
             }
             if let Err(why) = self.turn() {
                 self.fail_all(why);
-                return;
+                return self.end();
             }
+            let peers = if self.rank == 0 { 1..self.world } else { 0..1.min(self.world) };
+            let all_gone = !peers.is_empty() && peers.clone().all(|p| self.gone[p as usize]);
+            match &self.stopping {
+                Some((since, _)) if all_gone || since.elapsed() >= self.timeout => return self.end(),
+                // The others ended theirs: so does this rank (later ops fail with `Shutdown`).
+                None if all_gone => return self.end(),
+                _ => {}
+            }
+        }
+    }
+
+    /// Ends the thread: waiting ops fail with `Shutdown`, `Streams::shutdown` returns.
+    fn end(mut self) {
+        for (_, op) in self.mine.drain() {
+            op.fail(&|_| CommError::Shutdown("the streams were shut down".into()));
+        }
+        for done in self.stopping.take().map(|(_, w)| w).unwrap_or_default() {
+            done.complete(Ok(()));
+        }
+    }
+
+    /// Says goodbye to `peer` (once): nothing is sent to it after this.
+    fn say_bye(&mut self, peer: u32) {
+        if !std::mem::replace(&mut self.bye_sent[peer as usize], true) {
+            drop(Collective::<SendTo>::submit(&*self.control, SendTo { buf: bye(), dst: peer, tag: 0 }));
         }
     }
 
@@ -564,7 +610,22 @@ impl Driver {
     /// Handles one event; `Err("")` to stop, `Err(why)` when the streams are broken.
     fn handle(&mut self, ev: Event) -> Result<(), String> {
         match ev {
-            Event::Stop => Err(String::new()),
+            Event::Stop(done) => {
+                let (_, waiting) = self.stopping.get_or_insert_with(|| (Instant::now(), Vec::new()));
+                waiting.extend(done);
+                for (_, op) in self.mine.drain() {
+                    op.fail(&|_| CommError::Shutdown("the streams were shut down".into()));
+                }
+                let all = if self.rank == 0 { (1..self.world).collect() } else { vec![0] };
+                for p in all {
+                    self.say_bye(p);
+                }
+                Ok(())
+            }
+            Event::Post { op, .. } if self.stopping.is_some() => {
+                op.fail(&|_| CommError::Shutdown("the streams were shut down".into()));
+                Ok(())
+            }
             Event::Post { key, sig, op } => {
                 if let Some(f) = self.dead.get(&key.stream).copied() {
                     op.fail(&|name| f.error(name, self.timeout, false));
@@ -581,6 +642,11 @@ impl Driver {
                 let work = self.recvs[peer as usize].take().expect("a frame event follows its receive");
                 let buf = work.wait().map_err(|e| format!("the streams' control group failed: {e}"))?;
                 let entries = decode(&buf, self.world).map_err(|e| format!("rank {peer} sent a bad frame: {e}"))?;
+                let Some(entries) = entries else {
+                    self.gone[peer as usize] = true;
+                    self.say_bye(peer);
+                    return Ok(());
+                };
                 self.listen(peer);
                 for e in entries {
                     match (self.rank, e.code) {
@@ -732,7 +798,7 @@ impl Driver {
     fn deliver(&mut self, to: u32, e: Entry) {
         if to == self.rank {
             self.verdict(e);
-        } else {
+        } else if !self.bye_sent[to as usize] {
             self.outbox[to as usize].push(e);
         }
     }
@@ -780,9 +846,10 @@ mod tests {
             .collect();
         let frames = encode(&entries);
         assert_eq!(frames.len(), 2);
-        let back: Vec<Entry> = frames.iter().flat_map(|f| decode(f, 2).unwrap()).collect();
+        let back: Vec<Entry> = frames.iter().flat_map(|f| decode(f, 2).unwrap().unwrap()).collect();
         assert_eq!(back, entries);
-        assert!(decode(&encode(&[])[0], 2).unwrap().is_empty());
+        assert!(decode(&encode(&[])[0], 2).unwrap().unwrap().is_empty());
+        assert_eq!(decode(&bye(), 2), Ok(None));
         // A peer naming a rank outside the group, or a count past the frame, is refused.
         assert!(decode(&frames[0], 1).unwrap_err().contains("malformed"));
         let mut bad = frames[1].clone();

@@ -64,5 +64,10 @@ pub(crate) async fn tasks_on_streams(pg: &ProcessGroup, tasks: u64, ops: u64) ->
             return Err(format!("task {t}: {wrong} of {ops} results wrong"));
         }
     }
-    Ok(())
+    streams.shutdown().await.map_err(|e| e.to_string())?;
+    // Ended: later ops fail, at once.
+    match streams.stream(0).barrier().await {
+        Err(CommError::Shutdown(_)) => Ok(()),
+        other => Err(format!("an op after shutdown: {other:?}")),
+    }
 }
