@@ -21,7 +21,7 @@ async fn mixed_ops(pg: ProcessGroup, task: u64, ops: u64) -> Result<u64, CommErr
         let draw = mix(task * 1_000_003 + i);
         let len = 1 + (draw % 300) as usize;
         let value = |r: u64| (task * 1000 + r * 10 + i % 7) as f32;
-        if draw % 3 == 0 {
+        if draw.is_multiple_of(3) {
             // Now and then a pause, so the tasks interleave differently on each rank.
             tokio::time::sleep(Duration::from_micros(draw % 200)).await;
         }
