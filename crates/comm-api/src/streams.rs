@@ -506,6 +506,9 @@ struct Driver {
     gone: Vec<bool>,
     /// Since when this rank is ending its streams, and who waits for it.
     stopping: Option<(Instant, Vec<Completer<()>>)>,
+    /// Peers whose frame this turn took: listened to again once the turn's verdicts and ops
+    /// are out, since posting a receive may hold this thread for the backend's spin budget.
+    relisten: Vec<u32>,
     arbiter: Option<Arbiter>,
 }
 
@@ -535,6 +538,7 @@ impl Driver {
             bye_sent: vec![false; n],
             gone: vec![false; n],
             stopping: None,
+            relisten: Vec::new(),
             arbiter: (rank == 0).then(Arbiter::default),
         }
     }
@@ -571,6 +575,9 @@ impl Driver {
             if let Err(why) = self.turn() {
                 self.fail_all(why);
                 return self.end();
+            }
+            for p in std::mem::take(&mut self.relisten) {
+                self.listen(p);
             }
             let peers = if self.rank == 0 { 1..self.world } else { 0..1.min(self.world) };
             let all_gone = !peers.is_empty() && peers.clone().all(|p| self.gone[p as usize]);
@@ -647,7 +654,7 @@ impl Driver {
                     self.say_bye(peer);
                     return Ok(());
                 };
-                self.listen(peer);
+                self.relisten.push(peer);
                 for e in entries {
                     match (self.rank, e.code) {
                         (0, POSTED) if e.key.involves(self.world).contains(&peer) => self.posted(peer, e.key, e.sig),
