@@ -126,8 +126,7 @@ impl ProcessGroup {
         }
     }
 
-    /// A group of the same members over another backend (a sub-group of all of them, a
-    /// stream), with its own issuers.
+    /// This group's description over another backend (a sub-group, a stream) and issuers.
     pub(crate) fn over(&self, backend: Arc<dyn Backend>, issuers: Arc<Issuers>) -> ProcessGroup {
         ProcessGroup { backend, issuers, ..self.clone() }
     }
@@ -633,15 +632,7 @@ impl ProcessGroup {
         sorted.sort_unstable();
         let Some(backend) = self.backend.new_group(&sorted).await? else { return Ok(None) };
         let members = sorted.iter().map(|&r| self.members[r as usize]).collect();
-        Ok(Some(ProcessGroup {
-            backend,
-            world: self.world.clone(),
-            members: Arc::new(members),
-            _server: self._server.clone(),
-            chosen: self.chosen.clone(),
-            issuers: Arc::default(),
-            timeout: self.timeout,
-        }))
+        Ok(Some(ProcessGroup { members: Arc::new(members), ..self.over(backend, Arc::default()) }))
     }
 
     /// FlexLLMGen's pipeline helper: the two-rank groups `{r, r+1 mod n}` of a ring, created

@@ -3,33 +3,50 @@
 //! rank, so same-shaped ops pair with the wrong ones and nothing can tell. The facade sees it
 //! happen: an op is issued while another task's op on the same group is still in flight.
 
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
 
 use comm_core::{CommError, Work};
 
-/// Who issues an op: the tokio task, or the thread outside tokio.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Issuer {
-    Task(tokio::task::Id),
-    Thread(std::thread::ThreadId),
-}
+/// Bits of [`Issuers::state`] that count the ops in flight; the rest name their issuer.
+const COUNT_BITS: u32 = 20;
+const COUNT: u64 = (1 << COUNT_BITS) - 1;
 
-impl Issuer {
-    fn current() -> Issuer {
-        match tokio::task::try_id() {
-            Some(id) => Issuer::Task(id),
-            None => Issuer::Thread(std::thread::current().id()),
+/// Who issues an op: the tokio task, or the thread outside tokio, as a number (a task's id
+/// or a thread's, times two, plus one for a thread), cut to the bits above the count.
+fn current() -> u64 {
+    /// Keeps the `u64` that `Id` and `ThreadId` hash as (their only field).
+    struct Capture(u64);
+    impl Hasher for Capture {
+        fn finish(&self) -> u64 {
+            self.0
+        }
+        fn write(&mut self, bytes: &[u8]) {
+            self.0 = bytes.iter().fold(self.0, |h, &b| h.rotate_left(8) ^ u64::from(b));
+        }
+        fn write_u64(&mut self, x: u64) {
+            self.0 = x;
         }
     }
+    let mut h = Capture(0);
+    let thread = match tokio::task::try_id() {
+        Some(id) => {
+            id.hash(&mut h);
+            0
+        }
+        None => {
+            std::thread::current().id().hash(&mut h);
+            1
+        }
+    };
+    ((h.0 << 1) | thread) & (u64::MAX >> COUNT_BITS)
 }
 
-impl std::fmt::Display for Issuer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Issuer::Task(id) => write!(f, "tokio task {id}"),
-            Issuer::Thread(id) => write!(f, "thread {id:?}"),
-        }
+fn describe(issuer: u64) -> String {
+    match issuer & 1 {
+        0 => format!("tokio task {}", issuer >> 1),
+        _ => format!("thread {}", issuer >> 1),
     }
 }
 
@@ -49,8 +66,9 @@ pub(crate) fn strict() -> bool {
 /// The issuer of the ops in flight on one group (or stream), shared by its clones.
 #[derive(Debug, Default)]
 pub(crate) struct Issuers {
-    /// The issuer and how many of its ops are in flight (from issue to completion).
-    in_flight: Mutex<Option<(Issuer, usize)>>,
+    /// The issuer (high bits) and how many of its ops are in flight, from issue to
+    /// completion (low [`COUNT_BITS`]): one word, so the check costs one compare-and-swap.
+    state: AtomicU64,
     warned: AtomicBool,
 }
 
@@ -58,40 +76,44 @@ impl Issuers {
     /// Counts an op of the current issuer in flight, or refuses it (strict mode) when another
     /// issuer's op is.
     pub(crate) fn enter(self: &Arc<Self>, op: &'static str) -> Result<Entered, CommError> {
-        let me = Issuer::current();
-        let mut slot = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        match &mut *slot {
-            Some((who, n)) if *who == me => *n += 1,
-            Some((other, _)) => {
-                let other = *other;
-                drop(slot);
-                let reason = format!(
-                    "{me} issued {op} on a group (or stream) while {other} had an op in flight on it: ops of \
-                     one group are matched across ranks by their order, which two tasks issuing at once make \
-                     differ between ranks (ops then pair with the wrong ones). Give each task its own stream \
-                     (`pg.streams().await?.stream(key)`), or order the ops yourself"
-                );
-                if strict() {
-                    return Err(CommError::InvalidArgument { op, reason: reason + " (COMM_STRICT=1)" });
-                }
-                if !self.warned.swap(true, Relaxed) {
-                    tracing::warn!(target: "comm", "{reason} (COMM_STRICT=1 makes this an error; warned once per group)");
-                }
-                return Ok(Entered(None));
+        let me = current();
+        let mut now = self.state.load(Relaxed);
+        loop {
+            let (who, n) = (now >> COUNT_BITS, now & COUNT);
+            let next = match n {
+                0 => (me << COUNT_BITS) | 1,
+                // Past a million ops in flight, the rest go uncounted.
+                COUNT if who == me => return Ok(Entered(None)),
+                _ if who == me => now + 1,
+                _ => return self.refuse(op, me, who),
+            };
+            match self.state.compare_exchange_weak(now, next, Relaxed, Relaxed) {
+                Ok(_) => return Ok(Entered(Some(self.clone()))),
+                Err(seen) => now = seen,
             }
-            None => *slot = Some((me, 1)),
         }
-        Ok(Entered(Some(self.clone())))
+    }
+
+    fn refuse(&self, op: &'static str, me: u64, other: u64) -> Result<Entered, CommError> {
+        let reason = format!(
+            "{} issued {op} on a group (or stream) while {} had an op in flight on it: ops of one group \
+             are matched across ranks by their order, which two tasks issuing at once make differ between \
+             ranks (ops then pair with the wrong ones). Give each task its own stream \
+             (`pg.streams().await?.stream(key)`), or order the ops yourself",
+            describe(me),
+            describe(other)
+        );
+        if strict() {
+            return Err(CommError::InvalidArgument { op, reason: reason + " (COMM_STRICT=1)" });
+        }
+        if !self.warned.swap(true, Relaxed) {
+            tracing::warn!(target: "comm", "{reason} (COMM_STRICT=1 makes this an error; warned once per group)");
+        }
+        Ok(Entered(None))
     }
 
     fn leave(&self) {
-        let mut slot = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((_, n)) = &mut *slot {
-            *n -= 1;
-            if *n == 0 {
-                *slot = None;
-            }
-        }
+        self.state.fetch_sub(1, Relaxed);
     }
 }
 

@@ -272,6 +272,7 @@ impl ProcessGroup {
     /// them in on each rank; ops of one stream pair in that stream's order. Rank 0 decides
     /// the order in which every rank runs them (module docs: `comm_api::streams`); this costs
     /// each op a message to rank 0 and one back, and uses two sub-groups of all the ranks.
+    /// A stream's `backend_name()` is its group's with `-stream` (`"shm-stream"`).
     ///
     /// ```
     /// # use comm_api::{ProcessGroup, HostBuffer, ReduceOp, WorldInfo};
@@ -438,8 +439,16 @@ impl Group for StreamBackend {
         self.shared.data.world_size()
     }
 
+    /// The group's backend name with `-stream` (`"shm-stream"`), so reports tell them apart.
     fn backend_name(&self) -> &'static str {
-        self.shared.data.backend_name()
+        match self.shared.data.backend_name() {
+            "shm" => "shm-stream",
+            "mpi" => "mpi-stream",
+            "hier" => "hier-stream",
+            "nccl" => "nccl-stream",
+            "local" => "local-stream",
+            _ => "stream",
+        }
     }
 
     async fn new_group(&self, _: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
@@ -493,6 +502,9 @@ struct Driver {
     broken: Arc<Mutex<Option<String>>>,
     /// This rank's ops waiting for their verdict.
     mine: HashMap<OpKey, Box<dyn Deferred>>,
+    /// Ops decided this turn, in order: run once the turn's frames are out, so that no peer
+    /// waits for its verdict while this rank's op waits for the peer.
+    decided: Vec<Box<dyn Deferred>>,
     /// Streams that failed, and why.
     dead: HashMap<u64, Failure>,
     /// The standing receive from each peer this rank hears from.
@@ -531,6 +543,7 @@ impl Driver {
             timeout,
             broken,
             mine: HashMap::new(),
+            decided: Vec::new(),
             dead: HashMap::new(),
             recvs: (0..n).map(|_| None).collect(),
             outbox: vec![Vec::new(); n],
@@ -592,7 +605,7 @@ impl Driver {
 
     /// Ends the thread: waiting ops fail with `Shutdown`, `Streams::shutdown` returns.
     fn end(mut self) {
-        for (_, op) in self.mine.drain() {
+        for op in self.mine.drain().map(|(_, op)| op).chain(self.decided.drain(..)) {
             op.fail(&|_| CommError::Shutdown("the streams were shut down".into()));
         }
         for done in self.stopping.take().map(|(_, w)| w).unwrap_or_default() {
@@ -680,11 +693,7 @@ impl Driver {
     fn verdict(&mut self, e: Entry) {
         let failure = |code| Failure { code, key: e.key, a: e.a, b: e.b };
         match e.code {
-            RUN => {
-                if let Some(op) = self.mine.remove(&e.key) {
-                    op.run(&self.data);
-                }
-            }
+            RUN => self.decided.extend(self.mine.remove(&e.key)),
             DEAD => {
                 let f = *self.dead.entry(e.key.stream).or_insert(failure(e.sig as u8));
                 if let Some(op) = self.mine.remove(&e.key) {
@@ -725,7 +734,11 @@ impl Driver {
             self.decide();
             self.expire();
         }
-        self.flush()
+        self.flush()?;
+        for op in std::mem::take(&mut self.decided) {
+            op.run(&self.data);
+        }
+        Ok(())
     }
 
     fn decide(&mut self) {
@@ -835,7 +848,7 @@ impl Driver {
     fn fail_all(&mut self, why: String) {
         tracing::warn!(target: "comm", "streams: {why}");
         *self.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.clone());
-        for (_, op) in self.mine.drain() {
+        for op in self.mine.drain().map(|(_, op)| op).chain(self.decided.drain(..)) {
             op.fail(&|_| CommError::Poisoned { cause: why.clone() });
         }
     }

@@ -165,6 +165,10 @@ struct Cli {
     /// backend's zero-copy memory where it has one.
     #[arg(long)]
     zero_copy: bool,
+    /// Also time every row on a stream of the group (`pg.streams()`), interleaved with the
+    /// group itself in every row: the cost of a stream op.
+    #[arg(long, conflicts_with = "interleave")]
+    stream: bool,
     /// Profile every op (a span each, recorded by a CommsLogger) and print the CommsLogger
     /// summary with the per-rank straggler view after the bench (feature `profiling`).
     #[arg(long, conflicts_with = "profile_overhead")]
@@ -221,6 +225,7 @@ struct Plan {
     progress: progress::Mode,
     check: bool,
     zero_copy: bool,
+    stream: bool,
     // Only acted on with the `profiling` feature; without it `from_cli` refuses them.
     #[cfg_attr(not(feature = "profiling"), allow(dead_code))]
     profile: bool,
@@ -283,6 +288,12 @@ impl Plan {
             }
             Some(other) => return Err(format!("--interleave takes `mpi-raw`, not `{other}`")),
         };
+        if cli.stream && cli.json.as_ref().is_some_and(|p| !p.to_string_lossy().contains("{backend}")) {
+            return Err(
+                "--stream writes a report for the group and one for the stream: put `{backend}` in the --json path"
+                    .into(),
+            );
+        }
         Ok(Plan {
             colls,
             dtypes,
@@ -302,6 +313,7 @@ impl Plan {
             trace: cli.trace,
             percentiles: cli.percentiles,
             zero_copy: cli.zero_copy,
+            stream: cli.stream,
             interleave,
         })
     }
@@ -440,7 +452,12 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
         pg.shutdown().await?;
         return Ok(0);
     }
-    let wrong = bench(plan, std::slice::from_ref(&pg)).await?;
+    let streams = if plan.stream { Some(pg.streams().await?) } else { None };
+    let pgs: Vec<ProcessGroup> = std::iter::once(pg.clone()).chain(streams.as_ref().map(|s| s.stream(0))).collect();
+    let wrong = bench(plan, &pgs).await?;
+    if let Some(streams) = streams {
+        streams.shutdown().await?;
+    }
     #[cfg(feature = "profiling")]
     if let Some(logger) = logger {
         // Collective: every rank takes part; rank 0 prints.
@@ -880,6 +897,14 @@ mod tests {
             Err(e) => assert!(!cfg!(feature = "profiling") && e.contains("`profiling` feature"), "{e}"),
         }
         assert!(plan(&["--profile", "--profile-overhead"]).is_err());
+    }
+
+    #[test]
+    fn stream_runs_beside_the_group_with_a_report_each() {
+        assert!(plan(&["--stream"]).unwrap().stream);
+        assert!(plan(&["--stream", "--interleave", "mpi-raw"]).is_err());
+        assert!(plan(&["--stream", "--json", "r.json"]).unwrap_err().contains("{backend}"));
+        assert!(plan(&["--stream", "--json", "r-{backend}.json"]).is_ok());
     }
 
     #[test]
