@@ -287,6 +287,7 @@ impl ProcessGroup {
     /// for h in handlers {
     ///     assert_eq!(h.join().unwrap()?.to_vec::<f32>()?, [pg.world_size() as f32]);
     /// }
+    /// streams.shutdown().await?;
     /// # Ok::<(), comm_api::CommError>(()) }).unwrap();
     /// ```
     pub async fn streams(&self) -> Result<Streams, CommError> {
@@ -556,11 +557,18 @@ impl Driver {
         }
     }
 
-    /// The peers this rank exchanges frames with (the arbiter hears everyone, the others it)
-    /// and has not said goodbye to.
+    /// The peers this rank exchanges frames with: the arbiter everyone, the others it.
+    fn partners(&self) -> Vec<u32> {
+        if self.rank == 0 {
+            (1..self.world).collect()
+        } else {
+            vec![0]
+        }
+    }
+
+    /// The partners this rank has not said goodbye to.
     fn peers(&self) -> Vec<u32> {
-        let all = if self.rank == 0 { (1..self.world).collect() } else { vec![0] };
-        all.into_iter().filter(|&p| !self.bye_sent[p as usize]).collect()
+        self.partners().into_iter().filter(|&p| !self.bye_sent[p as usize]).collect()
     }
 
     fn keepalive(&self) -> Duration {
@@ -592,12 +600,12 @@ impl Driver {
             for p in std::mem::take(&mut self.relisten) {
                 self.listen(p);
             }
-            let peers = if self.rank == 0 { 1..self.world } else { 0..1.min(self.world) };
-            let all_gone = !peers.is_empty() && peers.clone().all(|p| self.gone[p as usize]);
+            let partners = self.partners();
+            let all_gone = partners.iter().all(|&p| self.gone[p as usize]);
             match &self.stopping {
                 Some((since, _)) if all_gone || since.elapsed() >= self.timeout => return self.end(),
                 // The others ended theirs: so does this rank (later ops fail with `Shutdown`).
-                None if all_gone => return self.end(),
+                None if all_gone && !partners.is_empty() => return self.end(),
                 _ => {}
             }
         }
@@ -627,7 +635,7 @@ impl Driver {
         keepalive.into_iter().chain(oldest).min().unwrap_or_else(|| Instant::now() + self.keepalive())
     }
 
-    /// Handles one event; `Err("")` to stop, `Err(why)` when the streams are broken.
+    /// Handles one event; `Err(why)` when the streams are broken.
     fn handle(&mut self, ev: Event) -> Result<(), String> {
         match ev {
             Event::Stop(done) => {
@@ -636,8 +644,7 @@ impl Driver {
                 for (_, op) in self.mine.drain() {
                     op.fail(&|_| CommError::Shutdown("the streams were shut down".into()));
                 }
-                let all = if self.rank == 0 { (1..self.world).collect() } else { vec![0] };
-                for p in all {
+                for p in self.partners() {
                     self.say_bye(p);
                 }
                 Ok(())
