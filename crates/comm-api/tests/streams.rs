@@ -160,7 +160,9 @@ fn a_missing_op_times_out_alone() {
                     other => return Err(format!("after the timeout: {other:?}")),
                 }
             }
-            Ok(())
+            // Neither rank ends its streams before the other is done with its checks.
+            pg.barrier().await.map_err(|e| e.to_string())?;
+            streams.shutdown().await.map_err(|e| e.to_string())
         },
     );
 }
