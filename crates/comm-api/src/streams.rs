@@ -227,8 +227,9 @@ enum Event {
     },
     /// The standing receive from this peer completed.
     Frame(u32),
-    /// Say goodbye to the peers, wait for theirs (at most the timeout), then end; completes
-    /// the completer, if any, when done.
+    /// End this rank's streams (at most the timeout): the others say goodbye to rank 0 and
+    /// wait for its answer; rank 0 answers each and ends once all did. Completes the
+    /// completer, if any, when done.
     Stop(Option<Completer<()>>),
 }
 
@@ -517,6 +518,9 @@ struct Driver {
     /// listens no more, so nothing is left pending on `control`.
     bye_sent: Vec<bool>,
     gone: Vec<bool>,
+    /// The goodbyes on their way: waited for before the thread ends (and `shutdown`
+    /// returns), so that a process that exits next has sent them.
+    byes: Vec<Work<HostBuffer>>,
     /// Since when this rank is ending its streams, and who waits for it.
     stopping: Option<(Instant, Vec<Completer<()>>)>,
     /// Peers whose frame this turn took: listened to again once the turn's verdicts and ops
@@ -551,6 +555,7 @@ impl Driver {
             last_sent: vec![Instant::now(); n],
             bye_sent: vec![false; n],
             gone: vec![false; n],
+            byes: Vec::new(),
             stopping: None,
             relisten: Vec::new(),
             arbiter: (rank == 0).then(Arbiter::default),
@@ -616,6 +621,10 @@ impl Driver {
         for op in self.mine.drain().map(|(_, op)| op).chain(self.decided.drain(..)) {
             op.fail(&|_| CommError::Shutdown("the streams were shut down".into()));
         }
+        // A peer that is gone fails the send (within the backend's timeout): nothing to add.
+        for bye in self.byes.drain(..) {
+            let _ = bye.wait();
+        }
         for done in self.stopping.take().map(|(_, w)| w).unwrap_or_default() {
             done.complete(Ok(()));
         }
@@ -624,7 +633,7 @@ impl Driver {
     /// Says goodbye to `peer` (once): nothing is sent to it after this.
     fn say_bye(&mut self, peer: u32) {
         if !std::mem::replace(&mut self.bye_sent[peer as usize], true) {
-            drop(Collective::<SendTo>::submit(&*self.control, SendTo { buf: bye(), dst: peer, tag: 0 }));
+            self.byes.push(Collective::<SendTo>::submit(&*self.control, SendTo { buf: bye(), dst: peer, tag: 0 }));
         }
     }
 
@@ -644,8 +653,10 @@ impl Driver {
                 for (_, op) in self.mine.drain() {
                     op.fail(&|_| CommError::Shutdown("the streams were shut down".into()));
                 }
-                for p in self.partners() {
-                    self.say_bye(p);
+                // Rank 0 goes on deciding the others' ops (messages between two of them
+                // need it) and answers each goodbye; the others leave now.
+                if self.rank != 0 {
+                    self.say_bye(0);
                 }
                 Ok(())
             }

@@ -261,23 +261,21 @@ async fn suite() -> i32 {
 
 async fn surfaces() -> i32 {
     let pg = comm_api::init(Config::from_env().unwrap()).await.expect("init");
-    match surfaces::composite_checks(&pg).await {
-        Ok(()) => {
-            println!("SURFACES-OK rank {} on {}", pg.rank(), pg.backend_name());
-            0
-        }
-        Err(e) => {
-            eprintln!("{e}");
-            1
-        }
-    }
+    let checked = surfaces::composite_checks(&pg).await;
+    reported("SURFACES", &pg, checked)
 }
 
 async fn streams() -> i32 {
     let pg = comm_api::init(Config::from_env().unwrap()).await.expect("init");
-    match streams_body::tasks_on_streams(&pg, 4, 300).await {
+    let checked = streams_body::tasks_on_streams(&pg, 4, 300).await;
+    reported("STREAMS", &pg, checked)
+}
+
+/// A scenario's exit code; `<MARKER>-OK` printed when it passed, for the parent to count.
+fn reported(marker: &str, pg: &comm_api::ProcessGroup, checked: Result<(), String>) -> i32 {
+    match checked {
         Ok(()) => {
-            println!("STREAMS-OK rank {} on {}", pg.rank(), pg.backend_name());
+            println!("{marker}-OK rank {} on {}", pg.rank(), pg.backend_name());
             0
         }
         Err(e) => {
