@@ -7,12 +7,11 @@
 //! straight ops: no hand-off), else queued for the lane's thread. Inner groups progress their
 //! own ops, so a straight op in flight never holds up the lane.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 
 use comm_core::handle::Poison;
+use comm_core::lane::{self, Class, LaneState, Queued, Ran};
 use comm_core::{CommError, Work};
 
 /// What an op did on the lane.
@@ -25,41 +24,46 @@ pub enum Issued<T> {
 
 type Job = Box<dyn FnOnce() + Send>;
 
-struct Shared {
-    /// Held while an op runs on the lane, by the lane's thread or an inline caller.
-    running: Mutex<()>,
-    /// Ops queued and not yet finished: an inline caller must find none.
-    queued: AtomicUsize,
+/// The lane's state: inner groups keep their own, so only the order is the lane's.
+struct Order {
     poison: Poison,
+}
+
+impl LaneState for Order {
+    fn is_idle(&self, _: Class, queued: &Queued) -> bool {
+        queued.any() == 0
+    }
+
+    fn contain_panic(&mut self, message: &str) {
+        self.poison.set(format!("a hier op panicked: {message}"));
+    }
 }
 
 /// See the module docs.
 pub(crate) struct Lane {
     tx: Mutex<Sender<Job>>,
-    shared: Arc<Shared>,
+    lane: Arc<lane::Lane<Order>>,
 }
 
 impl Lane {
     /// Starts the lane's thread; `name` names it.
     pub(crate) fn start(name: String, poison: Poison) -> Result<Lane, CommError> {
         let (tx, rx) = channel::<Job>();
-        let shared = Arc::new(Shared { running: Mutex::new(()), queued: AtomicUsize::new(0), poison });
-        let s = shared.clone();
+        // Hier ops wait on inner groups, which spin themselves: no budget here.
+        let lane =
+            Arc::new(lane::Lane::new(Order { poison: poison.clone() }, Arc::default(), poison, Default::default()));
+        let queued = lane.queued().clone();
         std::thread::Builder::new()
             .name(name)
             .spawn(move || {
                 // Ends when every handle of the group is gone (the channel disconnects).
                 while let Ok(job) = rx.recv() {
-                    let _running = s.running.lock().unwrap_or_else(|p| p.into_inner());
-                    // Jobs contain their op's panics (`guarded`); this is for the rest of the job.
-                    if let Err(p) = catch_unwind(AssertUnwindSafe(job)) {
-                        s.poison.set(format!("the hier lane panicked: {}", panic_message(&*p)));
-                    }
-                    s.queued.fetch_sub(1, SeqCst);
+                    job();
+                    queued.done(Class::Collective);
                 }
             })
             .map_err(|e| CommError::Io { context: "starting the hier lane thread".into(), source: e })?;
-        Ok(Lane { tx: Mutex::new(tx), shared })
+        Ok(Lane { tx: Mutex::new(tx), lane })
     }
 
     /// Runs `op` on the lane in program order: on this thread if `inline` allows and the lane
@@ -69,43 +73,34 @@ impl Lane {
         inline: bool,
         op: impl FnOnce() -> Issued<T> + Send + 'static,
     ) -> Work<T> {
-        if inline && self.shared.queued.load(SeqCst) == 0 {
-            if let Ok(_running) = self.shared.running.try_lock() {
-                // Checked again under the lock: an op queued meanwhile goes first.
-                if self.shared.queued.load(SeqCst) == 0 {
-                    return match guarded(&self.shared.poison, op) {
-                        Issued::Done(r) => Work::ready(r),
-                        Issued::Straight(w) => w,
-                    };
-                }
-            }
-        }
+        let op = match inline {
+            true => match self.lane.try_inline(Class::Collective, op, |_, op, _| op()) {
+                Ok(Ran { out, .. }) => return issued(out),
+                Err(op) => op,
+            },
+            false => op,
+        };
         let (done, work) = Work::pending();
-        self.shared.queued.fetch_add(1, SeqCst);
-        let poison = self.shared.poison.clone();
-        let job: Job = Box::new(move || match guarded(&poison, op) {
-            Issued::Done(r) => done.complete(r),
-            Issued::Straight(w) => w.forward(done),
+        self.lane.queued().add(Class::Collective);
+        let lane = self.lane.clone();
+        let job: Job = Box::new(move || {
+            issued(lane.run_locked(|_| op())).forward(done);
         });
         if self.tx.lock().unwrap_or_else(|p| p.into_inner()).send(job).is_err() {
             // The thread is gone: the job (and its completer) is dropped, the work says so.
-            self.shared.queued.fetch_sub(1, SeqCst);
+            self.lane.queued().done(Class::Collective);
         }
         work
     }
 }
 
-/// Runs `op`; a panic poisons the group (before the op reports it) and fails the op.
-fn guarded<T>(poison: &Poison, op: impl FnOnce() -> Issued<T>) -> Issued<T> {
-    catch_unwind(AssertUnwindSafe(op)).unwrap_or_else(|p| {
-        let cause = format!("a hier op panicked: {}", panic_message(&*p));
-        poison.set(cause.clone());
-        Issued::Done(Err(CommError::Poisoned { cause }))
-    })
-}
-
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default()
+/// The work of what an op did on the lane (a panic: `Poisoned`).
+fn issued<T: Send + 'static>(out: Result<Issued<T>, CommError>) -> Work<T> {
+    match out {
+        Ok(Issued::Done(r)) => Work::ready(r),
+        Ok(Issued::Straight(w)) => w,
+        Err(e) => Work::ready(Err(e)),
+    }
 }
 
 #[cfg(test)]

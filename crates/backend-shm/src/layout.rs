@@ -14,12 +14,8 @@
 use bytemuck::{Pod, Zeroable};
 
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"commshm1");
-/// Raised when the segment layout or the step protocol changes (3: header step word written
-/// last, data right after the header; 4: small data in the header; 5: steps move through
-/// the window; 6: mailbox chunks move through their slot; 7: queued collectives open with an
-/// arrival step, and the sleeping word is a set of flags; 8: a mailbox chunk is published by
-/// its header's first word, small ones travel in the header, no `sent` counters; 9: the
-/// receiving flag).
+/// Raised whenever the segment layout or the step protocol changes (git has the history), so
+/// ranks of different builds refuse each other.
 pub(crate) const VERSION: u32 = 9;
 
 pub(crate) const OFF_MAGIC: usize = 0;

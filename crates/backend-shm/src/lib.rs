@@ -33,13 +33,14 @@ mod tuning;
 #[allow(unsafe_code)]
 mod zerocopy;
 
-use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::handle::{self, shutdown_done, Admission, CpuSet, Poison, Subgroups};
+use comm_core::lane::{Class, Lane, Ran};
 use comm_core::{config, Backend, Collective, CommError, DType, Group, HostBuffer, OpKind, Rank, Store, Work};
 
 use engine::{Command, Engine, Inline, OneShot, Params, Queued, Then};
@@ -157,13 +158,11 @@ pub struct ShmBackend {
 struct Inner {
     admission: Admission,
     tx: Sender<Command>,
-    /// Commands sent to the worker and not yet taken (see `Engine::is_idle`).
-    pending: Arc<AtomicUsize>,
-    engine: Arc<Mutex<Engine>>,
+    /// The engine, shared by the worker and inline callers; its queue count is the commands
+    /// sent to the worker and not yet taken (see `Engine::is_idle`).
+    lane: Arc<Lane<Engine>>,
     /// Which ops fit one step.
     limits: Limits,
-    /// How long a caller running an op inline waits for peers before handing it over.
-    inline_budget: Duration,
     /// Largest op of several steps a caller runs inline ([`ShmOptions::inline_max`]).
     inline_max: usize,
     /// The core the worker thread is bound to (see [`ShmOptions::pin`]).
@@ -192,7 +191,7 @@ impl ShmBackend {
     /// How long this group's waits spin before they sleep: [`ShmOptions::spin`], or what
     /// start-up chose from the CPUs the ranks may run on together.
     pub fn spin(&self) -> Duration {
-        self.inner.inline_budget
+        self.inner.lane.spin()
     }
 
     /// The CPU this group's worker thread is bound to, if any (see [`ShmOptions::pin`]).
@@ -299,10 +298,10 @@ impl ShmBackend {
         };
         let (tx, rx) = channel();
         let poison = Poison::new();
-        let pending = Arc::new(AtomicUsize::new(0));
-        let engine = Engine::new(rank as usize, lay, segs, procs, params, rx, pending.clone(), poison.clone());
-        let engine = Arc::new(Mutex::new(engine));
-        let (worker_engine, worker_me, spin) = (engine.clone(), me.clone(), params.spin);
+        let queued = Arc::default();
+        let engine = Engine::new(rank as usize, lay, segs, procs, params, rx, Arc::clone(&queued), poison.clone());
+        let lane = Arc::new(Lane::new(engine, queued, poison.clone(), params.spin));
+        let (worker_lane, worker_me, spin) = (lane.clone(), me.clone(), params.spin);
         std::thread::Builder::new()
             .name(format!("comm-shm-r{rank}"))
             .spawn(move || {
@@ -312,17 +311,15 @@ impl ShmBackend {
                     // Only a placement hint: the worker runs anywhere if this fails.
                     let _ = rustix::thread::sched_setaffinity(None, &set);
                 }
-                engine::worker(worker_engine, worker_me, spin)
+                engine::worker(worker_lane, worker_me, spin)
             })
             .map_err(io_err("starting the shm worker thread".into()))?;
         Ok(ShmBackend {
             inner: Arc::new(Inner {
                 admission: Admission::new(rank, world, poison),
                 tx,
-                pending,
-                engine,
+                lane,
                 limits: Limits { world, window: lay.window, small_max },
-                inline_budget: params.spin,
                 inline_max: opts.inline_max.unwrap_or(2 * lay.window),
                 worker_cpu,
                 me,
@@ -435,11 +432,12 @@ impl ShmBackend {
 
     fn enqueue(&self, cmd: Command) {
         let inner = &*self.inner;
-        inner.pending.fetch_add(1, SeqCst);
+        // Every command counts as a collective: a message must not overtake any of them.
+        inner.lane.queued().add(Class::Collective);
         // If the worker is gone the command (and its Completer) is dropped, which completes
         // the Work with `Shutdown`.
         if inner.tx.send(cmd).is_err() {
-            inner.pending.fetch_sub(1, SeqCst);
+            inner.lane.queued().done(Class::Collective);
         }
         self.ring_worker();
     }
@@ -533,33 +531,15 @@ impl ShmBackend {
         work
     }
 
-    /// Runs `f` with `x` on the caller's thread when the engine is free and idle, else hands
-    /// `x` back. A panic in `f` is contained: the group is poisoned, peers and the worker are
-    /// told, and the poison comes back as the error.
+    /// Runs `f` with `x` on the caller's thread when the engine is free and idle (see
+    /// [`Lane::try_inline`]), else hands `x` back; a panic in `f` comes back as `Poisoned`.
     fn inline<X, T>(&self, x: X, f: impl FnOnce(&mut Engine, X, Duration) -> T) -> Result<Result<T, CommError>, X> {
-        let inner = &*self.inner;
-        let mut engine = match inner.engine.try_lock() {
-            Ok(g) => g,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => return Err(x),
-        };
-        if !engine.is_idle() {
-            return Err(x);
-        }
-        let budget = inner.inline_budget;
-        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut engine, x, budget)));
-        let ran = ran.map_err(|payload| {
-            let message = comm_core::panic_message(&*payload);
-            engine.contain_panic(&message);
-            message
-        });
+        let Ran { out, hand_over } = self.inner.lane.try_inline(Class::Collective, x, f)?;
         // A parked op, or commands taken while waiting: the worker goes on with them.
-        let hand_over = !engine.is_idle() || ran.is_err();
-        drop(engine);
         if hand_over {
             self.ring_worker();
         }
-        Ok(ran.map_err(|message| CommError::Poisoned { cause: inner.admission.poison().cause().unwrap_or(message) }))
+        Ok(out)
     }
 
     /// A send or receive queued straight into the engine and progressed on the caller's
@@ -568,36 +548,25 @@ impl ShmBackend {
     /// message then needs no hand-off to the worker and no wake-up on either side; what is
     /// not finished by then the worker goes on with. Other ops come back.
     fn direct<R: Plan>(&self, req: R) -> Result<Work<R::Output>, R> {
-        let inner = &*self.inner;
         if !R::P2P {
             return Err(req);
         }
-        let mut engine = match inner.engine.try_lock() {
-            Ok(g) => g,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return Err(req),
-        };
-        if inner.pending.load(SeqCst) != 0 {
-            return Err(req);
-        }
-        let (done, work) = Work::pending();
-        R::accept(Box::new(Pending { req, done }), &mut engine);
-        // A send that cannot finish at once waits for the peer's receive, which the peer may
-        // post only after its own send: it writes what the free slots take and leaves the
-        // rest (the worker, or this thread's next receive, goes on with it). A receive waits
-        // a moment for its message.
-        let budget = if R::KIND == OpKind::Send { None } else { Some(inner.inline_budget) };
-        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            engine.progress_inline(budget, || work.is_completed())
-        }));
-        if let Err(payload) = ran {
-            engine.contain_panic(&comm_core::panic_message(&*payload));
-        }
-        drop(engine);
-        if !work.is_completed() {
+        let ran = self.inner.lane.try_inline(Class::P2p, req, |engine, req, spin| {
+            let (done, work) = Work::pending();
+            R::accept(Box::new(Pending { req, done }), engine);
+            // A send that cannot finish at once waits for the peer's receive, which the peer
+            // may post only after its own send: it writes what the free slots take and leaves
+            // the rest (the worker, or this thread's next receive, goes on with it). A receive
+            // waits a moment for its message.
+            let budget = if R::KIND == OpKind::Send { None } else { Some(spin) };
+            engine.progress_inline(budget, || work.is_completed());
+            work
+        })?;
+        if ran.hand_over {
             self.ring_worker();
         }
-        Ok(work)
+        // A panic reached the op's completer, which reports it.
+        Ok(ran.out.unwrap_or_else(|e| Work::ready(Err(e))))
     }
 }
 

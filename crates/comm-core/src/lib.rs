@@ -12,6 +12,7 @@
 //! - [`Store`]: the rendezvous key-value store backends use to bootstrap.
 //! - [`WorldInfo`]: who this process is in the job.
 //! - [`CommError`]: the one error type.
+//! - [`lane`]: the gate between a group's callers and its worker, the same in every backend.
 //! - [`handle`]: what backends' group handles share (poison, admission, sub-group names).
 //! - [`config`]: parsing of sizes, timeouts and switches, the same in every crate.
 #![forbid(unsafe_code)]
@@ -22,6 +23,7 @@ pub mod config;
 mod dtype;
 mod error;
 pub mod handle;
+pub mod lane;
 pub mod ops;
 mod store;
 mod work;

@@ -3,31 +3,37 @@
 //! receives.
 
 use super::*;
+use comm_core::lane::{self as shared, Class, LaneState, Queued, Ran};
 
-/// A group's collectives, shared by its handles and the actor: a caller runs a small one on
+/// A group's lane, shared by its handles and the actor: a caller runs a small collective on
 /// its own thread (no hand-off to the actor and back) when the actor has none of this group's
-/// collectives queued or running; otherwise it queues it behind them. Either way the group's
-/// collectives are issued one at a time, in submission order.
+/// collectives queued or running, and a small send or receive when it has none of its sends
+/// and receives; otherwise it queues the op behind them. Either way the group's collectives
+/// are issued one at a time, in submission order.
 pub(crate) struct Lane {
-    pub(super) state: Mutex<LaneState>,
+    pub(super) lane: shared::Lane<Caller>,
     pub(super) params: Params,
-    /// How long a direct op polls before yielding between polls (zero when ranks outnumber
-    /// cores).
-    pub(super) spin: Duration,
 }
 
-pub(super) struct LaneState {
-    /// Collectives handed to the actor and not finished.
-    pub(super) queued: usize,
-    /// Sends and receives handed to the actor and not finished: a caller posts one itself only
-    /// when there are none (MPI matches messages in the order they were posted).
-    pub(super) p2p_queued: usize,
+/// What a caller running an op uses, under the lane's lock.
+pub(super) struct Caller {
     /// The communicator, until the actor frees it.
     pub(super) comm: Option<raw::SharedComm>,
     /// Direct ops so far (for messages).
     pub(super) seq: u64,
     /// Output buffers of direct ops, reused.
     pub(super) pool: Pool,
+    pub(super) poison: Poison,
+}
+
+impl LaneState for Caller {
+    fn is_idle(&self, class: Class, queued: &Queued) -> bool {
+        self.comm.is_some() && queued.of(class) == 0
+    }
+
+    fn contain_panic(&mut self, message: &str) {
+        self.poison.set(format!("an MPI op panicked on the caller's thread: {message}"));
+    }
 }
 
 impl std::fmt::Debug for Lane {
@@ -37,36 +43,17 @@ impl std::fmt::Debug for Lane {
 }
 
 impl Lane {
-    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, LaneState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    pub(super) fn new(comm: raw::SharedComm, params: Params, poison: Poison, spin: Duration) -> Lane {
+        let caller = Caller { comm: Some(comm), seq: 0, pool: Pool::default(), poison: poison.clone() };
+        Lane { lane: shared::Lane::new(caller, Arc::default(), poison, spin), params }
     }
-}
 
-/// An op handed to the actor: counted in its lane (as a collective, or a send or receive)
-/// until the actor is done with it.
-pub(crate) struct Ticket {
-    lane: Arc<Lane>,
-    p2p: bool,
-}
-
-impl Ticket {
-    /// Counts an op of kind `p2p` in `st`, the state of `lane`.
-    fn take(lane: &Arc<Lane>, st: &mut LaneState, p2p: bool) -> Ticket {
-        match p2p {
-            true => st.p2p_queued += 1,
-            false => st.queued += 1,
-        }
-        Ticket { lane: lane.clone(), p2p }
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, Caller> {
+        self.lane.lock()
     }
-}
 
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        let mut st = self.lane.lock();
-        match self.p2p {
-            true => st.p2p_queued = st.p2p_queued.saturating_sub(1),
-            false => st.queued = st.queued.saturating_sub(1),
-        }
+    fn spin(&self) -> Duration {
+        self.lane.spin()
     }
 }
 
@@ -80,32 +67,49 @@ pub(crate) fn submit_direct<R: MpiOp>(
     tx: &std::sync::mpsc::Sender<Msg>,
     op: Pending<R>,
 ) -> Option<(Pending<R>, Option<Ticket>)> {
-    let mut st = lane.lock();
-    if R::P2P {
-        if st.comm.is_none() || st.p2p_queued > 0 || op.req.bytes() > P2P_DIRECT_MAX {
-            let ticket = Ticket::take(lane, &mut st, true);
-            return Some((op, Some(ticket)));
-        }
-        let Job::P2p(post) = op.req.job(op.done, &lane.params, info.size as usize) else {
-            unreachable!("a point-to-point op is posted")
-        };
-        let finished = p2p_direct(lane, &mut st, info, tx, post);
-        drop(st);
-        finished.complete(info);
-        return None;
+    let class = if R::P2P { Class::P2p } else { Class::Collective };
+    let size = info.size as usize;
+    let direct = match R::P2P {
+        true => op.req.bytes() <= P2P_DIRECT_MAX,
+        false => op.req.direct(&lane.params, size) && lane.params.check && size >= 2,
+    };
+    let ran = match direct {
+        true => lane.lane.try_inline(class, op, |st, op, _| {
+            if R::P2P {
+                let Job::P2p(post) = op.req.job(op.done, &lane.params, size) else {
+                    unreachable!("a point-to-point op is posted")
+                };
+                return p2p_direct(lane, st, info, tx, post);
+            }
+            collective_direct(lane, st, info, tx, op)
+        }),
+        false => Err(op),
+    };
+    match ran {
+        // Completion hooks run unlocked (one may submit the next op).
+        Ok(Ran { out: Ok(finished), .. }) => finished.complete(info),
+        // A panic reached the op's completer, which reports it (as the group's poison).
+        Ok(Ran { out: Err(_), .. }) => {}
+        Err(op) => return Some((op, Some(lane.lane.queued().ticket(class)))),
     }
-    let direct = op.req.direct(&lane.params, info.size as usize);
-    if st.comm.is_none() || st.queued > 0 || !direct || !lane.params.check || info.size < 2 {
-        let ticket = Ticket::take(lane, &mut st, false);
-        return Some((op, Some(ticket)));
-    }
+    None
+}
+
+/// Runs a collective on the caller's thread, or hands it to the actor if peers are late.
+fn collective_direct<R: MpiOp>(
+    lane: &Arc<Lane>,
+    st: &mut Caller,
+    info: &GroupInfo,
+    tx: &std::sync::mpsc::Sender<Msg>,
+    op: Pending<R>,
+) -> Finished {
     st.seq += 1;
     let what = OpLabel { name: R::NAME, seq: st.seq, direct: true };
-    let Some(comm) = &st.comm else { unreachable!("checked above") };
+    let Some(comm) = &st.comm else { unreachable!("checked by the lane") };
     let Job::Collective(Plan { header, payload, whole, start, reply, .. }) =
         op.req.job(op.done, &lane.params, info.size as usize)
     else {
-        unreachable!("point-to-point ops return above")
+        unreachable!("point-to-point ops are posted")
     };
     let r = match comm.with(|comm| exchange_direct(comm, &st.pool, lane, info, header, payload, whole, start, what)) {
         Ok(Direct::Done(out)) => Ok(out),
@@ -114,18 +118,12 @@ pub(crate) fn submit_direct<R: MpiOp>(
             // Peers are late: the actor polls it from here on (this thread must not block for
             // them: a task it would run may be what they wait for). Counted in the lane like
             // any collective the actor runs, and sent under the lock, so it runs first.
-            let ticket = Ticket::take(lane, &mut st, false);
+            let ticket = lane.lane.queued().ticket(Class::Collective);
             let active = Active { ticket: Some(ticket), what, started, req, cont, reply };
-            if let Err(std::sync::mpsc::SendError(msg)) = tx.send(Msg::Adopt(info.gid, Box::new(active))) {
-                // The actor is gone (MPI finalised): the request stays with MPI.
-                drop(st);
-                if let Msg::Adopt(_, a) = msg {
-                    let Active { req, reply, .. } = *a;
-                    reply.fail(CommError::Shutdown("the MPI actor is gone".into()));
-                    std::mem::forget(req);
-                }
-            }
-            return None;
+            return match tx.send(Msg::Adopt(info.gid, Box::new(active))) {
+                Ok(()) => Finished::Nothing,
+                Err(std::sync::mpsc::SendError(msg)) => Finished::Gone(msg),
+            };
         }
     };
     if let Err(e) = &r {
@@ -133,14 +131,8 @@ pub(crate) fn submit_direct<R: MpiOp>(
             info.poison.set(e.to_string());
         }
     }
-    // Completion hooks run unlocked (one may submit the next op).
-    drop(st);
-    match r {
-        // Not new_group (never direct): no communicator to register.
-        Ok(out) => drop(reply.complete(out)),
-        Err(e) => reply.fail(e),
-    }
-    None
+    // Not new_group (never direct): no communicator to register.
+    Finished::Collective(reply, r)
 }
 
 /// Posts a send or receive (of at most [`P2P_DIRECT_MAX`] bytes, sent eagerly: a send needs
@@ -150,13 +142,13 @@ pub(crate) fn submit_direct<R: MpiOp>(
 /// it). Returns what finished, to be completed once the lane is unlocked.
 fn p2p_direct(
     lane: &Arc<Lane>,
-    st: &mut LaneState,
+    st: &mut Caller,
     info: &GroupInfo,
     tx: &std::sync::mpsc::Sender<Msg>,
     post: Post,
 ) -> Finished {
     let timeout = lane.params.timeout;
-    let Some(comm) = &st.comm else { unreachable!("checked by the caller") };
+    let Some(comm) = &st.comm else { unreachable!("checked by the lane") };
     let polled = comm.with(|comm| {
         let mut p = P2p::start(post, comm, timeout, None).map_err(Finished::Refused)?;
         let started = Instant::now();
@@ -167,7 +159,7 @@ fn p2p_direct(
                 return Err(Finished::Done(Box::new(p), result));
             }
             // The clock read only every 16th poll: it costs about as much as a poll.
-            if !polls.is_multiple_of(16) || started.elapsed() < lane.spin {
+            if !polls.is_multiple_of(16) || started.elapsed() < lane.spin() {
                 std::hint::spin_loop();
             } else if yields < DIRECT_YIELDS {
                 yields += 1;
@@ -181,7 +173,7 @@ fn p2p_direct(
         Ok(in_flight) => in_flight,
         Err(finished) => return finished,
     };
-    p.ticket = Some(Ticket::take(lane, st, true));
+    p.ticket = Some(lane.lane.queued().ticket(Class::P2p));
     match tx.send(Msg::AdoptP2p(info.gid, Box::new(p))) {
         Ok(()) => Finished::Nothing,
         // The actor is gone (MPI finalised): the request stays with MPI.
@@ -189,11 +181,12 @@ fn p2p_direct(
     }
 }
 
-/// What a direct send or receive leaves its caller to complete, once the lane is unlocked
-/// (completion hooks may submit the next op).
+/// What a direct op leaves its caller to complete, once the lane is unlocked (completion
+/// hooks may submit the next op).
 enum Finished {
     /// Handed to the actor.
     Nothing,
+    Collective(Reply, Result<Out, CommError>),
     Done(Box<P2p>, Result<(), CommError>),
     /// MPI refused to post it.
     Refused((Completer<HostBuffer>, CommError)),
@@ -209,6 +202,8 @@ impl Finished {
         let poison = |e: &CommError| info.poison.set(e.to_string());
         match self {
             Finished::Nothing => {}
+            Finished::Collective(reply, Ok(out)) => drop(reply.complete(out)),
+            Finished::Collective(reply, Err(e)) => reply.fail(e),
             Finished::Done(p, result) => {
                 if let Err(e) = &result {
                     poison(e);
@@ -271,7 +266,7 @@ pub(super) fn exchange_direct(
             }
             Polled::Failed { err, .. } => return Err(what.failed(err)),
             // The clock read only every 16th poll: it costs about as much as a poll.
-            Polled::Pending if !polls.is_multiple_of(16) || started.elapsed() < lane.spin => std::hint::spin_loop(),
+            Polled::Pending if !polls.is_multiple_of(16) || started.elapsed() < lane.spin() => std::hint::spin_loop(),
             Polled::Pending if yields < DIRECT_YIELDS => {
                 yields += 1;
                 std::thread::yield_now();

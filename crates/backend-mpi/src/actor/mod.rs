@@ -18,7 +18,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm_core::handle::{self, CpuSet, Poison};
@@ -40,11 +40,11 @@ mod op;
 mod p2p;
 mod plans;
 
+pub(crate) use comm_core::lane::Ticket;
 use group::*;
 use header::*;
 pub(crate) use held::Held;
-use lane::*;
-pub(crate) use lane::{submit_direct, Lane, Ticket};
+pub(crate) use lane::{submit_direct, Lane};
 pub(crate) use measure::GATHER_MIN;
 use op::{small, Job, Post, Queued};
 pub(crate) use op::{MpiOp, NewGroup, Pending};
@@ -565,17 +565,16 @@ impl Actor {
         if let Some(s) = params.spin {
             self.spin = s;
         }
+        let poison = Poison::new();
         // Fault injection targets the actor: its groups keep every op there.
-        let lane = (self.multiple && params.panic_at.is_none()).then(|| {
-            let state = LaneState { queued: 0, p2p_queued: 0, comm: Some(comm.share()), seq: 0, pool: Pool::default() };
-            Arc::new(Lane { state: Mutex::new(state), params: params.clone(), spin: self.spin })
-        });
+        let lane = (self.multiple && params.panic_at.is_none())
+            .then(|| Arc::new(Lane::new(comm.share(), params.clone(), poison.clone(), self.spin)));
         let info = GroupInfo {
             gid,
             rank: comm.rank() as Rank,
             size: comm.size() as u32,
             tag_max: self.world.tag_max,
-            poison: Poison::new(),
+            poison,
             world,
             local_rank: self.world.local_rank as Rank,
             local_size: self.world.local_size as u32,

@@ -8,7 +8,7 @@ impl Engine {
     /// message so peers learn it at once, and fail everything else that is pending. Returns
     /// whether the engine may keep running (false after a second panic: then only
     /// [`drain_after_panic`](Self::drain_after_panic) runs).
-    pub(crate) fn contain_panic(&mut self, message: &str) -> bool {
+    pub(crate) fn on_panic(&mut self, message: &str) -> bool {
         self.panics += 1;
         let e = CommError::Backend {
             backend: "shm",
@@ -34,7 +34,7 @@ impl Engine {
         let cause = self.poisoned.clone().unwrap_or_else(|| "the shm worker panicked".into());
         match self.rx.recv_timeout(Duration::from_millis(10)) {
             Ok(cmd) => {
-                self.pending.fetch_sub(1, SeqCst);
+                self.pending.done(Class::Collective);
                 match cmd {
                     Command::Shutdown(d) => {
                         d.complete(Ok(()));

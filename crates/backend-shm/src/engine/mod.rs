@@ -10,13 +10,13 @@
 //! and progress independently of collectives, so an isend never blocks a collective.
 
 use std::collections::VecDeque;
-use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::{Acquire, Release, SeqCst};
 use std::sync::mpsc::{Receiver, TryRecvError};
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
+use comm_core::lane::{self, Class, Lane, LaneState};
 use comm_core::ops::{slice_of, AllGather, AllToAll, Gather, RecvFrom, ReduceScatter, Scatter, SendTo};
 use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
 
@@ -187,7 +187,7 @@ pub struct Engine {
     params: Params,
     rx: Receiver<Command>,
     /// Commands sent but not yet taken from `rx`: an inline op may only run when it is 0.
-    pending: Arc<AtomicUsize>,
+    pending: Arc<lane::Queued>,
     parked: Option<Parked>,
     /// Set by the worker when the group is poisoned; the handle reads it to fail fast.
     poison: Poison,
@@ -248,7 +248,7 @@ impl Engine {
         procs: Vec<Option<ProcId>>,
         params: Params,
         rx: Receiver<Command>,
-        pending: Arc<AtomicUsize>,
+        pending: Arc<lane::Queued>,
         poison: Poison,
     ) -> Engine {
         let world = lay.world;
@@ -331,9 +331,10 @@ impl Engine {
         }
     }
 
-    /// Whether an op submitted now could run inline: nothing queued, parked or in flight.
+    /// Whether a collective submitted now could run inline: nothing queued, parked or in
+    /// flight.
     pub(crate) fn is_idle(&self) -> bool {
-        self.parked.is_none() && self.colls.is_empty() && self.pending.load(SeqCst) == 0 && !self.closing
+        self.parked.is_none() && self.colls.is_empty() && self.pending.any() == 0 && !self.closing
     }
 
     fn close(&mut self) {
@@ -354,7 +355,7 @@ impl Engine {
             match self.rx.try_recv() {
                 Ok(cmd) => {
                     progressed = true;
-                    self.pending.fetch_sub(1, SeqCst);
+                    self.pending.done(Class::Collective);
                     self.accept(cmd);
                 }
                 Err(TryRecvError::Empty) => break,
@@ -437,11 +438,30 @@ impl Engine {
     }
 }
 
+impl LaneState for Engine {
+    /// A collective: see [`Engine::is_idle`]. A message: nothing still on its way to the
+    /// worker (it could be a message to the same peer, which must go first).
+    fn is_idle(&self, class: Class, queued: &lane::Queued) -> bool {
+        match class {
+            Class::Collective => Engine::is_idle(self),
+            Class::P2p => queued.any() == 0,
+        }
+    }
+
+    fn wants_worker(&self) -> bool {
+        !Engine::is_idle(self) || !self.p2p_idle()
+    }
+
+    fn contain_panic(&mut self, message: &str) {
+        self.on_panic(message);
+    }
+}
+
 /// The worker thread: runs [`Engine::work`] under the lock and sleeps on the doorbell,
 /// unlocked, whenever there is nothing to do. `spin`: how long it keeps polling while only
 /// point-to-point traffic waits on peers before it sleeps ([`Params::spin`]).
-pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>, spin: Duration) {
-    let lock = || engine.lock().unwrap_or_else(|p| p.into_inner());
+pub(crate) fn worker(engine: Arc<Lane<Engine>>, me: Arc<Segment>, spin: Duration) {
+    let lock = || engine.lock();
     let mut broken = false;
     // One turn under the lock; `None` when `wait` is false and a caller holds the engine.
     // A small op's caller is woken only once the lock is released: woken under it, the caller
@@ -450,10 +470,9 @@ pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>, spin: Duratio
     let mut work = |wait: bool| {
         let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut engine = match engine.try_lock() {
-                Ok(g) => g,
-                Err(TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(TryLockError::WouldBlock) if wait => lock(),
-                Err(TryLockError::WouldBlock) => return None,
+                Some(g) => g,
+                None if wait => lock(),
+                None => return None,
             };
             let flow = if broken { engine.drain_after_panic() } else { engine.work() };
             let finished = engine.finished.take();
@@ -466,7 +485,7 @@ pub(crate) fn worker(engine: Arc<Mutex<Engine>>, me: Arc<Segment>, spin: Duratio
         turn.unwrap_or_else(|payload| {
             // A bug, not a peer's fault: contain it so this rank fails cleanly (peers told,
             // pending ops failed, shutdown answered) instead of going half-alive.
-            broken |= !lock().contain_panic(&comm_core::panic_message(&*payload));
+            broken |= !lock().on_panic(&comm_core::panic_message(&*payload));
             Some(Flow::Busy)
         })
     };
