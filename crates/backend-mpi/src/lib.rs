@@ -4,12 +4,12 @@
 //! `--oversubscribe` for more ranks than cores); [`MpiBackend::init`] returns the world group.
 //!
 //! # Design
-//! - **One actor thread** initialises MPI (asking for `MPI_THREAD_MULTIPLE`, so the panic hook
+//! - **One worker thread** initialises MPI (asking for `MPI_THREAD_MULTIPLE`, so the panic hook
 //!   may call `MPI_Abort` from any thread), owns every communicator and request, and runs the
 //!   ops handed to it. Handles are `Send + Sync` and talk to it over a channel. Where MPI
 //!   provides `MPI_THREAD_MULTIPLE`, a small collective or an all_reduce submitted while the
-//!   actor holds none of its group's collectives runs on the caller's thread instead, under
-//!   the group's lane lock (no hand-off; handed to the actor if peers are late). See `actor/lane.rs`.
+//!   worker holds none of its group's collectives runs on the caller's thread instead, under
+//!   the group's lane lock (no hand-off; handed to the worker if peers are late). See `engine/lane.rs`.
 //! - **Nonblocking to the user.** Every op is an `MPI_I*` call completed by polling
 //!   (`MPI_Test`), so point-to-point ops and collectives of different groups are in flight
 //!   together: an `isend` never blocks a collective. A group's collectives run one at a time in
@@ -58,7 +58,7 @@
 
 #![deny(unsafe_code)]
 
-mod actor;
+mod engine;
 use comm_kernels as kernels;
 #[allow(unsafe_code)] // the one audited module; see its docs
 mod raw;
@@ -80,7 +80,7 @@ use async_trait::async_trait;
 use comm_core::handle::{self, shutdown_done, Admission};
 use comm_core::{config, Backend, Collective, CommError, Group, Launcher, Rank, Work, WorldInfo, WorldSource};
 
-use actor::{GroupInfo, MpiOp, Msg, NewGroup, Params, Pending};
+use engine::{Command, GroupInfo, NewGroup, Params, Pending, Plan};
 
 /// How floating-point reductions are computed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -128,7 +128,7 @@ pub struct MpiOptions {
     /// Larger exact reductions are done this many bytes at a time (so each piece's traffic
     /// and reduction stay in cache).
     pub chunk: usize,
-    /// How long the actor busy-polls before yielding the core; `None` picks 50 µs, or 0 when
+    /// How long the worker busy-polls before yielding the core; `None` picks 50 µs, or 0 when
     /// this node's ranks outnumber the CPUs they may run on together.
     pub spin: Option<Duration>,
     /// Call `MPI_Abort` when any thread of the process panics (the other ranks would hang).
@@ -178,7 +178,7 @@ impl MpiOptions {
             timeout: config::clamp_timeout(self.timeout),
             reduction: self.reduction,
             check: self.check,
-            small_max: self.small_max.unwrap_or(actor::GATHER_MIN),
+            small_max: self.small_max.unwrap_or(engine::GATHER_MIN),
             measure: self.small_max.is_none(),
             chunk: self.chunk.max(1),
             spin: self.spin,
@@ -192,26 +192,26 @@ pub fn launched_by_mpi() -> bool {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"].iter().any(|v| std::env::var_os(v).is_some())
 }
 
-/// Process-wide state: whether the actor runs, and what the panic and exit hooks need.
+/// Process-wide state: whether the worker runs, and what the panic and exit hooks need.
 mod global {
     use std::sync::atomic::{AtomicBool, AtomicI32, Ordering::SeqCst};
     use std::sync::mpsc::Sender;
     use std::sync::{Mutex, MutexGuard, Once};
     use std::time::{Duration, Instant};
 
-    use crate::actor::{self, Msg};
+    use crate::engine::{self, Command};
     use crate::raw;
 
     pub(crate) enum State {
         Idle,
-        Running(Sender<Msg>),
+        Running(Sender<Command>),
         Ended(String),
     }
 
     static STATE: Mutex<State> = Mutex::new(State::Idle);
     /// MPI is initialised and not being finalised: the panic hook may call MPI_Abort.
     static LIVE: AtomicBool = AtomicBool::new(false);
-    /// The actor finished (MPI finalised or abandoned).
+    /// The worker finished (MPI finalised or abandoned).
     static ENDED: AtomicBool = AtomicBool::new(false);
     pub(crate) static ABORT_ON_PANIC: AtomicBool = AtomicBool::new(true);
     static WORLD_RANK: AtomicI32 = AtomicI32::new(-1);
@@ -221,7 +221,7 @@ mod global {
         STATE.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Called by the actor right after MPI_Init: the hooks go live.
+    /// Called by the worker right after MPI_Init: the hooks go live.
     pub(crate) fn mpi_started(rank: i32) {
         WORLD_RANK.store(rank, SeqCst);
         LIVE.store(true, SeqCst);
@@ -244,28 +244,28 @@ mod global {
         });
     }
 
-    /// Called by the actor before it finalises (no more MPI_Abort from the hook).
+    /// Called by the worker before it finalises (no more MPI_Abort from the hook).
     pub(crate) fn mpi_ending() {
         LIVE.store(false, SeqCst);
     }
 
-    /// Called by the actor when it is done; later `init` calls fail with `why`.
+    /// Called by the worker when it is done; later `init` calls fail with `why`.
     pub(crate) fn mpi_ended(why: &str) {
         *state() = State::Ended(why.to_owned());
         ENDED.store(true, SeqCst);
     }
 
-    /// At process exit: ask the actor to finish and finalise, and wait for it (bounded).
+    /// At process exit: ask the worker to finish and finalise, and wait for it (bounded).
     extern "C" fn finalize_at_exit() {
         let tx = match &*state() {
             State::Running(tx) => tx.clone(),
             _ => return,
         };
-        if tx.send(Msg::Exit).is_err() {
+        if tx.send(Command::Exit).is_err() {
             return;
         }
         // Polling a flag (not a channel): thread-locals may already be gone at this point.
-        let deadline = Instant::now() + actor::EXIT_GRACE + Duration::from_secs(5);
+        let deadline = Instant::now() + engine::EXIT_GRACE + Duration::from_secs(5);
         while !ENDED.load(SeqCst) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -282,12 +282,12 @@ pub struct MpiBackend {
 struct Inner {
     info: GroupInfo,
     admission: Admission,
-    tx: Sender<Msg>,
+    tx: Sender<Command>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        let _ = self.tx.send(Msg::Release(self.info.gid));
+        let _ = self.tx.send(Command::Release(self.info.gid));
     }
 }
 
@@ -302,7 +302,7 @@ impl std::fmt::Debug for MpiBackend {
 }
 
 impl MpiBackend {
-    /// Initialises MPI (on the first call; on its own actor thread) and returns a new world
+    /// Initialises MPI (on the first call; on its own worker thread) and returns a new world
     /// group, a duplicate of `MPI_COMM_WORLD`. Collective: every rank calls it.
     ///
     /// Fails with [`CommError::Config`] when the launcher's environment disagrees with MPI
@@ -320,29 +320,29 @@ impl MpiBackend {
                     let (tx, rx) = channel();
                     std::thread::Builder::new()
                         .name("comm-mpi".into())
-                        .spawn(move || match actor::Actor::start(rx) {
+                        .spawn(move || match engine::Engine::start(rx) {
                             Ok(a) => a.run(),
                             Err((rx, why)) => {
                                 global::mpi_ended(&why);
                                 while let Ok(m) = rx.try_recv() {
-                                    actor::reject_with(m, &why);
+                                    engine::reject_with(m, &why);
                                 }
                             }
                         })
-                        .map_err(|e| CommError::io("starting the MPI actor thread", e))?;
+                        .map_err(|e| CommError::io("starting the MPI worker thread", e))?;
                     *state = global::State::Running(tx.clone());
                     tx
                 }
             };
-            tx.send(Msg::World(opts.params(), done))
-                .map_err(|_| CommError::Shutdown("the MPI actor is gone".into()))?;
+            tx.send(Command::World(opts.params(), done))
+                .map_err(|_| CommError::Shutdown("the MPI worker is gone".into()))?;
             tx
         };
         let info = work.await?;
         Ok(MpiBackend::from_info(info, tx))
     }
 
-    fn from_info(info: GroupInfo, tx: Sender<Msg>) -> MpiBackend {
+    fn from_info(info: GroupInfo, tx: Sender<Command>) -> MpiBackend {
         let admission = Admission::new(info.rank, info.size, info.poison.clone());
         MpiBackend { inner: Arc::new(Inner { info, admission, tx }) }
     }
@@ -357,7 +357,7 @@ impl MpiBackend {
         self.inner.info.local_size
     }
 
-    /// How long the actor (and a caller running a small collective) polls before yielding the
+    /// How long the worker (and a caller running a small collective) polls before yielding the
     /// core: [`MpiOptions::spin`], or what start-up chose from the CPUs the node's ranks may
     /// run on together.
     pub fn spin(&self) -> Duration {
@@ -410,31 +410,31 @@ impl MpiBackend {
     }
 
     /// Runs the op on this thread when its type allows it and the group has no collective in
-    /// the actor (see `actor::Lane`), else hands it to the actor.
-    fn send<R: MpiOp>(&self, op: Pending<R>) {
+    /// the worker (see `engine::Lane`), else hands it to the worker.
+    fn send<R: Plan>(&self, op: Pending<R>) {
         let inner = &*self.inner;
         let (op, ticket) = match &inner.info.lane {
-            Some(lane) => match actor::submit_direct(lane, &inner.info, &inner.tx, op) {
+            Some(lane) => match engine::submit_direct(lane, &inner.info, &inner.tx, op) {
                 None => return,
                 Some(back) => back,
             },
             None => (op, None),
         };
-        // If the actor is gone the message (and its Completer) is dropped, which completes the
+        // If the worker is gone the message (and its Completer) is dropped, which completes the
         // Work with `Shutdown`.
-        let _ = inner.tx.send(Msg::Op(inner.info.gid, Box::new(op), ticket));
+        let _ = inner.tx.send(Command::Op(inner.info.gid, Box::new(op), ticket));
     }
 }
 
-impl<R: MpiOp> Collective<R> for MpiBackend {
+impl<R: Plan> Collective<R> for MpiBackend {
     fn submit(&self, req: R) -> Work<R::Output> {
         let inner = &*self.inner;
         if let Err(e) = req.check(&inner.info).and_then(|()| inner.admission.admit(&req)) {
             return Work::ready(Err(e));
         }
         let (done, work) = Work::pending();
-        // Counted before its header goes out, until it finishes (`actor::Held`).
-        let held = (!R::P2P).then(|| actor::Held::new(inner.info.gid));
+        // Counted before its header goes out, until it finishes (`engine::Held`).
+        let held = (!R::P2P).then(|| engine::Held::new(inner.info.gid));
         self.send(Pending { req, done });
         let work = work.with_spin(inner.info.caller_spin);
         match held {
@@ -472,11 +472,11 @@ impl Group for MpiBackend {
             return Ok(());
         }
         let (done, work) = Work::pending();
-        let _ = self.inner.tx.send(Msg::Shutdown(self.inner.info.gid, done));
+        let _ = self.inner.tx.send(Command::Shutdown(self.inner.info.gid, done));
         shutdown_done(work).await
     }
 
-    /// Later ops fail at once; the actor, on its next turn (within 100 ms when idle), poisons
+    /// Later ops fail at once; the worker, on its next turn (within 100 ms when idle), poisons
     /// the group and sends the peers its notice (see `Group::hear`).
     fn abort(&self, cause: &str) {
         self.inner.info.poison.set(cause);

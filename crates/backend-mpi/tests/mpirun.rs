@@ -276,7 +276,7 @@ async fn suite() -> i32 {
     code
 }
 
-/// Every rank's actor panics when it starts an all_reduce (`COMM_FAULT_INJECT`), with
+/// Every rank's worker panics when it starts an all_reduce (`COMM_FAULT_INJECT`), with
 /// `abort_on_panic` off: the op fails with `Poisoned`, later ops too, and shutdown completes.
 async fn contained() -> i32 {
     let world = MpiBackend::init(opts(Duration::from_secs(20))).await.expect("init");
@@ -296,7 +296,7 @@ async fn contained() -> i32 {
 }
 
 /// Small collectives (which a caller runs on its own thread when the group has none queued in
-/// the actor) interleaved with large ones (which go to the actor) and with point-to-point
+/// the worker) interleaved with large ones (which go to the worker) and with point-to-point
 /// messages in flight, submitted without waiting: every result must be the one of the op in
 /// its submission order.
 async fn lanes() -> i32 {
@@ -332,8 +332,8 @@ async fn lanes() -> i32 {
 }
 
 /// Small sends and receives run on the caller's thread while none of the group's
-/// point-to-point ops is with the actor: an eager send is done when `submit` returns (0 of 100
-/// were, through the actor). A large message, which the actor handles, and the small ones
+/// point-to-point ops is with the worker: an eager send is done when `submit` returns (0 of 100
+/// were, through the worker). A large message, which the worker handles, and the small ones
 /// posted after it arrive in order.
 async fn p2p() -> i32 {
     let w = MpiBackend::init(opts(Duration::from_secs(60))).await.unwrap();
@@ -348,7 +348,7 @@ async fn p2p() -> i32 {
         send.await.unwrap();
     }
     assert!(inline >= 80, "only {inline} of 100 small sends were done when submit returned");
-    // A receive the actor could not match yet must not let a later one with the same source
+    // A receive the worker could not match yet must not let a later one with the same source
     // and tag take the message that arrives next.
     let big: Vec<f32> = (0..100_000).map(|x| x as f32).collect();
     let msgs = [vec![1.0f32], big, vec![2.0]];
@@ -369,9 +369,9 @@ async fn p2p() -> i32 {
 }
 
 /// Two groups of the same ranks whose collectives the ranks submit in opposite orders, each
-/// behind a large broadcast that the actor runs (so both reach the actor): a nonblocking API
+/// behind a large broadcast that the worker runs (so both reach the worker): a nonblocking API
 /// must complete both, as MPI's nonblocking collectives on two communicators do, whichever
-/// order each rank chose. (Were both actors to make MPI's blocking calls, each could block in
+/// order each rank chose. (Were both workers to make MPI's blocking calls, each could block in
 /// its first group's call, waiting for the peer's part queued behind the peer's.)
 async fn crossed() -> i32 {
     let w = MpiBackend::init(opts(Duration::from_secs(30))).await.unwrap();
@@ -433,7 +433,7 @@ async fn crossed() -> i32 {
 }
 
 /// Rank 1 joins a small all_reduce only after a message that rank 0 sends after submitting
-/// it: the submit must return while the peer is missing (the op is handed to the actor), or
+/// it: the submit must return while the peer is missing (the op is handed to the worker), or
 /// rank 0 would never send and both would wait for the timeout.
 async fn late() -> i32 {
     let w = MpiBackend::init(opts(Duration::from_secs(20))).await.unwrap();

@@ -25,7 +25,7 @@ use comm_core::ops::{check_len, check_peer, check_reduce, check_root, check_tota
 use comm_core::{CommError, Completer, DType, Element, Op, OpKind, Rank, ReduceOp};
 use cudarc::driver::{CudaContext, CudaSlice, DeviceRepr};
 
-use crate::actor::{Body, Cx, Plan, Prepared};
+use crate::engine::{Body, Cx, Plan, Prepared};
 use crate::ffi::Call;
 use crate::plans::{dt, prepared, redop};
 

@@ -4,13 +4,13 @@
 //! Invariants the rest of the crate keeps (and this module relies on):
 //! - A [`DevPtr`] is made from a live `CudaSlice` with an in-bounds offset. Its owner (a staging
 //!   buffer or the caller's slice) is kept alive until the completion event recorded after the
-//!   op has fired, or forever (the actor's graveyard) when that cannot be known.
-//! - A [`Registered`] buffer is held by the actor like [`Pinned`] memory (until the op's event
+//!   op has fired, or forever (the worker's graveyard) when that cannot be known.
+//! - A [`Registered`] buffer is held by the worker like [`Pinned`] memory (until the op's event
 //!   fired, or the stream drained) and unregistered before it is handed back.
 //! - [`Pinned`] memory is written by the host only before its upload is enqueued and read only
 //!   after the completion event of its download has fired; a pinned buffer of an op that failed
 //!   is never reused or freed while the stream may still touch it.
-//! - A [`Comm`] is created, used and destroyed on one thread (the actor's; it is `!Send`). The
+//! - A [`Comm`] is created, used and destroyed on one thread (the worker's; it is `!Send`). The
 //!   only call made on it from another thread is `ncclCommAbort`, by the watchdog, through the
 //!   state machine of [`CommState`], which guarantees the owner never enters NCCL with that
 //!   communicator once an abort has started.
@@ -139,7 +139,7 @@ const LIVE: u8 = 0;
 const ABORTING: u8 = 1;
 const GONE: u8 = 2;
 
-/// What the actor and the watchdog share about a communicator.
+/// What the worker and the watchdog share about a communicator.
 ///
 /// `seq` is odd while the owner is inside a call into NCCL. The watchdog aborts only a call it
 /// has seen running (same odd `seq`) for longer than the timeout: it moves `state` from LIVE to
@@ -337,7 +337,7 @@ impl Comm {
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        // The actor closes explicitly; this is the fallback (unwinding): abort, never wait.
+        // The worker closes explicitly; this is the fallback (unwinding): abort, never wait.
         let _ = self.close(false);
     }
 }
@@ -512,7 +512,7 @@ pub(crate) fn alloc_device(stream: &Arc<CudaStream>, bytes: usize) -> Result<Cud
 }
 
 /// Page-locked host memory (the staging area of host buffers). `!Send`: it lives and dies on
-/// the actor thread.
+/// the worker thread.
 pub(crate) struct Pinned {
     ptr: NonNull<u8>,
     cap: usize,
@@ -592,7 +592,7 @@ unsafe fn download(dst: NonNull<u8>, len: usize, stream: &CudaStream, src: DevPt
 /// copies to and from it directly, without the two host copies through [`Pinned`] memory. It
 /// owns the buffer (whose bytes are heap or mapped memory that does not move with it) and
 /// unlocks the pages before handing the buffer back or freeing it. `!Send`: it lives and dies on
-/// the actor thread.
+/// the worker thread.
 pub(crate) struct Registered {
     buf: Option<HostBuffer>,
     ptr: NonNull<u8>,
@@ -622,7 +622,7 @@ impl Registered {
 
     /// Enqueues host → device of the whole buffer.
     pub(crate) fn upload(&self, stream: &CudaStream, dst: DevPtr) -> Result<(), CallError> {
-        // SAFETY: the registered range, owned by this value, which the actor holds until the
+        // SAFETY: the registered range, owned by this value, which the worker holds until the
         // op completed (or the stream drained).
         unsafe { upload(self.ptr, self.len, stream, dst) }
     }

@@ -11,7 +11,7 @@
 //!   [`Store`] so two ranks on one GPU are refused with a clear error; rank 0 creates the NCCL
 //!   unique id and publishes it; once every rank is there, all call `ncclCommInitRank`.
 //!   [`Group::new_group`] makes a fresh communicator (fresh id) per sub-group.
-//! - **One actor thread per communicator** owns the `!Send` communicator, its CUDA stream,
+//! - **One worker thread per communicator** owns the `!Send` communicator, its CUDA stream,
 //!   staging memory and events. Ops go to it over a channel in submission order; it issues them
 //!   on its stream and completes each [`Work`] when the CUDA event recorded after the op fires,
 //!   so `is_completed()` is an atomic load; `.await` holds a runtime thread only for the 50 µs
@@ -48,8 +48,8 @@
 //! per rank. `NCCL_*` variables (`NCCL_DEBUG=INFO`, `NCCL_SOCKET_IFNAME`...) work as usual.
 #![deny(unsafe_code)]
 
-mod actor;
 pub mod device;
+mod engine;
 mod error;
 mod ffi;
 mod plans;
@@ -67,11 +67,11 @@ use comm_core::{Backend, Collective, CommError, DType, Group, Rank, Store, Work}
 pub use cudarc;
 use cudarc::driver::{CudaContext, CudaStream};
 
-use actor::{Command, Once, Pending, Plan, Setup};
 pub use device::{
     DeviceAllGather, DeviceAllReduce, DeviceAllToAll, DeviceBroadcast, DeviceElement, DeviceInOut, DeviceRecv,
     DeviceReduce, DeviceReduceScatter, DeviceSend,
 };
+use engine::{Command, Once, Pending, Plan, Setup};
 pub use error::{nccl_description, NcclFailure};
 pub use probe::{is_available, NcclInfo, MIN_NCCL};
 
@@ -250,7 +250,7 @@ impl NcclBackend {
         let (ready_once, ready) = Once::with_deadline(to, format!("setting up CUDA device {device}"))?;
         std::thread::Builder::new()
             .name(format!("comm-nccl-r{rank}"))
-            .spawn(move || actor::main(setup, ready_once, init_rx, rx))
+            .spawn(move || engine::main(setup, ready_once, init_rx, rx))
             .map_err(|e| CommError::io("starting the nccl worker thread", e))?;
         let ready = ready.await?;
 
@@ -305,12 +305,12 @@ impl NcclBackend {
         let wd_poison = poison.clone();
         std::thread::Builder::new()
             .name(format!("comm-nccl-watchdog-r{rank}"))
-            .spawn(move || actor::watchdog(state, to, wd_poison, rank))
+            .spawn(move || engine::watchdog(state, to, wd_poison, rank))
             .map_err(|e| CommError::io("starting the nccl watchdog thread", e))?;
-        // A caller that awaits an op spins for as long as the actor does after progress, where
-        // this host's ranks' callers and actors can all run at once.
+        // A caller that awaits an op spins for as long as the worker does after progress, where
+        // this host's ranks' callers and workers can all run at once.
         let cpus = CpuSet::runnable_of(CpuSet::union_of(local_cpus.iter().map(Option::as_ref)).as_ref());
-        let spin = handle::caller_spin(actor::SPIN, local_cpus.len(), cpus);
+        let spin = handle::caller_spin(engine::SPIN, local_cpus.len(), cpus);
         tracing::debug!(rank, world, device, group = %prefix, ?spin, "nccl: communicator ready");
         Ok(NcclBackend {
             inner: Arc::new(Inner {

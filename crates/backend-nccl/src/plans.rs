@@ -11,7 +11,7 @@ use comm_core::ops::{
 use comm_core::{CommError, Completer, DType, HostBuffer, InOut, Op, ReduceOp};
 use cudarc::nccl::sys::{ncclDataType_t, ncclRedOp_t};
 
-use crate::actor::{Body, Cx, Plan, Prepared, Staged};
+use crate::engine::{Body, Cx, Plan, Prepared, Staged};
 use crate::ffi::{self, Call};
 use crate::{Stall, BACKEND};
 

@@ -3,7 +3,7 @@
 //! `MPI_Reduce_scatter_block`, `MPI_Bcast`, `MPI_Alltoall(v)`, `MPI_Reduce`, `MPI_Scatter`,
 //! `MPI_Gather`, `MPI_Barrier`, as
 //! `osu_allreduce` calls them (separate send and receive buffers; f16/bf16 through
-//! user-defined ops that add in f32) — with no actor, no header exchange and no checks. It is
+//! user-defined ops that add in f32) — with no worker, no header exchange and no checks. It is
 //! the reference every performance claim is stated against.
 //!
 //! It is a `comm_core` backend only so the bench drives it like any other: each `submit` makes
@@ -99,7 +99,7 @@ fn check(what: &str, rc: c_int) -> Result<(), CommError> {
 pub(crate) struct RawMpi(Arc<Mpi>);
 
 /// Initialises MPI, or joins the MPI the mpi backend initialised in this process (`comm-bench
-/// --interleave`: then its calls come from this thread while the backend's actor makes its
+/// --interleave`: then its calls come from this thread while the backend's worker makes its
 /// own, which needs `MPI_THREAD_MULTIPLE`, and the backend finalises MPI, so this group must
 /// be dropped before the backend's is shut down), and returns the world as a process group.
 pub(crate) fn init() -> Result<ProcessGroup, CommError> {

@@ -61,7 +61,7 @@ pub(crate) fn exchange_tag() -> i32 {
 
 /// The tag of an all_reduce input sent beside the exchange ([`isend_all`]): the next one in
 /// the same reserved block (`MPI_TAG_UB` is `2^k - 1` in every MPI, so the block has 8; the
-/// actor checks it).
+/// worker checks it).
 pub(crate) fn bulk_tag() -> i32 {
     exchange_tag() + 1
 }

@@ -3,13 +3,13 @@
 //!
 //! The rules this module keeps, so an audit starts and ends here:
 //!
-//! 1. **One thread.** Everything here except [`abort`] is called only from the actor thread,
+//! 1. **One thread.** Everything here except [`abort`] is called only from the worker thread,
 //!    the thread that initialised MPI (Open MPI's handles are not thread-safe; the types are
 //!    `!Send`, which the compiler enforces for [`Comm`] and [`Request`]). The one exception is
 //!    a [`SharedComm`]: where MPI provides `MPI_THREAD_MULTIPLE`, a caller's thread runs a
 //!    small collective on a group's communicator itself, holding the group's lane lock, which
-//!    the actor also takes before it starts a collective on that group or frees the
-//!    communicator; a request of such an op that does not complete at once moves to the actor
+//!    the worker also takes before it starts a collective on that group or frees the
+//!    communicator; a request of such an op that does not complete at once moves to the worker
 //!    (then [`Request`] crosses threads, as `MPI_THREAD_MULTIPLE` allows).
 //! 2. **Owned buffers.** A nonblocking call takes its buffers *by value* and moves them into the
 //!    returned [`Request`]; they come back only from [`Request::into_bufs`] after MPI reported the
@@ -222,7 +222,7 @@ pub(crate) fn tag_ub() -> i32 {
 /// initialised with `MPI_THREAD_MULTIPLE` for this); the caller checks that MPI is live.
 pub(crate) fn abort(code: i32) {
     // SAFETY: the caller checked that MPI is initialised and not finalised. MPI_Abort is the one
-    // call made off the actor thread; MPI_THREAD_MULTIPLE allows it.
+    // call made off the worker thread; MPI_THREAD_MULTIPLE allows it.
     unsafe {
         ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, code);
     }
@@ -298,7 +298,7 @@ impl Comm {
 }
 
 /// A communicator's handle for the callers' threads (rule 1): not owned, never freed through
-/// it. The lane that holds it drops it before the actor frees the communicator.
+/// it. The lane that holds it drops it before the worker frees the communicator.
 pub(crate) struct SharedComm {
     raw: ffi::MPI_Comm,
     rank: i32,
@@ -306,7 +306,7 @@ pub(crate) struct SharedComm {
 }
 
 // SAFETY: an MPI communicator handle may be used from any thread once MPI provides
-// MPI_THREAD_MULTIPLE (the actor shares one only then); the lane lock keeps collectives on it
+// MPI_THREAD_MULTIPLE (the worker shares one only then); the lane lock keeps collectives on it
 // from two threads apart and its lifetime inside the communicator's.
 unsafe impl Send for SharedComm {}
 // SAFETY: as above; it is only ever used through the lane lock.
@@ -329,7 +329,7 @@ impl SharedComm {
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        // SAFETY: we own the communicator; the actor drops every Comm before MPI_Finalize and
+        // SAFETY: we own the communicator; the worker drops every Comm before MPI_Finalize and
         // only once its own requests on it completed (or it skips finalising altogether).
         unsafe {
             ffi::MPI_Comm_free(&mut self.raw);

@@ -45,7 +45,7 @@ pub(crate) struct Request {
 }
 
 // SAFETY: a request moves to another thread only where MPI provides MPI_THREAD_MULTIPLE (a
-// caller's direct op that did not finish at once is handed to the actor, see `SharedComm`),
+// caller's direct op that did not finish at once is handed to the worker, see `SharedComm`),
 // and MPI request handles are then valid on any thread; its buffers are owned (rule 2).
 unsafe impl Send for Request {}
 
@@ -107,7 +107,7 @@ impl Request {
     /// A collective as [`start`](Self::start) issues it (`issue` gets the request slot), or,
     /// where `blocking`, MPI's blocking form (`issue` gets `None`), returned completed. Blocking
     /// only where every rank is known to make the same call, and no cycle of blocked threads can
-    /// form (the actor's `held`).
+    /// form (the worker's `held`).
     pub(super) fn start_or_call(
         blocking: bool,
         call: &'static str,
@@ -250,7 +250,7 @@ pub(crate) struct Matched {
     pub(crate) bytes: usize,
 }
 
-// SAFETY: a matched message is a handle owned by the actor thread, like a request; it moves
+// SAFETY: a matched message is a handle owned by the worker thread, like a request; it moves
 // only with the `P2p` that holds it and is used by the thread that matched it.
 unsafe impl Send for Matched {}
 

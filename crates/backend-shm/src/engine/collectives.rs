@@ -1,7 +1,15 @@
 //! Collectives as sequences of steps.
 
+use comm_core::ops::slice_of;
+use comm_core::ops::{AllGather, AllToAll, Gather, ReduceScatter, Scatter};
+use comm_core::{CommError, HostBuffer, InOut, OpKind, Rank, ReduceOp};
+use comm_kernels::{self as kernels, Src};
+
+use crate::layout::StepHeader;
+use crate::zerocopy::ShmBuf;
+
 use super::stores::to_window;
-use super::*;
+use super::{pieces, Choice, Engine, Io, Result};
 
 impl Engine {
     /// all_reduce, or reduce to `root` (non-roots keep their input).

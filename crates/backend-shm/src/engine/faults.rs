@@ -1,6 +1,15 @@
 //! Errors and liveness: poisoning, panics, peers that abort or die.
 
-use super::*;
+use std::sync::atomic::Ordering::{Acquire, SeqCst};
+use std::time::{Duration, Instant};
+
+use comm_core::lane::Class;
+use comm_core::{CommError, Rank};
+
+use crate::layout::{OFF_REASON, OFF_STATE, REASON_LEN, STATE_ABORTED, STATE_CLOSED};
+
+use super::steps::write_reason;
+use super::{Command, Engine, Flow, Parked, Phase, Result, Then};
 
 impl Engine {
     /// After a panic on the worker or an inline caller: the op that panicked is gone (its

@@ -10,21 +10,19 @@
 //! and progress independently of collectives, so an isend never blocks a collective.
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering::{Acquire, Release, SeqCst};
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
 use comm_core::lane::{self, Class, Lane, LaneState};
-use comm_core::ops::{slice_of, AllGather, AllToAll, Gather, RecvFrom, ReduceScatter, Scatter, SendTo};
-use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
+use comm_core::ops::{RecvFrom, SendTo};
+use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, ReduceOp};
 
 use crate::layout::*;
 use crate::segment::Segment;
-use crate::sys::{futex_wait, futex_wake, ProcId};
-use crate::zerocopy::ShmBuf;
-use comm_kernels::{self as kernels, Src};
+use crate::sys::{futex_wait, ProcId};
 
 /// What the handle sends to the worker.
 pub(crate) enum Command {
@@ -75,7 +73,6 @@ mod zero_copy;
 use oneshot::Parked;
 pub(crate) use oneshot::{Inline, OneShot, Then};
 pub(crate) use steps::init_segment;
-use steps::{read_chunk, write_chunk, write_reason};
 
 /// What one turn of the worker did.
 pub(crate) enum Flow {

@@ -1,7 +1,14 @@
 //! One-step collectives: the form small ops take, run inline by the caller or by the worker.
 
+use std::time::{Duration, Instant};
+
+use comm_core::{DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
+use comm_kernels::{self as kernels};
+
+use crate::layout::{StepHeader, CARRIED};
+
 use super::stores::to_window;
-use super::*;
+use super::{Done, Engine, Io, Phase, Queued, Result, AUX_ARRIVE, INLINE_YIELD};
 
 /// A collective that takes exactly one step (its data fits the window). These are the
 /// latency-bound ops, which the caller's thread runs inline when the group is idle.

@@ -1,6 +1,14 @@
 //! Point-to-point: per-pair mailboxes, progressed between and during collectives.
 
-use super::*;
+use std::sync::atomic::Ordering::{Acquire, Release, SeqCst};
+use std::time::{Duration, Instant};
+
+use comm_core::{CommError, DType, OpKind};
+
+use crate::layout::{MsgHeader, OFF_RECEIVING, SLOTS};
+
+use super::steps::{read_chunk, write_chunk};
+use super::{Engine, Result, INLINE_YIELD};
 
 impl Engine {
     pub(super) fn progress_p2p(&mut self) -> Result<bool> {

@@ -3,7 +3,19 @@
 
 #![allow(unsafe_code)] // see the SAFETY comments
 
-use super::*;
+use std::sync::atomic::Ordering::{Acquire, Release, SeqCst};
+use std::time::{Duration, Instant};
+
+use comm_core::{CommError, DType, OpKind, Rank, ReduceOp};
+
+use crate::layout::{
+    body, Layout, MsgHeader, StepHeader, CARRIED, CARRIED_AT, OFF_DOORBELL, OFF_RANK, OFF_REASON, OFF_SLEEPING,
+    OFF_STEP, OFF_VERSION, OFF_WINDOW, OFF_WORLD, REASON_LEN, SLEEP_ENGINE, SLEEP_PEERS, VERSION,
+};
+use crate::segment::Segment;
+use crate::sys::{futex_wait, futex_wake};
+
+use super::{describe, Choice, Engine, Io, Phase, Result};
 
 impl Engine {
     pub(super) fn peer_step(&self, p: usize) -> u64 {

@@ -2,7 +2,16 @@
 
 #![allow(unsafe_code)] // see the SAFETY comments
 
-use super::*;
+use std::sync::Arc;
+
+use comm_core::ops::slice_of;
+use comm_core::{CommError, HostBuffer, OpKind, ReduceOp};
+use comm_kernels::{self as kernels, Src};
+
+use crate::layout::{StepHeader, NAME_LEN};
+use crate::segment::Segment;
+
+use super::{Engine, Phase, Result, AUX_ZERO_COPY, ZC_CACHE};
 
 impl Engine {
     /// all_reduce on buffers from `alloc_buffer`. Rank r owns slice r of *every* rank's

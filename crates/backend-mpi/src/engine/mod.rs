@@ -1,7 +1,7 @@
-//! The actor: the one thread that initialises MPI, owns every communicator and request, and is
+//! The worker: the one thread that initialises MPI, owns every communicator and request, and is
 //! the only thread that calls MPI (except `MPI_Abort` from the panic hook).
 //!
-//! Handles send [`Msg`]s over a channel. Each group (a communicator) runs its collectives one
+//! Handles send [`Command`]s over a channel. Each group (a communicator) runs its collectives one
 //! at a time in submission order — every rank then issues the same MPI collectives in the same
 //! order, which MPI requires —, while its point-to-point operations are all in flight at once.
 //! Every operation is a nonblocking MPI call; the loop polls every request (`MPI_Test`, which
@@ -47,12 +47,12 @@ pub(crate) use held::Held;
 pub(crate) use lane::{submit_direct, Lane};
 pub(crate) use measure::GATHER_MIN;
 use op::{small, Job, Post, Queued};
-pub(crate) use op::{MpiOp, NewGroup, Pending};
+pub(crate) use op::{NewGroup, Pending, Plan};
 use p2p::*;
 pub(crate) use plans::Active;
 use plans::*;
 
-/// Identifies a group (communicator) inside the actor.
+/// Identifies a group (communicator) inside the worker.
 pub(crate) type Gid = u64;
 
 /// Settings of one group (a world group's are inherited by its sub-groups).
@@ -66,7 +66,7 @@ pub struct Params {
     pub(crate) measure: bool,
     pub(crate) chunk: usize,
     pub(crate) spin: Option<Duration>,
-    /// Test hook (`COMM_FAULT_INJECT=panic:<op>`): the actor panics when it starts this op.
+    /// Test hook (`COMM_FAULT_INJECT=panic:<op>`): the worker panics when it starts this op.
     pub(crate) panic_at: Option<&'static str>,
 }
 
@@ -84,9 +84,9 @@ pub struct GroupInfo {
     pub(crate) world: bool,
     pub(crate) local_rank: Rank,
     pub(crate) local_size: u32,
-    /// How long the actor and the lane poll before yielding.
+    /// How long the worker and the lane poll before yielding.
     pub(crate) spin: Duration,
-    /// How long a caller's first wait for an op the actor runs polls before sleeping
+    /// How long a caller's first wait for an op the worker runs polls before sleeping
     /// (`handle::caller_spin`).
     pub(crate) caller_spin: Duration,
     /// Where callers may run small collectives themselves (MPI provides
@@ -94,13 +94,13 @@ pub struct GroupInfo {
     pub(crate) lane: Option<Arc<Lane>>,
 }
 
-/// A message to the actor.
-pub(crate) enum Msg {
+/// A message to the worker.
+pub(crate) enum Command {
     /// An op on a group (with its lane ticket when it is a collective).
     Op(Gid, Box<dyn Queued>, Option<Ticket>),
-    /// A caller's direct op whose exchange did not complete at once: the actor finishes it.
+    /// A caller's direct op whose exchange did not complete at once: the worker finishes it.
     Adopt(Gid, Box<Active>),
-    /// A caller's direct send or receive that did not complete at once: the actor polls it.
+    /// A caller's direct send or receive that did not complete at once: the worker polls it.
     AdoptP2p(Gid, Box<P2p>),
     /// A new world group (a duplicate of MPI_COMM_WORLD).
     World(Params, Completer<GroupInfo>),
@@ -129,8 +129,8 @@ struct Ending {
     waiters: Vec<Completer<()>>,
 }
 
-pub(crate) struct Actor {
-    rx: Receiver<Msg>,
+pub(crate) struct Engine {
+    rx: Receiver<Command>,
     universe: Option<mpi::environment::Universe>,
     world: World,
     groups: BTreeMap<Gid, Group>,
@@ -149,12 +149,12 @@ pub(crate) struct Actor {
 /// The words of the CPU mask the node's ranks exchange at start: 4096 CPUs.
 const CPU_WORDS: usize = 64;
 
-/// How long the actor waits for ops still running when the process exits.
+/// How long the worker waits for ops still running when the process exits.
 pub(crate) const EXIT_GRACE: Duration = Duration::from_secs(30);
 
-impl Actor {
-    /// Initialises MPI on this (the actor's) thread. `Err` when it cannot.
-    pub(crate) fn start(rx: Receiver<Msg>) -> Result<Actor, (Receiver<Msg>, String)> {
+impl Engine {
+    /// Initialises MPI on this (the worker's) thread. `Err` when it cannot.
+    pub(crate) fn start(rx: Receiver<Command>) -> Result<Engine, (Receiver<Command>, String)> {
         let Some((universe, provided)) = mpi::initialize_with_threading(mpi::Threading::Multiple) else {
             return Err((rx, "MPI was already initialised (or finalised) in this process by other code; the mpi backend must be the one to initialise it".into()));
         };
@@ -187,12 +187,12 @@ impl Actor {
             }
         };
         if provided < mpi::Threading::Multiple {
-            tracing::debug!("comm mpi: MPI provides {provided:?} threading; only the actor thread calls MPI");
+            tracing::debug!("comm mpi: MPI provides {provided:?} threading; only the worker thread calls MPI");
         }
         global::mpi_started(world.rank);
         // Ranks bound to one core each see one CPU apiece, but can all spin at once.
         let spin = if world.local_size as usize > world.node_cpus { Duration::ZERO } else { Duration::from_micros(50) };
-        Ok(Actor {
+        Ok(Engine {
             rx,
             universe: Some(universe),
             world,
@@ -214,7 +214,7 @@ impl Actor {
         loop {
             // A panic here (with `abort_on_panic` off; on, the hook ends the job first) is
             // contained: every group is poisoned with its message, so pending and later ops
-            // fail and shutdown completes. A second one ends the actor as at finalisation.
+            // fail and shutdown completes. A second one ends the worker as at finalisation.
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.turn())) {
                 Ok(true) => break,
                 Ok(false) => {}
@@ -230,7 +230,7 @@ impl Actor {
         self.finish();
     }
 
-    /// One turn of the loop; whether the actor is done.
+    /// One turn of the loop; whether the worker is done.
     fn turn(&mut self) -> bool {
         let mut progressed = self.drain();
         progressed |= self.progress();
@@ -251,7 +251,7 @@ impl Actor {
     fn contain_panic(&mut self, message: &str) {
         let e = CommError::Backend {
             backend: "mpi",
-            source: format!("the MPI actor of rank {} panicked: {message}", self.world.rank).into(),
+            source: format!("the MPI worker of rank {} panicked: {message}", self.world.rank).into(),
         };
         for g in self.groups.values_mut() {
             g.poison(&e, &mut self.graveyard);
@@ -301,9 +301,9 @@ impl Actor {
         }
     }
 
-    fn accept(&mut self, m: Msg) {
+    fn accept(&mut self, m: Command) {
         match m {
-            Msg::Op(gid, cmd, ticket) => {
+            Command::Op(gid, cmd, ticket) => {
                 if self.ending.is_some() {
                     return cmd.fail(CommError::Shutdown("MPI is being finalised".into()));
                 }
@@ -318,10 +318,10 @@ impl Actor {
                 }
                 match cmd.job(&g.params, g.info.size as usize) {
                     Job::P2p(post) => self.start_p2p(gid, post, ticket),
-                    Job::Collective(plan) => g.queue.push_back((plan, ticket)),
+                    Job::Collective(steps) => g.queue.push_back((steps, ticket)),
                 }
             }
-            Msg::Adopt(gid, a) => match self.groups.get_mut(&gid) {
+            Command::Adopt(gid, a) => match self.groups.get_mut(&gid) {
                 Some(g) if g.active.is_none() && g.poisoned.is_none() => g.active = Some(*a),
                 Some(g) => {
                     let e =
@@ -336,7 +336,7 @@ impl Actor {
                     std::mem::forget(req);
                 }
             },
-            Msg::AdoptP2p(gid, p) => match self.groups.get_mut(&gid) {
+            Command::AdoptP2p(gid, p) => match self.groups.get_mut(&gid) {
                 Some(g) => match g.poison_error() {
                     None => g.p2p.push(*p),
                     Some(e) => p2p::finish(*p, Err(e), &mut self.graveyard),
@@ -347,7 +347,7 @@ impl Actor {
                     std::mem::forget(req);
                 }
             },
-            Msg::World(params, done) => {
+            Command::World(params, done) => {
                 if self.ending.is_some() {
                     return done.complete(Err(CommError::Shutdown("MPI is being finalised".into())));
                 }
@@ -368,7 +368,7 @@ impl Actor {
                     Err(e) => done.complete(Err(e.into_comm())),
                 }
             }
-            Msg::Shutdown(gid, done) => match self.groups.get_mut(&gid) {
+            Command::Shutdown(gid, done) => match self.groups.get_mut(&gid) {
                 Some(g) if g.info.world => {
                     let deadline = Instant::now() + g.params.timeout;
                     self.end(deadline, Some(done));
@@ -379,12 +379,12 @@ impl Actor {
                 }
                 None => done.complete(Ok(())),
             },
-            Msg::Release(gid) => {
+            Command::Release(gid) => {
                 if let Some(g) = self.groups.get_mut(&gid) {
                     g.closing = true;
                 }
             }
-            Msg::Exit => self.end(Instant::now() + EXIT_GRACE, None),
+            Command::Exit => self.end(Instant::now() + EXIT_GRACE, None),
         }
     }
 
@@ -425,10 +425,10 @@ impl Actor {
             any |= progress_p2p(g, &mut self.graveyard, now);
             loop {
                 if g.active.is_none() {
-                    let Some((plan, ticket)) = g.queue.pop_front() else { break };
+                    let Some((steps, ticket)) = g.queue.pop_front() else { break };
                     any = true;
                     g.seq += 1;
-                    start_collective(g, plan, ticket, half, pool, &mut self.graveyard, &mut born);
+                    start_collective(g, steps, ticket, half, pool, &mut self.graveyard, &mut born);
                 }
                 let Some(a) = g.active.as_mut() else { continue };
                 match a.req.test() {
@@ -477,7 +477,7 @@ impl Actor {
                                 g.active = Some(Active { ticket, what, started, req, cont, reply })
                             }
                             // The lane is free before the caller learns the op is done:
-                            // else its next op, submitted at once, would find the actor busy
+                            // else its next op, submitted at once, would find the worker busy
                             // and queue behind nothing, and so would every op after it.
                             Ok(Step::Done(out)) => {
                                 drop(ticket);
@@ -566,7 +566,7 @@ impl Actor {
             self.spin = s;
         }
         let poison = Poison::new();
-        // Fault injection targets the actor: its groups keep every op there.
+        // Fault injection targets the worker: its groups keep every op there.
         let lane = (self.multiple && params.panic_at.is_none())
             .then(|| Arc::new(Lane::new(comm.share(), params.clone(), poison.clone(), self.spin)));
         let info = GroupInfo {
@@ -634,8 +634,8 @@ impl Actor {
                     bury(req, &mut self.graveyard);
                 }
             }
-            for (plan, _) in g.queue.drain(..) {
-                plan.reply.fail(cause.duplicate());
+            for (steps, _) in g.queue.drain(..) {
+                steps.reply.fail(cause.duplicate());
             }
         }
         let waiters: Vec<Completer<()>> = self.ending.take().map(|e| e.waiters).unwrap_or_default();
@@ -671,28 +671,28 @@ impl Actor {
 }
 
 /// Answers a message that arrived after MPI ended.
-pub(crate) fn reject(m: Msg) {
+pub(crate) fn reject(m: Command) {
     reject_with(m, "MPI was finalised");
 }
 
 /// Answers a message that cannot be served, with `why`.
-pub(crate) fn reject_with(m: Msg, why: &str) {
+pub(crate) fn reject_with(m: Command, why: &str) {
     let e = || CommError::Unavailable { backend: "mpi", why: why.to_owned() };
     match m {
-        Msg::Op(_, cmd, _) => cmd.fail(e()),
-        Msg::Adopt(_, a) => {
+        Command::Op(_, cmd, _) => cmd.fail(e()),
+        Command::Adopt(_, a) => {
             let Active { req, reply, .. } = *a;
             reply.fail(e());
             std::mem::forget(req);
         }
-        Msg::AdoptP2p(_, p) => {
+        Command::AdoptP2p(_, p) => {
             let P2p { req, done, .. } = *p;
             done.complete(Err(e()));
             std::mem::forget(req);
         }
-        Msg::World(_, d) => d.complete(Err(e())),
-        Msg::Shutdown(_, d) => d.complete(Ok(())),
-        Msg::Release(_) | Msg::Exit => {}
+        Command::World(_, d) => d.complete(Err(e())),
+        Command::Shutdown(_, d) => d.complete(Ok(())),
+        Command::Release(_) | Command::Exit => {}
     }
 }
 

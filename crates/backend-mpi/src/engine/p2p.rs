@@ -24,7 +24,7 @@ pub(crate) struct P2p {
     /// (so it leaves MPI's queue), then reported.
     pub(super) too_long: Option<usize>,
     pub(super) done: Completer<HostBuffer>,
-    /// Counts it in its group's lane while the actor holds it (see `Lane`).
+    /// Counts it in its group's lane while the worker holds it (see `Lane`).
     pub(super) ticket: Option<Ticket>,
 }
 

@@ -1,12 +1,12 @@
-//! Each group's lane: callers run collectives on their own thread when the actor holds none
+//! Each group's lane: callers run collectives on their own thread when the worker holds none
 //! of the group's collectives, and sends and receives when it holds none of its sends and
 //! receives.
 
 use super::*;
 use comm_core::lane::{self as shared, Class, LaneState, Queued, Ran};
 
-/// A group's lane, shared by its handles and the actor: a caller runs a small collective on
-/// its own thread (no hand-off to the actor and back) when the actor has none of this group's
+/// A group's lane, shared by its handles and the worker: a caller runs a small collective on
+/// its own thread (no hand-off to the worker and back) when the worker has none of this group's
 /// collectives queued or running, and a small send or receive when it has none of its sends
 /// and receives; otherwise it queues the op behind them. Either way the group's collectives
 /// are issued one at a time, in submission order.
@@ -17,7 +17,7 @@ pub(crate) struct Lane {
 
 /// What a caller running an op uses, under the lane's lock.
 pub(super) struct Caller {
-    /// The communicator, until the actor frees it.
+    /// The communicator, until the worker frees it.
     pub(super) comm: Option<raw::SharedComm>,
     /// Direct ops so far (for messages).
     pub(super) seq: u64,
@@ -57,14 +57,14 @@ impl Lane {
     }
 }
 
-/// Runs `op` on the caller's thread when its type allows it (`MpiOp::direct`) and the group's
+/// Runs `op` on the caller's thread when its type allows it (`Plan::direct`) and the group's
 /// lane is free (`None`; see ARCHITECTURE.md, "The path of a small op"); else hands it back for
-/// the actor, with the ticket that counts it in the lane (point-to-point ops never wait for
+/// the worker, with the ticket that counts it in the lane (point-to-point ops never wait for
 /// collectives, nor collectives for them).
-pub(crate) fn submit_direct<R: MpiOp>(
+pub(crate) fn submit_direct<R: Plan>(
     lane: &Arc<Lane>,
     info: &GroupInfo,
-    tx: &std::sync::mpsc::Sender<Msg>,
+    tx: &std::sync::mpsc::Sender<Command>,
     op: Pending<R>,
 ) -> Option<(Pending<R>, Option<Ticket>)> {
     let class = if R::P2P { Class::P2p } else { Class::Collective };
@@ -95,18 +95,18 @@ pub(crate) fn submit_direct<R: MpiOp>(
     None
 }
 
-/// Runs a collective on the caller's thread, or hands it to the actor if peers are late.
-fn collective_direct<R: MpiOp>(
+/// Runs a collective on the caller's thread, or hands it to the worker if peers are late.
+fn collective_direct<R: Plan>(
     lane: &Arc<Lane>,
     st: &mut Caller,
     info: &GroupInfo,
-    tx: &std::sync::mpsc::Sender<Msg>,
+    tx: &std::sync::mpsc::Sender<Command>,
     op: Pending<R>,
 ) -> Finished {
     st.seq += 1;
     let what = OpLabel { name: R::NAME, seq: st.seq, direct: true };
     let Some(comm) = &st.comm else { unreachable!("checked by the lane") };
-    let Job::Collective(Plan { header, payload, whole, start, reply, .. }) =
+    let Job::Collective(Steps { header, payload, whole, start, reply, .. }) =
         op.req.job(op.done, &lane.params, info.size as usize)
     else {
         unreachable!("point-to-point ops are posted")
@@ -115,12 +115,12 @@ fn collective_direct<R: MpiOp>(
         Ok(Direct::Done(out)) => Ok(out),
         Err(e) => Err(e),
         Ok(Direct::Waiting(req, cont, started)) => {
-            // Peers are late: the actor polls it from here on (this thread must not block for
+            // Peers are late: the worker polls it from here on (this thread must not block for
             // them: a task it would run may be what they wait for). Counted in the lane like
-            // any collective the actor runs, and sent under the lock, so it runs first.
+            // any collective the worker runs, and sent under the lock, so it runs first.
             let ticket = lane.lane.queued().ticket(Class::Collective);
             let active = Active { ticket: Some(ticket), what, started, req, cont, reply };
-            return match tx.send(Msg::Adopt(info.gid, Box::new(active))) {
+            return match tx.send(Command::Adopt(info.gid, Box::new(active))) {
                 Ok(()) => Finished::Nothing,
                 Err(std::sync::mpsc::SendError(msg)) => Finished::Gone(msg),
             };
@@ -138,13 +138,13 @@ fn collective_direct<R: MpiOp>(
 /// Posts a send or receive (of at most [`P2P_DIRECT_MAX`] bytes, sent eagerly: a send needs
 /// no answer from the receiver) on the caller's thread and polls it for the lane's spin budget
 /// and a few yields (a small message is there by then). What is still in flight goes to the
-/// actor, counted in the lane (sent under the lock, so later sends and receives wait behind
+/// worker, counted in the lane (sent under the lock, so later sends and receives wait behind
 /// it). Returns what finished, to be completed once the lane is unlocked.
 fn p2p_direct(
     lane: &Arc<Lane>,
     st: &mut Caller,
     info: &GroupInfo,
-    tx: &std::sync::mpsc::Sender<Msg>,
+    tx: &std::sync::mpsc::Sender<Command>,
     post: Post,
 ) -> Finished {
     let timeout = lane.params.timeout;
@@ -174,9 +174,9 @@ fn p2p_direct(
         Err(finished) => return finished,
     };
     p.ticket = Some(lane.lane.queued().ticket(Class::P2p));
-    match tx.send(Msg::AdoptP2p(info.gid, Box::new(p))) {
+    match tx.send(Command::AdoptP2p(info.gid, Box::new(p))) {
         Ok(()) => Finished::Nothing,
-        // The actor is gone (MPI finalised): the request stays with MPI.
+        // The worker is gone (MPI finalised): the request stays with MPI.
         Err(std::sync::mpsc::SendError(msg)) => Finished::Gone(msg),
     }
 }
@@ -184,20 +184,20 @@ fn p2p_direct(
 /// What a direct op leaves its caller to complete, once the lane is unlocked (completion
 /// hooks may submit the next op).
 enum Finished {
-    /// Handed to the actor.
+    /// Handed to the worker.
     Nothing,
     Collective(Reply, Result<Out, CommError>),
     Done(Box<P2p>, Result<(), CommError>),
     /// MPI refused to post it.
     Refused((Completer<HostBuffer>, CommError)),
-    /// The actor is gone: the message it was not sent.
-    Gone(Msg),
+    /// The worker is gone: the message it was not sent.
+    Gone(Command),
 }
 
 impl Finished {
     fn complete(self, info: &GroupInfo) {
-        // As on the actor (`progress_p2p`), a failed send or receive poisons the group before
-        // the op completes: the caller's next op must find it so. The actor tells the peers
+        // As on the worker (`progress_p2p`), a failed send or receive poisons the group before
+        // the op completes: the caller's next op must find it so. The worker tells the peers
         // when it next looks (`Group::hear`).
         let poison = |e: &CommError| info.poison.set(e.to_string());
         match self {
@@ -219,14 +219,14 @@ impl Finished {
                 }
                 done.complete(Err(e));
             }
-            Finished::Gone(msg) => reject_with(msg, "the MPI actor is gone"),
+            Finished::Gone(msg) => reject_with(msg, "the MPI worker is gone"),
         }
     }
 }
 
 /// Largest message a caller sends or receives itself: one that every transport sends eagerly
 /// (Open MPI's shared memory from 4 KiB on, and most others later, wait for the receiver's
-/// answer first, which this thread would only wait for; the actor handles those).
+/// answer first, which this thread would only wait for; the worker handles those).
 const P2P_DIRECT_MAX: usize = 2 << 10;
 
 /// How far a direct op got on the caller's thread.
@@ -236,7 +236,7 @@ pub(super) enum Direct {
     Waiting(Request, Cont, Instant),
 }
 
-/// Yields a direct op's caller makes after its spin budget before handing the op to the actor.
+/// Yields a direct op's caller makes after its spin budget before handing the op to the worker.
 pub(super) const DIRECT_YIELDS: u32 = 16;
 
 /// The exchange of a direct op, polled on this thread for the lane's spin budget and a few
@@ -295,7 +295,7 @@ pub(super) fn exchange_direct(
                         detail: format!("a rank of the group of {size} stopped in the middle of it (died, or hangs)"),
                     });
                 }
-                // Yield between polls, as the actor does while a collective is in flight: on
+                // Yield between polls, as the worker does while a collective is in flight: on
                 // a busy machine the transport (TCP's kernel work, a peer) needs the core.
                 Polled::Pending => std::thread::yield_now(),
             }

@@ -63,7 +63,7 @@ impl<T: Send + 'static> Once<T> {
     }
 }
 
-/// Watches the actor's calls into NCCL and aborts a call blocked for longer than `timeout`.
+/// Watches the worker's calls into NCCL and aborts a call blocked for longer than `timeout`.
 pub(crate) fn watchdog(state: Arc<CommState>, timeout: Duration, poison: Poison, rank: u32) {
     let tick = (timeout / 4).clamp(Duration::from_millis(10), Duration::from_millis(500));
     let (mut last, mut since) = (state.seq(), Instant::now());

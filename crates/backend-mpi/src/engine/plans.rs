@@ -1,4 +1,4 @@
-//! How each op runs: a plan of nonblocking steps and continuations, built by its `MpiOp` impl.
+//! How each op runs: a plan of nonblocking steps and continuations, built by its `Plan` impl.
 
 use super::*;
 
@@ -67,7 +67,7 @@ impl Env<'_> {
 pub(super) type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + Send>;
 
 /// How a planned collective starts, once every rank agreed on its header; given the gathered
-/// exchange when it carried every rank's [`Plan::payload`] or [`Plan::whole`] (then the op
+/// exchange when it carried every rank's [`Steps::payload`] or [`Steps::whole`] (then the op
 /// finishes from it).
 pub(super) type Start = Box<dyn FnOnce(&Env<'_>, Option<&mut Exchange>) -> Result<Step, CommError> + Send>;
 
@@ -121,7 +121,7 @@ pub(super) enum Reply {
 }
 
 impl Reply {
-    /// Completes with `out`; a new group's communicator comes back for the actor to register.
+    /// Completes with `out`; a new group's communicator comes back for the worker to register.
     pub(super) fn complete(self, out: Out) -> Option<(Option<Comm>, Completer<Option<GroupInfo>>)> {
         match (self, out) {
             (Reply::Buf(d), Out::Buf(b)) => d.complete(Ok(b)),
@@ -154,8 +154,8 @@ pub(crate) struct Active {
     pub(super) reply: Reply,
 }
 
-/// An op's plan: its header and how to start it once every rank agreed.
-pub struct Plan {
+/// An op's steps: its header and how to start it once every rank agreed.
+pub struct Steps {
     pub(super) name: &'static str,
     pub(super) header: Header,
     /// What this rank ships in the exchange for an op small enough to finish from it (every
@@ -168,16 +168,16 @@ pub struct Plan {
     pub(super) reply: Reply,
 }
 
-impl Plan {
-    /// An op's plan whose exchange carries at most `payload` (not an all_reduce's whole input).
+impl Steps {
+    /// An op's steps whose exchange carries at most `payload` (not an all_reduce's whole input).
     pub(super) fn new(
         name: &'static str,
         header: Header,
         payload: Option<Vec<u8>>,
         start: impl FnOnce(&Env<'_>, Option<&mut Exchange>) -> Result<Step, CommError> + Send + 'static,
         reply: Reply,
-    ) -> Plan {
-        Plan { name, header, payload, whole: None, start: Box::new(start), reply }
+    ) -> Steps {
+        Steps { name, header, payload, whole: None, start: Box::new(start), reply }
     }
 }
 
@@ -196,7 +196,7 @@ pub(super) fn local_reduction(params: &Params, dtype: DType) -> bool {
 }
 
 /// Whether a caller's thread may run a native all_reduce of `dtype`: MPI reduces it with a
-/// built-in op (f16/bf16 take our user ops, which live on the actor, so those always run
+/// built-in op (f16/bf16 take our user ops, which live on the worker, so those always run
 /// there).
 pub(super) fn direct_native(params: &Params, dtype: DType) -> bool {
     !local_reduction(params, dtype) && !matches!(dtype, DType::F16 | DType::BF16)
@@ -227,7 +227,7 @@ pub(super) fn plan_reduce(
     reply: Reply,
     params: &Params,
     n: usize,
-) -> Plan {
+) -> Steps {
     let (dtype, len, bytes) = (buf.dtype(), buf.len(), buf.byte_len());
     let (name, code) = if root.is_some() { ("reduce", OpKind::Reduce) } else { ("all_reduce", OpKind::AllReduce) };
     let mut header = Header::new(code, Some(dtype), len, root, Some(op));
@@ -265,7 +265,7 @@ pub(super) fn plan_reduce(
         if root.is_none() && env.may_block && !local_reduction(env.params, dtype) {
             // Every rank completed the header exchange, so every rank is in this all_reduce
             // and MPI's blocking call (its fastest algorithms) cannot wait on a missing one.
-            // Wherever it runs (a caller's thread or the actor): blocking and nonblocking
+            // Wherever it runs (a caller's thread or the worker): blocking and nonblocking
             // collectives do not match each other in MPI, so all ranks must make the same call.
             let mut buf = buf;
             raw::allreduce_in_place(env.comm, &mut buf, mpi_op(env, dtype, op)?)?;
@@ -326,7 +326,7 @@ pub(super) fn plan_reduce(
         }
         large_reduce(env, buf, 0, chunks)
     };
-    Plan { name, header, payload, whole, start: Box::new(start), reply }
+    Steps { name, header, payload, whole, start: Box::new(start), reply }
 }
 
 /// A large exact all_reduce / reduce, processed `per` elements at a time.
@@ -458,7 +458,7 @@ pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks
     }))
 }
 
-pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply, n: usize) -> Plan {
+pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply, n: usize) -> Steps {
     let (dtype, len, op) = (r.input.dtype(), r.input.len(), r.op);
     let header = Header::new(OpKind::ReduceScatter, Some(dtype), len, None, Some(op));
     let payload = inline(r.input.byte_len(), n, || r.input.as_bytes().to_vec());
@@ -490,7 +490,7 @@ pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply, n: usize) -> P
         let per = (env.params.chunk / n / dtype.size()).max(16);
         scatter_reduce(env, r.input, out, 0, Chunks { dtype, op, len: block, root: None, per })
     };
-    Plan::new("reduce_scatter", header, payload, start, reply)
+    Steps::new("reduce_scatter", header, payload, start, reply)
 }
 
 /// Chunk `[off, off + per)` of every block of a large exact reduce_scatter into `out`, then
@@ -520,7 +520,7 @@ pub(super) fn scatter_reduce(
     }))
 }
 
-pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply, n: usize) -> Plan {
+pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply, n: usize) -> Steps {
     let (dtype, es) = (r.input.dtype(), r.input.dtype().size());
     let header = Header::new(OpKind::AllToAll, Some(dtype), 0, None, None);
     let (ins, outs) = r.splits(n as u32);
@@ -581,7 +581,7 @@ pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply, n: usize) -> Plan {
             ialltoallv(env, input, &send_parts, out, &recv_parts)
         }))
     };
-    Plan::new("all_to_all", header, payload, start, reply)
+    Steps::new("all_to_all", header, payload, start, reply)
 }
 
 /// The transfer of an all_to_all.
@@ -619,8 +619,8 @@ fn check_splits(m: &[i64], n: usize) -> Result<(), CommError> {
 
 /// Largest op (bytes this rank hands in or receives, whichever is more) that a caller runs on
 /// its own thread beyond what fits the exchange: once the exchange completed every rank is in
-/// the op, so the rest waits for the transfer, not for peers, and a hand-off to the actor and
-/// back costs more than a small transfer. Larger ones go to the actor, so that a caller that
+/// the op, so the rest waits for the transfer, not for peers, and a hand-off to the worker and
+/// back costs more than a small transfer. Larger ones go to the worker, so that a caller that
 /// overlaps its own work with them is not held up (all_reduce excepted: see its `direct`).
 const DIRECT_MAX: usize = 1 << 20;
 
@@ -630,15 +630,15 @@ fn direct_transfer(bytes: usize) -> bool {
 }
 
 /// Whether a caller may run a reduction of `dtype` of `bytes` beyond the exchange: ours, or
-/// MPI's built-in ops (f16/bf16 MPI ops live on the actor).
+/// MPI's built-in ops (f16/bf16 MPI ops live on the worker).
 fn direct_reduction(params: &Params, dtype: DType, bytes: usize) -> bool {
     direct_transfer(bytes) && (local_reduction(params, dtype) || direct_native(params, dtype))
 }
 
-impl MpiOp for AllReduce {
+impl Plan for AllReduce {
     /// Any size: once the exchange completed every rank is in it, so the rest waits for the
     /// transfer, not for peers (f16/bf16 in native mode excepted: their MPI ops live on the
-    /// actor).
+    /// worker).
     fn direct(&self, params: &Params, size: usize) -> bool {
         let dtype = self.buf.dtype();
         small(self.buf.byte_len(), size) || local_reduction(params, dtype) || direct_native(params, dtype)
@@ -649,7 +649,7 @@ impl MpiOp for AllReduce {
     }
 }
 
-impl MpiOp for Reduce {
+impl Plan for Reduce {
     fn direct(&self, params: &Params, size: usize) -> bool {
         let bytes = self.buf.byte_len();
         small(bytes, size) || direct_reduction(params, self.buf.dtype(), bytes)
@@ -660,7 +660,7 @@ impl MpiOp for Reduce {
     }
 }
 
-impl MpiOp for ReduceScatter {
+impl Plan for ReduceScatter {
     fn direct(&self, params: &Params, size: usize) -> bool {
         let bytes = self.input.byte_len();
         small(bytes, size) || direct_reduction(params, self.input.dtype(), bytes)
@@ -671,7 +671,7 @@ impl MpiOp for ReduceScatter {
     }
 }
 
-impl MpiOp for AllToAll {
+impl Plan for AllToAll {
     /// Its splits fit the exchange: once every rank is in, the rest waits for the transfer.
     fn direct(&self, _: &Params, size: usize) -> bool {
         small(16 * size, size)
@@ -682,7 +682,7 @@ impl MpiOp for AllToAll {
     }
 }
 
-impl MpiOp for Broadcast {
+impl Plan for Broadcast {
     fn direct(&self, _: &Params, size: usize) -> bool {
         small(self.buf.byte_len(), size) || direct_transfer(self.buf.byte_len())
     }
@@ -701,11 +701,11 @@ impl MpiOp for Broadcast {
             let req = raw::ibcast(env.comm, buf, root as i32, env.may_block)?;
             Ok(wait(req, |_, b| done(take(b.recv)?)))
         };
-        Job::Collective(Plan::new(Self::NAME, header, payload, start, Reply::Buf(d)))
+        Job::Collective(Steps::new(Self::NAME, header, payload, start, Reply::Buf(d)))
     }
 }
 
-impl MpiOp for AllGather {
+impl Plan for AllGather {
     fn direct(&self, _: &Params, size: usize) -> bool {
         small(self.input.byte_len(), size) || direct_transfer(self.input.byte_len().saturating_mul(size))
     }
@@ -727,7 +727,7 @@ impl MpiOp for AllGather {
             let req = raw::iallgather(env.comm, input, out, env.may_block)?;
             Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
         };
-        Job::Collective(Plan::new(Self::NAME, header, payload, start, Reply::Io(d)))
+        Job::Collective(Steps::new(Self::NAME, header, payload, start, Reply::Io(d)))
     }
 }
 
@@ -736,7 +736,7 @@ fn scatter_inline(block: usize, size: usize) -> bool {
     block.checked_mul(size).is_some_and(|all| all <= INLINE_ANY)
 }
 
-impl MpiOp for Scatter {
+impl Plan for Scatter {
     fn direct(&self, _: &Params, size: usize) -> bool {
         let all = self.output.byte_len().saturating_mul(size);
         scatter_inline(self.output.byte_len(), size) || direct_transfer(all)
@@ -769,11 +769,11 @@ impl MpiOp for Scatter {
                 done_io(input, take(b.recv)?)
             }))
         };
-        Job::Collective(Plan::new(Self::NAME, header, payload, start, Reply::Io(d)))
+        Job::Collective(Steps::new(Self::NAME, header, payload, start, Reply::Io(d)))
     }
 }
 
-impl MpiOp for Gather {
+impl Plan for Gather {
     fn direct(&self, _: &Params, size: usize) -> bool {
         small(self.input.byte_len(), size) || direct_transfer(self.input.byte_len().saturating_mul(size))
     }
@@ -810,11 +810,11 @@ impl MpiOp for Gather {
                 done_io(take(b.send)?, output)
             }))
         };
-        Job::Collective(Plan::new(Self::NAME, header, payload, start, Reply::Io(d)))
+        Job::Collective(Steps::new(Self::NAME, header, payload, start, Reply::Io(d)))
     }
 }
 
-impl MpiOp for Barrier {
+impl Plan for Barrier {
     /// It ships no data: the exchange is the whole op.
     fn direct(&self, _: &Params, size: usize) -> bool {
         small(0, size)
@@ -828,7 +828,7 @@ impl MpiOp for Barrier {
             }
             Ok(wait(raw::ibarrier(env.comm)?, |_, _| Ok(Step::Done(Out::Unit))))
         };
-        Job::Collective(Plan::new(
+        Job::Collective(Steps::new(
             Self::NAME,
             Header::new(Self::KIND, None, 0, None, None),
             None,
@@ -838,7 +838,7 @@ impl MpiOp for Barrier {
     }
 }
 
-impl MpiOp for NewGroup {
+impl Plan for NewGroup {
     fn job(self, d: Completer<Option<GroupInfo>>, _: &Params, _: usize) -> Job {
         let ranks = self.ranks;
         let mut header = Header::new(Self::KIND, None, ranks.len(), None, None);
@@ -850,7 +850,7 @@ impl MpiOp for NewGroup {
             let comm = env.comm.split(key).map_err(raw::MpiError::into_comm)?;
             Ok(Step::Done(Out::Comm(comm)))
         };
-        Job::Collective(Plan::new(Self::NAME, header, None, start, Reply::Group(d)))
+        Job::Collective(Steps::new(Self::NAME, header, None, start, Reply::Group(d)))
     }
 }
 
@@ -868,7 +868,7 @@ fn check_tag(op: &'static str, tag: u32, info: &GroupInfo) -> Result<(), CommErr
     Ok(())
 }
 
-impl MpiOp for SendTo {
+impl Plan for SendTo {
     const P2P: bool = true;
 
     fn check(&self, info: &GroupInfo) -> Result<(), CommError> {
@@ -880,7 +880,7 @@ impl MpiOp for SendTo {
     }
 }
 
-impl MpiOp for RecvFrom {
+impl Plan for RecvFrom {
     const P2P: bool = true;
 
     fn check(&self, info: &GroupInfo) -> Result<(), CommError> {

@@ -8,7 +8,7 @@
 //! the group. A call into NCCL that blocks the host (connection setup waiting for a dead peer)
 //! is aborted from the watchdog thread instead (see `ffi::CommState`).
 //!
-//! Here: the requests the actor takes ([`Plan`], [`Prepared`], [`Body`]), bootstrap and the
+//! Here: the requests the worker takes ([`Plan`], [`Prepared`], [`Body`]), bootstrap and the
 //! loop. `staging`: [`Cx`], host buffers staged through pooled pinned and device memory.
 //! `deadline`: [`Once`] (bootstrap steps bounded by the timeout) and the [`watchdog`].
 
@@ -31,14 +31,14 @@ pub(crate) use deadline::{watchdog, Once};
 use staging::Pool;
 pub(crate) use staging::{Cx, Staged};
 
-/// What the handle sends to the actor.
+/// What the handle sends to the worker.
 pub(crate) enum Command {
-    Op(Box<dyn Request>),
+    Op(Box<dyn Queued>),
     Shutdown(Completer<()>),
 }
 
-/// An op with its completer, as the actor sees it.
-pub(crate) trait Request: Send {
+/// An op with its completer, as the worker sees it.
+pub(crate) trait Queued: Send {
     fn name(&self) -> &'static str;
     fn p2p(&self) -> bool;
     fn prepare(self: Box<Self>, cx: &mut Cx) -> Prepared;
@@ -68,7 +68,7 @@ pub(crate) struct Pending<R: Plan> {
     pub(crate) done: Completer<R::Output>,
 }
 
-impl<R: Plan> Request for Pending<R> {
+impl<R: Plan> Queued for Pending<R> {
     fn name(&self) -> &'static str {
         R::NAME
     }
@@ -108,7 +108,7 @@ struct InFlight {
     staged: Vec<Staged>,
 }
 
-/// Settings of one actor.
+/// Settings of one worker.
 #[derive(Clone, Debug)]
 pub(crate) struct Setup {
     pub(crate) device: usize,
@@ -122,7 +122,7 @@ pub(crate) struct Setup {
     pub(crate) poison: Poison,
 }
 
-/// What the actor reports once its device is set up.
+/// What the worker reports once its device is set up.
 pub(crate) struct Ready {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
@@ -192,7 +192,7 @@ pub(crate) fn main(setup: Setup, ready: Once<Ready>, init: Receiver<InitRequest>
         scratch: None,
         register_min,
     };
-    Actor {
+    Engine {
         cx,
         comm,
         rx,
@@ -207,7 +207,7 @@ pub(crate) fn main(setup: Setup, ready: Once<Ready>, init: Receiver<InitRequest>
     .run();
 }
 
-struct Actor {
+struct Engine {
     cx: Cx,
     comm: Comm,
     rx: Receiver<Command>,
@@ -228,13 +228,13 @@ struct Actor {
 const MAX_BATCH: usize = 1024;
 /// Most fired events kept for reuse.
 const MAX_EVENTS: usize = 64;
-/// How long after its last progress (an op submitted or completed) the actor polls without
+/// How long after its last progress (an op submitted or completed) the worker polls without
 /// giving up its core: about one small op's round trip through the device.
 pub(crate) const SPIN: Duration = Duration::from_micros(50);
 /// Turns that yield after the spinning, before sleeps (ops still in flight).
 const YIELD_TURNS: u32 = 32;
 
-/// The actor's waiting state between progress.
+/// The worker's waiting state between progress.
 struct Wait {
     /// Turns without progress since the spinning ended.
     idle: u32,
@@ -248,7 +248,7 @@ impl Wait {
     }
 }
 
-impl Actor {
+impl Engine {
     fn run(mut self) {
         let mut wait = Wait { idle: 0, spin_until: Instant::now() };
         let mut panics = 0;
@@ -262,7 +262,7 @@ impl Actor {
                 Ok(false) => {}
                 Err(payload) => {
                     let message = comm_core::panic_message(&*payload);
-                    self.poison(format!("backend `nccl`: the actor panicked: {message}"));
+                    self.poison(format!("backend `nccl`: the worker panicked: {message}"));
                     panics += 1;
                     if panics > 1 {
                         break;
@@ -273,7 +273,7 @@ impl Actor {
         self.close();
     }
 
-    /// One turn of the loop; whether the actor is done.
+    /// One turn of the loop; whether the worker is done.
     fn turn(&mut self, wait: &mut Wait) -> bool {
         if self.reap() {
             wait.progress();
@@ -357,7 +357,7 @@ impl Actor {
         self.setup.poison.set(cause);
     }
 
-    fn handle(&mut self, req: Box<dyn Request>) {
+    fn handle(&mut self, req: Box<dyn Queued>) {
         if let Some(cause) = self.poisoned() {
             return req.fail(CommError::Poisoned { cause });
         }
@@ -392,7 +392,7 @@ impl Actor {
 
     /// Plans, issues and records the completion event of `reqs` (one op, or a p2p batch run as
     /// one NCCL group).
-    fn launch(&mut self, reqs: Vec<Box<dyn Request>>, batch: bool) {
+    fn launch(&mut self, reqs: Vec<Box<dyn Queued>>, batch: bool) {
         let mut ops: Vec<(&'static str, Finish, Body)> = Vec::with_capacity(reqs.len());
         let mut failure = None;
         for r in reqs {

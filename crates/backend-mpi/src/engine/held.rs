@@ -1,6 +1,6 @@
 //! Which groups have collectives unfinished on this rank. A collective makes MPI's blocking
 //! calls only where no rank held another group's when it sent its header (the header's
-//! `alone` bit, [`alone`]): an actor blocked in one group's call cannot then hold up the call
+//! `alone` bit, [`alone`]): a worker blocked in one group's call cannot then hold up the call
 //! of another group that a peer blocks in (see ARCHITECTURE.md, "Blocking calls").
 
 use std::sync::Mutex;
@@ -52,7 +52,7 @@ mod tests {
 
     #[test]
     fn another_groups_collective_is_seen_until_it_finishes() {
-        // Gids no real group has (the actor counts from 0).
+        // Gids no real group has (the worker counts from 0).
         let (a, b) = (u64::MAX - 1, u64::MAX - 2);
         let x = Held::new(a);
         let y = Held::new(a);

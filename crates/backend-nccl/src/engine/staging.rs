@@ -12,7 +12,7 @@ use crate::error::{call_error, cuda_error};
 use crate::ffi::{self, CallError, DevPtr, Pinned, Registered};
 
 /// Device memory of the pool and its address, taken once. The memory is used only on the
-/// actor's stream and freed in that stream's order, so it needs none of the events a
+/// worker's stream and freed in that stream's order, so it needs none of the events a
 /// `CudaSlice` records each time its address is taken (a wait and a record on the stream each:
 /// about 3 µs on the device's timeline of a small staged op).
 pub(super) struct Dev {
@@ -80,7 +80,7 @@ impl Staged {
     }
 }
 
-/// The actor's resources that plans use.
+/// The worker's resources that plans use.
 pub struct Cx {
     pub(crate) rank: u32,
     pub(crate) world: u32,

@@ -1,13 +1,13 @@
-//! What this backend needs from each request type ([`MpiOp`], implemented per op in `plans.rs`),
-//! and how a request queued for the actor travels ([`Pending`] behind `Box<dyn Queued>`).
+//! What this backend needs from each request type ([`Plan`], implemented per op in `plans.rs`),
+//! and how a request queued for the worker travels ([`Pending`] behind `Box<dyn Queued>`).
 
 use super::*;
 
 /// How one request type runs on this backend. Public only in name (this module is private),
 /// as are the types in its signatures: `MpiBackend` implements `Collective<R>` for every
-/// `R: MpiOp`, and a crate-private bound there would be a `private_bounds` warning.
-pub trait MpiOp: Op + Sized {
-    /// Point-to-point: posted as soon as the actor receives it, never queued behind the
+/// `R: Plan`, and a crate-private bound there would be a `private_bounds` warning.
+pub trait Plan: Op + Sized {
+    /// Point-to-point: posted as soon as the worker receives it, never queued behind the
     /// group's collectives (nor run on the caller's thread).
     const P2P: bool = false;
 
@@ -23,7 +23,7 @@ pub trait MpiOp: Op + Sized {
         false
     }
 
-    /// What it becomes in a group of `size` ranks, on the actor or on a caller's thread for a
+    /// What it becomes in a group of `size` ranks, on the worker or on a caller's thread for a
     /// direct op.
     fn job(self, done: Completer<Self::Output>, params: &Params, size: usize) -> Job;
 }
@@ -31,7 +31,7 @@ pub trait MpiOp: Op + Sized {
 /// An op ready to run.
 pub enum Job {
     /// A collective: the group runs it after the ones submitted before it.
-    Collective(Plan),
+    Collective(Steps),
     /// A send or receive, posted at once.
     P2p(Post),
 }
@@ -51,19 +51,19 @@ pub(super) fn small(bytes: usize, size: usize) -> bool {
     bytes <= inline_max(size)
 }
 
-/// An op handed to the actor, whatever its type.
+/// An op handed to the worker, whatever its type.
 pub(crate) trait Queued: Send {
     fn job(self: Box<Self>, params: &Params, size: usize) -> Job;
     fn fail(self: Box<Self>, e: CommError);
 }
 
 /// A request with the completer of its `Work`.
-pub(crate) struct Pending<R: MpiOp> {
+pub(crate) struct Pending<R: Plan> {
     pub(crate) req: R,
     pub(crate) done: Completer<R::Output>,
 }
 
-impl<R: MpiOp> Queued for Pending<R> {
+impl<R: Plan> Queued for Pending<R> {
     fn job(self: Box<Self>, params: &Params, size: usize) -> Job {
         let Pending { req, done } = *self;
         req.job(done, params, size)

@@ -6,7 +6,7 @@ use super::*;
 /// Issues the exchange before a collective (the header, and a small op's data, of every rank in
 /// one fixed-size slot each; of an all_reduce's input longer than the slot, the start beside
 /// it as a message of its own, [`beside_len`]); the continuation checks the headers and starts
-/// the op, from the exchanged data when it carried the op's. The same on the actor and on a
+/// the op, from the exchanged data when it carried the op's. The same on the worker and on a
 /// caller's thread.
 pub(super) fn exchange(
     env: &Env<'_>,
@@ -269,7 +269,7 @@ pub(super) struct Exchange {
     pub(super) slot: usize,
     /// The starts of the peers' inputs, sent beside the slots.
     pub(super) bulk: Option<Bulk>,
-    /// This rank's whole input ([`Plan::whole`]).
+    /// This rank's whole input ([`Steps::whole`]).
     pub(super) input: Option<HostBuffer>,
 }
 
@@ -353,14 +353,14 @@ impl std::fmt::Display for OpLabel {
 /// op itself.
 pub(super) fn start_collective(
     g: &mut Group,
-    plan: Plan,
+    steps: Steps,
     ticket: Option<Ticket>,
     half: Option<&raw::HalfOps>,
     pool: &Pool,
     graveyard: &mut Vec<Request>,
     born: &mut Born,
 ) {
-    let Plan { name, header, payload, whole, start, reply } = plan;
+    let Steps { name, header, payload, whole, start, reply } = steps;
     if g.params.panic_at == Some(name) {
         panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", g.info.rank);
     }
@@ -379,7 +379,7 @@ pub(super) fn start_collective(
             g.active = Some(Active { ticket, what, started: Instant::now(), req, cont, reply })
         }
         Ok(Step::Done(out)) => {
-            // The lane is free before the caller hears (see `Actor::progress`).
+            // The lane is free before the caller hears (see `Engine::progress`).
             drop(ticket);
             born.extend(reply.complete(out).map(|(c, d)| (g.info.gid, c, d)))
         }

@@ -1,4 +1,4 @@
-//! A group (communicator) as the actor holds it: its queue, active collective and p2p.
+//! A group (communicator) as the worker holds it: its queue, active collective and p2p.
 
 use super::*;
 
@@ -7,7 +7,7 @@ pub(super) struct Group {
     pub(super) comm: Comm,
     pub(super) params: Params,
     pub(super) poisoned: Option<String>,
-    pub(super) queue: VecDeque<(Plan, Option<Ticket>)>,
+    pub(super) queue: VecDeque<(Steps, Option<Ticket>)>,
     pub(super) active: Option<Active>,
     pub(super) p2p: Vec<P2p>,
     pub(super) seq: u64,
@@ -96,8 +96,8 @@ impl Group {
                 bury(req, graveyard);
             }
         }
-        for (plan, _) in self.queue.drain(..) {
-            plan.reply.fail(err());
+        for (steps, _) in self.queue.drain(..) {
+            steps.reply.fail(err());
         }
         true
     }
