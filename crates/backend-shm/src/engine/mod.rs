@@ -538,6 +538,7 @@ pub(crate) fn worker(engine: Arc<Lane<Engine>>, me: Arc<Segment>, spin: Duration
 #[cfg(test)]
 mod tests {
     use super::*;
+    use comm_core::ops::slice_of;
 
     #[test]
     fn pieces_cover_everything_once() {
