@@ -1,7 +1,10 @@
 //! The AVX2 tier: the generic kernels compiled with AVX2, and the fused f16 (F16C) and bf16
 //! kernels.
 
-use super::*;
+use comm_core::{DType, ReduceOp};
+
+use crate::half_simd;
+use crate::{reduce_generic, Src, SMALL};
 
 /// The generic kernels, compiled for AVX2.
 ///

@@ -1,7 +1,10 @@
 //! The AVX-512 tier: the generic kernels compiled with AVX-512 F/BW/VL, and the fused f16
 //! and bf16 kernels.
 
-use super::*;
+use comm_core::{DType, ReduceOp};
+
+use crate::half_simd;
+use crate::{reduce_generic, Src, SMALL};
 
 /// The generic kernels, compiled for AVX-512.
 ///

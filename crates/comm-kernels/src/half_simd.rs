@@ -3,7 +3,9 @@
 //! conversions (`vcvtph2ps` / `vcvtps2ph`) and AVX2's bf16 narrowing. Rounding is to nearest
 //! even and NaNs stay NaNs, as `half`'s conversions (tested on every bit pattern).
 
-use super::*;
+use comm_core::{DType, ReduceOp};
+
+use crate::{reduce_generic, Src};
 
 /// Whether the CPU converts f16 in hardware (F16C), for the AVX2 tier.
 #[cfg(target_arch = "x86_64")]

@@ -1,6 +1,17 @@
 //! A group (communicator) as the worker holds it: its queue, active collective and p2p.
 
-use super::*;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use comm_core::lane::Ticket;
+use comm_core::{CommError, Completer, DType, HostBuffer, Rank};
+
+use crate::raw;
+use crate::raw::{Comm, Request};
+
+use super::p2p::P2p;
+use super::plans::{Active, Env, Pool, Steps};
+use super::{GroupInfo, Params};
 
 pub(super) struct Group {
     pub(super) info: GroupInfo,

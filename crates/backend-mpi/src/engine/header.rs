@@ -1,7 +1,17 @@
 //! The header exchange that starts every checked collective: one fixed-size slot per rank
 //! (header, and a small op's data), compared alike on every rank.
 
-use super::*;
+use std::time::Instant;
+
+use comm_core::lane::Ticket;
+use comm_core::{CommError, DType, HostBuffer, OpKind, Rank, ReduceOp};
+
+use crate::raw;
+use crate::raw::{Bufs, Request};
+
+use super::group::Group;
+use super::held;
+use super::plans::{internal, take, wait, Active, Born, Cont, Env, Pool, Start, Step, Steps};
 
 /// Issues the exchange before a collective (the header, and a small op's data, of every rank in
 /// one fixed-size slot each; of an all_reduce's input longer than the slot, the start beside

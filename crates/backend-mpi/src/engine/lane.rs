@@ -2,8 +2,22 @@
 //! of the group's collectives, and sends and receives when it holds none of its sends and
 //! receives.
 
-use super::*;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use comm_core::handle::Poison;
+use comm_core::lane::Ticket;
 use comm_core::lane::{self as shared, Class, LaneState, Queued, Ran};
+use comm_core::{CommError, Completer, HostBuffer};
+
+use crate::raw;
+use crate::raw::{Comm, Polled, Request};
+
+use super::header::{exchange, Header, OpLabel};
+use super::op::{Job, Pending, Plan, Post};
+use super::p2p::P2p;
+use super::plans::{internal, Active, Cont, Env, Out, Pool, Reply, Start, Step, Steps};
+use super::{p2p, reject_with, Command, GroupInfo, Params};
 
 /// A group's lane, shared by its handles and the worker: a caller runs a small collective on
 /// its own thread (no hand-off to the worker and back) when the worker has none of this group's

@@ -1,7 +1,15 @@
 //! What a new world group measures once, so that its gather threshold fits the transport
 //! between its ranks (see ARCHITECTURE.md, "Gather or two phases").
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use comm_core::{CommError, DType, HostBuffer, ReduceOp};
+
+use crate::raw::{Comm, Polled};
+use crate::{kernels, raw};
+
+use super::header::WHOLE_MAX;
+use super::plans::internal;
 
 /// Fewest bytes a gather threshold takes: what one exchange slot carries (an input that fits
 /// it costs no message of its own). Also the threshold until measured.

@@ -22,14 +22,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm_core::handle::{self, CpuSet, Poison};
-use comm_core::ops::{
-    slice_of, AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, RecvFrom, Reduce, ReduceScatter, Scatter,
-    SendTo,
-};
-use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
+use comm_core::{CommError, Completer, Rank};
 
-use crate::raw::{self, Bufs, Comm, PendingDup, Polled, Request};
-use crate::{global, kernels, Reduction};
+use crate::raw::{self, Comm, PendingDup, Polled, Request};
+use crate::{global, Reduction};
 
 mod group;
 mod header;
@@ -41,16 +37,16 @@ mod p2p;
 mod plans;
 
 pub(crate) use comm_core::lane::Ticket;
-use group::*;
-use header::*;
+use group::{bury, Group};
+use header::start_collective;
 pub(crate) use held::Held;
 pub(crate) use lane::{submit_direct, Lane};
 pub(crate) use measure::GATHER_MIN;
-use op::{small, Job, Post, Queued};
+use op::{Job, Post, Queued};
 pub(crate) use op::{NewGroup, Pending, Plan};
-use p2p::*;
+use p2p::{progress_p2p, P2p};
 pub(crate) use plans::Active;
-use plans::*;
+use plans::{internal, Born, Pool, Step};
 
 /// Identifies a group (communicator) inside the worker.
 pub(crate) type Gid = u64;
@@ -717,7 +713,9 @@ fn launcher_disagrees(size: i32) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::header::*;
+    use super::p2p::*;
+    use comm_core::{DType, OpKind, ReduceOp};
 
     #[test]
     fn the_exchange_slot_follows_the_group_size() {

@@ -1,7 +1,12 @@
 //! What this backend needs from each request type ([`Plan`], implemented per op in `plans.rs`),
 //! and how a request queued for the worker travels ([`Pending`] behind `Box<dyn Queued>`).
 
-use super::*;
+use comm_core::ops::Op;
+use comm_core::{CommError, Completer, DType, HostBuffer, OpKind, Rank};
+
+use super::header::inline_max;
+use super::plans::Steps;
+use super::{GroupInfo, Params};
 
 /// How one request type runs on this backend. Public only in name (this module is private),
 /// as are the types in its signatures: `MpiBackend` implements `Collective<R>` for every

@@ -1,6 +1,16 @@
 //! Point-to-point: tags, progress and timeouts of send/recv.
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use comm_core::lane::Ticket;
+use comm_core::{CommError, Completer, DType, HostBuffer, Rank};
+
+use crate::raw;
+use crate::raw::{Comm, Polled, Request};
+
+use super::group::{bury, Group};
+use super::op::Post;
+use super::plans::{internal, take};
 
 /// The MPI tag of a user tag: the dtype in the low 3 bits, so a receive only matches a message
 /// of its own dtype.

@@ -1,6 +1,20 @@
 //! How each op runs: a plan of nonblocking steps and continuations, built by its `Plan` impl.
 
-use super::*;
+use std::time::Instant;
+
+use comm_core::lane::Ticket;
+use comm_core::ops::{
+    slice_of, AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Op, RecvFrom, Reduce, ReduceScatter, Scatter,
+    SendTo,
+};
+use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
+
+use crate::raw::{Bufs, Comm, Request};
+use crate::{kernels, raw, Reduction};
+
+use super::header::{beside_len, hash_ranks, inline_max, Exchange, Header, OpLabel, INLINE_ANY};
+use super::op::{small, Job, NewGroup, Plan, Post};
+use super::{Gid, GroupInfo, Params};
 
 /// What a group's continuation may use.
 #[derive(Clone, Copy)]

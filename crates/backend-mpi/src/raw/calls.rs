@@ -2,8 +2,14 @@
 //! blocking form where the caller says `blocking` (returned completed); and two blocking calls
 //! on borrowed buffers.
 
-use super::*;
+use std::ffi::{c_int, c_void};
 use std::ops::Range;
+
+use comm_core::{CommError, DType, HostBuffer};
+use mpi::ffi;
+
+use super::request::{count, counts, recv_ptr, send_ptr, Bufs, Request};
+use super::{check, datatype, in_place, tag_ub, Comm, MpiError};
 
 /// `MPI_Ibarrier`.
 pub(crate) fn ibarrier(comm: &Comm) -> Result<Request, CommError> {

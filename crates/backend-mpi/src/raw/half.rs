@@ -1,6 +1,12 @@
 //! User-defined MPI ops for f16/bf16 (native reduction mode).
 
-use super::*;
+use std::ffi::{c_int, c_void};
+use std::mem::MaybeUninit;
+
+use comm_core::{bf16, f16, CommError, DType, ReduceOp};
+use mpi::ffi;
+
+use super::{check, MpiError};
 
 /// MPI ops combining f16/bf16 elements (carried as `uint16_t`) through f32: Sum, Prod, Min,
 /// Max for each type. Each combination rounds back to 16 bits, so results depend on MPI's

@@ -26,7 +26,7 @@
 use std::ffi::{c_char, c_int, c_void};
 use std::mem::MaybeUninit;
 
-use comm_core::{bf16, f16, CommError, DType, HostBuffer, ReduceOp};
+use comm_core::{CommError, DType, ReduceOp};
 use mpi::ffi;
 
 mod calls;

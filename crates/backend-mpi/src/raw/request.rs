@@ -1,7 +1,14 @@
 //! Requests with owned buffers: what a nonblocking call returns, polled until MPI is done
 //! with its buffers; point-to-point calls.
 
-use super::*;
+use std::ffi::{c_int, c_void};
+use std::mem::MaybeUninit;
+
+use comm_core::{CommError, HostBuffer};
+use mpi::ffi;
+
+use super::calls::notice_tag;
+use super::{check, datatype, error, Comm, MpiError};
 
 /// The buffers a request uses, handed back on completion.
 #[derive(Debug, Default)]
