@@ -1,0 +1,349 @@
+//! all_reduce, reduce and reduce_scatter.
+
+use comm_core::ops::{slice_of, AllReduce, Reduce, ReduceScatter};
+use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
+
+use crate::engine::header::{beside_len, Exchange, Header};
+use crate::engine::op::{small, Job, Plan};
+use crate::engine::Params;
+use crate::{kernels, raw};
+
+use super::{
+    blocks, direct_native, direct_reduction, done, done_io, inline, internal, local_reduction, mpi_op, take, wait, Env,
+    Part, Reply, Step, Steps,
+};
+
+/// all_reduce (`root == None`) or reduce to `root` in a group of `n`. Non-roots get their
+/// input back.
+pub(super) fn plan_reduce(
+    buf: HostBuffer,
+    op: ReduceOp,
+    root: Option<Rank>,
+    reply: Reply,
+    params: &Params,
+    n: usize,
+) -> Steps {
+    let (dtype, len, bytes) = (buf.dtype(), buf.len(), buf.byte_len());
+    let (name, code) = if root.is_some() { ("reduce", OpKind::Reduce) } else { ("all_reduce", OpKind::AllReduce) };
+    let mut header = Header::new(code, Some(dtype), len, root, Some(op));
+    // An all_reduce whose gather of every input stays small (`small_max`, as for exact mode's
+    // all-gather) ships its whole input with the header: one round trip, reduced by us in rank
+    // order (in native mode too: as fast at these sizes, and exact). In the exchange slot, or
+    // for an input longer than that, most of it beside as a message of its own (so an input
+    // of exactly 64 KiB is two eager messages over TCP, not a rendezvous, and no copy).
+    let gather = root.is_none() && n > 1 && params.check && bytes.saturating_mul(n - 1) <= params.small_max;
+    let (payload, whole, input) = if gather && !small(bytes, n) {
+        // Ranks that decided otherwise (other sizes, other settings) fail the header check.
+        header.extra = bytes as u64;
+        (None, Some(buf), None)
+    } else {
+        (inline(bytes, n, || buf.as_bytes().to_vec()), None, Some(buf))
+    };
+    let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
+        let (me, n) = (env.rank, env.size);
+        let root = root.map(|r| r as usize);
+        let keep = root.is_none_or(|r| r == me);
+        if let Some(ex) = ex {
+            // Every input came with the headers: reduce them in rank order, no other call.
+            let mut buf = input.or_else(|| ex.take_input()).ok_or_else(|| internal("an all_reduce lost its input"))?;
+            // In two ranges when the start of the inputs came beside the slots.
+            let split = beside_len(bytes, n);
+            for (lo, hi) in [(0, split), (split, bytes)].into_iter().filter(|(lo, hi)| lo < hi && keep) {
+                let ins: Vec<kernels::Src<'_>> = (0..n)
+                    .map(|p| if p == me { kernels::Src::Out } else { kernels::Src::Buf(ex.range(p, lo, hi)) })
+                    .collect();
+                kernels::reduce_to(dtype, op, &ins, &mut buf.as_bytes_mut()[lo..hi], None);
+            }
+            return done(buf);
+        }
+        let buf = input.ok_or_else(|| internal("an all_reduce's input went beside an exchange that did not happen"))?;
+        if root.is_none() && env.may_block && !local_reduction(env.params, dtype) {
+            // Every rank completed the header exchange, so every rank is in this all_reduce
+            // and MPI's blocking call (its fastest algorithms) cannot wait on a missing one.
+            // Wherever it runs (a caller's thread or the worker): blocking and nonblocking
+            // collectives do not match each other in MPI, so all ranks must make the same call.
+            let mut buf = buf;
+            raw::allreduce_in_place(env.comm, &mut buf, mpi_op(env, dtype, op)?)?;
+            if op == ReduceOp::Avg {
+                kernels::divide(&mut buf, n);
+            }
+            return done(buf);
+        }
+        if !local_reduction(env.params, dtype) {
+            let mpi = mpi_op(env, dtype, op)?;
+            let req = match root {
+                None => raw::iallreduce_in_place(env.comm, buf, mpi)?,
+                Some(r) => {
+                    raw::ireduce(env.comm, buf, keep.then(|| env.buffer(dtype, len)), mpi, r as i32, env.may_block)?
+                }
+            };
+            return Ok(wait(req, move |env, b| {
+                if !keep {
+                    return done(take(b.send)?);
+                }
+                env.recycle(b.send);
+                let mut out = take(b.recv)?;
+                if op == ReduceOp::Avg {
+                    kernels::divide(&mut out, n);
+                }
+                done(out)
+            }));
+        }
+        let es = dtype.size();
+        if len * es * (n - 1) <= env.params.small_max {
+            // Small (a checked all_reduce this small came with the exchange): gather every
+            // input, reduce all of them in rank order.
+            let all = keep.then(|| env.buffer(dtype, n * len));
+            let req = match root {
+                None => raw::iallgather(env.comm, buf, take(all)?, env.may_block)?,
+                Some(r) => raw::igather(env.comm, buf, all, r as i32, env.may_block)?,
+            };
+            return Ok(wait(req, move |env, b| {
+                let mut buf = take(b.send)?;
+                if keep {
+                    let all = take(b.recv)?;
+                    kernels::reduce(dtype, op, &blocks(&all, n, len), buf.as_bytes_mut());
+                    env.recycle(Some(all));
+                }
+                done(buf)
+            }));
+        }
+        // Large: chunk by chunk (so each chunk's traffic and reduction stay in cache), rank j
+        // reduces slice j of the chunk of every input (in rank order), then the reduced slices
+        // are gathered (to every rank, or the root).
+        let per = (env.params.chunk / es).max(16 * n);
+        let chunks = Chunks { dtype, op, len, root, per };
+        if env.may_block {
+            // After a completed exchange: MPI's blocking calls (see the native case).
+            let mut buf = buf;
+            reduce_blocking(env, &mut buf, chunks)?;
+            return done(buf);
+        }
+        large_reduce(env, buf, 0, chunks)
+    };
+    Steps { name, header, payload, whole, start: Box::new(start), reply }
+}
+
+/// A large exact all_reduce / reduce, processed `per` elements at a time.
+#[derive(Clone, Copy)]
+pub(super) struct Chunks {
+    pub(super) dtype: DType,
+    pub(super) op: ReduceOp,
+    pub(super) len: usize,
+    pub(super) root: Option<usize>,
+    pub(super) per: usize,
+}
+
+/// The slices of a chunk of `clen` elements at `off`: rank `j` reduces part `j`.
+fn chunk_parts(off: usize, clen: usize, n: usize) -> Vec<Part> {
+    (0..n)
+        .map(|j| {
+            let r = slice_of(clen, n, j);
+            (off + r.start, r.len())
+        })
+        .collect()
+}
+
+/// The send and receive parts of a chunk's alltoallv without our own slice, which the
+/// reduction reads where it is (a copy through the receive buffer would add a pass over it
+/// to a memory-bound op: 16 MiB ran at 0.72 of MPI's own all_reduce with it).
+fn peer_parts(parts: &[Part], me: usize) -> (Vec<Part>, Vec<Part>) {
+    let mine = parts[me].1;
+    let mut send = parts.to_vec();
+    send[me].1 = 0;
+    let recv = (0..parts.len()).map(|i| (i * mine, if i == me { 0 } else { mine })).collect();
+    (send, recv)
+}
+
+/// Our slice of a chunk reduced in rank order into `out`: each peer's from its block of
+/// `slices` (see [`peer_parts`]), ours from `own`.
+fn reduce_slice(c: &Chunks, (me, n): (usize, usize), slices: &HostBuffer, own: kernels::Src<'_>, out: &mut [u8]) {
+    let peers = blocks(slices, n, out.len() / c.dtype.size());
+    let ins: Vec<kernels::Src<'_>> = (0..n).map(|p| if p == me { own } else { kernels::Src::Buf(peers[p]) }).collect();
+    kernels::reduce_to(c.dtype, c.op, &ins, out, None);
+}
+
+/// A large exact all_reduce or reduce with MPI's blocking calls, chunk by chunk: the same
+/// slices, rank order and kernel as [`large_reduce`], each rank's reduced slice gathered in
+/// place (`MPI_IN_PLACE`: written into its place of `buf` first) to every rank, or to the
+/// root (a non-root keeps its input, and sends its slice from a scratch buffer).
+fn reduce_blocking(env: &Env<'_>, buf: &mut HostBuffer, c: Chunks) -> Result<(), CommError> {
+    let (me, n, dtype, es) = (env.rank, env.size, c.dtype, c.dtype.size());
+    let mut off = 0;
+    while off < c.len {
+        let clen = c.per.min(c.len - off);
+        let parts = chunk_parts(off, clen, n);
+        let (at, mine) = parts[me];
+        let (send_parts, recv_parts) = peer_parts(&parts, me);
+        let mut slices = env.buffer(dtype, n * mine);
+        raw::alltoallv(env.comm, buf, &send_parts, &mut slices, &recv_parts)?;
+        match c.root {
+            Some(r) if r != me => {
+                let mut reduced = env.buffer(dtype, mine);
+                let own = kernels::Src::Buf(&buf.as_bytes()[at * es..(at + mine) * es]);
+                reduce_slice(&c, (me, n), &slices, own, reduced.as_bytes_mut());
+                raw::gatherv(env.comm, Some(&reduced), buf, &parts, r as i32)?;
+                env.recycle(Some(reduced));
+            }
+            root => {
+                // The call returned, so our slice of `buf` was sent: it may take the result.
+                let out = &mut buf.as_bytes_mut()[at * es..(at + mine) * es];
+                reduce_slice(&c, (me, n), &slices, kernels::Src::Out, out);
+                match root {
+                    None => raw::allgatherv_in_place(env.comm, buf, &parts)?,
+                    Some(r) => raw::gatherv(env.comm, None, buf, &parts, r as i32)?,
+                }
+            }
+        }
+        env.recycle(Some(slices));
+        off += clen;
+    }
+    Ok(())
+}
+
+/// Chunk `[off, off + per)` of a large exact reduction, then the next one.
+pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks) -> Result<Step, CommError> {
+    let (me, n, dtype) = (env.rank, env.size, c.dtype);
+    let clen = c.per.min(c.len - off);
+    let parts = chunk_parts(off, clen, n);
+    let (at, mine) = parts[me];
+    let (send_parts, recv_parts) = peer_parts(&parts, me);
+    let req = raw::ialltoallv(env.comm, buf, &send_parts, env.buffer(dtype, n * mine), &recv_parts, false)?;
+    Ok(wait(req, move |env, b| {
+        let (buf, slices) = (take(b.send)?, take(b.recv)?);
+        let mut reduced = env.buffer(dtype, mine);
+        let es = dtype.size();
+        let own = kernels::Src::Buf(&buf.as_bytes()[at * es..(at + mine) * es]);
+        reduce_slice(&c, (me, n), &slices, own, reduced.as_bytes_mut());
+        env.recycle(Some(slices));
+        let next = move |env: &Env<'_>, buf: HostBuffer| {
+            if off + clen < c.len {
+                large_reduce(env, buf, off + clen, c)
+            } else {
+                done(buf)
+            }
+        };
+        match c.root {
+            None => {
+                let req = raw::iallgatherv(env.comm, reduced, buf, &parts)?;
+                Ok(wait(req, move |env, b| {
+                    env.recycle(b.send);
+                    next(env, take(b.recv)?)
+                }))
+            }
+            Some(r) if r == me => {
+                let req = raw::igatherv(env.comm, reduced, Some(buf), &parts, r as i32)?;
+                Ok(wait(req, move |env, b| {
+                    env.recycle(b.send);
+                    next(env, take(b.recv)?)
+                }))
+            }
+            Some(r) => {
+                // Non-roots keep their input: send the slice, keep `buf` as it is.
+                let req = raw::igatherv(env.comm, reduced, None, &parts, r as i32)?;
+                Ok(wait(req, move |env, b| {
+                    env.recycle(b.send);
+                    next(env, buf)
+                }))
+            }
+        }
+    }))
+}
+
+pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply, n: usize) -> Steps {
+    let (dtype, len, op) = (r.input.dtype(), r.input.len(), r.op);
+    let header = Header::new(OpKind::ReduceScatter, Some(dtype), len, None, Some(op));
+    let payload = inline(r.input.byte_len(), n, || r.input.as_bytes().to_vec());
+    let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
+        let n = env.size;
+        let block = len / n;
+        let mut out = r.output.unwrap_or_else(|| env.buffer(dtype, block));
+        if let Some(ex) = ex {
+            // Every input came with the headers: reduce this rank's block of each, in rank order.
+            let (b, all) = (block * dtype.size(), len * dtype.size());
+            let ins: Vec<&[u8]> = (0..n).map(|p| &ex.data(p, all)[env.rank * b..(env.rank + 1) * b]).collect();
+            kernels::reduce(dtype, op, &ins, out.as_bytes_mut());
+            return done_io(r.input, out);
+        }
+        if !local_reduction(env.params, dtype) {
+            let req = raw::ireduce_scatter_block(env.comm, r.input, out, mpi_op(env, dtype, op)?, env.may_block)?;
+            return Ok(wait(req, move |_, b| {
+                let mut out = take(b.recv)?;
+                if op == ReduceOp::Avg {
+                    kernels::divide(&mut out, n);
+                }
+                done_io(take(b.send)?, out)
+            }));
+        }
+        if block == 0 {
+            return done_io(r.input, out);
+        }
+        // Block j of every input to rank j, which reduces them in rank order; chunk by chunk.
+        let per = (env.params.chunk / n / dtype.size()).max(16);
+        scatter_reduce(env, r.input, out, 0, Chunks { dtype, op, len: block, root: None, per })
+    };
+    Steps::new("reduce_scatter", header, payload, start, reply)
+}
+
+/// Chunk `[off, off + per)` of every block of a large exact reduce_scatter into `out`, then
+/// the next one.
+pub(super) fn scatter_reduce(
+    env: &Env<'_>,
+    input: HostBuffer,
+    out: HostBuffer,
+    off: usize,
+    c: Chunks,
+) -> Result<Step, CommError> {
+    let (me, n, dtype, es) = (env.rank, env.size, c.dtype, c.dtype.size());
+    let clen = c.per.min(c.len - off);
+    let parts: Vec<Part> = (0..n).map(|j| (j * c.len + off, clen)).collect();
+    let (send_parts, recv_parts) = peer_parts(&parts, me);
+    let req = raw::ialltoallv(env.comm, input, &send_parts, env.buffer(dtype, n * clen), &recv_parts, false)?;
+    Ok(wait(req, move |env, b| {
+        let (input, mine) = (take(b.send)?, take(b.recv)?);
+        let mut out = out;
+        let own = kernels::Src::Buf(&input.as_bytes()[(me * c.len + off) * es..(me * c.len + off + clen) * es]);
+        reduce_slice(&c, (me, n), &mine, own, &mut out.as_bytes_mut()[off * es..(off + clen) * es]);
+        env.recycle(Some(mine));
+        if off + clen < c.len {
+            return scatter_reduce(env, input, out, off + clen, c);
+        }
+        done_io(input, out)
+    }))
+}
+
+impl Plan for AllReduce {
+    /// Any size: once the exchange completed every rank is in it, so the rest waits for the
+    /// transfer, not for peers (f16/bf16 in native mode excepted: their MPI ops live on the
+    /// worker).
+    fn direct(&self, params: &Params, size: usize) -> bool {
+        let dtype = self.buf.dtype();
+        small(self.buf.byte_len(), size) || local_reduction(params, dtype) || direct_native(params, dtype)
+    }
+
+    fn job(self, d: Completer<HostBuffer>, params: &Params, n: usize) -> Job {
+        Job::Collective(plan_reduce(self.buf, self.op, None, Reply::Buf(d), params, n))
+    }
+}
+
+impl Plan for Reduce {
+    fn direct(&self, params: &Params, size: usize) -> bool {
+        let bytes = self.buf.byte_len();
+        small(bytes, size) || direct_reduction(params, self.buf.dtype(), bytes)
+    }
+
+    fn job(self, d: Completer<HostBuffer>, params: &Params, n: usize) -> Job {
+        Job::Collective(plan_reduce(self.buf, self.op, Some(self.root), Reply::Buf(d), params, n))
+    }
+}
+
+impl Plan for ReduceScatter {
+    fn direct(&self, params: &Params, size: usize) -> bool {
+        let bytes = self.input.byte_len();
+        small(bytes, size) || direct_reduction(params, self.input.dtype(), bytes)
+    }
+
+    fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
+        Job::Collective(plan_reduce_scatter(self, Reply::Io(d), n))
+    }
+}
