@@ -150,6 +150,16 @@ pub(crate) fn test(args: &[String]) -> Result {
         }
         Ok(())
     })?;
+    step("bench smoke of streams (comm-bench --stream, then --tasks 3 with one direct stream, 2 ranks)", || {
+        for (args, direct) in [(&["--stream"][..], "2"), (&["--tasks", "3"][..], "1")] {
+            let mut c = Command::new(&commrun);
+            c.current_dir(root()).env("COMM_TIMEOUT", "120").env("COMM_STREAMS_DIRECT", direct);
+            c.args(["-n", "2", "--"]).arg(target.join("comm-bench"));
+            c.args(["--sizes", "8B,64KiB", "--iters", "20", "--warmup", "2", "--progress", "off"]).args(args);
+            run_bounded(c, JOB_TIMEOUT)?;
+        }
+        Ok(())
+    })?;
     if with_mpi {
         for example in &examples {
             step(&format!("example {example} under mpirun -np 2 (backend auto: mpi)"), || {

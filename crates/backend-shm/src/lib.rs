@@ -294,6 +294,7 @@ impl ShmBackend {
             panic_at: faults.panic_at,
             timeout: to,
             spin: opts.spin.unwrap_or_else(|| tuning::spin(world, all_cpus.as_ref())),
+            cpus: (CpuSet::runnable_of(all_cpus.as_ref()) / world as usize).max(1),
             stream: opts.stream,
         };
         let (tx, rx) = channel();

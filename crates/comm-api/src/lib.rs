@@ -72,7 +72,7 @@ pub use group::{P2POp, ProcessGroup, Rooted};
 #[cfg(feature = "profiling")]
 #[cfg_attr(docsrs, doc(cfg(feature = "profiling")))]
 pub use profiling;
-pub use streams::Streams;
+pub use streams::{Streams, StreamsOptions};
 
 // Compile-time guarantees users rely on: handles move across tasks and threads, futures of
 // ops can be spawned on a multi-threaded runtime.

@@ -1,6 +1,11 @@
 //! Streams: independent ordering domains over one group, so that several tasks can each issue
 //! their own ops without pairing up with another task's ops on another rank.
 //!
+//! The first few keys ([`StreamsOptions::direct`]) are *direct* streams: each is a sub-group
+//! of all the ranks, made when the streams are, so its ops pair in its own order by
+//! construction and cost what any group's do. The rest are *arbitrated*, as follows, and cost
+//! no resources of their own.
+//!
 //! A [`Streams`] owns two sub-groups of all the parent's ranks: `data`, where every stream's ops
 //! run, and `control`, which carries the arbitration. Each op is named by its stream, its
 //! *channel* (the stream's collectives, or its messages from `src` to `dst`) and its number in
@@ -242,6 +247,8 @@ pub struct Streams {
 
 struct Shared {
     data: Arc<dyn Backend>,
+    /// The direct streams' groups (keys `0..direct.len()`), each with its issuers.
+    direct: Vec<(Arc<dyn Backend>, Arc<Issuers>)>,
     tx: Sender<Event>,
     /// The live stream of each key, so that `stream(key)` twice shares one numbering.
     registry: Mutex<HashMap<u64, Weak<StreamBackend>>>,
@@ -270,10 +277,13 @@ impl ProcessGroup {
     /// [`Streams::stream`] is local and cheap.
     ///
     /// Ops on different streams never pair with each other, whatever order the tasks issued
-    /// them in on each rank; ops of one stream pair in that stream's order. Rank 0 decides
-    /// the order in which every rank runs them (module docs: `comm_api::streams`); this costs
-    /// each op a message to rank 0 and one back, and uses two sub-groups of all the ranks.
-    /// A stream's `backend_name()` is its group's with `-stream` (`"shm-stream"`).
+    /// them in on each rank; ops of one stream pair in that stream's order. The first
+    /// [`StreamsOptions::direct`] keys (2 by default, `COMM_STREAMS_DIRECT`) are *direct*
+    /// streams: each a sub-group of all the ranks made now, so their ops cost what the group's
+    /// do. The other keys share two more sub-groups, and rank 0 decides the order in which
+    /// every rank runs their ops (module docs: `comm_api::streams`), which costs each op a
+    /// message to rank 0 and one back; their `backend_name()` is the group's with `-stream`
+    /// (`"shm-stream"`).
     ///
     /// ```
     /// # use comm_api::{ProcessGroup, HostBuffer, ReduceOp, WorldInfo};
@@ -292,10 +302,39 @@ impl ProcessGroup {
     /// # Ok::<(), comm_api::CommError>(()) }).unwrap();
     /// ```
     pub async fn streams(&self) -> Result<Streams, CommError> {
+        self.streams_with(StreamsOptions::from_env()?).await
+    }
+
+    /// [`streams`](ProcessGroup::streams) with `opts` instead of the environment's. Every rank
+    /// must give the same options (checked: else `InvalidArgument` on every rank).
+    pub async fn streams_with(&self, opts: StreamsOptions) -> Result<Streams, CommError> {
+        let direct = opts.direct;
+        if direct > StreamsOptions::DIRECT_MAX {
+            return Err(CommError::invalid(
+                "streams",
+                format!("{direct} direct streams: at most {}", StreamsOptions::DIRECT_MAX),
+            ));
+        }
+        // One all_reduce tells every rank the largest and the smallest count.
+        let counts = HostBuffer::from_slice(&[direct as i64, -(direct as i64)]);
+        let agreed = self.all_reduce(counts, comm_core::ReduceOp::Max).await?.to_vec::<i64>()?;
+        if agreed[0] != -agreed[1] {
+            return Err(CommError::invalid(
+                "streams",
+                format!(
+                    "ranks ask for between {} and {} direct streams: give every rank the same",
+                    -agreed[1], agreed[0]
+                ),
+            ));
+        }
         let all: Vec<Rank> = (0..self.world_size()).collect();
         let member = |g: Option<Arc<dyn Backend>>| g.ok_or_else(|| CommError::invalid("streams", "not a member"));
         let data = member(self.backend().new_group(&all).await?)?;
         let control = member(self.backend().new_group(&all).await?)?;
+        let mut direct_groups = Vec::with_capacity(direct);
+        for _ in 0..direct {
+            direct_groups.push((member(self.backend().new_group(&all).await?)?, Arc::default()));
+        }
         let (tx, rx) = mpsc::channel();
         let broken = Arc::new(Mutex::new(None));
         let timeout = self.timeout();
@@ -304,7 +343,43 @@ impl ProcessGroup {
             .name("comm-streams".into())
             .spawn(move || driver.run(rx))
             .map_err(|e| CommError::io("starting the streams thread", e))?;
-        Ok(Streams { shared: Arc::new(Shared { data, tx, registry: Mutex::default(), parent: self.clone(), broken }) })
+        let shared =
+            Shared { data, direct: direct_groups, tx, registry: Mutex::default(), parent: self.clone(), broken };
+        Ok(Streams { shared: Arc::new(shared) })
+    }
+}
+
+/// How [`ProcessGroup::streams_with`] sets streams up.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StreamsOptions {
+    /// How many streams (keys `0..direct`) get a group of their own, created with the
+    /// streams: their ops cost what the group's cost. Each is one more group's resources
+    /// (with shm: its segments, `2 × window + 2 × world × slot` per rank, and a worker
+    /// thread), so the default is [`DIRECT_DEFAULT`](Self::DIRECT_DEFAULT);
+    /// `COMM_STREAMS_DIRECT` sets it. Streams with other keys cost no resources of their own
+    /// (use them for many short-lived streams, e.g. one per request).
+    pub direct: usize,
+}
+
+impl StreamsOptions {
+    /// Direct streams by default.
+    pub const DIRECT_DEFAULT: usize = 2;
+    /// At most this many direct streams.
+    pub const DIRECT_MAX: usize = 64;
+
+    /// The defaults, with `COMM_STREAMS_DIRECT` read.
+    pub fn from_env() -> Result<StreamsOptions, CommError> {
+        let direct = comm_core::config::env_parse("COMM_STREAMS_DIRECT", |s| {
+            s.trim().parse::<usize>().map_err(|e| format!("expected a number of streams: {e}"))
+        })?;
+        Ok(StreamsOptions { direct: direct.unwrap_or(Self::DIRECT_DEFAULT) })
+    }
+}
+
+impl Default for StreamsOptions {
+    fn default() -> Self {
+        StreamsOptions { direct: Self::DIRECT_DEFAULT }
     }
 }
 
@@ -314,20 +389,36 @@ impl Streams {
     /// [`ProcessGroup::shutdown`]; dropping every handle does the same without waiting.
     pub async fn shutdown(&self) -> Result<(), CommError> {
         let (done, work) = Work::pending();
-        if self.shared.tx.send(Event::Stop(Some(done))).is_err() {
-            return Ok(());
+        let arbitrated = match self.shared.tx.send(Event::Stop(Some(done))) {
+            Err(_) => Ok(()),
+            Ok(()) => match work.await {
+                Err(CommError::Shutdown(_)) => Ok(()),
+                other => other,
+            },
+        };
+        for (group, _) in &self.shared.direct {
+            group.shutdown().await?;
         }
-        match work.await {
-            Err(CommError::Shutdown(_)) => Ok(()),
-            other => other,
-        }
+        arbitrated
+    }
+
+    /// How many direct streams there are (keys `0..direct()`).
+    pub fn direct(&self) -> usize {
+        self.shared.direct.len()
     }
 
     /// The stream named `key` (the same key on every rank names the same stream): a group of
     /// the same ranks whose ops are ordered only among themselves. Local, no communication.
     /// While a handle of `key` lives, `stream(key)` returns one sharing its numbering; once
     /// all are dropped the next one starts a new stream (every rank must then do the same).
+    ///
+    /// Keys below [`StreamsOptions::direct`] name *direct* streams: each is a group of its own,
+    /// as fast as the group itself (its `backend_name()` is the group's); the others share
+    /// one group, in the order rank 0 decides.
     pub fn stream(&self, key: u64) -> ProcessGroup {
+        if let Some((group, issuers)) = usize::try_from(key).ok().and_then(|k| self.shared.direct.get(k)) {
+            return self.shared.parent.over(group.clone(), issuers.clone());
+        }
         let mut registry = self.shared.registry.lock().unwrap_or_else(|p| p.into_inner());
         let backend = match registry.get(&key).and_then(Weak::upgrade) {
             Some(live) => live,

@@ -88,41 +88,55 @@ fn two_tasks_on_one_group_are_reported() {
 }
 
 /// Rank 0 issues stream A's op then stream B's, rank 1 the other way round, with the same
-/// shapes: each pairs with its own. The same crossing on one stream, with different shapes,
-/// is `Mismatch` on both ranks.
+/// shapes: each pairs with its own, for two direct streams (0, 1), two arbitrated ones (2, 3)
+/// and one of each. The same crossing on one stream, with different shapes, is `Mismatch` on
+/// both ranks, and only that stream fails.
 #[test]
 fn crossed_streams() {
     multiprocess::run(2, "crossed_streams", T, || async {
         let pg = init(Config::from_env().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
         let streams = pg.streams().await.map_err(|e| e.to_string())?;
         let me = pg.rank();
-        let (a, b) = (streams.stream(1), streams.stream(2));
         let issue = |s: &ProcessGroup, v: f32| s.all_reduce(HostBuffer::from_slice(&[v; 16]), ReduceOp::Sum);
-        let (wa, wb) = if me == 0 {
-            let wa = issue(&a, 1.0);
-            (wa, issue(&b, 10.0))
-        } else {
-            let wb = issue(&b, 10.0);
-            (issue(&a, 1.0), wb)
-        };
-        let (ra, rb) = (wa.await.map_err(|e| e.to_string())?, wb.await.map_err(|e| e.to_string())?);
-        if ra.to_vec::<f32>().unwrap() != [2.0; 16] || rb.to_vec::<f32>().unwrap() != [20.0; 16] {
-            return Err(format!("crossed streams paired wrongly: {ra:?} {rb:?}"));
+        for (ka, kb) in [(0, 1), (2, 3), (1, 2)] {
+            let (a, b) = (streams.stream(ka), streams.stream(kb));
+            let (wa, wb) = if me == 0 {
+                let wa = issue(&a, 1.0);
+                (wa, issue(&b, 10.0))
+            } else {
+                let wb = issue(&b, 10.0);
+                (issue(&a, 1.0), wb)
+            };
+            let (ra, rb) = (wa.await.map_err(|e| e.to_string())?, wb.await.map_err(|e| e.to_string())?);
+            if ra.to_vec::<f32>().unwrap() != [2.0; 16] || rb.to_vec::<f32>().unwrap() != [20.0; 16] {
+                return Err(format!("crossed streams {ka} and {kb} paired wrongly: {ra:?} {rb:?}"));
+            }
         }
-        // One stream, crossed, different shapes.
-        let c = streams.stream(3);
         let (first, second) = if me == 0 { (16, 32) } else { (32, 16) };
-        let w1 = c.all_reduce(HostBuffer::from_slice(&vec![1.0f32; first]), ReduceOp::Sum);
-        let w2 = c.all_reduce(HostBuffer::from_slice(&vec![1.0f32; second]), ReduceOp::Sum);
+        let crossed = |s: &ProcessGroup| {
+            let w1 = s.all_reduce(HostBuffer::from_slice(&vec![1.0f32; first]), ReduceOp::Sum);
+            (w1, s.all_reduce(HostBuffer::from_slice(&vec![1.0f32; second]), ReduceOp::Sum))
+        };
+        // An arbitrated stream, crossed, different shapes: named in both errors.
+        let (w1, w2) = crossed(&streams.stream(4));
         match (w1.await, w2.await) {
             (Err(CommError::Mismatch { detail, .. }), Err(CommError::Poisoned { cause }))
-                if detail.contains("stream 3") && cause.contains("stream 3") => {}
-            other => return Err(format!("one stream crossed: {other:?}")),
+                if detail.contains("stream 4") && cause.contains("stream 4") => {}
+            other => return Err(format!("stream 4 crossed: {other:?}")),
+        }
+        // A direct stream, crossed: its group's own check (a peer may see the other's report
+        // of it first).
+        let (w1, w2) = crossed(&streams.stream(0));
+        match (w1.await, w2.await) {
+            (Err(CommError::Mismatch { .. } | CommError::PeerLost { .. }), Err(_)) => {}
+            other => return Err(format!("stream 0 crossed: {other:?}")),
         }
         // The other streams go on.
-        let r = issue(&a, 1.0).await.map_err(|e| e.to_string())?;
-        if r.to_vec::<f32>().unwrap() != [2.0; 16] {
-            return Err("stream 1 after stream 3 failed".into());
+        for k in [1, 2] {
+            let r = issue(&streams.stream(k), 1.0).await.map_err(|e| e.to_string())?;
+            if r.to_vec::<f32>().unwrap() != [2.0; 16] {
+                return Err(format!("stream {k} after streams 0 and 4 failed"));
+            }
         }
         Ok(())
     });
@@ -141,14 +155,23 @@ fn a_missing_op_times_out_alone() {
             let pg = init(Config::from_env().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
             let streams = pg.streams().await.map_err(|e| e.to_string())?;
             let (lonely, busy) = (streams.stream(7), streams.stream(8));
+            // A direct stream's missing op too: its own group times out, nothing else.
+            let lonely_direct = streams.stream(0);
             let waiting = (pg.rank() == 0).then(|| lonely.all_reduce(HostBuffer::from_slice(&[1.0f32]), ReduceOp::Sum));
+            let waiting_direct =
+                (pg.rank() == 0).then(|| lonely_direct.all_reduce(HostBuffer::from_slice(&[1.0f32]), ReduceOp::Sum));
+            let busy_direct = streams.stream(1);
             // Past the lonely op's 2 s timeout; the same number of ops on both ranks.
             for _ in 0..150 {
                 let r = busy
                     .all_reduce(HostBuffer::from_slice(&[1.0f32; 8]), ReduceOp::Sum)
                     .await
                     .map_err(|e| e.to_string())?;
-                if r.to_vec::<f32>().unwrap() != [2.0; 8] {
+                let d = busy_direct
+                    .all_reduce(HostBuffer::from_slice(&[1.0f32; 8]), ReduceOp::Sum)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if r.to_vec::<f32>().unwrap() != [2.0; 8] || d.to_vec::<f32>().unwrap() != [2.0; 8] {
                     return Err("busy stream: wrong sum".into());
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -164,9 +187,39 @@ fn a_missing_op_times_out_alone() {
                     other => return Err(format!("after the timeout: {other:?}")),
                 }
             }
+            if let Some(w) = waiting_direct {
+                match w.await {
+                    Err(CommError::Timeout { .. }) => {}
+                    other => return Err(format!("lonely op on a direct stream: {other:?}")),
+                }
+            }
             // Neither rank ends its streams before the other is done with its checks.
             pg.barrier().await.map_err(|e| e.to_string())?;
             streams.shutdown().await.map_err(|e| e.to_string())
+        },
+    );
+}
+
+/// Ranks that ask for different numbers of direct streams all get `InvalidArgument` (they
+/// would create different groups), and the group goes on.
+#[test]
+fn ranks_disagreeing_on_direct_streams_are_told() {
+    multiprocess::run_with_env(
+        2,
+        "ranks_disagreeing_on_direct_streams_are_told",
+        T,
+        |rank| vec![("COMM_STREAMS_DIRECT".into(), (1 + 2 * rank).to_string())],
+        || async {
+            let pg = init(Config::from_env().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
+            match pg.streams().await {
+                Err(CommError::InvalidArgument { reason, .. }) if reason.contains("between 1 and 3") => {}
+                other => return Err(format!("streams with 1 and 3 direct: {other:?}")),
+            }
+            let r = pg.all_reduce(HostBuffer::from_slice(&[1.0f32]), ReduceOp::Sum).await.map_err(|e| e.to_string())?;
+            if r.to_vec::<f32>().unwrap() != [2.0] {
+                return Err("the group after the refusal: wrong sum".into());
+            }
+            Ok(())
         },
     );
 }

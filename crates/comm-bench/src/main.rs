@@ -18,6 +18,7 @@ mod rawmpi;
 mod report;
 mod saved;
 mod sizes;
+mod tasks;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -165,10 +166,17 @@ struct Cli {
     /// backend's zero-copy memory where it has one.
     #[arg(long)]
     zero_copy: bool,
-    /// Also time every row on a stream of the group (`pg.streams()`), interleaved with the
-    /// group itself in every row: the cost of a stream op.
+    /// Also time every row on streams of the group (`pg.streams()`): a direct one
+    /// (`<backend>-stream-direct`, where `COMM_STREAMS_DIRECT` leaves one) and an arbitrated
+    /// one (`<backend>-stream`), interleaved with the group itself in every row: the cost of a
+    /// stream op.
     #[arg(long, conflicts_with = "interleave")]
     stream: bool,
+    /// Instead of the table: all_reduce (first --dtype) at every size on N streams (keys
+    /// `0..N`) from N threads at once, against one stream alone, in alternating slices; prints
+    /// the time per op of each (the N threads' together: their aggregate rate).
+    #[arg(long, value_name = "N", conflicts_with_all = ["interleave", "stream"], value_parser = clap::value_parser!(u32).range(2..=64))]
+    tasks: Option<u32>,
     /// Profile every op (a span each, recorded by a CommsLogger) and print the CommsLogger
     /// summary with the per-rank straggler view after the bench (feature `profiling`).
     #[arg(long, conflicts_with = "profile_overhead")]
@@ -226,6 +234,7 @@ struct Plan {
     check: bool,
     zero_copy: bool,
     stream: bool,
+    tasks: Option<usize>,
     // Only acted on with the `profiling` feature; without it `from_cli` refuses them.
     #[cfg_attr(not(feature = "profiling"), allow(dead_code))]
     profile: bool,
@@ -314,6 +323,7 @@ impl Plan {
             percentiles: cli.percentiles,
             zero_copy: cli.zero_copy,
             stream: cli.stream,
+            tasks: cli.tasks.map(|n| n as usize),
             interleave,
         })
     }
@@ -391,7 +401,7 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
         #[cfg(feature = "mpi-raw")]
         {
             let pg = rawmpi::init()?;
-            let wrong = bench(plan, std::slice::from_ref(&pg)).await?;
+            let wrong = bench(plan, &[(pg.clone(), pg.backend_name())]).await?;
             pg.barrier().await?;
             return Ok(wrong);
         }
@@ -413,7 +423,7 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
                     raw.world_size()
                 )));
             }
-            let wrong = bench(plan, &[pg.clone(), raw.clone()]).await?;
+            let wrong = bench(plan, &[(pg.clone(), pg.backend_name()), (raw.clone(), raw.backend_name())]).await?;
             raw.barrier().await?;
             // Before the mpi backend finalises MPI (mpi-raw's ops are freed with it).
             drop(raw);
@@ -452,8 +462,25 @@ async fn run(plan: &Plan) -> Result<u64, CommError> {
         pg.shutdown().await?;
         return Ok(0);
     }
+    if let Some(n) = plan.tasks {
+        let streams = pg.streams().await?;
+        tasks::run(&pg, &streams, plan, n).await?;
+        streams.shutdown().await?;
+        quiet(|| pg.barrier()).await?;
+        pg.shutdown().await?;
+        return Ok(0);
+    }
     let streams = if plan.stream { Some(pg.streams().await?) } else { None };
-    let pgs: Vec<ProcessGroup> = std::iter::once(pg.clone()).chain(streams.as_ref().map(|s| s.stream(0))).collect();
+    // The group, then with --stream a direct stream (where there is one) and an arbitrated one.
+    let mut pgs = vec![(pg.clone(), pg.backend_name())];
+    if let Some(s) = &streams {
+        if s.direct() > 0 {
+            let name: &'static str = Box::leak(format!("{}-stream-direct", pg.backend_name()).into_boxed_str());
+            pgs.push((s.stream(0), name));
+        }
+        let arbitrated = s.stream(s.direct() as u64);
+        pgs.push((arbitrated.clone(), arbitrated.backend_name()));
+    }
     let wrong = bench(plan, &pgs).await?;
     if let Some(streams) = streams {
         streams.shutdown().await?;
@@ -488,7 +515,9 @@ fn no_mpi_raw() -> CommError {
 /// Benchmarks every row of the plan on each of `pgs` (one backend each, interleaved within
 /// every row) and prints (rank 0) the table and its footer; returns the number of wrong
 /// elements over every row, rank and backend.
-async fn bench(plan: &Plan, pgs: &[ProcessGroup]) -> Result<u64, CommError> {
+async fn bench(plan: &Plan, named: &[(ProcessGroup, &'static str)]) -> Result<u64, CommError> {
+    let pgs: Vec<ProcessGroup> = named.iter().map(|(pg, _)| pg.clone()).collect();
+    let names: Vec<&'static str> = named.iter().map(|&(_, name)| name).collect();
     let pg = &pgs[0];
     let (rank, n) = (pg.rank(), pg.world_size());
     if plan.root >= n && plan.colls.iter().any(|c| c.rooted()) {
@@ -501,7 +530,7 @@ async fn bench(plan: &Plan, pgs: &[ProcessGroup]) -> Result<u64, CommError> {
         None
     };
     if leader {
-        print_preamble(plan, pgs, git_rev.as_deref());
+        print_preamble(plan, &pgs, &names, git_rev.as_deref());
     }
     let start = report::timestamp();
     // Every row the plan times, in order.
@@ -514,7 +543,7 @@ async fn bench(plan: &Plan, pgs: &[ProcessGroup]) -> Result<u64, CommError> {
     };
     let total = planned().count();
     if let Some((coll, dtype, shape)) = planned().next() {
-        for pg in pgs {
+        for pg in &pgs {
             settle(pg, plan, Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n }).await?;
         }
     }
@@ -533,7 +562,7 @@ async fn bench(plan: &Plan, pgs: &[ProcessGroup]) -> Result<u64, CommError> {
                 let Some(shape) = shape(coll, dtype, size, n) else { continue };
                 let case = Case { coll, dtype, redop: plan.redop, root: plan.root, shape, rank, n };
                 progress.start_row(&format!("{coll} {dtype} {}", sizes::format_size(shape.bytes)));
-                let got = bench_row(pgs, plan, case).await?;
+                let got = bench_row(&pgs, &names, plan, case).await?;
                 progress.row_done();
                 for (i, (row, mine)) in got.into_iter().zip(&mut rows).enumerate() {
                     if leader {
@@ -552,9 +581,9 @@ async fn bench(plan: &Plan, pgs: &[ProcessGroup]) -> Result<u64, CommError> {
     if !leader {
         return Ok(wrong);
     }
-    for (pg, rows) in pgs.iter().zip(&rows) {
+    for (&name, rows) in names.iter().zip(&rows) {
         if pgs.len() > 1 {
-            println!("# {}:", pg.backend_name());
+            println!("# {name}:");
         }
         for line in report::footer(rows, &plan.colls) {
             println!("{line}");
@@ -565,7 +594,7 @@ async fn bench(plan: &Plan, pgs: &[ProcessGroup]) -> Result<u64, CommError> {
             }
         }
         if let Some(path) = &plan.json {
-            let path = PathBuf::from(path.to_string_lossy().replace("{backend}", pg.backend_name()));
+            let path = PathBuf::from(path.to_string_lossy().replace("{backend}", name));
             let doc = report::Report {
                 schema: report::SCHEMA,
                 host: report::hostname(),
@@ -575,7 +604,7 @@ async fn bench(plan: &Plan, pgs: &[ProcessGroup]) -> Result<u64, CommError> {
                 start: start.clone(),
                 timestamp: end.clone(),
                 end: end.clone(),
-                backend: pg.backend_name(),
+                backend: name,
                 np: n,
                 time: "mean wall time per op, max over ranks",
                 args: std::env::args().skip(1).collect(),
@@ -597,16 +626,14 @@ fn quiet<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
-fn print_preamble(plan: &Plan, pgs: &[ProcessGroup], git_rev: Option<&str>) {
+fn print_preamble(plan: &Plan, pgs: &[ProcessGroup], labels: &[&str], git_rev: Option<&str>) {
     let names = |v: Vec<&str>| v.join(",");
     let pg = &pgs[0];
-    let backend = match pgs {
-        [_, others @ ..] if !others.is_empty() => format!(
-            "{}, interleaved in every row with {}",
-            pg.backend_name(),
-            names(others.iter().map(ProcessGroup::backend_name).collect())
-        ),
-        _ => pg.backend_name().to_owned(),
+    let backend = match labels {
+        [first, others @ ..] if !others.is_empty() => {
+            format!("{first}, interleaved in every row with {}", others.join(","))
+        }
+        _ => labels[0].to_owned(),
     };
     println!("# comm-bench: nccl-tests-style collective benchmark");
     println!(
@@ -666,7 +693,12 @@ async fn settle(pg: &ProcessGroup, plan: &Plan, case: Case) -> Result<(), CommEr
 
 /// Times one row on each of `pgs` and checks it; every rank returns the same rows. With
 /// several backends the timed iterations run in [`SLICES`] slices, alternating between them.
-async fn bench_row(pgs: &[ProcessGroup], plan: &Plan, case: Case) -> Result<Vec<Row>, CommError> {
+async fn bench_row(
+    pgs: &[ProcessGroup],
+    names: &[&'static str],
+    plan: &Plan,
+    case: Case,
+) -> Result<Vec<Row>, CommError> {
     let template = case.input()?;
     let iters = plan.iters_for(case.shape.bytes);
     let warmup = plan.warmup_for(iters);
@@ -697,8 +729,8 @@ async fn bench_row(pgs: &[ProcessGroup], plan: &Plan, case: Case) -> Result<Vec<
     }
     drop(slots);
     let mut rows = Vec::with_capacity(pgs.len());
-    for ((pg, elapsed), per_op) in pgs.iter().zip(elapsed).zip(per_op) {
-        rows.push(finish_row(pg, plan, case, &template, Timed { iters, warmup, elapsed, per_op }).await?);
+    for (((pg, &name), elapsed), per_op) in pgs.iter().zip(names).zip(elapsed).zip(per_op) {
+        rows.push(finish_row(pg, name, plan, case, &template, Timed { iters, warmup, elapsed, per_op }).await?);
     }
     Ok(rows)
 }
@@ -715,6 +747,7 @@ struct Timed {
 /// Checks one backend's results of a row and agrees on its figures across ranks.
 async fn finish_row(
     pg: &ProcessGroup,
+    name: &'static str,
     plan: &Plan,
     case: Case,
     template: &HostBuffer,
@@ -762,7 +795,7 @@ async fn finish_row(
         algbw_gbps: algbw,
         busbw_gbps: algbw * case.coll.bus_factor(case.n),
         wrong,
-        backend: pg.backend_name(),
+        backend: name,
         np: case.n,
         p50_us,
         p99_us,
@@ -905,6 +938,8 @@ mod tests {
         assert!(plan(&["--stream", "--interleave", "mpi-raw"]).is_err());
         assert!(plan(&["--stream", "--json", "r.json"]).unwrap_err().contains("{backend}"));
         assert!(plan(&["--stream", "--json", "r-{backend}.json"]).is_ok());
+        assert_eq!(plan(&["--tasks", "8"]).unwrap().tasks, Some(8));
+        assert!(plan(&["--tasks", "1"]).is_err() && plan(&["--tasks", "8", "--stream"]).is_err());
     }
 
     #[test]

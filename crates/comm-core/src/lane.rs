@@ -95,6 +95,34 @@ impl Drop for Ticket {
     }
 }
 
+/// Threads of this process in a spinning wait now, over every group and backend.
+static SPINNING: AtomicUsize = AtomicUsize::new(0);
+
+/// A spinning wait's claim on one of the CPUs this rank may call its own. Where that many
+/// threads of the process spin already (several groups or streams waiting at once), one more
+/// would only take the CPU that a peer's thread, or one of them, needs to arrive: it yields
+/// between polls instead.
+#[derive(Debug)]
+pub struct SpinSlot(());
+
+impl SpinSlot {
+    /// A slot if fewer than `share` threads of this process spin now.
+    pub fn try_take(share: usize) -> Option<SpinSlot> {
+        if SPINNING.fetch_add(1, SeqCst) < share {
+            Some(SpinSlot(()))
+        } else {
+            SPINNING.fetch_sub(1, SeqCst);
+            None
+        }
+    }
+}
+
+impl Drop for SpinSlot {
+    fn drop(&mut self) {
+        SPINNING.fetch_sub(1, SeqCst);
+    }
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub struct Lane<S> {
@@ -245,6 +273,17 @@ mod tests {
         assert!(matches!(out, Err(CommError::Poisoned { .. })));
         // The lock is usable after both.
         assert!(!lane.lock().parked);
+    }
+
+    #[test]
+    fn spin_slots_are_shared_out() {
+        // Other tests of this process may hold slots meanwhile: count from here.
+        let a = SpinSlot::try_take(usize::MAX).unwrap();
+        let held = SPINNING.load(SeqCst);
+        assert!(SpinSlot::try_take(held - 1).is_none(), "all taken");
+        let b = SpinSlot::try_take(held + 1);
+        assert!(b.is_some());
+        drop((a, b));
     }
 
     #[test]

@@ -117,6 +117,9 @@ pub(crate) struct Params {
     pub(crate) timeout: Duration,
     /// How long a waiter spins before it sleeps on its futex (0 when ranks outnumber their CPUs).
     pub(crate) spin: Duration,
+    /// The CPUs this rank may call its own (those every rank may run on, per rank, at least
+    /// one): at most this many of the process's threads spin at once ([`lane::SpinSlot`]).
+    pub(crate) cpus: usize,
     /// Test hook (`COMM_FAULT_INJECT=panic:<op>`): the worker panics when it runs this op.
     pub(crate) panic_at: Option<&'static str>,
     /// [`crate::ShmOptions::stream`] (this rank's own; ranks may differ).

@@ -2,8 +2,9 @@
 
 use std::time::{Duration, Instant};
 
+use comm_core::lane::SpinSlot;
 use comm_core::{DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
-use comm_kernels::{self as kernels};
+use comm_kernels as kernels;
 
 use crate::layout::{StepHeader, CARRIED};
 
@@ -355,7 +356,17 @@ impl Engine {
         // few polls, and most ops are done before (the budget starts a few polls late).
         let mut t0 = None;
         let mut polls = 0u32;
+        let mut budget = budget;
+        // Taken at the first poll that fails: an op whose peers are there costs nothing more.
+        let mut slot: Option<Option<SpinSlot>> = None;
         while !ready(self) {
+            if slot.is_none() && !budget.is_zero() {
+                let taken = SpinSlot::try_take(self.params.cpus);
+                if taken.is_none() {
+                    budget = Duration::ZERO;
+                }
+                slot = Some(taken);
+            }
             polls = polls.wrapping_add(1);
             if !polls.is_multiple_of(64) && !budget.is_zero() {
                 std::hint::spin_loop();
