@@ -38,97 +38,133 @@ struct BenchArgs {
     forward: Vec<String>,
 }
 
-fn parse_bench(args: &[String]) -> Result<BenchArgs> {
-    const FORWARDED: [&str; 9] =
-        ["--op", "--dtype", "--sizes", "--iters", "--warmup", "--redop", "--root", "--json", "--trace"];
-    let mut b = BenchArgs {
-        backends: vec!["shm".into()],
-        np: 2,
-        nps: vec![2],
-        json: None,
-        svg: None,
-        baseline: Vec::new(),
-        progress: true,
-        rounds: 1,
-        hosts: None,
-        forward: Vec::new(),
-    };
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        if arg == "--" {
-            b.forward.extend(it.by_ref().cloned());
-            break;
-        }
-        if ["--check", "--no-check", "--profile", "--profile-overhead", "--percentiles"].contains(&arg.as_str()) {
-            b.forward.push(arg.clone());
-            continue;
-        }
-        if arg == "--no-progress" {
-            b.progress = false;
-            continue;
-        }
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_owned())),
-            _ => (arg.as_str(), None),
-        };
-        if !["--backend", "--np", "--svg", "--baseline", "--rounds", "--hosts"].contains(&flag)
-            && !FORWARDED.contains(&flag)
-        {
-            return Err(Failure::usage(format!("`bench` does not take `{arg}`")));
-        }
-        let value = match inline {
-            Some(v) => v,
-            None => it.next().cloned().ok_or_else(|| Failure::usage(format!("`{flag}` needs a value")))?,
-        };
-        match flag {
-            "--backend" => {
-                b.backends =
-                    value.split(',').map(|s| s.trim().to_ascii_lowercase()).filter(|s| !s.is_empty()).collect();
-            }
-            "--np" => {
-                b.nps = value
-                    .split(',')
-                    .map(|n| n.trim().parse().ok().filter(|&n: &u32| n >= 1))
-                    .collect::<Option<Vec<u32>>>()
-                    .filter(|v| !v.is_empty())
-                    .ok_or_else(|| {
-                        Failure::usage(format!("--np {value}: expected numbers of ranks ≥ 1 (e.g. 2 or 2,4,8)"))
-                    })?;
-                b.np = b.nps.iter().copied().max().unwrap_or(2);
-            }
-            "--rounds" => {
-                b.rounds = value
-                    .trim()
-                    .parse()
-                    .ok()
-                    .filter(|&n: &u32| n >= 1)
-                    .ok_or_else(|| Failure::usage(format!("--rounds {value}: expected a number of rounds ≥ 1")))?;
-            }
-            "--hosts" => {
-                let sizes = value
-                    .split(',')
-                    .map(|n| n.trim().parse().ok().filter(|&n: &u32| n >= 1))
-                    .collect::<Option<Vec<u32>>>()
-                    .filter(|v| v.len() >= 2)
-                    .ok_or_else(|| {
-                        Failure::usage(format!(
-                            "--hosts {value}: expected ranks per host for 2 or more hosts (e.g. 2,2)"
-                        ))
-                    })?;
-                b.hosts = Some(sizes);
-            }
-            "--json" => b.json = Some(PathBuf::from(value)),
-            "--svg" => b.svg = Some(PathBuf::from(value)),
-            "--baseline" => b.baseline.extend(value.split(',').filter(|s| !s.is_empty()).map(PathBuf::from)),
-            _ => b.forward.extend([flag.to_owned(), value]),
-        }
+/// `cargo xtask bench`'s options; see `cargo xtask bench --help`.
+#[derive(clap::Parser, Debug)]
+#[command(name = "cargo xtask bench", no_binary_name = true)]
+pub(crate) struct BenchCli {
+    /// Comma list of backends (compiled-in ones only); `all`: shm, mpi and mpi-raw where MPI is
+    /// installed (or installable: apt, as root), nccl where `nvidia-smi -L` (or /dev/nvidiaN)
+    /// shows NP GPUs; mpi-raw: the system MPI's own collectives called directly (the
+    /// osu_allreduce baseline), under mpirun; with shm or mpi, the first of them runs in one
+    /// mpirun process with it, the two alternating within every row (comm-bench
+    /// --interleave), so both see the same machine.
+    #[arg(long, value_delimiter = ',', default_value = "shm")]
+    backend: Vec<String>,
+    /// Ranks (default 2); several: the whole run once per count (JSON reports PATH.npN...), a
+    /// side-by-side table per count.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
+    np: Option<Vec<u32>>,
+    /// Run every backend N times, interleaved (shm, mpi-raw, shm, ...; JSON reports
+    /// PATH...rK...); the table shows each row's median round and its spread (slowest /
+    /// fastest round), and the ratio of the fastest rounds (`best`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Run the MPI-launched backends on simulated hosts of these sizes (`2,2`:
+    /// `scripts/simhosts`, MPI over TCP).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
+    hosts: Option<Vec<u32>>,
+    /// Write the JSON report (PATH.<backend>.json per backend when several).
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Plot busbw against size (log2 axis) as an SVG, one line per backend and dtype.
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Compare with saved --json reports (or, when PATH is not there, its PATH.<backend>.json
+    /// siblings): every row gains the saved busbw and new/old.
+    #[arg(long, value_delimiter = ',')]
+    baseline: Vec<PathBuf>,
+    /// No progress display (default: a bar on stderr when it is a terminal, else a line every
+    /// 10 s of a longer run).
+    #[arg(long)]
+    no_progress: bool,
+    /// all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,reduce or all (default
+    /// all_reduce).
+    #[arg(long)]
+    op: Option<String>,
+    /// f32,bf16,f16,f64,i32,i64,i8,u8 or all (default f32).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// 8B..64MiB (default), 8B..64MiB:x8, 8B,1KiB,1MiB.
+    #[arg(long)]
+    sizes: Option<String>,
+    #[arg(long)]
+    iters: Option<String>,
+    #[arg(long)]
+    warmup: Option<String>,
+    #[arg(long)]
+    redop: Option<String>,
+    #[arg(long)]
+    root: Option<String>,
+    /// Write every rank's ops as one Chrome trace-event JSON file (one backend).
+    #[arg(long)]
+    trace: Option<String>,
+    #[arg(long)]
+    check: bool,
+    #[arg(long)]
+    no_check: bool,
+    /// Profile every op and print the CommsLogger summary after the bench.
+    #[arg(long)]
+    profile: bool,
+    /// Instead of the table: the same ops with profiling off, with the layer but no
+    /// subscriber, and with a CommsLogger, and the overhead of each (one backend).
+    #[arg(long)]
+    profile_overhead: bool,
+    /// p50 and p99 of the per-op time (slowest rank) per row.
+    #[arg(long)]
+    percentiles: bool,
+    /// Anything after `--` goes to comm-bench as it is (`target/release/comm-bench --help`).
+    #[arg(last = true)]
+    rest: Vec<String>,
+}
+
+fn bench_args(cli: BenchCli) -> Result<BenchArgs> {
+    let mut forward = Vec::new();
+    let valued = [
+        ("--op", cli.op),
+        ("--dtype", cli.dtype),
+        ("--sizes", cli.sizes),
+        ("--iters", cli.iters),
+        ("--warmup", cli.warmup),
+        ("--redop", cli.redop),
+        ("--root", cli.root),
+        ("--trace", cli.trace),
+    ];
+    for (flag, value) in valued {
+        forward.extend(value.map(|v| [flag.to_owned(), v]).into_iter().flatten());
     }
+    let flags = [
+        ("--check", cli.check),
+        ("--no-check", cli.no_check),
+        ("--profile", cli.profile),
+        ("--profile-overhead", cli.profile_overhead),
+        ("--percentiles", cli.percentiles),
+    ];
+    forward.extend(flags.into_iter().filter(|&(_, on)| on).map(|(flag, _)| flag.to_owned()));
+    forward.extend(cli.rest);
+    let nps = cli.np.clone().unwrap_or_else(|| vec![2]);
+    let mut b = BenchArgs {
+        backends: cli.backend.iter().map(|s| s.trim().to_ascii_lowercase()).filter(|s| !s.is_empty()).collect(),
+        np: nps.iter().copied().max().unwrap_or(2),
+        nps,
+        json: cli.json,
+        svg: cli.svg,
+        baseline: cli.baseline.into_iter().filter(|p| !p.as_os_str().is_empty()).collect(),
+        progress: !cli.no_progress,
+        rounds: cli.rounds,
+        hosts: cli.hosts,
+        forward,
+    };
     if b.backends.is_empty() {
         return Err(Failure::usage("--backend needs at least one backend"));
     }
     if let Some(sizes) = &b.hosts {
+        if sizes.len() < 2 {
+            return Err(Failure::usage(format!(
+                "--hosts {sizes:?}: expected ranks per host for 2 or more hosts (e.g. 2,2)"
+            )));
+        }
         let np: u32 = sizes.iter().sum();
-        if args.iter().any(|a| a == "--np" || a.starts_with("--np=")) && b.nps != [np] {
+        if cli.np.is_some() && b.nps != [np] {
             return Err(Failure::usage(format!("--hosts {sizes:?} means {np} ranks: leave out --np")));
         }
         if let Some(k) = b.backends.iter().find(|k| !mpi_launched(k)) {
@@ -374,8 +410,8 @@ fn git_rev() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
-pub(crate) fn bench(args: &[String]) -> Result {
-    let mut b = parse_bench(args)?;
+pub(crate) fn bench(cli: BenchCli) -> Result {
+    let mut b = bench_args(cli)?;
     let manifest = root().join("crates/comm-bench/Cargo.toml");
     let manifest = std::fs::read_to_string(&manifest)
         .map_err(|e| Failure { code: 1, msg: format!("reading {}: {e}", manifest.display()) })?;
@@ -529,6 +565,10 @@ pub(crate) fn bench(args: &[String]) -> Result {
 mod tests {
     use super::*;
 
+    fn parse_bench(args: &[String]) -> Result<BenchArgs> {
+        bench_args(<BenchCli as clap::Parser>::try_parse_from(args).map_err(|e| Failure::usage(e.to_string()))?)
+    }
+
     fn args(s: &str) -> Vec<String> {
         s.split_whitespace().map(str::to_owned).collect()
     }
@@ -575,7 +615,7 @@ mod tests {
         let mut b = parse_bench(&args("--profile --sizes 8B")).unwrap();
         let mut f = Vec::new();
         profiling_options(&mut b, &mut f).unwrap();
-        assert_eq!((f.len(), b.forward), (1, args("--profile --sizes 8B")));
+        assert_eq!((f.len(), b.forward), (1, args("--sizes 8B --profile")));
         let mut b = parse_bench(&args("--backend shm,mpi --profile-overhead")).unwrap();
         assert!(profiling_options(&mut b, &mut Vec::new()).is_err());
     }

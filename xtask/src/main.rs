@@ -1,8 +1,8 @@
 //! Project automation: `cargo xtask test [--quick]`, `cargo xtask ci`, `cargo xtask bench [...]`,
 //! `cargo xtask gpu-test [--no-run]`.
 //!
-//! Plain `std` apart from indicatif (the bench progress bar), so it builds in seconds before
-//! anything else.
+//! `std` with clap (arguments) and indicatif (the bench progress bar), so it builds in seconds
+//! before anything else.
 
 use std::env;
 use std::fmt::Write as _;
@@ -19,72 +19,50 @@ mod test;
 use bench::bench;
 use test::{gpu_test, test};
 
-const USAGE: &str = "\
-usage: cargo xtask <command> [options]
+/// Project automation.
+#[derive(clap::Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask")]
+enum Cli {
+    /// Every check CI runs (`--quick`: without fmt and clippy).
+    ///
+    /// Installs the mpi backend's system packages when missing (apt, as root), fmt check,
+    /// clippy -D warnings (with the mpi feature), cargo test --workspace, the mpi backend's
+    /// tests (conformance suite under mpirun at 1-4 ranks, faults), every comm-api example under
+    /// commrun -n 2 and -n 3 and under mpirun -np 2, and comm-bench smoke runs on shm and mpi
+    /// (debug build). The nccl feature is built, linted and unit-tested too (no GPU needed: its
+    /// GPU tests print `skipped: no CUDA device`); so are the profiling and otel features.
+    Test(TestArgs),
+    /// The same as `test` (what .ci/run calls).
+    Ci(TestArgs),
+    /// Installs the system packages the mpi backend needs.
+    ///
+    /// apt, when missing, as root; `test` does this first.
+    Deps,
+    /// The GPU tests, which fail where NCCL cannot run.
+    ///
+    /// The NCCL backend's GPU tests (conformance suite on 1 rank, and on 2 where two GPUs are
+    /// visible; zero-copy device ops; abort on timeout) and comm-api's nccl tests, with
+    /// COMM_NCCL_REQUIRE_GPU=1: where NCCL cannot run they fail instead of skipping.
+    GpuTest {
+        /// Only build them and print the test binaries (to carry to a GPU machine without a
+        /// Rust toolchain; run them there with COMM_NCCL_REQUIRE_GPU=1 --test-threads=1).
+        #[arg(long)]
+        no_run: bool,
+    },
+    /// Benchmarks backends side by side (comm-bench in release).
+    ///
+    /// Builds commrun and comm-bench in release and runs `commrun -n NP -- comm-bench ...` once
+    /// per backend (`mpirun -np NP comm-bench ...` for mpi); with several backends, a
+    /// side-by-side table with the time ratio of each to the first follows.
+    Bench(Box<bench::BenchCli>),
+}
 
-commands:
-  test [--quick]   installs the mpi backend's system packages when missing (apt, as root),
-                   fmt check, clippy -D warnings (with the mpi feature), cargo test --workspace,
-                   the mpi backend's tests (conformance suite under mpirun at 1-4 ranks, faults),
-                   every comm-api example under commrun -n 2 and -n 3 and under mpirun -np 2,
-                   and comm-bench smoke runs on shm and mpi (debug build).
-                   --quick skips fmt and clippy.
-                   The nccl feature is built, linted and unit-tested too (no GPU needed:
-                   its GPU tests print `skipped: no CUDA device`); so are the profiling and
-                   otel features (the shm smoke run uses --profile).
-  ci               the same as `test` (what .ci/run calls).
-  deps             installs the system packages the mpi backend needs (apt, when missing; as
-                   root), as `test` does first.
-  gpu-test [--no-run]
-                   the NCCL backend's GPU tests (conformance suite on 1 rank, and on 2 where
-                   two GPUs are visible; zero-copy device ops; abort on timeout) and comm-api's
-                   nccl tests, with COMM_NCCL_REQUIRE_GPU=1: where NCCL cannot run they fail
-                   instead of skipping. --no-run only builds them and prints the test
-                   binaries (to carry to a GPU machine without a Rust toolchain; run them
-                   there with COMM_NCCL_REQUIRE_GPU=1 --test-threads=1).
-  bench [options]  builds commrun and comm-bench in release and runs
-                   `commrun -n NP -- comm-bench ...` once per backend (`mpirun -np NP
-                   comm-bench ...` for mpi); with several backends, a side-by-side table with
-                   the time ratio of each to the first follows.
-      --backend LIST   comma list of backends (default shm; compiled-in ones only); `all`:
-                       shm, mpi and mpi-raw where MPI is installed (or installable: apt, as
-                       root), nccl where `nvidia-smi -L` (or /dev/nvidiaN) shows NP GPUs;
-                       mpi-raw: the system MPI's own collectives called directly (the
-                       osu_allreduce baseline), under mpirun; with shm or mpi, the first
-                       of them runs in one mpirun process with it, the two alternating
-                       within every row (comm-bench --interleave), so both see the same
-                       machine
-      --np N[,N...]    ranks (default 2); several: the whole run once per count (JSON reports
-                       PATH.npN...), a side-by-side table per count
-      --rounds N       run every backend N times, interleaved (shm, mpi-raw, shm, ...; JSON
-                       reports PATH...rK...); the table shows each row's median round and its
-                       spread (slowest / fastest round), so a machine that changes speed
-                       during the run shows as spread, not as a false ratio, and the ratio of
-                       the fastest rounds (`best`)
-      --op LIST        all_reduce,all_gather,reduce_scatter,broadcast,all_to_all,reduce or all
-                       (default all_reduce)
-      --dtype LIST     f32,bf16,f16,f64,i32,i64,i8,u8 or all (default f32)
-      --sizes SPEC     8B..64MiB (default), 8B..64MiB:x8, 8B,1KiB,1MiB
-      --iters N, --warmup N, --redop OP, --root R, --check, --no-check
-      --percentiles    p50 and p99 of the per-op time (slowest rank) per row
-      --json PATH      write the JSON report (PATH.<backend>.json per backend when several)
-      --svg PATH       plot busbw against size (log2 axis) as an SVG, one line per backend and
-                       dtype (`comm-bench plot` on the runs' JSON reports)
-      --baseline PATH  compare with a saved --json report (or, when PATH is not there, its
-                       PATH.<backend>.json siblings): every row gains the saved busbw and
-                       new/old; rows match on backend, op, dtype, size and ranks (`-`: none)
-      --no-progress    no progress display (default: a bar on stderr when it is a terminal,
-                       else a line every 10 s of a longer run)
-      --profile        profile every op and print the CommsLogger summary (with the per-rank
-                       straggler view) after the bench (builds comm-bench/profiling)
-      --trace PATH     write every rank's ops as one Chrome trace-event JSON file (Perfetto,
-                       chrome://tracing): a track per rank, clocks aligned (one backend)
-      --profile-overhead
-                       instead of the table: the same ops with profiling off, with the layer
-                       but no subscriber, and with a CommsLogger, in interleaved rounds, and
-                       the overhead of each (default sizes 1KiB,1MiB; one backend)
-      -- ARGS...       anything after `--` goes to comm-bench as it is
-                       (see `target/release/comm-bench --help`)";
+#[derive(clap::Args)]
+struct TestArgs {
+    /// Skip fmt and clippy.
+    #[arg(long)]
+    quick: bool,
+}
 
 /// Backends `--backend` knows about; each must be a feature of comm-bench to be usable.
 /// Why xtask stops: a message and the exit code to stop with.
@@ -96,31 +74,31 @@ struct Failure {
 
 impl Failure {
     fn usage(msg: impl Into<String>) -> Failure {
-        Failure { code: 2, msg: format!("{}\n\n{USAGE}", msg.into()) }
+        Failure { code: 2, msg: format!("{} (see `cargo xtask help`)", msg.into()) }
     }
 }
 
 type Result<T = (), E = Failure> = std::result::Result<T, E>;
 
 fn main() -> ExitCode {
-    let args: Vec<String> = env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("test" | "ci") => test(&args[1..]),
-        Some("bench") => bench(&args[1..]),
-        Some("deps") if args.len() == 1 => step("system packages of the mpi backend", || {
+    let cli = match <Cli as clap::Parser>::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { 2 } else { 0 });
+        }
+    };
+    let result = match cli {
+        Cli::Test(t) | Cli::Ci(t) => test(t.quick),
+        Cli::Bench(b) => bench(*b),
+        Cli::Deps => step("system packages of the mpi backend", || {
             if mpi::ensure_packages()? {
                 Ok(())
             } else {
                 Err(Failure { code: 1, msg: "the mpi backend's packages are missing (see above)".into() })
             }
         }),
-        Some("gpu-test") => gpu_test(&args[1..]),
-        Some("help" | "-h" | "--help") => {
-            println!("{USAGE}");
-            Ok(())
-        }
-        None => Err(Failure::usage("no command given")),
-        Some(other) => Err(Failure::usage(format!("unknown command `{other}`"))),
+        Cli::GpuTest { no_run } => gpu_test(no_run),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

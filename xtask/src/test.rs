@@ -22,14 +22,7 @@ const PROFILING_FEATURES: &str = "profiling/otel,comm-api/otel,comm-bench/profil
 const SMOKE_BENCH: [&str; 10] =
     ["--op", "all", "--dtype", "f32,bf16", "--sizes", "8B..1MiB:x16", "--iters", "5", "--warmup", "1"];
 
-pub(crate) fn test(args: &[String]) -> Result {
-    let mut quick = false;
-    for a in args {
-        match a.as_str() {
-            "--quick" => quick = true,
-            other => return Err(Failure::usage(format!("`test` does not take `{other}`"))),
-        }
-    }
+pub(crate) fn test(quick: bool) -> Result {
     let total = Instant::now();
     let mut with_mpi = false;
     step("system packages of the mpi backend", || {
@@ -201,14 +194,7 @@ pub(crate) fn test(args: &[String]) -> Result {
     Ok(())
 }
 
-pub(crate) fn gpu_test(args: &[String]) -> Result {
-    let mut no_run = false;
-    for a in args {
-        match a.as_str() {
-            "--no-run" => no_run = true,
-            other => return Err(Failure::usage(format!("`gpu-test` does not take `{other}`"))),
-        }
-    }
+pub(crate) fn gpu_test(no_run: bool) -> Result {
     if no_run {
         return step("build the GPU tests (backend-nccl tests/gpu.rs)", || {
             let mut c = cargo();
