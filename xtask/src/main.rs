@@ -227,71 +227,32 @@ fn step(name: &str, f: impl FnOnce() -> Result) -> Result {
     r
 }
 
-/// Cargo's target directory (honours `CARGO_TARGET_DIR` and config), from `cargo metadata`.
+/// The workspace's metadata (`cargo metadata`, no dependencies, offline).
+fn metadata() -> Result<cargo_metadata::Metadata> {
+    cargo_metadata::MetadataCommand::new()
+        .current_dir(root())
+        .no_deps()
+        .other_options(vec!["--offline".to_owned()])
+        .exec()
+        .map_err(|e| Failure { code: 1, msg: format!("cargo metadata: {e}") })
+}
+
+/// The workspace's target directory.
 fn target_dir() -> Result<PathBuf> {
-    let mut cmd = cargo();
-    cmd.args(["metadata", "--format-version", "1", "--no-deps", "--offline"]);
-    let out = cmd.output().map_err(|e| Failure { code: 1, msg: format!("cannot run cargo metadata: {e}") })?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    json_string_field(&text, "target_directory")
-        .map(PathBuf::from)
-        .ok_or_else(|| Failure { code: 1, msg: "cargo metadata printed no target_directory".into() })
+    Ok(metadata()?.target_directory.into_std_path_buf())
 }
 
-/// The value of the first `"key":"value"` string field in a JSON text (enough for
-/// `cargo metadata`, whose top-level `target_directory` comes after the packages).
-fn json_string_field(json: &str, key: &str) -> Option<String> {
-    let pat = format!("\"{key}\":\"");
-    let start = json.rfind(&pat)? + pat.len();
-    let mut out = String::new();
-    let mut chars = json[start..].chars();
-    while let Some(c) = chars.next() {
-        match c {
-            '"' => return Some(out),
-            '\\' => match chars.next()? {
-                'n' => out.push('\n'),
-                't' => out.push('\t'),
-                'u' => {
-                    let hex: String = chars.by_ref().take(4).collect();
-                    out.push(char::from_u32(u32::from_str_radix(&hex, 16).ok()?)?);
-                }
-                other => out.push(other),
-            },
-            c => out.push(c),
-        }
-    }
-    None
-}
-
-/// The names of the `[features]` of a Cargo.toml (top-level keys of that table).
-fn cargo_features(manifest: &str) -> Vec<String> {
-    let mut in_features = false;
-    let mut out = Vec::new();
-    for line in manifest.lines().map(str::trim) {
-        if line.starts_with('[') {
-            in_features = line == "[features]";
-        } else if in_features {
-            if let Some((key, _)) = line.split_once('=') {
-                let key = key.trim().trim_matches('"');
-                if !key.is_empty() && !key.starts_with('#') {
-                    out.push(key.to_owned());
-                }
-            }
-        }
-    }
-    out
+/// The features of the workspace package `name`.
+fn cargo_features(name: &str) -> Result<Vec<String>> {
+    let metadata = metadata()?;
+    let package = metadata.packages.iter().find(|p| p.name.as_str() == name);
+    let package = package.ok_or_else(|| Failure { code: 1, msg: format!("no package `{name}` in the workspace") })?;
+    Ok(package.features.keys().cloned().collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn metadata_target_dir() {
-        let j = r#"{"packages":[{"target_directory":"nope"}],"target_directory":"/w/t\"x\\y","version":1}"#;
-        assert_eq!(json_string_field(j, "target_directory").unwrap(), "/w/t\"x\\y");
-        assert_eq!(json_string_field("{}", "target_directory"), None);
-    }
 
     #[test]
     fn commands_are_shown_quoted() {
