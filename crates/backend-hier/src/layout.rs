@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use comm_core::handle::CpuSet;
+use comm_core::cpus::CpuSet;
 use comm_core::ops::AllGather;
 use comm_core::{Backend, CommError, HostBuffer, Rank};
 

@@ -248,7 +248,7 @@ fn child() {
 
 async fn bound() -> i32 {
     let world = MpiBackend::init(MpiOptions::from_env().unwrap()).await.expect("init");
-    let own = comm_core::handle::CpuSet::allowed().map(|c| c.len());
+    let own = comm_core::cpus::CpuSet::allowed().map(|c| c.len());
     let want = std::env::var("COMM_TEST_SPINS").unwrap() == "1";
     let code = if own != Some(1) {
         eprintln!("rank {}: not bound to one CPU ({own:?})", world.rank());

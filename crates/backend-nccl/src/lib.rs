@@ -61,7 +61,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use comm_core::handle::{self, shutdown_done, Admission, CpuSet, Poison, Subgroups};
+use comm_core::cpus::CpuSet;
+use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
 use comm_core::ops::Op;
 use comm_core::{Backend, Collective, CommError, DType, Group, Rank, Store, Work};
 pub use cudarc;

@@ -39,7 +39,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use comm_core::handle::{self, shutdown_done, Admission, CpuSet, Poison, Subgroups};
+use comm_core::cpus::CpuSet;
+use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
 use comm_core::lane::{Class, Lane, Ran};
 use comm_core::{config, Backend, Collective, CommError, DType, Group, HostBuffer, OpKind, Rank, Store, Work};
 

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use comm_core::config::parse_size;
-use comm_core::handle::CpuSet;
+use comm_core::cpus::CpuSet;
 
 /// Per-core L2 assumed where sysfs does not say (a common size on current x86 servers).
 const FALLBACK_L2: usize = 512 << 10;

@@ -497,7 +497,7 @@ fn bind_this_thread(cpus: &str) -> bool {
 /// have a core apiece. Two ranks bound to the same core do not.
 #[test]
 fn bound_ranks_spin_unless_they_share_a_core() {
-    let Some(own) = comm_core::handle::CpuSet::allowed().filter(|c| c.len() >= 2) else {
+    let Some(own) = comm_core::cpus::CpuSet::allowed().filter(|c| c.len() >= 2) else {
         println!("skipped: fewer than two CPUs to bind ranks to");
         return;
     };
@@ -548,7 +548,7 @@ fn thread_cpus(name: &str) -> Vec<String> {
 /// room to spare, or told not to, it leaves them to the scheduler.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_bound_to_cores_of_their_own() {
-    if comm_core::handle::CpuSet::allowed().is_none_or(|c| c.len() < 2) {
+    if comm_core::cpus::CpuSet::allowed().is_none_or(|c| c.len() < 2) {
         println!("skipped: fewer than two CPUs");
         return;
     }

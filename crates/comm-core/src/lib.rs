@@ -13,6 +13,7 @@
 //! - [`WorldInfo`]: who this process is in the job.
 //! - [`CommError`]: the one error type.
 //! - [`lane`]: the gate between a group's callers and its worker, the same in every backend.
+//! - [`cpus`]: CPU sets (a thread's affinity, and the union over a host's ranks).
 //! - [`handle`]: what backends' group handles share (poison, admission, sub-group names).
 //! - [`config`]: parsing of sizes, timeouts and switches, the same in every crate.
 #![forbid(unsafe_code)]
@@ -20,6 +21,7 @@
 mod buffer;
 mod collective;
 pub mod config;
+pub mod cpus;
 mod dtype;
 mod error;
 pub mod handle;

@@ -21,7 +21,8 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use comm_core::handle::{self, CpuSet, Poison};
+use comm_core::cpus::CpuSet;
+use comm_core::handle::{self, Poison};
 use comm_core::{CommError, Completer, Rank};
 
 use crate::raw::{self, Comm, PendingDup, Polled, Request};
