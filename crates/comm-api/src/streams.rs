@@ -368,6 +368,12 @@ impl StreamsOptions {
     /// At most this many direct streams.
     pub const DIRECT_MAX: usize = 64;
 
+    /// These options with `n` direct streams.
+    pub fn direct(mut self, n: usize) -> StreamsOptions {
+        self.direct = n;
+        self
+    }
+
     /// The defaults, with `COMM_STREAMS_DIRECT` read.
     pub fn from_env() -> Result<StreamsOptions, CommError> {
         let direct = comm_core::config::env_parse("COMM_STREAMS_DIRECT", |s| {

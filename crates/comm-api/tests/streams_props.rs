@@ -2,7 +2,7 @@
 //! order), every op's result equals the reference. In-process ranks (`LocalWorld`), a fresh
 //! set of streams per case.
 
-use comm_api::{HostBuffer, ProcessGroup, ReduceOp, WorldInfo};
+use comm_api::{HostBuffer, ProcessGroup, ReduceOp, StreamsOptions, WorldInfo};
 use proptest::prelude::*;
 
 #[derive(Clone, Copy, Debug)]
@@ -16,12 +16,14 @@ enum Kind {
 #[derive(Clone, Debug)]
 struct Case {
     world: u32,
+    /// How many of the streams are direct (groups of their own); the rest are arbitrated.
+    direct: usize,
     streams: Vec<Vec<(Kind, usize)>>,
     orders: Vec<Vec<usize>>,
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (2u32..=3, 1usize..=4).prop_flat_map(|(world, n)| {
+    (2u32..=3, 1usize..=4, 0usize..=2).prop_flat_map(|(world, n, direct)| {
         let op = (0u32..3, 0..world, 1usize..6).prop_map(|(k, root, len)| {
             let kind = match k {
                 0 => Kind::AllReduce,
@@ -33,7 +35,7 @@ fn case() -> impl Strategy<Value = Case> {
         proptest::collection::vec(proptest::collection::vec(op, 1..6), n).prop_flat_map(move |streams| {
             let order: Vec<usize> = streams.iter().enumerate().flat_map(|(s, ops)| vec![s; ops.len()]).collect();
             let orders = proptest::collection::vec(Just(order).prop_shuffle(), world as usize);
-            (Just(streams), orders).prop_map(move |(streams, orders)| Case { world, streams, orders })
+            (Just(streams), orders).prop_map(move |(streams, orders)| Case { world, direct, streams, orders })
         })
     })
 }
@@ -46,8 +48,15 @@ fn value(rank: u32, stream: usize, i: usize) -> f32 {
 fn rank_side(pg: ProcessGroup, case: Case) -> Result<(), String> {
     let me = pg.rank();
     futures::executor::block_on(async {
-        let streams = pg.streams().await.map_err(|e| e.to_string())?;
+        let opts = StreamsOptions::default().direct(case.direct);
+        let streams = pg.streams_with(opts).await.map_err(|e| e.to_string())?;
         let handles: Vec<ProcessGroup> = (0..case.streams.len()).map(|s| streams.stream(s as u64)).collect();
+        for (s, h) in handles.iter().enumerate() {
+            let want = if s < case.direct { "local" } else { "local-stream" };
+            if streams.direct() != case.direct || h.backend_name() != want {
+                return Err(format!("stream {s} of {} direct: {}", case.direct, h.backend_name()));
+            }
+        }
         let mut next = vec![0usize; case.streams.len()];
         let mut works = Vec::new();
         for &s in &case.orders[me as usize] {
