@@ -47,6 +47,9 @@ const MAGIC: u32 = u32::from_le_bytes(*b"cstr");
 /// A rank's last frame to a peer: it sends and listens no more.
 const BYE: u32 = u32::from_le_bytes(*b"cbye");
 const ENTRY: usize = 48;
+/// How long a rank's driver waits for something to do before it listens again to a peer it
+/// owes nothing.
+const LISTEN_IDLE: Duration = Duration::from_micros(100);
 const PER_FRAME: usize = (FRAME - 8) / ENTRY;
 
 const COLL: u8 = 0;
@@ -681,11 +684,22 @@ impl Driver {
         for p in self.peers() {
             self.listen(p);
         }
+        // Peers to listen to again once this rank has nothing else to do (see below), and
+        // since when.
+        let mut deferred: Vec<(u32, Instant)> = Vec::new();
         loop {
-            let wait = self.next_deadline().saturating_duration_since(Instant::now());
+            let mut wait = self.next_deadline().saturating_duration_since(Instant::now());
+            if !deferred.is_empty() {
+                wait = wait.min(LISTEN_IDLE);
+            }
             let first = match rx.recv_timeout(wait) {
                 Ok(ev) => Some(ev),
-                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Timeout) => {
+                    for (p, _) in std::mem::take(&mut deferred) {
+                        self.listen(p);
+                    }
+                    None
+                }
                 Err(RecvTimeoutError::Disconnected) => return,
             };
             // Everything that arrived meanwhile in one turn: one frame per peer per batch.
@@ -695,11 +709,23 @@ impl Driver {
                     return self.end();
                 }
             }
+            let turn_at = Instant::now();
             if let Err(why) = self.turn() {
                 self.fail_all(why);
                 return self.end();
             }
-            for p in std::mem::take(&mut self.relisten) {
+            // Posting a receive may hold this thread for the backend's spin budget. A peer
+            // this turn sent a frame to owes this rank the next frame (a verdict, or its next
+            // ops after one): listen now, and that wait is for it. Any other peer is listened
+            // to once nothing happens for a moment (or, if this rank stays busy, after that
+            // moment anyway), so that this thread does not sit in a receive while its own
+            // tasks' new ops wait for it.
+            deferred.extend(std::mem::take(&mut self.relisten).into_iter().map(|p| (p, turn_at)));
+            let (now, later): (Vec<_>, Vec<_>) = deferred
+                .drain(..)
+                .partition(|&(p, since)| self.last_sent[p as usize] >= turn_at || since.elapsed() >= LISTEN_IDLE);
+            deferred = later;
+            for (p, _) in now {
                 self.listen(p);
             }
             let partners = self.partners();
