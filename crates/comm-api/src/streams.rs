@@ -305,29 +305,35 @@ impl ProcessGroup {
     /// # Ok::<(), comm_api::CommError>(()) }).unwrap();
     /// ```
     pub async fn streams(&self) -> Result<Streams, CommError> {
-        self.streams_with(StreamsOptions::from_env()?).await
+        self.make_streams(StreamsOptions::from_env()).await
     }
 
     /// [`streams`](ProcessGroup::streams) with `opts` instead of the environment's. Every rank
     /// must give the same options (checked: else `InvalidArgument` on every rank).
     pub async fn streams_with(&self, opts: StreamsOptions) -> Result<Streams, CommError> {
-        let direct = opts.direct;
-        if direct > StreamsOptions::DIRECT_MAX {
+        self.make_streams(Ok(opts)).await
+    }
+
+    async fn make_streams(&self, opts: Result<StreamsOptions, CommError>) -> Result<Streams, CommError> {
+        // Every rank takes part in the check, one with bad options too (as one count past the
+        // bound), so that no rank waits for another that gave up; one all_reduce tells every
+        // rank the largest and the smallest count.
+        let max = StreamsOptions::DIRECT_MAX as i64;
+        let asked = opts.as_ref().map_or(max + 1, |o| (o.direct as i64).min(max + 1));
+        let counts = HostBuffer::from_slice(&[asked, -asked]);
+        let agreed = self.all_reduce(counts, comm_core::ReduceOp::Max).await?.to_vec::<i64>()?;
+        let direct = opts?.direct;
+        let (most, least) = (agreed[0], -agreed[1]);
+        if most > max {
             return Err(CommError::invalid(
                 "streams",
-                format!("{direct} direct streams: at most {}", StreamsOptions::DIRECT_MAX),
+                format!("a rank asks for more than {max} direct streams (or cannot read COMM_STREAMS_DIRECT)"),
             ));
         }
-        // One all_reduce tells every rank the largest and the smallest count.
-        let counts = HostBuffer::from_slice(&[direct as i64, -(direct as i64)]);
-        let agreed = self.all_reduce(counts, comm_core::ReduceOp::Max).await?.to_vec::<i64>()?;
-        if agreed[0] != -agreed[1] {
+        if most != least {
             return Err(CommError::invalid(
                 "streams",
-                format!(
-                    "ranks ask for between {} and {} direct streams: give every rank the same",
-                    -agreed[1], agreed[0]
-                ),
+                format!("ranks ask for between {least} and {most} direct streams: give every rank the same"),
             ));
         }
         let all: Vec<Rank> = (0..self.world_size()).collect();

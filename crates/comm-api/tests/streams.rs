@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use comm_api::{init, CommError, Config, HostBuffer, ProcessGroup, ReduceOp};
+use comm_api::{init, CommError, Config, HostBuffer, ProcessGroup, ReduceOp, StreamsOptions};
 use comm_test::multiprocess;
 
 const T: Duration = Duration::from_secs(120);
@@ -200,8 +200,8 @@ fn a_missing_op_times_out_alone() {
     );
 }
 
-/// Ranks that ask for different numbers of direct streams all get `InvalidArgument` (they
-/// would create different groups), and the group goes on.
+/// Ranks that ask for different numbers of direct streams, or one past the bound, all get
+/// `InvalidArgument` (they would create different groups), and the group goes on.
 #[test]
 fn ranks_disagreeing_on_direct_streams_are_told() {
     multiprocess::run_with_env(
@@ -214,6 +214,12 @@ fn ranks_disagreeing_on_direct_streams_are_told() {
             match pg.streams().await {
                 Err(CommError::InvalidArgument { reason, .. }) if reason.contains("between 1 and 3") => {}
                 other => return Err(format!("streams with 1 and 3 direct: {other:?}")),
+            }
+            // One rank past the bound: every rank is told, none waits for it.
+            let opts = StreamsOptions::default().direct(if pg.rank() == 0 { 1 } else { 65 });
+            match pg.streams_with(opts).await {
+                Err(CommError::InvalidArgument { reason, .. }) if reason.contains("more than 64") => {}
+                other => return Err(format!("streams with 1 and 65 direct: {other:?}")),
             }
             let r = pg.all_reduce(HostBuffer::from_slice(&[1.0f32]), ReduceOp::Sum).await.map_err(|e| e.to_string())?;
             if r.to_vec::<f32>().unwrap() != [2.0] {
