@@ -471,7 +471,7 @@ impl ShmBackend {
     }
 
     fn one_step<T: OneShotOutput + Send + 'static>(&self, op: OneShot) -> Work<T> {
-        let ran = self.inline(op, |e, op, budget| match e.try_inline(op, budget) {
+        let ran = self.inline(Class::Collective, op, |e, op, budget| match e.try_inline(op, budget) {
             Inline::Done(r) => Ok(Work::ready(r.map(T::from_one_shot))),
             Inline::Parked => {
                 let (done, work) = Work::pending();
@@ -508,7 +508,7 @@ impl ShmBackend {
         let (done, work) = Work::pending();
         let mut op: Box<dyn Queued> = Box::new(Pending { req, done });
         if !R::P2P && size <= inner.inline_max {
-            let ran = self.inline(op, |e, op, budget| match e.try_inline(open, budget) {
+            let ran = self.inline(Class::Collective, op, |e, op, budget| match e.try_inline(open, budget) {
                 Inline::Done(Ok(_)) => {
                     op.run(e, true);
                     None
@@ -533,11 +533,17 @@ impl ShmBackend {
         work
     }
 
-    /// Runs `f` with `x` on the caller's thread when the engine is free and idle (see
+    /// Runs `f` with `x` on the caller's thread when the engine is free and idle for `class` (see
     /// [`Lane::try_inline`]), else hands `x` back; a panic in `f` comes back as `Poisoned`.
-    fn inline<X, T>(&self, x: X, f: impl FnOnce(&mut Engine, X, Duration) -> T) -> Result<Result<T, CommError>, X> {
-        let Ran { out, hand_over } = self.inner.lane.try_inline(Class::Collective, x, f)?;
-        // A parked op, or commands taken while waiting: the worker goes on with them.
+    fn inline<X, T>(
+        &self,
+        class: Class,
+        x: X,
+        f: impl FnOnce(&mut Engine, X, Duration) -> T,
+    ) -> Result<Result<T, CommError>, X> {
+        let Ran { out, hand_over } = self.inner.lane.try_inline(class, x, f)?;
+        // A parked op, a message in flight, or commands taken while waiting: the worker goes
+        // on with them.
         if hand_over {
             self.ring_worker();
         }
@@ -553,7 +559,7 @@ impl ShmBackend {
         if !R::P2P {
             return Err(req);
         }
-        let ran = self.inner.lane.try_inline(Class::P2p, req, |engine, req, spin| {
+        let ran = self.inline(Class::P2p, req, |engine, req, spin| {
             let (done, work) = Work::pending();
             R::accept(Box::new(Pending { req, done }), engine);
             // A send that cannot finish at once waits for the peer's receive, which the peer
@@ -564,11 +570,8 @@ impl ShmBackend {
             engine.progress_inline(budget, || work.is_completed());
             work
         })?;
-        if ran.hand_over {
-            self.ring_worker();
-        }
         // A panic reached the op's completer, which reports it.
-        Ok(ran.out.unwrap_or_else(|e| Work::ready(Err(e))))
+        Ok(ran.unwrap_or_else(|e| Work::ready(Err(e))))
     }
 }
 
