@@ -319,7 +319,7 @@ impl ProcessGroup {
         // bound), so that no rank waits for another that gave up; one all_reduce tells every
         // rank the largest and the smallest count.
         let max = StreamsOptions::DIRECT_MAX as i64;
-        let asked = opts.as_ref().map_or(max + 1, |o| (o.direct as i64).min(max + 1));
+        let asked = opts.as_ref().map_or(max + 1, |o| i64::try_from(o.direct).map_or(max + 1, |d| d.min(max + 1)));
         let counts = HostBuffer::from_slice(&[asked, -asked]);
         let agreed = self.all_reduce(counts, comm_core::ReduceOp::Max).await?.to_vec::<i64>()?;
         let direct = opts?.direct;

@@ -221,6 +221,11 @@ fn ranks_disagreeing_on_direct_streams_are_told() {
                 Err(CommError::InvalidArgument { reason, .. }) if reason.contains("more than 64") => {}
                 other => return Err(format!("streams with 1 and 65 direct: {other:?}")),
             }
+            // Every rank far past the bound (a count no i64 holds): told, no panic.
+            match pg.streams_with(StreamsOptions::default().direct(usize::MAX)).await {
+                Err(CommError::InvalidArgument { reason, .. }) if reason.contains("more than 64") => {}
+                other => return Err(format!("streams with usize::MAX direct: {other:?}")),
+            }
             let r = pg.all_reduce(HostBuffer::from_slice(&[1.0f32]), ReduceOp::Sum).await.map_err(|e| e.to_string())?;
             if r.to_vec::<f32>().unwrap() != [2.0] {
                 return Err("the group after the refusal: wrong sum".into());
