@@ -35,6 +35,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use comm_core::config;
+use comm_core::elastic::Shrunk;
 use comm_core::handle::{group_members, shutdown_done, Admission, Poison};
 use comm_core::ops::AllReduce;
 use comm_core::{Backend, Collective, CommError, Group, HostBuffer, Op, Rank, ReduceOp, Work};
@@ -237,6 +238,16 @@ impl Group for HierBackend {
             (self.parts.world.clone(), ranks)
         };
         sub_group(&self.lane, parent, ranks).await
+    }
+    /// Fails at once: between hosts a group runs over MPI, which cannot shrink here.
+    async fn shrink(&self) -> Result<Shrunk, CommError> {
+        Err(CommError::Unavailable {
+            backend: "hier",
+            why: "it runs between hosts over MPI, and shrinking an MPI communicator needs ULFM, which the MPI \
+                  libraries it supports lack (see the mpi backend's shrink); restart the job instead, or on one host \
+                  use the shm backend, which can shrink"
+                .into(),
+        })
     }
     async fn shutdown(&self) -> Result<(), CommError> {
         if !self.admission.begin_shutdown() {

@@ -77,6 +77,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use comm_core::elastic::Shrunk;
 use comm_core::handle::{self, shutdown_done, Admission};
 use comm_core::{config, Backend, Collective, CommError, Group, Launcher, Rank, Work, WorldInfo, WorldSource};
 
@@ -481,7 +482,18 @@ impl Group for MpiBackend {
     fn abort(&self, cause: &str) {
         self.inner.info.poison.set(cause);
     }
+
+    /// Fails at once: see [`NO_SHRINK`].
+    async fn shrink(&self) -> Result<Shrunk, CommError> {
+        Err(CommError::Unavailable { backend: "mpi", why: NO_SHRINK.into() })
+    }
 }
+
+/// Why an MPI group cannot shrink, and what works instead.
+pub const NO_SHRINK: &str = "shrinking a group after a lost rank needs an MPI with ULFM fault tolerance \
+    (MPIX_Comm_shrink: Open MPI 5 built and started with `--with-ft ulfm`); the MPI libraries this backend \
+    supports have none (Open MPI 4.1 has no ULFM, MPICH's default device stubs it). Restart the job \
+    (torchrun --max-restarts, or a supervisor), or on one host use the shm backend, which can shrink";
 
 #[cfg(test)]
 mod tests {

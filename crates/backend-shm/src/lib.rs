@@ -40,6 +40,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::cpus::CpuSet;
+use comm_core::elastic::{Shrinks, Shrunk};
 use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
 use comm_core::lane::{Class, Lane, Ran};
 use comm_core::{config, Backend, Collective, CommError, DType, Group, HostBuffer, OpKind, Rank, Store, Work};
@@ -172,6 +173,9 @@ struct Inner {
     store: Arc<dyn Store>,
     opts: ShmOptions,
     subgroups: Subgroups,
+    /// The peers' processes (`None`: this rank, or one whose liveness cannot be told).
+    procs: Vec<Option<ProcId>>,
+    shrinks: Shrinks,
 }
 
 impl std::fmt::Debug for ShmBackend {
@@ -181,6 +185,33 @@ impl std::fmt::Debug for ShmBackend {
             .field("world", &self.inner.admission.world())
             .field("group", &self.inner.subgroups.prefix())
             .finish()
+    }
+}
+
+/// The value rank `r` publishes under `key`, waited for until `deadline` in slices: a member
+/// of a shrunk group whose process (`known[r]`, from the old group) exits first fails the
+/// wait at once instead of at the deadline.
+async fn get_from(
+    store: &dyn Store,
+    key: &str,
+    r: Rank,
+    known: &[Option<ProcId>],
+    deadline: std::time::Instant,
+) -> Result<Vec<u8>, CommError> {
+    let known = known.get(r as usize).copied().flatten();
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let slice = if known.is_some() { left.min(Duration::from_millis(20)) } else { left };
+        match store.get(key, slice).await {
+            Err(CommError::Timeout { .. }) if !left.is_zero() && slice < left => {}
+            other => return other,
+        }
+        if let Some(p) = known.filter(|p| p.alive() == Some(false)) {
+            return Err(CommError::PeerLost {
+                rank: r,
+                detail: format!("its process {} exited before the group was made", p.pid),
+            });
+        }
     }
 }
 
@@ -202,7 +233,7 @@ impl ShmBackend {
 
     /// Joins the world group: `world` ranks that all call this with the same store.
     pub async fn new(store: Arc<dyn Store>, rank: Rank, world: u32, opts: ShmOptions) -> Result<ShmBackend, CommError> {
-        Self::create(store, rank, world, opts, "shm/world".into(), None).await
+        Self::create(store, rank, world, opts, "shm/world".into(), None, &[]).await
     }
 
     async fn create(
@@ -213,6 +244,8 @@ impl ShmBackend {
         prefix: String,
         // A sub-group's: its process's world worker core.
         inherited_cpu: Option<Option<usize>>,
+        // A shrunk group's: the members' processes, known from the old group.
+        known: &[Option<ProcId>],
     ) -> Result<ShmBackend, CommError> {
         if world == 0 || rank >= world {
             return Err(CommError::invalid("shm init", format!("rank {rank} is not in a world of {world}")));
@@ -230,14 +263,16 @@ impl ShmBackend {
             let p = format!("{} {} {}", opts.window, slot, small_max);
             store.set(&format!("{prefix}/params"), p.as_bytes()).await?;
         }
-        let params = String::from_utf8_lossy(&store.get(&format!("{prefix}/params"), to).await?).into_owned();
+        let deadline = std::time::Instant::now() + to;
+        let params = get_from(&*store, &format!("{prefix}/params"), 0, known, deadline).await?;
+        let params = String::from_utf8_lossy(&params).into_owned();
         let nums: Vec<usize> = params.split(' ').filter_map(|x| x.parse().ok()).collect();
         let [window, slot, small_max] = nums[..] else {
             return Err(CommError::Store(format!("malformed shm parameters `{params}` in the store")));
         };
         let mut sets = Vec::with_capacity(world as usize);
         for r in 0..world {
-            let value = store.get(&format!("{prefix}/host/{r}"), to).await?;
+            let value = get_from(&*store, &format!("{prefix}/host/{r}"), r, known, deadline).await?;
             let value = String::from_utf8_lossy(&value);
             let (theirs, their_cpus) = CpuSet::split_id(&value);
             if theirs != host {
@@ -277,7 +312,7 @@ impl ShmBackend {
         me.u64_at(OFF_MAGIC).store(MAGIC, SeqCst);
 
         let faults = config::fault_injection()?;
-        let joined = Self::join_peers(&*store, &prefix, rank, world, &lay, &me, me_id, to, faults).await;
+        let joined = Self::join_peers(&*store, &prefix, rank, world, &lay, &me, me_id, to, faults, known).await;
         if let Err(e) = &joined {
             // Tell the others why this rank gives up before its segment goes away.
             let _ = store.set(&format!("{prefix}/abort"), format!("rank {rank}: {e}").as_bytes()).await;
@@ -301,7 +336,7 @@ impl ShmBackend {
         let (tx, rx) = channel();
         let poison = Poison::new();
         let queued = Arc::default();
-        let engine = Engine::new(rank as usize, lay, segs, procs, params, rx, Arc::clone(&queued), poison.clone());
+        let engine = Engine::new(rank as usize, lay, segs, procs.clone(), params, rx, Arc::clone(&queued), poison.clone());
         let lane = Arc::new(Lane::new(engine, queued, poison.clone(), params.spin));
         let (worker_lane, worker_me, spin) = (lane.clone(), me.clone(), params.spin);
         std::thread::Builder::new()
@@ -327,6 +362,8 @@ impl ShmBackend {
                 me,
                 store,
                 opts,
+                procs,
+                shrinks: Shrinks::new(prefix.clone()),
                 subgroups: Subgroups::new(prefix),
             }),
         })
@@ -343,7 +380,9 @@ impl ShmBackend {
         me_id: ProcId,
         to: Duration,
         faults: config::Faults,
+        known: &[Option<ProcId>],
     ) -> Result<(Vec<Arc<Segment>>, Vec<Option<ProcId>>), CommError> {
+        let start = std::time::Instant::now();
         let info = format!("{} {} {}", me.name(), me_id.pid, me_id.start);
         store.set(&format!("{prefix}/seg/{rank}"), info.as_bytes()).await?;
         if faults.kill_in_rendezvous {
@@ -357,7 +396,8 @@ impl ShmBackend {
                 procs.push(None);
                 continue;
             }
-            let raw = String::from_utf8_lossy(&store.get(&format!("{prefix}/seg/{r}"), to).await?).into_owned();
+            let raw = get_from(store, &format!("{prefix}/seg/{r}"), r, known, start + to).await?;
+            let raw = String::from_utf8_lossy(&raw).into_owned();
             let mut it = raw.split(' ');
             let (Some(name), Some(pid), Some(start)) = (it.next(), it.next(), it.next()) else {
                 return Err(CommError::Store(format!("malformed segment record `{raw}` for rank {r}")));
@@ -401,7 +441,6 @@ impl ShmBackend {
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
         // Wait in slices, checking the peers' processes between them: a peer killed now fails
         // the rendezvous at once instead of at the timeout.
-        let start = std::time::Instant::now();
         loop {
             let left = to.saturating_sub(start.elapsed());
             match store.wait(&keys, left.min(Duration::from_millis(100))).await {
@@ -618,8 +657,9 @@ impl Group for ShmBackend {
         let sub = inner.subgroups.next(ranks, a.rank(), a.world())?;
         let Some(rank) = sub.rank else { return Ok(None) };
         let world = sub.ranks.len() as u32;
-        let g = Self::create(inner.store.clone(), rank, world, inner.opts.clone(), sub.prefix, Some(inner.worker_cpu))
-            .await?;
+        let g =
+            Self::create(inner.store.clone(), rank, world, inner.opts.clone(), sub.prefix, Some(inner.worker_cpu), &[])
+                .await?;
         Ok(Some(Arc::new(g)))
     }
 
@@ -655,6 +695,32 @@ impl Group for ShmBackend {
     /// writing the cause into this rank's segment, where the peers' waits see it.
     fn abort(&self, cause: &str) {
         self.enqueue(Command::Abort(cause.to_owned()));
+    }
+
+    /// On one host a rank's death is exact (its process is gone), so the survivors' agreement
+    /// waits only for ranks that are alive. The new group has segments and a worker of its
+    /// own; this one is shut down once it is up.
+    async fn shrink(&self) -> Result<Shrunk, CommError> {
+        let inner = &*self.inner;
+        let (me, world) = (inner.admission.rank(), inner.admission.world());
+        // Ops still in flight here fail now (a no-op when a failure already poisoned it).
+        self.abort(&format!("rank {me} is shrinking the group"));
+        let gone = |r: Rank| inner.procs[r as usize].is_some_and(|p| p.alive() == Some(false));
+        let timeout = config::clamp_timeout(inner.opts.timeout);
+        let shrunk = inner
+            .shrinks
+            .run(&*inner.store, me, world, timeout, &gone, |s| {
+                let (store, opts, cpu) = (inner.store.clone(), inner.opts.clone(), inner.worker_cpu);
+                let known: Vec<Option<ProcId>> = s.ranks.iter().map(|&r| inner.procs[r as usize]).collect();
+                async move {
+                    let n = s.ranks.len() as u32;
+                    let g = Self::create(store, s.rank, n, opts, s.prefix, Some(cpu), &known).await?;
+                    Ok(Arc::new(g) as Arc<dyn Backend>)
+                }
+            })
+            .await?;
+        let _ = self.shutdown().await;
+        Ok(shrunk)
     }
 }
 

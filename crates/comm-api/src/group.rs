@@ -635,6 +635,23 @@ impl ProcessGroup {
         Ok(Some(ProcessGroup { members: Arc::new(members), ..self.over(backend, Arc::default()) }))
     }
 
+    /// After a rank was lost: a new group of this group's ranks that are still alive,
+    /// renumbered in their old order (ULFM's `MPIX_Comm_shrink`, NCCL's `ncclCommShrink`).
+    /// Every survivor calls it; they agree through the store on who is left, so each gets the
+    /// same group, or an error (a rank that comes after the others decided is left out and
+    /// told so). A rank that is alive but does not come within `COMM_TIMEOUT` is left out.
+    /// Ops still in flight on this group fail; it is shut down once the new group is up.
+    /// Sub-groups and streams are per group: make them again over the new one.
+    ///
+    /// The shm backend shrinks; mpi and hier fail at once saying why (their MPI libraries
+    /// cannot shrink a communicator); see README's "Surviving a lost rank".
+    #[doc(alias = "MPIX_Comm_shrink")]
+    pub async fn shrink(&self) -> Result<ProcessGroup, CommError> {
+        let s = self.backend.shrink().await?;
+        let members = s.ranks.iter().map(|&r| self.members[r as usize]).collect();
+        Ok(ProcessGroup { members: Arc::new(members), ..self.over(s.group, Arc::default()) })
+    }
+
     /// FlexLLMGen's pipeline helper: the two-rank groups `{r, r+1 mod n}` of a ring, created
     /// in the same order on every rank; returns this rank's `(with previous, with next)`.
     /// Needs at least 2 ranks (with exactly 2, both are the same pair).

@@ -5,6 +5,7 @@ use async_trait::async_trait;
 use crate::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
+use crate::elastic::Shrunk;
 use crate::{CommError, DType, HostBuffer, Op, Rank, Work};
 
 /// Membership of a group of ranks, and the group-level operations.
@@ -35,6 +36,13 @@ pub trait Group: Send + Sync {
     /// instead of waiting out their timeout. For a layer over several groups (hier) whose op
     /// failed in one of them. Default: nothing.
     fn abort(&self, _cause: &str) {}
+    /// After a failure: a new group of the ranks of this one that are still alive,
+    /// renumbered in their old order, agreed on by every survivor (see [`crate::elastic`]).
+    /// Called by every survivor; ops still in flight on this group fail, and its resources
+    /// are released once the new group is up. Default: [`CommError::Unsupported`].
+    async fn shrink(&self) -> Result<Shrunk, CommError> {
+        Err(CommError::Unsupported { op: "shrink", dtype: None, backend: self.backend_name() })
+    }
 }
 
 /// A backend's (or layer's) implementation of op `R`.
@@ -83,6 +91,9 @@ impl<T: Group + ?Sized> Group for Arc<T> {
     }
     fn abort(&self, cause: &str) {
         (**self).abort(cause)
+    }
+    async fn shrink(&self) -> Result<Shrunk, CommError> {
+        (**self).shrink().await
     }
 }
 

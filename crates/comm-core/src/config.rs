@@ -114,6 +114,16 @@ pub struct Faults {
     /// `kill:rendezvous`: the process kills itself (SIGKILL) in the middle of the backend's
     /// rendezvous (shm: after publishing its segment, before unlinking it).
     pub kill_in_rendezvous: bool,
+    /// `kill:shrink`: the process aborts right after announcing itself to a shrink's
+    /// agreement (see [`crate::elastic`]).
+    pub kill_in_shrink: bool,
+}
+
+/// Ends this process at once, without unwinding or destructors (what a crash looks like to
+/// its peers); for the `kill:` fault hooks.
+#[doc(hidden)]
+pub fn kill_self() -> ! {
+    std::process::abort()
 }
 
 #[doc(hidden)]
@@ -133,12 +143,14 @@ pub fn fault_injection() -> Result<Faults, CommError> {
     ];
     let Some(v) = env_var("COMM_FAULT_INJECT") else { return Ok(Faults::default()) };
     let v = v.trim();
-    if v == "kill:rendezvous" {
-        return Ok(Faults { kill_in_rendezvous: true, ..Faults::default() });
+    match v {
+        "kill:rendezvous" => return Ok(Faults { kill_in_rendezvous: true, ..Faults::default() }),
+        "kill:shrink" => return Ok(Faults { kill_in_shrink: true, ..Faults::default() }),
+        _ => {}
     }
     let op = v.strip_prefix("panic:").and_then(|op| OPS.iter().find(|&&o| o == op));
     op.map(|&o| Faults { panic_at: Some(o), ..Faults::default() })
-        .ok_or_else(|| CommError::Config(format!("COMM_FAULT_INJECT={v:?}: expected panic:<op> or kill:rendezvous")))
+        .ok_or_else(|| CommError::Config(format!("COMM_FAULT_INJECT={v:?}: expected panic:<op>, kill:rendezvous or kill:shrink")))
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@
 //! - [`WorldInfo`]: who this process is in the job.
 //! - [`CommError`]: the one error type.
 //! - [`lane`]: the gate between a group's callers and its worker, the same in every backend.
+//! - [`elastic`]: the survivors' agreement behind [`Group::shrink`].
 //! - [`cpus`]: CPU sets (a thread's affinity, and the union over a host's ranks).
 //! - [`handle`]: what backends' group handles share (poison, admission, sub-group names).
 //! - [`config`]: parsing of sizes, timeouts and switches, the same in every crate.
@@ -23,6 +24,7 @@ mod collective;
 pub mod config;
 pub mod cpus;
 mod dtype;
+pub mod elastic;
 mod error;
 pub mod handle;
 pub mod lane;

@@ -11,9 +11,10 @@ pub const MAX_RANKS: u32 = 4096;
 /// Launches N local ranks of a program with torchrun-style environment variables.
 ///
 /// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-/// MASTER_PORT and COMM_JOB_TOKEN. Output lines are prefixed with `[rank] `. When a rank fails,
-/// the others are stopped and commrun exits with the failing rank's code (128+signal for a
-/// rank killed by a signal).
+/// MASTER_PORT and COMM_JOB_TOKEN. commrun serves the rendezvous store itself (COMM_STORE=external),
+/// so it outlives any rank. Output lines are prefixed with `[rank] `. When a rank fails, the
+/// others are stopped and commrun exits with the failing rank's code (128+signal for a rank
+/// killed by a signal); with --enable-recovery a rank killed by a signal leaves the others running.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "commrun", version, about, long_about, override_usage = "commrun -n N [OPTIONS] [--] PROG [ARGS]...")]
 pub struct Options {
@@ -27,17 +28,24 @@ pub struct Options {
     )]
     pub nproc: u32,
 
-    /// Address of rank 0's rendezvous server [default: $MASTER_ADDR, else 127.0.0.1].
+    /// Address of the rendezvous store [default: $MASTER_ADDR, else 127.0.0.1]. commrun serves
+    /// it when the address is this machine's (else rank 0 does).
     #[arg(long, value_name = "ADDR")]
     pub master_addr: Option<String>,
 
-    /// Port of rank 0's rendezvous server [default: $MASTER_PORT, else a free port; 0 = pick a free port].
+    /// Port of the rendezvous store [default: $MASTER_PORT, else a free port; 0 = pick a free port].
     #[arg(long, value_name = "PORT")]
     pub master_port: Option<u16>,
 
     /// Suppress the standard output of every rank but rank 0 (standard error is still shown).
     #[arg(long)]
     pub quiet_ranks: bool,
+
+    /// A rank killed by a signal (a crash, kill -9) does not stop the others: they can shrink
+    /// their groups and go on (`ProcessGroup::shrink`). commrun then exits with 0 when every
+    /// other rank does; a rank that exits with a non-zero code still fails the job, at its end.
+    #[arg(long)]
+    pub enable_recovery: bool,
 
     /// Seconds to wait after SIGTERM (or a forwarded signal) before sending SIGKILL.
     #[arg(long, value_name = "SECONDS", default_value = "5", value_parser = parse_seconds)]

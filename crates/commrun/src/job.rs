@@ -20,6 +20,8 @@ pub struct Job {
     pub master_port: u16,
     /// `COMM_JOB_TOKEN`: identifies the job; the same for all its ranks.
     pub token: String,
+    /// Whether commrun serves the store (the ranks get `COMM_STORE=external`).
+    pub serves_store: bool,
 }
 
 impl Job {
@@ -48,11 +50,26 @@ impl Job {
             Some(token) => token,
             None => new_token().map_err(|e| format!("cannot generate a job token: {e}"))?,
         };
-        Ok(Job { world_size: opts.nproc, master_addr, master_port, token })
+        Ok(Job { world_size: opts.nproc, master_addr, master_port, token, serves_store: false })
+    }
+
+    /// Serves the job's rendezvous store from this process, so that it outlives any rank,
+    /// unless the launcher's environment names a store of its own (`COMM_STORE`). `None`
+    /// when it cannot bind the address (not this machine's): then rank 0 serves it, as
+    /// without commrun.
+    pub fn serve_store(&mut self, getenv: impl Fn(&str) -> Option<String>) -> Option<discovery::StoreServer> {
+        if getenv("COMM_STORE").is_some_and(|v| !v.trim().is_empty()) {
+            return None;
+        }
+        let server = discovery::StoreServer::bind(&self.master_addr, self.master_port, &self.token).ok()?;
+        self.master_port = server.local_addr().port();
+        self.serves_store = true;
+        Some(server)
     }
 
     /// The environment variables of `rank` (in `0..world_size`).
     pub fn rank_env(&self, rank: u32) -> Vec<(&'static str, String)> {
+        let store = self.serves_store.then(|| ("COMM_STORE", "external".to_owned()));
         vec![
             ("RANK", rank.to_string()),
             ("WORLD_SIZE", self.world_size.to_string()),
@@ -65,6 +82,9 @@ impl Job {
             // So `describe()` names commrun, not the torchrun whose variables it sets.
             ("COMM_LAUNCHER", "commrun".to_owned()),
         ]
+        .into_iter()
+        .chain(store)
+        .collect()
     }
 }
 
@@ -100,6 +120,7 @@ mod tests {
             master_addr: None,
             master_port: None,
             quiet_ranks: false,
+            enable_recovery: false,
             timeout_kill: Duration::from_secs(5),
             command: vec!["true".into()],
         }
@@ -146,8 +167,23 @@ mod tests {
     }
 
     #[test]
+    fn commrun_serves_the_store_where_it_can() {
+        let mut job = Job::resolve(&opts(2), env(&[("MASTER_PORT", "0")])).unwrap();
+        let server = job.serve_store(env(&[])).expect("127.0.0.1 is this machine's");
+        assert_eq!(server.local_addr().port(), job.master_port);
+        let ranks: HashMap<_, _> = job.rank_env(1).into_iter().collect();
+        assert_eq!(ranks["COMM_STORE"], "external");
+        // A store named by the environment, or an address of another machine: rank 0 serves.
+        for (addr, getenv) in [("127.0.0.1", env(&[("COMM_STORE", "torch")])), ("192.0.2.1", env(&[]))] {
+            let mut job = Job::resolve(&opts(2), env(&[("MASTER_ADDR", addr)])).unwrap();
+            assert!(job.serve_store(getenv).is_none(), "{addr}");
+            assert!(!job.rank_env(0).iter().any(|(k, _)| *k == "COMM_STORE"));
+        }
+    }
+
+    #[test]
     fn rank_environment() {
-        let job = Job { world_size: 4, master_addr: "a".into(), master_port: 9, token: "t".into() };
+        let job = Job { world_size: 4, master_addr: "a".into(), master_port: 9, token: "t".into(), serves_store: false };
         let env: HashMap<_, _> = job.rank_env(2).into_iter().collect();
         assert_eq!(env["RANK"], "2");
         assert_eq!(env["WORLD_SIZE"], "4");

@@ -218,13 +218,15 @@ fn build_command(opts: &Options, job: &Job, rank: u32) -> Command {
 /// signal); 128 + signal when commrun itself got SIGINT/SIGTERM/SIGHUP; 127 (126) when the
 /// program cannot be found (started); 2 for a bad environment; 1 for other launcher errors.
 pub fn run(opts: &Options) -> i32 {
-    let job = match Job::resolve(opts, |key| std::env::var(key).ok()) {
+    let mut job = match Job::resolve(opts, |key| std::env::var(key).ok()) {
         Ok(job) => job,
         Err(msg) => {
             eprintln!("commrun: {msg}");
             return 2;
         }
     };
+    // Held until every rank has ended: the store outlives any of them.
+    let _store = job.serve_store(|key| std::env::var(key).ok());
     let mut incoming = match Incoming::install() {
         Ok(incoming) => incoming,
         Err(err) => {
@@ -270,7 +272,7 @@ pub fn run(opts: &Options) -> i32 {
     }
     drop(done_tx);
 
-    let code = supervise(&mut ranks, &mut incoming, stop, opts.timeout_kill);
+    let code = supervise(&mut ranks, &mut incoming, stop, opts.timeout_kill, opts.enable_recovery);
     wait_for_output(&done_rx, pumps, &lines);
     code
 }
@@ -282,15 +284,24 @@ fn signal_all(ranks: &[Rank], signal: Signal) {
     }
 }
 
-/// The wait loop: watches exits and signals, stops the job on the first failure, then kills
-/// stragglers and reaps every rank. Returns the exit code.
-fn supervise(ranks: &mut [Rank], incoming: &mut Incoming, mut stop: Option<Stop>, grace: Duration) -> i32 {
+/// The wait loop: watches exits and signals, stops the job on the first failure (with
+/// `recovery`, the first that is not a rank killed by a signal), then kills stragglers and
+/// reaps every rank. Returns the exit code.
+fn supervise(
+    ranks: &mut [Rank],
+    incoming: &mut Incoming,
+    mut stop: Option<Stop>,
+    grace: Duration,
+    recovery: bool,
+) -> i32 {
     let mut deadline = stop.map(|_| {
         signal_all(ranks, Signal::TERM);
         Instant::now() + grace
     });
     let mut killed = false;
     let mut signals_seen = 0;
+    // With `recovery`: the ranks killed by a signal so far (reported once each).
+    let mut lost: Vec<(u32, Exit)> = Vec::new();
 
     loop {
         if let Some((signo, count)) = incoming.received() {
@@ -328,7 +339,13 @@ fn supervise(ranks: &mut [Rank], incoming: &mut Incoming, mut stop: Option<Stop>
                     Exit::Code(1)
                 }
             };
-            if stop.is_none() && !exit.success() {
+            let crashed = matches!(exit, Exit::Signal(..));
+            if stop.is_none() && recovery && crashed && !lost.iter().any(|&(r, _)| r == ranks[i].rank) {
+                if ranks.iter().any(|r| r.exit.is_none()) {
+                    eprintln!("commrun: rank {} {exit}; the others go on (--enable-recovery)", ranks[i].rank);
+                }
+                lost.push((ranks[i].rank, exit));
+            } else if stop.is_none() && !exit.success() && !(recovery && crashed) {
                 let others = ranks.iter().any(|r| r.exit.is_none());
                 let tail = if others { "; stopping the other ranks" } else { "" };
                 eprintln!("commrun: rank {} {exit}{tail}", ranks[i].rank);
@@ -359,7 +376,12 @@ fn supervise(ranks: &mut [Rank], incoming: &mut Incoming, mut stop: Option<Stop>
     for r in ranks.iter_mut() {
         r.reap();
     }
-    stop.map_or(0, Stop::exit_code)
+    match (stop, lost.first()) {
+        (Some(stop), _) => stop.exit_code(),
+        // Every rank was lost: nobody went on.
+        (None, Some(&(_, exit))) if lost.len() == ranks.len() => exit.shell_code(),
+        (None, _) => 0,
+    }
 }
 
 /// Waits for the output threads to drain the pipes; gives up once no line was passed on for

@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use comm_core::elastic::Shrunk;
 use comm_core::{Backend, Collective, CommError, Completion, DType, Group, HostBuffer, Op, Rank, Work};
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
@@ -403,6 +404,17 @@ impl<C> Profiling<C> {
     }
 }
 
+impl<C> Profiling<C> {
+    /// `g` (a sub-group or shrunk group of this one) profiled with the same process rank and
+    /// world size; its ops are numbered from 1 of their own, on the same timeline.
+    fn profiled(&self, g: Arc<dyn Backend>) -> Arc<dyn Backend> {
+        let group_size = g.world_size();
+        let logger = self.logger.clone();
+        let timeline = self.timeline.as_ref().map(|(t, _)| (t.clone(), Arc::new(Seq::default())));
+        Arc::new(Profiling { inner: g, rank: self.rank, world_size: self.world_size, group_size, logger, timeline })
+    }
+}
+
 #[async_trait]
 impl<C: Group> Group for Profiling<C> {
     fn rank(&self) -> Rank {
@@ -421,14 +433,14 @@ impl<C: Group> Group for Profiling<C> {
     async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
         let span = tracing::info_span!(target: TARGET, "comm.new_group", comm.ranks = ?ranks, otel.kind = "client");
         let sub = self.inner.new_group(ranks).instrument(span).await?;
-        Ok(sub.map(|g| {
-            let group_size = g.world_size();
-            let logger = self.logger.clone();
-            // The sub-group has ops numbered from 1 of its own, on the same timeline.
-            let timeline = self.timeline.as_ref().map(|(t, _)| (t.clone(), Arc::new(Seq::default())));
-            Arc::new(Profiling { inner: g, rank: self.rank, world_size: self.world_size, group_size, logger, timeline })
-                as Arc<dyn Backend>
-        }))
+        Ok(sub.map(|g| self.profiled(g)))
+    }
+
+    /// The shrunk group is profiled too, like a sub-group.
+    async fn shrink(&self) -> Result<Shrunk, CommError> {
+        let span = tracing::info_span!(target: TARGET, "comm.shrink", otel.kind = "client");
+        let s = self.inner.shrink().instrument(span).await?;
+        Ok(Shrunk { group: self.profiled(s.group), ranks: s.ranks })
     }
 
     async fn shutdown(&self) -> Result<(), CommError> {
