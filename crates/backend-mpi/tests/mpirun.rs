@@ -155,6 +155,11 @@ fn a_small_op_waiting_for_a_late_peer_does_not_block_its_caller() {
 }
 
 #[test]
+fn shrink_says_why_it_cannot_at_once() {
+    every_rank_ok(2, "shrink", &[], Duration::from_secs(120), "SHRINK-OK");
+}
+
+#[test]
 fn a_rank_that_never_joins_times_out() {
     let Some(job) = job(2, "timeout", &[], Duration::from_secs(120)) else { return };
     let ok = lines(&job, "TIMEOUT-OK");
@@ -235,6 +240,7 @@ fn child() {
             "panic" => panic().await,
             "contained" => contained().await,
             "bound" => bound().await,
+            "shrink" => shrink().await,
             other => {
                 eprintln!("unknown scenario {other}");
                 2
@@ -244,6 +250,22 @@ fn child() {
     if code != 0 {
         std::process::exit(code);
     }
+}
+
+/// MPI cannot shrink a communicator here: every rank gets the reason at once, and the group
+/// still works.
+async fn shrink() -> i32 {
+    let w = MpiBackend::init(opts(Duration::from_secs(20))).await.unwrap();
+    let t = Instant::now();
+    let e = w.shrink().await.unwrap_err();
+    let took = t.elapsed();
+    assert!(took < Duration::from_secs(1), "shrink took {took:?}");
+    assert!(matches!(e, CommError::Unavailable { backend: "mpi", .. }) && e.to_string().contains("ULFM"), "{e}");
+    let sum = w.submit(AllReduce { buf: f32s(&[1.0]), op: ReduceOp::Sum }).await.unwrap();
+    assert_eq!(sum.to_vec::<f32>().unwrap(), [w.world_size() as f32]);
+    println!("SHRINK-OK rank {} in {took:?}", w.rank());
+    w.shutdown().await.unwrap();
+    0
 }
 
 async fn bound() -> i32 {
