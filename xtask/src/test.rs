@@ -112,7 +112,9 @@ pub(crate) fn test(quick: bool) -> Result {
     })?;
     let target = target_dir()?.join("debug");
     let commrun = target.join("commrun");
-    let examples = examples(&root().join("crates/comm-api/examples"))?;
+    // `elastic` kills a rank on purpose: it runs on its own, with a restart, below.
+    let examples: Vec<String> =
+        examples(&root().join("crates/comm-api/examples"))?.into_iter().filter(|e| e != "elastic").collect();
     for example in &examples {
         for np in [2, 3] {
             step(&format!("example {example}, {np} ranks"), || {
@@ -123,6 +125,15 @@ pub(crate) fn test(quick: bool) -> Result {
             })?;
         }
     }
+    step(
+        "example elastic: 4 ranks, one killed, the others shrink, a replacement rejoins (commrun --max-restarts 1)",
+        || {
+            let mut c = Command::new(&commrun);
+            c.current_dir(root()).env("COMM_TIMEOUT", "120");
+            c.args(["-n", "4", "--max-restarts", "1", "--"]).arg(target.join("examples").join("elastic"));
+            run_bounded(c, JOB_TIMEOUT)
+        },
+    )?;
     step("README's user crate: its two blocks built as a crate outside the workspace, run under commrun -n 2", || {
         user_crate(&target_dir()?, &commrun)
     })?;

@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::cpus::CpuSet;
-use comm_core::elastic::{Shrinks, Shrunk};
+use comm_core::elastic::{self, Elastic, Shrunk};
 use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
 use comm_core::lane::{Class, Lane, Ran};
 use comm_core::{config, Backend, Collective, CommError, DType, Group, HostBuffer, OpKind, Rank, Store, Work};
@@ -175,7 +175,7 @@ struct Inner {
     subgroups: Subgroups,
     /// The peers' processes (`None`: this rank, or one whose liveness cannot be told).
     procs: Vec<Option<ProcId>>,
-    shrinks: Shrinks,
+    elastic: Elastic,
 }
 
 impl std::fmt::Debug for ShmBackend {
@@ -234,6 +234,13 @@ impl ShmBackend {
     /// Joins the world group: `world` ranks that all call this with the same store.
     pub async fn new(store: Arc<dyn Store>, rank: Rank, world: u32, opts: ShmOptions) -> Result<ShmBackend, CommError> {
         Self::create(store, rank, world, opts, "shm/world".into(), None, &[]).await
+    }
+
+    /// A process that replaces a lost rank: waits (up to the timeout) until the members of a
+    /// running group admit it ([`Group::grow`]), then joins the group they make.
+    pub async fn join(store: Arc<dyn Store>, opts: ShmOptions) -> Result<ShmBackend, CommError> {
+        let a = elastic::admission(&*store, config::clamp_timeout(opts.timeout)).await?;
+        Self::create(store, a.rank, a.world, opts, a.prefix, None, &[]).await
     }
 
     async fn create(
@@ -336,7 +343,8 @@ impl ShmBackend {
         let (tx, rx) = channel();
         let poison = Poison::new();
         let queued = Arc::default();
-        let engine = Engine::new(rank as usize, lay, segs, procs.clone(), params, rx, Arc::clone(&queued), poison.clone());
+        let engine =
+            Engine::new(rank as usize, lay, segs, procs.clone(), params, rx, Arc::clone(&queued), poison.clone());
         let lane = Arc::new(Lane::new(engine, queued, poison.clone(), params.spin));
         let (worker_lane, worker_me, spin) = (lane.clone(), me.clone(), params.spin);
         std::thread::Builder::new()
@@ -363,7 +371,7 @@ impl ShmBackend {
                 store,
                 opts,
                 procs,
-                shrinks: Shrinks::new(prefix.clone()),
+                elastic: Elastic::new(prefix.clone()),
                 subgroups: Subgroups::new(prefix),
             }),
         })
@@ -386,7 +394,7 @@ impl ShmBackend {
         let info = format!("{} {} {}", me.name(), me_id.pid, me_id.start);
         store.set(&format!("{prefix}/seg/{rank}"), info.as_bytes()).await?;
         if faults.kill_in_rendezvous {
-            let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+            config::kill_self();
         }
         let mut segs = Vec::with_capacity(world as usize);
         let mut procs = Vec::with_capacity(world as usize);
@@ -708,8 +716,8 @@ impl Group for ShmBackend {
         let gone = |r: Rank| inner.procs[r as usize].is_some_and(|p| p.alive() == Some(false));
         let timeout = config::clamp_timeout(inner.opts.timeout);
         let shrunk = inner
-            .shrinks
-            .run(&*inner.store, me, world, timeout, &gone, |s| {
+            .elastic
+            .shrink(&*inner.store, me, world, timeout, &gone, |s| {
                 let (store, opts, cpu) = (inner.store.clone(), inner.opts.clone(), inner.worker_cpu);
                 let known: Vec<Option<ProcId>> = s.ranks.iter().map(|&r| inner.procs[r as usize]).collect();
                 async move {
@@ -721,6 +729,20 @@ impl Group for ShmBackend {
             .await?;
         let _ = self.shutdown().await;
         Ok(shrunk)
+    }
+
+    /// The members keep their ranks and are known (a member that dies meanwhile fails the
+    /// rendezvous at once); the newcomers are waited for up to the timeout.
+    async fn grow(&self, n: u32) -> Result<Arc<dyn Backend>, CommError> {
+        let inner = &*self.inner;
+        let (me, world) = (inner.admission.rank(), inner.admission.world());
+        inner.admission.check_open()?;
+        let timeout = config::clamp_timeout(inner.opts.timeout);
+        let a = inner.elastic.grow(&*inner.store, me, world, n, timeout).await?;
+        let (store, opts) = (inner.store.clone(), inner.opts.clone());
+        let g = Self::create(store, a.rank, a.world, opts, a.prefix, Some(inner.worker_cpu), &inner.procs).await?;
+        let _ = self.shutdown().await;
+        Ok(Arc::new(g))
     }
 }
 

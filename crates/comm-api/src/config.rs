@@ -40,15 +40,22 @@ impl std::str::FromStr for BackendKind {
     }
 }
 
-impl fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl BackendKind {
+    /// The name `COMM_BACKEND` takes.
+    pub fn name(self) -> &'static str {
+        match self {
             BackendKind::Auto => "auto",
             BackendKind::Shm => "shm",
             BackendKind::Mpi => "mpi",
             BackendKind::Nccl => "nccl",
             BackendKind::Hier => "hier",
-        })
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -266,6 +273,35 @@ impl Builder {
         let pg = self.clone().connect().await?;
         *reg = Some((self.cfg, self.layers, pg.clone()));
         Ok(pg)
+    }
+
+    /// For a process that replaces a lost rank: joins the running group whose members admit
+    /// it with [`ProcessGroup::grow`], instead of starting a new one; its rank is the one they
+    /// give it. Needs a store that outlived the lost rank (`commrun` serves one; or torchrun's
+    /// agent store, or `COMM_STORE=external`) and the shm backend. Like [`connect`](Self::connect),
+    /// it does not register the group as the process default.
+    pub async fn join(self) -> Result<ProcessGroup, CommError> {
+        let world = &self.cfg.world;
+        if world.store == StoreKind::Rank0 && world.world_size > 1 {
+            return Err(CommError::Config(
+                "join needs a store that outlives any rank, and rank 0 serves this one: launch with commrun \
+                 (it serves the store), torchrun (its agent store), or set COMM_STORE=external"
+                    .into(),
+            ));
+        }
+        match resolve(self.cfg.backend, world, Available::compiled())?.0 {
+            #[cfg(feature = "shm")]
+            BackendKind::Shm => {
+                let timeout = config::clamp_timeout(self.cfg.timeout);
+                let (store, _) = discovery::rendezvous(world, timeout).await?;
+                let opts = backend_shm::ShmOptions { timeout, ..backend_shm::ShmOptions::from_env()? };
+                let b: Arc<dyn Backend> = Arc::new(backend_shm::ShmBackend::join(store, opts).await?);
+                let why = format!("joined a running group as rank {} of {}", b.rank(), b.world_size());
+                let Builder { cfg, layers } = self;
+                Ok(ProcessGroup::new(layers.apply(b), cfg.world, None, why, timeout))
+            }
+            other => Err(CommError::Unsupported { op: "join", dtype: None, backend: other.name() }),
+        }
     }
 
     /// Rendezvous and backend start-up, without registering the group as the process default.

@@ -652,6 +652,19 @@ impl ProcessGroup {
         Ok(ProcessGroup { members: Arc::new(members), ..self.over(s.group, Arc::default()) })
     }
 
+    /// Admits `n` newcomers, processes that called [`Builder::join`](crate::Builder::join)
+    /// (a replacement for a lost rank, e.g. restarted by `commrun --max-restarts`): returns a
+    /// new group of this group's ranks, which keep their ranks, and the newcomers after them in
+    /// the order they came (NCCL's `ncclCommGrow`). Every member calls it with the same `n`
+    /// where its loop allows; it waits up to `COMM_TIMEOUT` for the newcomers. This group is
+    /// shut down once the new one is up. The new group is a world of its own: its ranks are
+    /// its [`global_rank`](Self::global_rank)s. shm only, like [`shrink`](Self::shrink).
+    pub async fn grow(&self, n: u32) -> Result<ProcessGroup, CommError> {
+        let backend = self.backend.grow(n).await?;
+        let members = (0..backend.world_size()).collect();
+        Ok(ProcessGroup { members: Arc::new(members), ..self.over(backend, Arc::default()) })
+    }
+
     /// FlexLLMGen's pipeline helper: the two-rank groups `{r, r+1 mod n}` of a ring, created
     /// in the same order on every rank; returns this rank's `(with previous, with next)`.
     /// Needs at least 2 ranks (with exactly 2, both are the same pair).

@@ -267,7 +267,11 @@ async fn surfaces() -> i32 {
         let t = std::time::Instant::now();
         checked = match pg.shrink().await {
             Err(e @ comm_api::CommError::Unavailable { .. }) if t.elapsed() < Duration::from_secs(1) => {
-                if e.to_string().contains("ULFM") { Ok(()) } else { Err(format!("shrink: {e}")) }
+                if e.to_string().contains("ULFM") {
+                    Ok(())
+                } else {
+                    Err(format!("shrink: {e}"))
+                }
             }
             other => Err(format!("shrink gave {:?} after {:?}", other.map(|g| g.world_size()), t.elapsed())),
         };

@@ -2,10 +2,10 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
+use crate::elastic::Shrunk;
 use crate::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
-use crate::elastic::Shrunk;
 use crate::{CommError, DType, HostBuffer, Op, Rank, Work};
 
 /// Membership of a group of ranks, and the group-level operations.
@@ -42,6 +42,13 @@ pub trait Group: Send + Sync {
     /// are released once the new group is up. Default: [`CommError::Unsupported`].
     async fn shrink(&self) -> Result<Shrunk, CommError> {
         Err(CommError::Unsupported { op: "shrink", dtype: None, backend: self.backend_name() })
+    }
+    /// A new group of this group's ranks (keeping their ranks) and `n` newcomers that asked to
+    /// join (see [`crate::elastic`]), ranked after them in the order they came. Every member
+    /// calls it with the same `n`; it waits up to the group's timeout for the newcomers. This
+    /// group is shut down once the new one is up. Default: [`CommError::Unsupported`].
+    async fn grow(&self, _n: u32) -> Result<Arc<dyn Backend>, CommError> {
+        Err(CommError::Unsupported { op: "grow", dtype: None, backend: self.backend_name() })
     }
 }
 
@@ -94,6 +101,9 @@ impl<T: Group + ?Sized> Group for Arc<T> {
     }
     async fn shrink(&self) -> Result<Shrunk, CommError> {
         (**self).shrink().await
+    }
+    async fn grow(&self, n: u32) -> Result<Arc<dyn Backend>, CommError> {
+        (**self).grow(n).await
     }
 }
 

@@ -114,15 +114,17 @@ pub struct Faults {
     /// `kill:rendezvous`: the process kills itself (SIGKILL) in the middle of the backend's
     /// rendezvous (shm: after publishing its segment, before unlinking it).
     pub kill_in_rendezvous: bool,
-    /// `kill:shrink`: the process aborts right after announcing itself to a shrink's
+    /// `kill:shrink`: the process kills itself right after announcing itself to a shrink's
     /// agreement (see [`crate::elastic`]).
     pub kill_in_shrink: bool,
 }
 
-/// Ends this process at once, without unwinding or destructors (what a crash looks like to
-/// its peers); for the `kill:` fault hooks.
+/// Ends this process at once with SIGKILL, as `kill -9` would (what a crash looks like to its
+/// peers and its launcher); for the `kill:` fault hooks and tests.
 #[doc(hidden)]
 pub fn kill_self() -> ! {
+    let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+    // SIGKILL cannot be caught; this is only reached if sending it failed.
     std::process::abort()
 }
 
@@ -149,8 +151,9 @@ pub fn fault_injection() -> Result<Faults, CommError> {
         _ => {}
     }
     let op = v.strip_prefix("panic:").and_then(|op| OPS.iter().find(|&&o| o == op));
-    op.map(|&o| Faults { panic_at: Some(o), ..Faults::default() })
-        .ok_or_else(|| CommError::Config(format!("COMM_FAULT_INJECT={v:?}: expected panic:<op>, kill:rendezvous or kill:shrink")))
+    op.map(|&o| Faults { panic_at: Some(o), ..Faults::default() }).ok_or_else(|| {
+        CommError::Config(format!("COMM_FAULT_INJECT={v:?}: expected panic:<op>, kill:rendezvous or kill:shrink"))
+    })
 }
 
 #[cfg(test)]

@@ -15,6 +15,12 @@
 //! 4. A survivor the decision leaves out (it came too late) gets an error; the others build
 //!    the group. If a member dies before the new group is up, building it fails with
 //!    `PeerLost` on every member still waiting, and they start the next attempt.
+//!
+//! Growing admits newcomers (processes that replace lost ranks): a newcomer takes a ticket
+//! (`elastic/join/waiting`, a counter of the job's store) and waits for its assignment under
+//! `elastic/join/ticket/<n>`. In [`Elastic::grow`], the group's rank 0 claims the next `n`
+//! tickets (`elastic/join/admitted`) and writes each its rank (after the members') and the
+//! new group's name; the members and the newcomers then build that group together.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -51,17 +57,72 @@ impl std::fmt::Debug for Shrunk {
     }
 }
 
-/// The shrink attempts of one group, numbered the same on every survivor.
-#[derive(Debug)]
-pub struct Shrinks {
-    prefix: String,
-    next: AtomicU32,
+/// Where a newcomer, or a member, goes in a grown group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admitted {
+    /// Its rank in the new group.
+    pub rank: Rank,
+    /// The new group's size.
+    pub world: u32,
+    /// The new group's name (its keys in the store).
+    pub prefix: String,
 }
 
-impl Shrinks {
-    /// Shrinks of the group named `prefix`.
+/// The most ranks a group may grow to.
+pub const MAX_WORLD: u32 = 1 << 16;
+
+const WAITING: &str = "elastic/join/waiting";
+const ADMITTED: &str = "elastic/join/admitted";
+
+/// The shrinks and grows of one group, numbered the same on every member.
+#[derive(Debug)]
+pub struct Elastic {
+    prefix: String,
+    shrinks: AtomicU32,
+    grows: AtomicU32,
+}
+
+impl Elastic {
+    /// Shrinks and grows of the group named `prefix`.
     pub fn new(prefix: impl Into<String>) -> Self {
-        Shrinks { prefix: prefix.into(), next: AtomicU32::new(0) }
+        Elastic { prefix: prefix.into(), shrinks: AtomicU32::new(0), grows: AtomicU32::new(0) }
+    }
+
+    /// This member's place in the group grown by `n` newcomers (every member calls it with the
+    /// same `n`): the members keep their ranks, the newcomers follow in the order they came.
+    /// Rank 0 hands the newcomers their tickets; the others check that it was asked for the
+    /// same `n`.
+    pub async fn grow(
+        &self,
+        store: &dyn Store,
+        me: Rank,
+        world: u32,
+        n: u32,
+        timeout: Duration,
+    ) -> Result<Admitted, CommError> {
+        let grown = world.checked_add(n).filter(|&w| n > 0 && w <= MAX_WORLD).ok_or_else(|| {
+            CommError::invalid("grow", format!("{n} newcomers: at least one, and at most {MAX_WORLD} ranks in all"))
+        })?;
+        let prefix = format!("{}/grow/{}", self.prefix, self.grows.fetch_add(1, Ordering::SeqCst));
+        let count_key = format!("{prefix}/n");
+        if me == 0 {
+            let last = store.add(ADMITTED, i64::from(n)).await?;
+            for i in 0..n {
+                let ticket = last - i64::from(n - i) + 1;
+                let place = format!("{grown} {} {prefix}", world + i);
+                store.set(&format!("elastic/join/ticket/{ticket}"), place.as_bytes()).await?;
+            }
+            store.set(&count_key, n.to_string().as_bytes()).await?;
+        } else {
+            let theirs = store.get(&count_key, timeout).await?;
+            if theirs != n.to_string().as_bytes() {
+                return Err(CommError::Mismatch {
+                    op: "grow",
+                    detail: format!("rank 0 admits {} newcomers, rank {me} {n}", String::from_utf8_lossy(&theirs)),
+                });
+            }
+        }
+        Ok(Admitted { rank: me, world: grown, prefix })
     }
 
     /// Agrees with the other survivors of this group of `world` on who is left (see the
@@ -69,7 +130,7 @@ impl Shrinks {
     /// attempt when a member is lost while it is being built. `gone(rank)` says whether a
     /// rank is known to be gone for good; ranks it cannot tell about are waited for up to
     /// `timeout`.
-    pub async fn run<B, Fut>(
+    pub async fn shrink<B, Fut>(
         &self,
         store: &dyn Store,
         me: Rank,
@@ -84,7 +145,7 @@ impl Shrinks {
     {
         // Each failed attempt has lost at least one member, so this bounds the retries.
         for _ in 0..=world {
-            let attempt = self.next.fetch_add(1, Ordering::SeqCst);
+            let attempt = self.shrinks.fetch_add(1, Ordering::SeqCst);
             let base = format!("{}/shrink/{attempt}", self.prefix);
             let survivors = agree(store, &base, me, world, timeout, gone).await?;
             let ranks = survivors.ranks.clone();
@@ -99,6 +160,31 @@ impl Shrinks {
             after: timeout,
             detail: format!("every one of {} attempts lost a member while the group was being built", world + 1),
         })
+    }
+}
+
+/// A newcomer's place: takes a ticket and waits up to `timeout` for a group to admit it
+/// ([`Elastic::grow`] on its members).
+pub async fn admission(store: &dyn Store, timeout: Duration) -> Result<Admitted, CommError> {
+    let ticket = store.add(WAITING, 1).await?;
+    let place = match store.get(&format!("elastic/join/ticket/{ticket}"), timeout).await {
+        Ok(place) => place,
+        Err(CommError::Timeout { after, .. }) => {
+            return Err(CommError::Timeout {
+                op: "join".into(),
+                after,
+                detail: format!("no group admitted this process (ticket {ticket}): its members call grow to admit it"),
+            })
+        }
+        Err(e) => return Err(e),
+    };
+    let text = String::from_utf8_lossy(&place);
+    let mut it = text.splitn(3, ' ');
+    match (it.next().and_then(|w| w.parse().ok()), it.next().and_then(|r| r.parse().ok()), it.next()) {
+        (Some(world), Some(rank), Some(prefix)) if rank < world && world <= MAX_WORLD => {
+            Ok(Admitted { rank, world, prefix: prefix.to_owned() })
+        }
+        _ => Err(CommError::Store(format!("malformed admission `{text}` for ticket {ticket}"))),
     }
 }
 
@@ -212,10 +298,10 @@ mod tests {
     #[tokio::test]
     async fn a_member_lost_while_building_starts_the_next_attempt() {
         let store = MemoryStore::new();
-        let shrinks = Shrinks::new("g");
+        let shrinks = Elastic::new("g");
         let mut attempts = Vec::new();
         let e = shrinks
-            .run(&store, 0, 3, Duration::from_millis(20), &|r| r == 2, |s| {
+            .shrink(&store, 0, 3, Duration::from_millis(20), &|r| r == 2, |s| {
                 attempts.push(s.prefix.clone());
                 async move { Err(CommError::PeerLost { rank: 1, detail: "test".into() }) }
             })
@@ -227,12 +313,43 @@ mod tests {
         assert_eq!(attempts[1], "g/shrink/1/group");
         // Another error ends it at once.
         let e = shrinks
-            .run(&store, 0, 3, Duration::from_millis(20), &gone_none, |_| async {
+            .shrink(&store, 0, 3, Duration::from_millis(20), &gone_none, |_| async {
                 Err(CommError::Config("no".into()))
             })
             .await
             .unwrap_err();
         assert!(matches!(e, CommError::Config(_)));
+    }
+
+    #[tokio::test]
+    async fn newcomers_get_the_places_after_the_members() {
+        let store = Arc::new(MemoryStore::new());
+        let t = Duration::from_secs(10);
+        // Two newcomers wait, one before the members grow and one after.
+        let early = tokio::spawn({
+            let store = store.clone();
+            async move { admission(&*store, t).await }
+        });
+        let (a, b) = (Elastic::new("g"), Elastic::new("g"));
+        let (m1, m0) = tokio::join!(b.grow(&*store, 1, 3, 2, t), a.grow(&*store, 0, 3, 2, t));
+        assert_eq!(m0.unwrap(), Admitted { rank: 0, world: 5, prefix: "g/grow/0".into() });
+        assert_eq!(m1.unwrap().rank, 1);
+        let late = admission(&*store, t).await.unwrap();
+        let mut got = [early.await.unwrap().unwrap().rank, late.rank];
+        got.sort_unstable();
+        assert_eq!(got, [3, 4]);
+        assert_eq!(late.world, 5);
+        // The next grow is another group; a member asked for another count is told.
+        let (m1, m0) = tokio::join!(b.grow(&*store, 1, 5, 2, t), a.grow(&*store, 0, 5, 1, t));
+        assert_eq!(m0.unwrap().prefix, "g/grow/1");
+        assert!(matches!(m1, Err(CommError::Mismatch { .. })), "{m1:?}");
+        // Nobody admits a third newcomer beyond the one ticket of that grow.
+        assert_eq!(admission(&*store, t).await.unwrap().rank, 5);
+        let e = admission(&*store, Duration::from_millis(20)).await.unwrap_err();
+        assert!(e.to_string().contains("no group admitted"), "{e}");
+        for n in [0, MAX_WORLD] {
+            assert!(a.grow(&*store, 0, 5, n, t).await.is_err());
+        }
     }
 
     #[test]

@@ -47,6 +47,13 @@ pub struct Options {
     #[arg(long)]
     pub enable_recovery: bool,
 
+    /// Start a replacement for a rank killed by a signal, at most this many times in all
+    /// (implies --enable-recovery). The replacement gets the rank's environment and
+    /// COMM_JOIN=1: it joins the running group (`Builder::join`) when the others admit it
+    /// (`ProcessGroup::grow`).
+    #[arg(long, value_name = "N", default_value = "0")]
+    pub max_restarts: u32,
+
     /// Seconds to wait after SIGTERM (or a forwarded signal) before sending SIGKILL.
     #[arg(long, value_name = "SECONDS", default_value = "5", value_parser = parse_seconds)]
     pub timeout_kill: Duration,

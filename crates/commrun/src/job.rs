@@ -121,6 +121,7 @@ mod tests {
             master_port: None,
             quiet_ranks: false,
             enable_recovery: false,
+            max_restarts: 0,
             timeout_kill: Duration::from_secs(5),
             command: vec!["true".into()],
         }
@@ -183,7 +184,8 @@ mod tests {
 
     #[test]
     fn rank_environment() {
-        let job = Job { world_size: 4, master_addr: "a".into(), master_port: 9, token: "t".into(), serves_store: false };
+        let job =
+            Job { world_size: 4, master_addr: "a".into(), master_port: 9, token: "t".into(), serves_store: false };
         let env: HashMap<_, _> = job.rank_env(2).into_iter().collect();
         assert_eq!(env["RANK"], "2");
         assert_eq!(env["WORLD_SIZE"], "4");

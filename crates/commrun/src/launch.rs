@@ -235,9 +235,8 @@ pub fn run(opts: &Options) -> i32 {
         }
     };
 
-    let lines = Arc::new(AtomicU64::new(0));
     let (done_tx, done_rx) = mpsc::channel();
-    let mut pumps = 0usize;
+    let mut spawner = Spawner { opts, job: &job, lines: Arc::new(AtomicU64::new(0)), done: done_tx, pumps: 0 };
     let mut ranks: Vec<Rank> = Vec::with_capacity(job.world_size as usize);
     let mut stop: Option<Stop> = None;
 
@@ -245,36 +244,65 @@ pub fn run(opts: &Options) -> i32 {
         if incoming.received().is_some() {
             break; // handled by the wait loop
         }
-        let mut child = match build_command(opts, &job, rank).spawn() {
-            Ok(child) => child,
-            Err(err) => {
-                let prog = opts.command[0].to_string_lossy();
-                let code = if err.kind() == io::ErrorKind::NotFound { 127 } else { 126 };
-                eprintln!("commrun: cannot start `{prog}`: {}", os_message(&err));
+        match spawner.start(rank, false) {
+            Ok(started) => ranks.push(started),
+            Err(code) => {
                 stop = Some(Stop::SpawnFailed(code));
                 break;
             }
-        };
-        ranks.push(Rank { rank, pid: Pid::from_child(&child), exit: None });
+        }
+    }
+
+    let code = supervise(&mut ranks, &mut incoming, stop, &mut spawner);
+    let Spawner { lines, done, pumps, .. } = spawner;
+    drop(done);
+    wait_for_output(&done_rx, pumps, &lines);
+    code
+}
+
+/// Starts ranks (and replacements) and the threads that pass their output on.
+struct Spawner<'a> {
+    opts: &'a Options,
+    job: &'a Job,
+    lines: Arc<AtomicU64>,
+    done: mpsc::Sender<()>,
+    /// Output threads started.
+    pumps: usize,
+}
+
+impl Spawner<'_> {
+    /// Starts `rank` (with `joining`, a replacement for a lost one: `COMM_JOIN=1`); on failure
+    /// says why and returns the exit code.
+    fn start(&mut self, rank: u32, joining: bool) -> Result<Rank, i32> {
+        let mut cmd = build_command(self.opts, self.job, rank);
+        if joining {
+            cmd.env("COMM_JOIN", "1");
+        }
+        let mut child = cmd.spawn().map_err(|err| {
+            let prog = self.opts.command[0].to_string_lossy();
+            eprintln!("commrun: cannot start `{prog}`: {}", os_message(&err));
+            if err.kind() == io::ErrorKind::NotFound {
+                127
+            } else {
+                126
+            }
+        })?;
+        let started = Rank { rank, pid: Pid::from_child(&child), exit: None };
         let pipes: [(Option<Box<dyn Read + Send>>, bool); 2] = [
             (child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>), false),
             (child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>), true),
         ];
         for (pipe, to_stderr) in pipes {
             let Some(pipe) = pipe else { continue };
-            match spawn_pump(pipe, rank, to_stderr, lines.clone(), done_tx.clone()) {
-                Ok(()) => pumps += 1,
+            match spawn_pump(pipe, rank, to_stderr, self.lines.clone(), self.done.clone()) {
+                Ok(()) => self.pumps += 1,
                 // The pipe was dropped with the closure; the rank gets EPIPE/SIGPIPE on output.
                 Err(err) => eprintln!("commrun: cannot start an output thread for rank {rank}: {}", os_message(&err)),
             }
         }
         // `child` is dropped here without waiting: the wait loop owns the pid from now on.
+        Ok(started)
     }
-    drop(done_tx);
-
-    let code = supervise(&mut ranks, &mut incoming, stop, opts.timeout_kill, opts.enable_recovery);
-    wait_for_output(&done_rx, pumps, &lines);
-    code
 }
 
 /// Signals every rank whose process group is still ours.
@@ -285,23 +313,20 @@ fn signal_all(ranks: &[Rank], signal: Signal) {
 }
 
 /// The wait loop: watches exits and signals, stops the job on the first failure (with
-/// `recovery`, the first that is not a rank killed by a signal), then kills stragglers and
-/// reaps every rank. Returns the exit code.
-fn supervise(
-    ranks: &mut [Rank],
-    incoming: &mut Incoming,
-    mut stop: Option<Stop>,
-    grace: Duration,
-    recovery: bool,
-) -> i32 {
+/// recovery, the first that is not a rank killed by a signal; such a rank is started again
+/// while restarts are left), then kills stragglers and reaps every rank. Returns the exit code.
+fn supervise(ranks: &mut Vec<Rank>, incoming: &mut Incoming, mut stop: Option<Stop>, spawner: &mut Spawner<'_>) -> i32 {
+    let grace = spawner.opts.timeout_kill;
+    let recovery = spawner.opts.enable_recovery || spawner.opts.max_restarts > 0;
+    let mut restarts_left = spawner.opts.max_restarts;
     let mut deadline = stop.map(|_| {
         signal_all(ranks, Signal::TERM);
         Instant::now() + grace
     });
     let mut killed = false;
     let mut signals_seen = 0;
-    // With `recovery`: the ranks killed by a signal so far (reported once each).
-    let mut lost: Vec<(u32, Exit)> = Vec::new();
+    // With recovery: the processes killed by a signal so far (reported once each).
+    let mut lost: Vec<Pid> = Vec::new();
 
     loop {
         if let Some((signo, count)) = incoming.received() {
@@ -340,11 +365,26 @@ fn supervise(
                 }
             };
             let crashed = matches!(exit, Exit::Signal(..));
-            if stop.is_none() && recovery && crashed && !lost.iter().any(|&(r, _)| r == ranks[i].rank) {
-                if ranks.iter().any(|r| r.exit.is_none()) {
-                    eprintln!("commrun: rank {} {exit}; the others go on (--enable-recovery)", ranks[i].rank);
+            if stop.is_none() && recovery && crashed && !lost.contains(&ranks[i].pid) {
+                lost.push(ranks[i].pid);
+                let rank = ranks[i].rank;
+                if restarts_left > 0 {
+                    restarts_left -= 1;
+                    eprintln!("commrun: rank {rank} {exit}; starting a replacement (COMM_JOIN=1)");
+                    match spawner.start(rank, true) {
+                        Ok(started) => {
+                            ranks.push(started);
+                            running += 1;
+                        }
+                        Err(code) => {
+                            stop = Some(Stop::SpawnFailed(code));
+                            signal_all(ranks, Signal::TERM);
+                            deadline = Some(Instant::now() + grace);
+                        }
+                    }
+                } else if ranks.iter().any(|r| r.exit.is_none()) {
+                    eprintln!("commrun: rank {rank} {exit}; the others go on (--enable-recovery)");
                 }
-                lost.push((ranks[i].rank, exit));
             } else if stop.is_none() && !exit.success() && !(recovery && crashed) {
                 let others = ranks.iter().any(|r| r.exit.is_none());
                 let tail = if others { "; stopping the other ranks" } else { "" };
@@ -376,11 +416,13 @@ fn supervise(
     for r in ranks.iter_mut() {
         r.reap();
     }
-    match (stop, lost.first()) {
-        (Some(stop), _) => stop.exit_code(),
-        // Every rank was lost: nobody went on.
-        (None, Some(&(_, exit))) if lost.len() == ranks.len() => exit.shell_code(),
-        (None, _) => 0,
+    match stop {
+        Some(stop) => stop.exit_code(),
+        // Every process was lost: nobody went on.
+        None if ranks.iter().all(|r| r.exit.is_some_and(|e| !e.success())) => {
+            ranks.first().and_then(|r| r.exit).map_or(1, Exit::shell_code)
+        }
+        None => 0,
     }
 }
 

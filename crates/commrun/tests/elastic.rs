@@ -37,9 +37,33 @@ fn scenario(name: &str) -> Scenario {
 
 /// Runs `name` under commrun (in the test) or as one of its ranks (under commrun).
 fn job(name: &str) {
+    launch(name, &["-n", &WORLD.to_string(), "--enable-recovery"], |stdout, stderr| {
+        let s = scenario(name);
+        let lost: Vec<u32> = s.killed.iter().copied().chain(s.dies_in_shrink).collect();
+        for r in (0..WORLD).filter(|r| !lost.contains(r)) {
+            assert!(
+                stdout.lines().any(|l| l.starts_with(&format!("[{r}] ")) && l.contains(&format!("survivor {r} ok"))),
+                "rank {r} did not finish\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+            );
+        }
+        for r in &lost {
+            assert!(stderr.contains(&format!("rank {r} was killed by signal")), "{stderr}");
+        }
+    });
+}
+
+/// Runs this test binary's test `name` under `commrun <args>` (in the test), or runs the rank
+/// body of it (under commrun); `check(stdout, stderr)` after a successful job.
+fn launch(name: &str, args: &[&str], check: impl FnOnce(&str, &str)) {
     if let Ok(s) = std::env::var(SCENARIO) {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-        let code = match rt.block_on(rank(scenario(&s))) {
+        let body = async {
+            match s.as_str() {
+                "kill_shrink_rejoin_cycles_leak_nothing" => cycles().await,
+                s => rank(scenario(s)).await,
+            }
+        };
+        let code = match rt.block_on(body) {
             Ok(()) => 0,
             Err(e) => {
                 eprintln!("rank body failed: {e}");
@@ -58,7 +82,8 @@ fn job(name: &str) {
         .env("COMM_TIMEOUT", "30")
         // A small window, so that the large ops take the worker's path.
         .env("COMM_SHM_WINDOW", "64KiB")
-        .args(["-n", &WORLD.to_string(), "--enable-recovery", "--"])
+        .args(args)
+        .arg("--")
         .arg(std::env::current_exe().unwrap())
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .stdin(Stdio::null())
@@ -86,19 +111,8 @@ fn job(name: &str) {
     let mut stdout = String::new();
     out.read_to_string(&mut stdout).unwrap();
     let stderr = err_reader.join().unwrap();
-    let s = scenario(name);
-    let lost: Vec<u32> = s.killed.iter().copied().chain(s.dies_in_shrink).collect();
-    let survivors: Vec<u32> = (0..WORLD).filter(|r| !lost.contains(r)).collect();
-    for r in &survivors {
-        assert!(
-            stdout.lines().any(|l| l.starts_with(&format!("[{r}] ")) && l.contains(&format!("survivor {r} ok"))),
-            "rank {r} did not finish\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
-        );
-    }
     assert!(status.success(), "commrun: {status}\n--- stdout\n{stdout}\n--- stderr\n{stderr}");
-    for r in &lost {
-        assert!(stderr.contains(&format!("rank {r} was killed by signal")), "{stderr}");
-    }
+    check(&stdout, &stderr);
 }
 
 fn kill_self() -> ! {
@@ -178,6 +192,89 @@ async fn rank(s: Scenario) -> Result<(), String> {
     }
     println!("survivor {me} ok: shrank to {members:?} in {took:?}");
     pg.shutdown().await.map_err(|e| e.to_string())
+}
+
+/// Kill, shrink and rejoin cycles on 3 ranks: each time the newest rank (the last
+/// replacement) dies, the two first ones shrink, admit its replacement and check a few sums.
+const CYCLES: u32 = 50;
+
+/// What leaks would grow: threads, open files, resident memory (KiB).
+fn footprint() -> (usize, usize, u64) {
+    let count = |dir: &str| std::fs::read_dir(dir).map_or(0, |d| d.count());
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0);
+    (count("/proc/self/task"), count("/proc/self/fd"), rss)
+}
+
+async fn cycles() -> Result<(), String> {
+    let cfg = Config::from_env().map_err(|e| e.to_string())?;
+    let b = comm_api::builder(cfg).backend(BackendKind::Shm);
+    let joining = std::env::var_os("COMM_JOIN").is_some();
+    let mut pg = if joining { b.join().await } else { b.connect().await }.map_err(|e| e.to_string())?;
+    let mut cycle: u32 = if joining { pg.broadcast_object(None, 0).await.map_err(|e| e.to_string())? } else { 0 };
+    let mut baseline = None;
+    let me = |pg: &ProcessGroup| pg.rank();
+    while cycle < CYCLES {
+        let n = pg.world_size();
+        if me(&pg) == n - 1 {
+            kill_self();
+        }
+        if step(&pg, me(&pg), 0.0, 2).await.is_ok() {
+            return Err(format!("cycle {cycle}: an all_reduce without the killed rank succeeded"));
+        }
+        pg = pg.shrink().await.map_err(|e| format!("cycle {cycle}: shrink: {e}"))?;
+        pg = pg.grow(1).await.map_err(|e| format!("cycle {cycle}: grow: {e}"))?;
+        cycle += 1;
+        let told: u32 = pg.broadcast_object(Some(cycle), 0).await.map_err(|e| e.to_string())?;
+        assert_eq!(told, cycle);
+        if cycle == 5 {
+            baseline = Some(footprint());
+        }
+    }
+    // Ranks 0 and 1 lived through every cycle (the others joined late, or are the last one).
+    let all = (pg.world_size() * (pg.world_size() + 1) / 2) as f32;
+    for _ in 0..10 {
+        step(&pg, me(&pg), all, 2).await.map_err(|e| e.to_string())?;
+    }
+    if let Some((threads, fds, rss)) = baseline {
+        let (t, f, r) = footprint();
+        println!("rank {} footprint after cycle 5: {threads} threads, {fds} fds, {rss} KiB; after {CYCLES}: {t}, {f}, {r} KiB", me(&pg));
+        if t > threads || f > fds || r > rss + 16 * 1024 {
+            return Err(format!(
+                "grew over {CYCLES} cycles: threads {threads} -> {t}, fds {fds} -> {f}, rss {rss} -> {r} KiB"
+            ));
+        }
+    }
+    println!("cycles ok");
+    pg.shutdown().await.map_err(|e| e.to_string())
+}
+
+#[test]
+fn kill_shrink_rejoin_cycles_leak_nothing() {
+    let restarts = CYCLES.to_string();
+    launch("kill_shrink_rejoin_cycles_leak_nothing", &["-n", "3", "--max-restarts", &restarts], |stdout, stderr| {
+        for r in [0, 1] {
+            let line = stdout.lines().find(|l| l.contains(&format!("rank {r} footprint")));
+            println!("{}", line.unwrap_or_else(|| panic!("rank {r} did not report\n{stdout}\n{stderr}")));
+        }
+        assert_eq!(stdout.matches("cycles ok").count(), 3, "{stdout}\n{stderr}");
+        assert_eq!(stderr.matches("starting a replacement").count(), CYCLES as usize, "{stderr}");
+        // Segments whose creator is gone (those of live processes may be mid-rendezvous).
+        let left: Vec<String> = std::fs::read_dir("/dev/shm").map_or(Vec::new(), |d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| {
+                    let pid = n.strip_prefix("commshm-").and_then(|r| r.split('-').next());
+                    pid.is_some_and(|p| !std::path::Path::new(&format!("/proc/{p}")).exists())
+                })
+                .collect()
+        });
+        assert!(left.is_empty(), "segments left in /dev/shm: {left:?}");
+    });
 }
 
 #[test]

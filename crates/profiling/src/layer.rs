@@ -443,6 +443,11 @@ impl<C: Group> Group for Profiling<C> {
         Ok(Shrunk { group: self.profiled(s.group), ranks: s.ranks })
     }
 
+    async fn grow(&self, n: u32) -> Result<Arc<dyn Backend>, CommError> {
+        let span = tracing::info_span!(target: TARGET, "comm.grow", comm.newcomers = n, otel.kind = "client");
+        Ok(self.profiled(self.inner.grow(n).instrument(span).await?))
+    }
+
     async fn shutdown(&self) -> Result<(), CommError> {
         self.inner.shutdown().await
     }
