@@ -55,11 +55,17 @@ fn job(name: &str) {
 /// Runs this test binary's test `name` under `commrun <args>` (in the test), or runs the rank
 /// body of it (under commrun); `check(stdout, stderr)` after a successful job.
 fn launch(name: &str, args: &[&str], check: impl FnOnce(&str, &str)) {
+    launch_with(name, args, &[], check)
+}
+
+/// [`launch`] with extra environment variables for the ranks.
+fn launch_with(name: &str, args: &[&str], envs: &[(&str, &str)], check: impl FnOnce(&str, &str)) {
     if let Ok(s) = std::env::var(SCENARIO) {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         let body = async {
             match s.as_str() {
                 "kill_shrink_rejoin_cycles_leak_nothing" => cycles().await,
+                "a_stopped_rank_is_left_out_and_told" => stopped().await,
                 s => rank(scenario(s)).await,
             }
         };
@@ -82,6 +88,7 @@ fn launch(name: &str, args: &[&str], check: impl FnOnce(&str, &str)) {
         .env("COMM_TIMEOUT", "30")
         // A small window, so that the large ops take the worker's path.
         .env("COMM_SHM_WINDOW", "64KiB")
+        .envs(envs.iter().copied())
         .args(args)
         .arg("--")
         .arg(std::env::current_exe().unwrap())
@@ -275,6 +282,68 @@ fn kill_shrink_rejoin_cycles_leak_nothing() {
         });
         assert!(left.is_empty(), "segments left in /dev/shm: {left:?}");
     });
+}
+
+/// Rank 3 is stopped (SIGSTOP), not dead: the others' op times out, they shrink without it
+/// once the agreement's timeout has passed, and wake it (SIGCONT); it is told it was left out.
+async fn stopped() -> Result<(), String> {
+    let e = |e: comm_api::CommError| e.to_string();
+    let pg = comm_api::builder(Config::from_env().map_err(e)?).backend(BackendKind::Shm).connect().await.map_err(e)?;
+    let (me, n) = (pg.rank(), pg.world_size());
+    let pid_file = std::path::PathBuf::from(std::env::var("ELASTIC_DIR").unwrap()).join("stopped");
+    for _ in 0..5 {
+        step(&pg, me, (n * (n + 1) / 2) as f32, 2).await.map_err(e)?;
+    }
+    if me == 3 {
+        let tmp = pid_file.with_extension("tmp");
+        std::fs::write(&tmp, std::process::id().to_string()).map_err(|e| e.to_string())?;
+        std::fs::rename(&tmp, &pid_file).map_err(|e| e.to_string())?;
+        let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::STOP);
+        // The stop takes the threads at their next kernel entry, not always before kill returns.
+        std::thread::sleep(Duration::from_millis(100));
+        // Woken after the others shrank without this rank. (Its pending op may still
+        // complete: the others had posted their parts of it before they timed out.)
+        let _ = pg.all_reduce(HostBuffer::from(vec![1.0f32; 2]), ReduceOp::Sum).await;
+        return match pg.shrink().await {
+            Err(e) if e.to_string().contains("without rank 3") => {
+                println!("left out ok: {e}");
+                Ok(())
+            }
+            other => Err(format!("shrink of the stopped rank gave {:?}", other.map(|g| g.world_size()))),
+        };
+    }
+    if step(&pg, me, 0.0, 2).await.is_ok() {
+        return Err("an all_reduce without the stopped rank succeeded".into());
+    }
+    let pg = pg.shrink().await.map_err(e)?;
+    let members: Vec<u32> = (0..pg.world_size()).filter_map(|r| pg.global_rank(r)).collect();
+    if members != [0, 1, 2] {
+        return Err(format!("shrank to {members:?}"));
+    }
+    if pg.rank() == 0 {
+        let pid: i32 = std::fs::read_to_string(&pid_file).map_err(|e| e.to_string())?.parse().unwrap();
+        let pid = rustix::process::Pid::from_raw(pid).unwrap();
+        rustix::process::kill_process(pid, rustix::process::Signal::CONT).map_err(|e| e.to_string())?;
+    }
+    for _ in 0..100 {
+        step(&pg, me, 6.0, 2).await.map_err(e)?;
+    }
+    println!("survivor {me} ok");
+    pg.shutdown().await.map_err(e)
+}
+
+#[test]
+fn a_stopped_rank_is_left_out_and_told() {
+    let dir = std::env::temp_dir().join(format!("comm-elastic-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let envs = [("COMM_TIMEOUT", "2"), ("ELASTIC_DIR", dir.to_str().unwrap())];
+    launch_with("a_stopped_rank_is_left_out_and_told", &["-n", "4"], &envs, |stdout, stderr| {
+        for r in 0..3 {
+            assert!(stdout.contains(&format!("survivor {r} ok")), "{stdout}\n{stderr}");
+        }
+        assert!(stdout.lines().any(|l| l.starts_with("[3] ") && l.contains("left out ok")), "{stdout}\n{stderr}");
+    });
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
