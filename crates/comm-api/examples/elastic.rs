@@ -28,13 +28,15 @@ struct State {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), CommError> {
+    let started = Instant::now();
     let cfg = Config::from_env()?;
     let replacement = std::env::var_os("COMM_JOIN").is_some();
     let (mut pg, mut state) = if replacement {
         // A replacement: join the survivors when they admit it, then take the state over.
         let pg = comm_api::builder(cfg).join().await?;
         let state = pg.broadcast_object(None::<State>, 0).await?;
-        println!("replacement: joined as rank {}/{} at step {}", pg.rank(), pg.world_size(), state.step);
+        let (rank, n, took) = (pg.rank(), pg.world_size(), started.elapsed());
+        println!("replacement: joined as rank {rank}/{n} at step {}, {took:?} after it started", state.step);
         (pg, state)
     } else {
         (comm_api::init(cfg).await?, State { step: 0, total: 0.0 })
