@@ -62,6 +62,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::cpus::CpuSet;
+use comm_core::elastic::{Elastic, Shrunk};
 use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
 use comm_core::ops::Op;
 use comm_core::{Backend, Collective, CommError, DType, Group, Rank, Store, Work};
@@ -185,6 +186,7 @@ struct Inner {
     store: Arc<dyn Store>,
     opts: NcclOptions,
     subgroups: Subgroups,
+    elastic: Elastic,
     info: NcclInfo,
     /// How long a caller's first wait for an op spins ([`Work::with_spin`]).
     spin: Duration,
@@ -322,6 +324,7 @@ impl NcclBackend {
                 stream: ready.stream,
                 store,
                 opts,
+                elastic: Elastic::new(prefix.clone()),
                 subgroups: Subgroups::new(prefix),
                 info,
                 spin,
@@ -423,6 +426,29 @@ impl Group for NcclBackend {
         let (done, work) = Work::pending();
         let _ = self.inner.tx.send(Command::Shutdown(done));
         shutdown_done(work).await
+    }
+
+    /// NCCL cannot tell a rank on another host that died from a slow one, so the survivors'
+    /// agreement waits up to the timeout for ranks that do not come. The survivors then make a
+    /// new communicator (`ncclCommInitRank` under a fresh name, on the same device) and abort
+    /// the old one (`ncclCommAbort`: it may have operations stuck on the lost rank).
+    async fn shrink(&self) -> Result<Shrunk, CommError> {
+        let inner = &*self.inner;
+        let (me, world) = (inner.admission.rank(), inner.admission.world());
+        inner.admission.poison().set(format!("rank {me} is shrinking the group"));
+        let opts = NcclOptions { device: Some(inner.device), ..inner.opts.clone() };
+        let shrunk = inner
+            .elastic
+            .shrink(&*inner.store, me, world, opts.timeout, &|_| false, |s| {
+                let (store, opts) = (inner.store.clone(), opts.clone());
+                async move {
+                    let n = s.ranks.len() as u32;
+                    Ok(Arc::new(Self::create(store, s.rank, n, opts, s.prefix).await?) as Arc<dyn Backend>)
+                }
+            })
+            .await?;
+        let _ = self.shutdown().await;
+        Ok(shrunk)
     }
 }
 

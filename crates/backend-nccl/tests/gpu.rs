@@ -302,3 +302,25 @@ async fn a_buffer_on_another_device_is_refused() {
     assert_eq!(ok.to_vec::<f32>().unwrap(), [2.0]);
     b.shutdown().await.unwrap();
 }
+
+/// A group shrunk to its survivors (here the one rank: one GPU) gets a new communicator that
+/// works; the old one is aborted and refuses ops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shrink_makes_a_new_communicator() {
+    if gpu(1).is_none() {
+        return;
+    }
+    let old = one_rank(Duration::from_secs(60)).await;
+    let shrunk = old.shrink().await.expect("shrink");
+    assert_eq!(shrunk.ranks, [0]);
+    let sum = Collective::<AllReduce>::submit(
+        &*shrunk.group,
+        AllReduce { buf: HostBuffer::from(vec![2.0f32; 8]), op: ReduceOp::Sum },
+    )
+    .await
+    .unwrap();
+    assert_eq!(sum.to_vec::<f32>().unwrap(), [2.0; 8]);
+    let refused = old.submit(AllReduce { buf: HostBuffer::from(vec![1.0f32]), op: ReduceOp::Sum }).await;
+    assert!(refused.is_err(), "the old group still ran an op");
+    shrunk.group.shutdown().await.unwrap();
+}

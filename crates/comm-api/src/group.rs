@@ -643,8 +643,8 @@ impl ProcessGroup {
     /// Ops still in flight on this group fail; it is shut down once the new group is up.
     /// Sub-groups and streams are per group: make them again over the new one.
     ///
-    /// The shm backend shrinks; mpi and hier fail at once saying why (their MPI libraries
-    /// cannot shrink a communicator); see README's "Surviving a lost rank".
+    /// shm and nccl shrink; mpi and hier fail at once saying why (their MPI libraries cannot
+    /// shrink a communicator); see README's "Surviving a lost rank".
     #[doc(alias = "MPIX_Comm_shrink")]
     pub async fn shrink(&self) -> Result<ProcessGroup, CommError> {
         let s = self.backend.shrink().await?;
