@@ -16,7 +16,7 @@ use bytemuck::{Pod, Zeroable};
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"commshm1");
 /// Raised whenever the segment layout or the step protocol changes (git has the history), so
 /// ranks of different builds refuse each other.
-pub(crate) const VERSION: u32 = 9;
+pub(crate) const VERSION: u32 = 10;
 
 pub(crate) const OFF_MAGIC: usize = 0;
 pub(crate) const OFF_VERSION: usize = 8;
@@ -52,10 +52,8 @@ const OFF_P2P_COUNTERS: usize = 512;
 const LINE: usize = 64;
 const HDR: usize = 64;
 /// A collective buffer's overhead: the step header before the data (so a small op's data is
-/// the line next to the one a waiting peer polls), the name of the rank's zero-copy buffer for
-/// that step (NUL-padded) after it.
-const COLL_HDR: usize = 2 * HDR;
-pub(crate) const NAME_LEN: usize = HDR;
+/// the line next to the one a waiting peer polls).
+const COLL_HDR: usize = HDR;
 
 /// Smallest step that moves through the window ([`Layout::rotation`]).
 const ROTATE_MIN: usize = 4096;
@@ -124,11 +122,6 @@ impl Layout {
     /// latency-bound, where lines still in our own L1 are the quickest to take back.
     pub(crate) fn rotation(&self, k: u64, bytes: usize) -> usize {
         place(k / 2, bytes, self.window, ROTATE_MIN)
-    }
-
-    /// Zero-copy buffer name of step `k` (`NAME_LEN` bytes).
-    pub(crate) fn step_name(&self, k: u64) -> usize {
-        self.step_data(k) + self.window
     }
 
     /// Header of the mailbox slot for chunk number `chunk` to `peer`.
@@ -222,8 +215,8 @@ mod tests {
             let l = Layout::new(world, 1 << 16, 1 << 13).unwrap();
             assert!(l.acked(world - 1) + 8 <= l.step_header(0));
             assert_eq!(l.step_data(0), l.step_header(0) + 64);
-            assert_eq!(l.step_name(0) + NAME_LEN, l.step_header(1));
-            assert!(l.step_name(1) + NAME_LEN <= l.msg_header(0, 0));
+            assert_eq!(l.step_data(0) + l.window, l.step_header(1));
+            assert!(l.step_data(1) + l.window <= l.msg_header(0, 0));
             assert!(l.msg_data(world - 1, 1, l.slot) + l.slot <= l.total);
             assert_eq!(l.step_header(0) % 64, 0);
             assert_eq!(l.msg_data(1 % world, 1, 64) % 64, 0);

@@ -22,7 +22,8 @@
 #![deny(unsafe_code)]
 
 // Mapped memory is touched only in `segment` (mapping, raw access), `engine::steps` (the
-// step and mailbox protocol), `engine::zero_copy` and `zerocopy` (alloc_buffer memory).
+// step and mailbox protocol), `engine::zero_copy` and `arena` (buffers in shared memory).
+mod arena;
 mod engine;
 mod layout;
 mod plans;
@@ -30,8 +31,6 @@ mod plans;
 mod segment;
 mod sys;
 mod tuning;
-#[allow(unsafe_code)]
-mod zerocopy;
 
 use std::sync::atomic::Ordering::SeqCst;
 use std::sync::mpsc::{channel, Sender};
@@ -93,6 +92,15 @@ pub struct ShmOptions {
     /// the cores of a VM's vCPUs can sit on different chiplets, where each plain store must
     /// first take its line back from the peer that read it).
     pub stream: Option<bool>,
+    /// From this many bytes, `HostBuffer`s of this process live in its shared-memory arena
+    /// once a group exists (so all_reduce reads peers' buffers in place instead of copying
+    /// through the window), and all_reduce of that many bytes reads them so; rank 0's value
+    /// decides the latter for a group. `None`: no arena (every buffer is heap memory and ops
+    /// copy). Default 256 KiB.
+    pub arena_min: Option<usize>,
+    /// Bytes the arena may grow to; past them large buffers are heap memory (said once in the
+    /// log). Default: the free space of /dev/shm when the options are made.
+    pub arena_max: usize,
 }
 
 impl Default for ShmOptions {
@@ -106,6 +114,8 @@ impl Default for ShmOptions {
             spin: None,
             pin: None,
             stream: None,
+            arena_min: Some(arena::DEFAULT_MIN),
+            arena_max: arena::shm_free(),
         }
     }
 }
@@ -118,7 +128,7 @@ pub const MIN_WINDOW: usize = 4 << 10;
 
 impl ShmOptions {
     /// Defaults, overridden by `COMM_SHM_WINDOW`, `COMM_SHM_SLOT`, `COMM_SHM_SMALL_MAX`,
-    /// `COMM_SHM_INLINE_MAX` (sizes
+    /// `COMM_SHM_INLINE_MAX`, `COMM_SHM_ARENA_MIN` (or `off`), `COMM_SHM_ARENA_MAX` (sizes
     /// as [`config::parse_size`] reads them: `512KiB`, `4M`, `65536`), `COMM_SHM_SPIN_US`,
     /// `COMM_SHM_PIN` and `COMM_SHM_STREAM` (`1` or `0`).
     pub fn from_env() -> Result<Self, CommError> {
@@ -131,6 +141,11 @@ impl ShmOptions {
         o.spin = config::env_parse("COMM_SHM_SPIN_US", spin_us)?.map(|us| Duration::from_micros(us.into())).or(o.spin);
         o.pin = config::env_parse("COMM_SHM_PIN", config::parse_bool)?.or(o.pin);
         o.stream = config::env_parse("COMM_SHM_STREAM", config::parse_bool)?.or(o.stream);
+        o.arena_min = match config::env_var("COMM_SHM_ARENA_MIN") {
+            Some(v) if v.trim().eq_ignore_ascii_case("off") => None,
+            _ => config::env_parse("COMM_SHM_ARENA_MIN", config::parse_size)?.or(o.arena_min).map(|m| m.max(1)),
+        };
+        o.arena_max = config::env_parse("COMM_SHM_ARENA_MAX", config::parse_size)?.unwrap_or(o.arena_max);
         o.check()?;
         Ok(o)
     }
@@ -267,14 +282,16 @@ impl ShmBackend {
             let small_max =
                 opts.small_max.unwrap_or_else(|| tuning::small_max(tuning::l2_bytes(), world)).min(opts.window);
             let slot = opts.p2p_slot.unwrap_or_else(|| tuning::slot(opts.window, world));
-            let p = format!("{} {} {}", opts.window, slot, small_max);
+            // all_reduce reads peers' arena buffers in place from this size (above one step).
+            let zc_min = opts.arena_min.map_or(usize::MAX, |m| m.max(small_max + 1));
+            let p = format!("{} {} {} {}", opts.window, slot, small_max, zc_min);
             store.set(&format!("{prefix}/params"), p.as_bytes()).await?;
         }
         let deadline = std::time::Instant::now() + to;
         let params = get_from(&*store, &format!("{prefix}/params"), 0, known, deadline).await?;
         let params = String::from_utf8_lossy(&params).into_owned();
         let nums: Vec<usize> = params.split(' ').filter_map(|x| x.parse().ok()).collect();
-        let [window, slot, small_max] = nums[..] else {
+        let [window, slot, small_max, zc_min] = nums[..] else {
             return Err(CommError::Store(format!("malformed shm parameters `{params}` in the store")));
         };
         let mut sets = Vec::with_capacity(world as usize);
@@ -339,7 +356,9 @@ impl ShmBackend {
             spin: opts.spin.unwrap_or_else(|| tuning::spin(world, all_cpus.as_ref())),
             cpus: (CpuSet::runnable_of(all_cpus.as_ref()) / world as usize).max(1),
             stream: opts.stream,
+            zc_min,
         };
+        arena::install(arena::Limits { min: opts.arena_min, max: opts.arena_max });
         let (tx, rx) = channel();
         let poison = Poison::new();
         let queued = Arc::default();
@@ -671,23 +690,16 @@ impl Group for ShmBackend {
         Ok(Some(Arc::new(g)))
     }
 
-    /// Memory in a shared-memory segment of its own: an all_reduce larger than the one-step
-    /// threshold on such buffers (on every rank) reads the peers' buffers in place instead of
-    /// copying through the window.
+    /// A buffer in the arena whatever its size (large buffers are there anyway, see
+    /// [`ShmOptions::arena_min`]); heap memory when the arena is off or full.
     fn alloc_buffer(&self, dtype: DType, len: usize) -> Result<HostBuffer, CommError> {
         let bytes = dtype
             .checked_bytes(len)
-            .and_then(|b| b.max(1).checked_next_multiple_of(4096))
             .ok_or_else(|| CommError::invalid("alloc_buffer", format!("{len} × {dtype} does not fit in memory")))?;
-        let mut rnd = [0u8; 8];
-        getrandom::fill(&mut rnd).map_err(|e| CommError::Io {
-            context: "random segment name".into(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        let name = format!("/commshm-{}-z{:016x}", std::process::id(), u64::from_le_bytes(rnd));
-        let seg =
-            Segment::create(&name, bytes).map_err(io_err(format!("creating a zero-copy buffer of {len} × {dtype}")))?;
-        HostBuffer::from_external(dtype, len, Box::new(zerocopy::ShmBuf::new(seg, len * dtype.size())))
+        match arena::get().and_then(|a| a.block(bytes, true)) {
+            Some(block) => HostBuffer::from_external(dtype, len, Box::new(block)),
+            None => HostBuffer::try_zeroed(dtype, len),
+        }
     }
 
     async fn shutdown(&self) -> Result<(), CommError> {

@@ -20,6 +20,8 @@ pub(crate) struct Segment {
     base: NonNull<u8>,
     len: usize,
     name: String,
+    /// An anonymous segment's file, kept open: peers open it as `/proc/<pid>/fd/<fd>`.
+    fd: Option<rustix::fd::OwnedFd>,
 }
 
 // SAFETY: a `Segment` is a shared mapping that stays valid until `Drop` unmaps it. It has no
@@ -48,7 +50,7 @@ impl Segment {
             return Err(e);
         }
         match Self::map(&fd, len) {
-            Ok(base) => Ok(Segment { base, len, name: name.to_owned() }),
+            Ok(base) => Ok(Segment { base, len, name: name.to_owned(), fd: None }),
             Err(e) => {
                 let _ = shm::unlink(name);
                 Err(e)
@@ -66,7 +68,53 @@ impl Segment {
                 format!("segment `{name}` is {size} bytes, expected at least {len}"),
             ));
         }
-        Ok(Segment { base: Self::map(&fd, len)?, len, name: name.to_owned() })
+        Ok(Segment { base: Self::map(&fd, len)?, len, name: name.to_owned(), fd: None })
+    }
+
+    /// An anonymous segment (`memfd_create`) of `len` bytes, mapped; its memory is taken as
+    /// ranges are [`reserve`](Self::reserve)d. It has no name to leak: the kernel frees it when
+    /// this process and every mapping of it are gone.
+    pub(crate) fn anonymous(what: &str, len: usize) -> io::Result<Segment> {
+        let fd = rustix::fs::memfd_create(what, rustix::fs::MemfdFlags::CLOEXEC)?;
+        rustix::fs::ftruncate(&fd, len as u64)?;
+        let base = Self::map(&fd, len)?;
+        Ok(Segment { base, len, name: what.to_owned(), fd: Some(fd) })
+    }
+
+    /// Takes the memory of `off..off + len` of an anonymous segment now, so that a full memory
+    /// budget fails here instead of with SIGBUS when the range is first touched.
+    pub(crate) fn reserve(&self, off: usize, len: usize) -> io::Result<()> {
+        self.check(off, len, 1);
+        let fd = self.fd.as_ref().ok_or_else(|| io::Error::other("not an anonymous segment"))?;
+        rustix::fs::fallocate(fd, FallocateFlags::empty(), off as u64, len as u64).map_err(Into::into)
+    }
+
+    /// The file descriptor of an [`anonymous`](Self::anonymous) segment, by which peers on this
+    /// host open it.
+    pub(crate) fn fd(&self) -> Option<i32> {
+        use rustix::fd::AsRawFd;
+        self.fd.as_ref().map(AsRawFd::as_raw_fd)
+    }
+
+    /// Maps `len` bytes of process `pid`'s anonymous segment `fd` (through
+    /// `/proc/<pid>/fd/<fd>`: same user, same host).
+    pub(crate) fn open_anonymous(pid: u32, fd: i32, len: usize) -> io::Result<Segment> {
+        let path = format!("/proc/{pid}/fd/{fd}");
+        let file =
+            rustix::fs::open(path.as_str(), rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC, Mode::empty())?;
+        let size = rustix::fs::fstat(&file)?.st_size as u64;
+        if size < len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{path} is {size} bytes, expected at least {len}"),
+            ));
+        }
+        Ok(Segment { base: Self::map(&file, len)?, len, name: path, fd: None })
+    }
+
+    /// The mapping's length.
+    pub(crate) fn len(&self) -> usize {
+        self.len
     }
 
     fn map(fd: &rustix::fd::OwnedFd, len: usize) -> io::Result<NonNull<u8>> {
@@ -187,6 +235,16 @@ mod tests {
         assert_eq!(b.u64_at(64).load(std::sync::atomic::Ordering::SeqCst), 42);
         let meta = std::fs::metadata(format!("/dev/shm{name}"));
         assert!(meta.is_err());
+    }
+
+    #[test]
+    fn anonymous_segments_are_opened_through_proc() {
+        let a = Segment::anonymous("commshm-test", 8192).unwrap();
+        let b = Segment::open_anonymous(std::process::id(), a.fd().unwrap(), 8192).unwrap();
+        a.u64_at(64).store(7, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(b.u64_at(64).load(std::sync::atomic::Ordering::SeqCst), 7);
+        assert!(Segment::open_anonymous(std::process::id(), a.fd().unwrap(), 1 << 20).is_err(), "too short");
+        assert!(Segment::open_anonymous(std::process::id(), 100_000, 8).is_err(), "no such fd");
     }
 
     #[test]

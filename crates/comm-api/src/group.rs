@@ -231,9 +231,9 @@ impl ProcessGroup {
         &self.world
     }
 
-    /// A zeroed buffer the backend can use without copying (shm: its own shared-memory
-    /// segment, which peers map). An all_reduce above the one-step size on such buffers, on
-    /// every rank, skips the copy through the shared window. Plain memory on other backends.
+    /// A zeroed buffer the backend can use without copying (shm: memory of its shared arena,
+    /// which peers map; large buffers are made there anyway once a shm group exists, see
+    /// README's "Zero copy"). Plain memory on other backends.
     ///
     /// ```
     /// # tokio::runtime::Runtime::new().unwrap().block_on(async {

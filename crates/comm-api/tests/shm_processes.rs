@@ -383,46 +383,101 @@ fn peer_killed_during_rendezvous() {
     );
 }
 
-/// Zero-copy buffers: a large all_reduce reads peers' buffers in place; results equal the
-/// copying path's; a rank mixing buffer kinds gets Mismatch; nothing is left in /dev/shm.
+/// Plain memory a test lends a buffer (what the arena does not make).
+struct Plain(Vec<u64>);
+impl comm_api::ExternalStorage for Plain {
+    fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        bytemuck::cast_slice_mut(&mut self.0)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Large buffers live in the shared-memory arena once the group exists, and all_reduce reads
+/// them in place: results equal the reference's, for buffers made by every constructor, for
+/// one of plain memory (it comes back in the arena), when a rank has no arena at all
+/// (`COMM_SHM_ARENA_MIN=off` on rank `off`: everyone copies), and nothing is left in
+/// /dev/shm.
+async fn arena_body(off: Option<u32>) -> Result<(), String> {
+    use comm_test::reference;
+    let pg = connect().await?;
+    let (rank, n) = (pg.rank(), pg.world_size());
+    let e = |e: CommError| e.to_string();
+    let in_arena = |b: &HostBuffer| b.external().is_some_and(|s| !s.as_any().is::<Plain>());
+    for (dtype, len) in [(DType::F32, 1usize << 20), (DType::BF16, 300_001), (DType::I64, 70_001)] {
+        let inputs: Vec<HostBuffer> = (0..n).map(|r| reference::input(dtype, len, r, 7)).collect();
+        let refs: Vec<&HostBuffer> = inputs.iter().collect();
+        let want = reference::all_reduce(&refs, ReduceOp::Sum).swap_remove(rank as usize);
+        let mine = inputs[rank as usize].clone();
+        if in_arena(&mine) != (Some(rank) != off) {
+            return Err(format!("rank {rank}: a {dtype} × {len} buffer is in the arena: {}", in_arena(&mine)));
+        }
+        let got = pg.all_reduce(mine, ReduceOp::Sum).await.map_err(e)?;
+        reference::compare(&got, &want, "all_reduce of an arena buffer", rank)?;
+        // Plain memory goes into the arena for the op and stays there.
+        let mut words = vec![0u64; (len * dtype.size()).div_ceil(8)];
+        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..len * dtype.size()]
+            .copy_from_slice(inputs[rank as usize].as_bytes());
+        let plain = HostBuffer::from_external(dtype, len, Box::new(Plain(words))).map_err(e)?;
+        let got = pg.all_reduce(plain, ReduceOp::Sum).await.map_err(e)?;
+        reference::compare(&got, &want, "all_reduce of a plain buffer", rank)?;
+        if off.is_none() && !in_arena(&got) {
+            return Err("a plain buffer did not come back in the arena".into());
+        }
+        // The same buffer again and again: the peers keep its chunk mapped.
+        let mut again = got;
+        for _ in 0..5 {
+            again = pg.all_reduce(again, ReduceOp::Max).await.map_err(e)?;
+        }
+        reference::compare(&again, &want, "repeated all_reduce(max)", rank)?;
+    }
+    let small = pg.alloc_buffer(DType::F32, 100).map_err(e)?;
+    let got = pg.all_reduce(small, ReduceOp::Sum).await.map_err(e)?;
+    if got.len() != 100 || got.as_slice::<f32>().map_err(e)?.iter().any(|&x| x != 0.0) {
+        return Err("alloc_buffer's small buffer".into());
+    }
+    let left = leftovers(std::process::id());
+    if !left.is_empty() {
+        return Err(format!("segments left in /dev/shm: {left:?}"));
+    }
+    Ok(())
+}
+
 #[test]
-fn zero_copy_all_reduce() {
-    multiprocess::run(3, "zero_copy_all_reduce", T, || async {
+fn arena_all_reduce() {
+    multiprocess::run(3, "arena_all_reduce", T, || arena_body(None));
+}
+
+/// An arena at its bound (`COMM_SHM_ARENA_MAX`) gives plain memory, and ops on it copy.
+#[test]
+fn arena_at_its_bound() {
+    let env = |_| vec![("COMM_SHM_ARENA_MAX".into(), "1MiB".into())];
+    multiprocess::run_with_env(2, "arena_at_its_bound", T, env, || async {
         let pg = connect().await?;
-        let rank = pg.rank() as usize;
         let e = |e: CommError| e.to_string();
-        for (dtype, len) in [(DType::F32, 1usize << 20), (DType::BF16, 300_001), (DType::I64, 70_001)] {
-            let input = comm_test::reference::input(dtype, len, rank as u32, 7);
-            let mut zc = pg.alloc_buffer(dtype, len).map_err(e)?;
-            zc.as_bytes_mut().copy_from_slice(input.as_bytes());
-            let got = pg.all_reduce(zc, ReduceOp::Sum).await.map_err(e)?;
-            if got.external().is_none() {
-                return Err("the zero-copy buffer did not come back".into());
-            }
-            let want = pg.all_reduce(input, ReduceOp::Sum).await.map_err(e)?;
-            if got != want {
-                return Err(format!("{dtype} × {len}: zero-copy result differs from the copying path"));
-            }
-            // Reuse the same buffer: it stays mapped by the peers.
-            let again = pg.all_reduce(got, ReduceOp::Max).await.map_err(e)?;
-            drop(again);
+        let small = HostBuffer::from(vec![1.0f32; 100_000]);
+        let large = HostBuffer::from(vec![1.0f32; 1 << 20]);
+        if small.external().is_none() || large.external().is_some() {
+            return Err("400 KB should be in the arena, 4 MiB past its 1 MiB bound should not".into());
         }
-        if !leftovers(std::process::id()).is_empty() {
-            return Err(format!("segments left in /dev/shm: {:?}", leftovers(std::process::id())));
-        }
-        // Mixed kinds across ranks: a clear Mismatch, not garbage.
-        let sub = pg.new_group(&[0, 1, 2]).await.map_err(e)?.ok_or("member")?;
-        let buf = if rank == 0 {
-            sub.alloc_buffer(DType::F32, 1 << 20).map_err(e)?
-        } else {
-            HostBuffer::zeroed(DType::F32, 1 << 20)
-        };
-        match sub.all_reduce(buf, ReduceOp::Sum).await {
-            Err(err @ (CommError::Mismatch { .. } | CommError::PeerLost { .. })) => println!("mixed: {err}"),
-            other => return Err(format!("mixed zero-copy/plain buffers: expected Mismatch, got {other:?}")),
+        for buf in [small, large] {
+            let got = pg.all_reduce(buf, ReduceOp::Sum).await.map_err(e)?;
+            if got.as_slice::<f32>().map_err(e)?.iter().any(|&x| x != 2.0) {
+                return Err("wrong sum".into());
+            }
         }
         Ok(())
     });
+}
+
+#[test]
+fn arena_off_on_one_rank() {
+    let env = |r: u32| if r == 1 { vec![("COMM_SHM_ARENA_MIN".into(), "off".into())] } else { Vec::new() };
+    multiprocess::run_with_env(3, "arena_off_on_one_rank", T, env, || arena_body(Some(1)));
 }
 
 /// Large all_gather / all_to_all blocks (several window-sized rounds, uneven splits) give the

@@ -1,10 +1,13 @@
 use std::any::Any;
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 
 use crate::{CommError, DType, Element};
 
-/// Memory a backend lends to a [`HostBuffer`] so ops on it can skip a copy (for example a
-/// shared-memory window every rank has mapped). Made by the backend's `alloc_buffer`.
+/// Memory a backend lends to a [`HostBuffer`] so ops on it can skip a copy (for example
+/// shared memory its peers map). Made by the backend's `alloc_buffer`, or by
+/// [`LargeBuffers`].
 ///
 /// The byte slices must be 8-byte aligned and keep their address for the storage's life.
 pub trait ExternalStorage: Send + Sync + 'static {
@@ -14,6 +17,43 @@ pub trait ExternalStorage: Send + Sync + 'static {
     fn bytes_mut(&mut self) -> &mut [u8];
     /// For the backend that made it to recognise it.
     fn as_any(&self) -> &dyn Any;
+}
+
+/// Where large buffers come from when a backend offers memory its peers can read in place
+/// (shm: its arena of shared memory). A backend installs one with [`set_large_buffers`];
+/// from then on every [`HostBuffer`] of at least [`LargeBuffers::min_bytes`] is made in it
+/// (`zeroed`, `try_zeroed`, `from_slice`, `from(Vec)`, clones), so ops on it need no copy.
+pub trait LargeBuffers: Send + Sync + 'static {
+    /// The smallest buffer (in bytes) to take from here.
+    fn min_bytes(&self) -> usize;
+    /// Storage of exactly `bytes` bytes, zeroed when `zeroed`; `None` when there is no room
+    /// (the buffer is then plain host memory).
+    fn alloc(&self, bytes: usize, zeroed: bool) -> Option<Box<dyn ExternalStorage>>;
+}
+
+/// The installed [`LargeBuffers`], and its `min_bytes` (`usize::MAX` when none), read first so
+/// that small buffers never take the lock.
+static LARGE: RwLock<Option<Arc<dyn LargeBuffers>>> = RwLock::new(None);
+static LARGE_MIN: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Installs `large` for every later large [`HostBuffer`] of this process (`None`: plain host
+/// memory again). Buffers already made keep their storage.
+pub fn set_large_buffers(large: Option<Arc<dyn LargeBuffers>>) {
+    let mut slot = LARGE.write().unwrap_or_else(|e| e.into_inner());
+    LARGE_MIN.store(large.as_ref().map_or(usize::MAX, |l| l.min_bytes()), Ordering::SeqCst);
+    *slot = large;
+}
+
+/// Large-buffer storage for `bytes`, when one is installed and has room.
+fn large(bytes: usize, zeroed: bool) -> Option<Storage> {
+    if bytes < LARGE_MIN.load(Ordering::Relaxed) {
+        return None;
+    }
+    let large = LARGE.read().unwrap_or_else(|e| e.into_inner()).clone()?;
+    let storage = large.alloc(bytes, zeroed)?;
+    let have = storage.bytes();
+    // A provider's bug must not become a short or misaligned buffer.
+    (have.len() == bytes && have.as_ptr().align_offset(8) == 0).then_some(Storage::External(storage))
 }
 
 enum Storage {
@@ -41,17 +81,17 @@ pub struct HostBuffer {
     dtype: DType,
 }
 
-/// A clone is always plain host memory (a deep copy), whatever the original's storage.
+/// A deep copy, made where a new buffer of its size would be (see [`LargeBuffers`]).
 impl Clone for HostBuffer {
     fn clone(&self) -> Self {
-        if let Storage::Owned(w) = &self.storage {
+        match &self.storage {
             // A plain copy of the words: no zeroing pass first (a third of a clone's time).
-            let storage = Storage::Owned(w[..self.bytes.div_ceil(8)].to_vec());
-            return HostBuffer { storage, bytes: self.bytes, dtype: self.dtype };
+            Storage::Owned(w) if self.bytes < LARGE_MIN.load(Ordering::Relaxed) => {
+                let storage = Storage::Owned(w[..self.bytes.div_ceil(8)].to_vec());
+                HostBuffer { storage, bytes: self.bytes, dtype: self.dtype }
+            }
+            _ => HostBuffer::copy_of(self.dtype, self.as_bytes()),
         }
-        let mut b = HostBuffer::zeroed(self.dtype, self.len());
-        b.as_bytes_mut().copy_from_slice(self.as_bytes());
-        b
     }
 }
 
@@ -76,13 +116,37 @@ impl HostBuffer {
         let Some(bytes) = dtype.checked_bytes(len) else {
             panic!("HostBuffer::zeroed: {}", too_large("HostBuffer::zeroed", dtype, len));
         };
-        HostBuffer { storage: Storage::Owned(vec![0u64; bytes.div_ceil(8)]), bytes, dtype }
+        let storage = large(bytes, true).unwrap_or_else(|| Storage::Owned(vec![0u64; bytes.div_ceil(8)]));
+        HostBuffer { storage, bytes, dtype }
+    }
+
+    /// A buffer of `dtype` holding a copy of `bytes` (a whole number of elements), made
+    /// without zeroing it first.
+    fn copy_of(dtype: DType, bytes: &[u8]) -> Self {
+        let n = bytes.len();
+        let storage = match large(n, false) {
+            Some(mut s) => {
+                if let Storage::External(e) = &mut s {
+                    e.bytes_mut()[..n].copy_from_slice(bytes);
+                }
+                s
+            }
+            None => {
+                let mut words = vec![0u64; n.div_ceil(8)];
+                bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..n].copy_from_slice(bytes);
+                Storage::Owned(words)
+            }
+        };
+        HostBuffer { storage, bytes: n, dtype }
     }
 
     /// A buffer of `len` zeroed elements of `dtype`, or [`CommError::InvalidArgument`] when
     /// that many bytes cannot be represented or allocated (instead of a panic or an abort).
     pub fn try_zeroed(dtype: DType, len: usize) -> Result<Self, CommError> {
         let bytes = dtype.checked_bytes(len).ok_or_else(|| too_large("HostBuffer::try_zeroed", dtype, len))?;
+        if let Some(storage) = large(bytes, true) {
+            return Ok(HostBuffer { storage, bytes, dtype });
+        }
         let mut words = Vec::new();
         words.try_reserve_exact(bytes.div_ceil(8)).map_err(|e| {
             CommError::invalid(
@@ -122,9 +186,7 @@ impl HostBuffer {
 
     /// A buffer holding a copy of `data`.
     pub fn from_slice<T: Element>(data: &[T]) -> Self {
-        let mut b = HostBuffer::zeroed(T::DTYPE, data.len());
-        b.as_bytes_mut().copy_from_slice(bytemuck::cast_slice(data));
-        b
+        HostBuffer::copy_of(T::DTYPE, bytemuck::cast_slice(data))
     }
 
     /// A buffer of `dtype` holding a copy of raw `bytes` (length must be a multiple of the
@@ -136,9 +198,7 @@ impl HostBuffer {
                 format!("{} bytes is not a whole number of {dtype} elements", bytes.len()),
             ));
         }
-        let mut b = HostBuffer::zeroed(dtype, bytes.len() / dtype.size());
-        b.as_bytes_mut().copy_from_slice(bytes);
-        Ok(b)
+        Ok(HostBuffer::copy_of(dtype, bytes))
     }
 
     /// Element type.
@@ -277,6 +337,55 @@ mod tests {
         assert_eq!(b.as_slice::<bf16>().unwrap()[0].to_f32(), 1.5);
         let err = b.as_slice::<f32>().unwrap_err().to_string();
         assert!(err.contains("holds bf16") && err.contains("f32"), "{err}");
+    }
+
+    /// Storage from a test provider: dirty (0xAB) unless asked for zeroes.
+    struct Provided(Vec<u64>);
+    impl ExternalStorage for Provided {
+        fn bytes(&self) -> &[u8] {
+            bytemuck::cast_slice(&self.0)
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            bytemuck::cast_slice_mut(&mut self.0)
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+    struct Provider;
+    // A size no other test of this binary uses: the provider is process-wide.
+    const BIG: usize = 3_000_008;
+    impl LargeBuffers for Provider {
+        fn min_bytes(&self) -> usize {
+            BIG
+        }
+        fn alloc(&self, bytes: usize, zeroed: bool) -> Option<Box<dyn ExternalStorage>> {
+            (bytes < 2 * BIG).then(|| {
+                let fill = if zeroed { 0 } else { u64::from_ne_bytes([0xAB; 8]) };
+                Box::new(Provided(vec![fill; bytes / 8])) as Box<dyn ExternalStorage>
+            })
+        }
+    }
+
+    #[test]
+    fn large_buffers_come_from_the_installed_provider() {
+        set_large_buffers(Some(Arc::new(Provider)));
+        let provided = |b: &HostBuffer| b.external().is_some_and(|e| e.as_any().is::<Provided>());
+        let z = HostBuffer::zeroed(DType::U8, BIG);
+        assert!(provided(&z) && z.as_bytes().iter().all(|&x| x == 0));
+        let t = HostBuffer::try_zeroed(DType::I64, BIG / 8).unwrap();
+        assert!(provided(&t) && t.as_bytes().iter().all(|&x| x == 0));
+        let data: Vec<i64> = (0..BIG as i64 / 8).collect();
+        let v = HostBuffer::from(data.clone());
+        assert!(provided(&v) && v.as_slice::<f64>().is_err());
+        assert_eq!(v.to_vec::<i64>().unwrap(), data);
+        let c = v.clone();
+        assert!(provided(&c) && c == v);
+        // Smaller, or more than the provider has room for: plain memory.
+        assert!(HostBuffer::zeroed(DType::U8, BIG - 8).external().is_none());
+        assert!(HostBuffer::zeroed(DType::U8, 2 * BIG).external().is_none());
+        set_large_buffers(None);
+        assert!(HostBuffer::zeroed(DType::U8, BIG).external().is_none());
     }
 
     struct Lent(Vec<u64>, bool);

@@ -33,7 +33,7 @@ mod store;
 mod work;
 mod world;
 
-pub use buffer::{ExternalStorage, HostBuffer};
+pub use buffer::{set_large_buffers, ExternalStorage, HostBuffer, LargeBuffers};
 pub use collective::{Backend, Collective, Group};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{panic_message, CommError};

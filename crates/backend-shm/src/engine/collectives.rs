@@ -6,7 +6,6 @@ use comm_core::{CommError, HostBuffer, InOut, OpKind, Rank, ReduceOp};
 use comm_kernels::{self as kernels, Src};
 
 use crate::layout::StepHeader;
-use crate::zerocopy::ShmBuf;
 
 use super::stores::to_window;
 use super::{pieces, Choice, Engine, Io, Result};
@@ -20,15 +19,8 @@ impl Engine {
         if n == 1 {
             return Ok(());
         }
-        if root.is_none() {
-            let zc = buf.external().and_then(|e| e.as_any().downcast_ref::<ShmBuf>()).map(|z| z.name().to_owned());
-            if let Some(name) = zc {
-                let r = self.zc_all_reduce(buf, op, &name);
-                if let Some(z) = buf.external().and_then(|e| e.as_any().downcast_ref::<ShmBuf>()) {
-                    z.unlink_once(); // every peer mapped it during the first step
-                }
-                return r;
-            }
+        if root.is_none() && buf.byte_len() >= self.params.zc_min && self.zc_all_reduce(buf, op, &hdr)? {
+            return Ok(());
         }
         let me = self.rank;
         let keep = root.is_none_or(|r| r as usize == me);

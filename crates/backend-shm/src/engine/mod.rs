@@ -84,7 +84,8 @@ pub(crate) enum Flow {
     Exit,
 }
 
-/// `StepHeader::aux` of an all_reduce on zero-copy buffers.
+/// `StepHeader::aux` of a large all_reduce's first step, which says where each rank's buffer
+/// is (see `zero_copy`).
 const AUX_ZERO_COPY: u64 = 1;
 /// `StepHeader::aux` of a queued collective's arrival step ([`OneShot::Arrive`]).
 const AUX_ARRIVE: u64 = 2;
@@ -103,7 +104,7 @@ fn describe(h: &StepHeader) -> String {
         }
     }
     if kind == Some(AllReduce) && h.aux == AUX_ZERO_COPY {
-        s += ", zero-copy buffer from alloc_buffer (every rank must pass one, or none)";
+        s += ", the step that finds every rank's buffer";
     }
     if h.aux == AUX_ARRIVE {
         s += ", the step that opens an op of several steps";
@@ -124,6 +125,10 @@ pub(crate) struct Params {
     pub(crate) panic_at: Option<&'static str>,
     /// [`crate::ShmOptions::stream`] (this rank's own; ranks may differ).
     pub(crate) stream: Option<bool>,
+    /// all_reduce of at least this many bytes first learns where every rank's buffer is, and
+    /// reads them in place when all are in arenas (rank 0's [`crate::ShmOptions::arena_min`],
+    /// above the one-step threshold; `usize::MAX`: never).
+    pub(crate) zc_min: usize,
 }
 
 /// Yields `(offset, len)` pieces of `total` elements, `per` at most; one empty piece when
@@ -213,8 +218,8 @@ pub struct Engine {
     /// Each peer's acknowledgement of our chunks, as last read from its segment.
     peer_acked: Vec<u64>,
     last_liveness: Instant,
-    /// Peers' zero-copy buffers mapped so far (most recent last; a few are kept).
-    zc_maps: Vec<(String, Arc<Segment>)>,
+    /// Peers' arena chunks mapped here, by (peer, fd), most recently used last.
+    zc_maps: Vec<((usize, i32), Arc<Segment>)>,
     /// A finished one-step op whose caller the worker wakes after releasing the engine lock
     /// (see [`worker`]).
     finished: Option<(Done, Result<OneShot>)>,
@@ -234,8 +239,8 @@ pub struct Engine {
 /// How long an inline caller keeps yielding for late peers after its spin, before it parks.
 const INLINE_YIELD: Duration = Duration::from_micros(200);
 
-/// How many peer zero-copy buffers stay mapped between ops.
-const ZC_CACHE: usize = 16;
+/// How many peers' arena chunks stay mapped between ops (address space: 64 MiB each).
+const ZC_CACHE: usize = 256;
 
 type Result<T, E = CommError> = std::result::Result<T, E>;
 
