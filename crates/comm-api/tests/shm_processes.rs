@@ -397,8 +397,9 @@ impl comm_api::ExternalStorage for Plain {
     }
 }
 
-/// Large buffers live in the shared-memory arena once the group exists, and all_reduce reads
-/// them in place: results equal the reference's, for buffers made by every constructor, for
+/// Large buffers live in the shared-memory arena once the group exists, and all_reduce,
+/// all_gather, reduce_scatter and broadcast read them in place: results equal the reference's,
+/// for buffers made by every constructor, for
 /// one of plain memory (it comes back in the arena), when a rank has no arena at all
 /// (`COMM_SHM_ARENA_MIN=off` on rank `off`: everyone copies), and nothing is left in
 /// /dev/shm.
@@ -434,6 +435,23 @@ async fn arena_body(off: Option<u32>) -> Result<(), String> {
             again = pg.all_reduce(again, ReduceOp::Max).await.map_err(e)?;
         }
         reference::compare(&again, &want, "repeated all_reduce(max)", rank)?;
+        // The other ops read the peers' inputs in place (or all copy, with a rank without).
+        let got = pg.all_gather(inputs[rank as usize].clone()).await.map_err(e)?;
+        reference::compare(&got, &reference::all_gather(&refs)[rank as usize], "all_gather", rank)?;
+        let whole = len - len % n as usize;
+        let slices: Vec<HostBuffer> = inputs.iter().map(|b| reference::slice(b, 0, whole)).collect();
+        let srefs: Vec<&HostBuffer> = slices.iter().collect();
+        let got = pg.reduce_scatter(slices[rank as usize].clone(), ReduceOp::Sum).await.map_err(e)?;
+        reference::compare(
+            &got,
+            &reference::reduce_scatter(&srefs, ReduceOp::Sum)[rank as usize],
+            "reduce_scatter",
+            rank,
+        )?;
+        for root in 0..n {
+            let got = pg.broadcast(inputs[rank as usize].clone(), root).await.map_err(e)?;
+            reference::compare(&got, &inputs[root as usize], "broadcast", rank)?;
+        }
     }
     let small = pg.alloc_buffer(DType::F32, 100).map_err(e)?;
     let got = pg.all_reduce(small, ReduceOp::Sum).await.map_err(e)?;

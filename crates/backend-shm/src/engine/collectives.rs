@@ -82,6 +82,9 @@ impl Engine {
         if self.world == 1 {
             return Ok(());
         }
+        if buf.byte_len() >= self.params.zc_min && self.zc_broadcast(buf, root, &hdr)? {
+            return Ok(());
+        }
         let is_root = self.rank == root;
         let user = buf.as_bytes_mut();
         for (off, len) in pieces(user.len() / es, self.lay.window / es) {
@@ -102,6 +105,9 @@ impl Engine {
         let (dtype, count, es, n, me) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, self.rank);
         let mut out = r.output.take().unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n));
         let hdr = self.header(OpKind::AllGather, dtype, count, 0, None);
+        if n > 1 && r.input.byte_len() >= self.params.zc_min && self.zc_all_gather(r, &mut out, &hdr)? {
+            return Ok(out);
+        }
         let input = r.input.as_bytes();
         let dst = out.as_bytes_mut();
         if n == 1 {
@@ -129,6 +135,9 @@ impl Engine {
         let block = r.input.len() / n;
         let mut out = r.output.take().unwrap_or_else(|| HostBuffer::zeroed(dtype, block));
         let hdr = self.header(OpKind::ReduceScatter, dtype, r.input.len(), 0, Some(op));
+        if n > 1 && r.input.byte_len() >= self.params.zc_min && self.zc_reduce_scatter(r, &mut out, &hdr)? {
+            return Ok(out);
+        }
         let input = r.input.as_bytes();
         let dst = out.as_bytes_mut();
         if n == 1 {

@@ -1,10 +1,10 @@
-//! all_reduce of buffers in the arenas, read and written where they are.
+//! Large ops on buffers in the arenas, read (and for all_reduce written) where they are.
 
 #![allow(unsafe_code)] // see the SAFETY comments
 
 use std::sync::Arc;
 
-use comm_core::ops::slice_of;
+use comm_core::ops::{slice_of, AllGather, ReduceScatter};
 use comm_core::{CommError, HostBuffer, ReduceOp};
 use comm_kernels::{self as kernels, Src};
 
@@ -14,68 +14,104 @@ use crate::segment::Segment;
 
 use super::{Engine, Phase, Result, AUX_ZERO_COPY, ZC_CACHE};
 
-/// A place in the header's carried bytes: fd, chunk length, offset (all zero: not in an arena).
-fn encode(place: Option<Place>) -> [u8; CARRIED] {
+/// Peers' buffers mapped here for one op (index: rank; ours `None`): chunk and offset.
+type Mapped = Vec<Option<(Arc<Segment>, usize)>>;
+
+/// What a rank says in the header of the first step: where its buffer is (fd + 1, 0: not in
+/// an arena), whether it can open every peer's memory, the chunk's length, the offset.
+fn encode(place: Option<Place>, can_open: bool) -> [u8; CARRIED] {
     let mut d = [0u8; CARRIED];
+    d[4..8].copy_from_slice(&u32::from(can_open).to_le_bytes());
     if let Some(p) = place {
-        d[..8].copy_from_slice(&(i64::from(p.fd) + 1).to_le_bytes());
+        d[..4].copy_from_slice(&(p.fd as u32).wrapping_add(1).to_le_bytes());
         d[8..16].copy_from_slice(&(p.chunk_len as u64).to_le_bytes());
         d[16..].copy_from_slice(&(p.off as u64).to_le_bytes());
     }
     d
 }
 
-fn decode(d: &[u8; CARRIED]) -> Option<Place> {
+fn decode(d: &[u8; CARRIED]) -> (Option<Place>, bool) {
     let word = |i: usize| u64::from_le_bytes(d[i..i + 8].try_into().expect("8 bytes"));
-    let fd = i32::try_from(word(0).checked_sub(1)?).ok()?;
-    Some(Place { fd, chunk_len: usize::try_from(word(8)).ok()?, off: usize::try_from(word(16)).ok()? })
+    let fd = u32::from_le_bytes(d[..4].try_into().expect("4 bytes")).checked_sub(1).and_then(|f| i32::try_from(f).ok());
+    let place = fd.and_then(|fd| {
+        Some(Place { fd, chunk_len: usize::try_from(word(8)).ok()?, off: usize::try_from(word(16)).ok()? })
+    });
+    (place, d[4..8] != [0; 4])
+}
+
+/// Where `b` is, when it is in an arena.
+fn place_of(b: &HostBuffer) -> Option<Place> {
+    b.external().and_then(|e| e.as_any().downcast_ref::<Block>()).and_then(Block::place)
 }
 
 impl Engine {
-    /// all_reduce of at least `zc_min` bytes. A first step tells every rank where the others'
-    /// buffers are: when all are in arenas, rank r reduces slice r of *every* rank's buffer
-    /// reading them directly and writes the result into all of them in the same pass (the
-    /// lines it writes in a peer's buffer are the ones it just read, so they are in cache).
-    /// Nobody else reads or writes slice r, so one more step suffices, to know every slice is
-    /// written before the buffers go back to their owners: no window traffic, no copy-in or
-    /// copy-out pass. Returns `false` when some rank's buffer is not in an arena: then the
-    /// caller copies through the window as usual (the same decision on every rank: all read
-    /// the same headers).
+    /// The first step of a large op: every rank says where its buffer is (`mine`) and whether
+    /// it can open every peer's memory (same host, visible pid). When every rank can, and the
+    /// buffers of the ranks `read` picks are all in arenas, returns those mapped (`bytes` from
+    /// each place); else `None`, and the op copies through the window as usual. Every rank
+    /// decides the same: all read the same headers.
+    fn zc_where(
+        &mut self,
+        hdr: &StepHeader,
+        mine: Option<Place>,
+        read: impl Fn(usize) -> bool,
+        bytes: usize,
+    ) -> Result<Option<Mapped>> {
+        let (n, me) = (self.world, self.rank);
+        let can_open = (0..n).all(|p| p == me || self.procs[p].is_some());
+        let hdr = StepHeader { aux: AUX_ZERO_COPY, data: encode(mine, can_open), ..*hdr };
+        let k = self.begin(&hdr)?;
+        self.publish(k, &hdr)?;
+        let said: Vec<(Option<Place>, bool)> = (0..n)
+            .map(|p| {
+                if p == me {
+                    (mine, can_open)
+                } else {
+                    decode(&self.segs[p].read::<StepHeader>(self.lay.step_header(k)).data)
+                }
+            })
+            .collect();
+        self.phase = Phase::Idle;
+        if !said.iter().enumerate().all(|(p, (place, open))| *open && (!read(p) || place.is_some())) {
+            return Ok(None);
+        }
+        let mut mapped: Mapped = vec![None; n];
+        for p in (0..n).filter(|&p| p != me && read(p)) {
+            let place = said[p].0.expect("checked above");
+            mapped[p] = Some((self.map_zero_copy(p, place, bytes)?, place.off));
+        }
+        Ok(Some(mapped))
+    }
+
+    /// The last step of an op that read peers' buffers: every rank is done with them, so they
+    /// can go back to their owners.
+    fn zc_done(&mut self, hdr: &StepHeader) -> Result<bool> {
+        let hdr = StepHeader { aux: AUX_ZERO_COPY, ..*hdr };
+        let k = self.begin(&hdr)?;
+        self.publish(k, &hdr)?;
+        self.phase = Phase::Idle;
+        Ok(true)
+    }
+
+    /// all_reduce of at least `zc_min` bytes, when every rank's buffer is in an arena: rank r
+    /// reduces slice r of *every* rank's buffer reading them directly and writes the result
+    /// into all of them in the same pass (the lines it writes in a peer's buffer are the ones
+    /// it just read, so they are in cache). Nobody else reads or writes slice r, so the last
+    /// step only tells every slice is written: no window traffic, no copy-in or copy-out pass.
+    /// Returns `false` when the op must copy through the window instead ([`Self::zc_where`]).
     ///
     /// A buffer of plain memory goes into the arena first (the one copy it costs), and comes
     /// back in it, so a loop of ops copies once.
     pub(super) fn zc_all_reduce(&mut self, buf: &mut HostBuffer, op: ReduceOp, hdr: &StepHeader) -> Result<bool> {
         let (dtype, count, es, n, me) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world, self.rank);
-        let block =
-            |b: &HostBuffer| b.external().and_then(|e| e.as_any().downcast_ref::<Block>()).and_then(Block::place);
-        if block(buf).is_none() {
-            if let Some(a) = arena::get() {
-                if let Some(b) = a.block(buf.byte_len(), false) {
-                    let mut moved = HostBuffer::from_external(dtype, count, Box::new(b))?;
-                    moved.as_bytes_mut().copy_from_slice(buf.as_bytes());
-                    *buf = moved;
-                }
+        if place_of(buf).is_none() {
+            if let Some(b) = arena::get().and_then(|a| a.block(buf.byte_len(), false)) {
+                let mut moved = HostBuffer::from_external(dtype, count, Box::new(b))?;
+                moved.as_bytes_mut().copy_from_slice(buf.as_bytes());
+                *buf = moved;
             }
         }
-        // Only where every peer's process can be opened (same host, visible pid).
-        let mine = block(buf).filter(|_| (0..n).all(|p| p == me || self.procs[p].is_some()));
-        let hdr = StepHeader { aux: AUX_ZERO_COPY, data: encode(mine), ..*hdr };
-        let k = self.begin(&hdr)?;
-        self.publish(k, &hdr)?;
-        let places: Vec<Option<Place>> = (0..n)
-            .map(
-                |p| if p == me { mine } else { decode(&self.segs[p].read::<StepHeader>(self.lay.step_header(k)).data) },
-            )
-            .collect();
-        self.phase = Phase::Idle;
-        if places.iter().any(Option::is_none) {
-            return Ok(false);
-        }
-        let mut peers: Vec<Option<(Arc<Segment>, usize)>> = vec![None; n];
-        for (p, slot) in peers.iter_mut().enumerate().filter(|(p, _)| *p != me) {
-            let place = places[p].expect("checked above");
-            *slot = Some((self.map_zero_copy(p, place, count * es)?, place.off));
-        }
+        let Some(peers) = self.zc_where(hdr, place_of(buf), |_| true, count * es)? else { return Ok(false) };
         let std::ops::Range { start: lo, end: hi } = slice_of(count, n, me);
         let (off, len) = (lo * es, (hi - lo) * es);
         // The first peer's slice is read and written through `copy` (`Src::Copy`); the
@@ -111,11 +147,63 @@ impl Engine {
                 unsafe { seg.bytes_mut(base + at, bytes) }.copy_from_slice(&buf.as_bytes()[at..at + bytes]);
             }
         }
-        // Step 2: every slice of every buffer is written; the buffer can go back to its owner.
-        let k = self.begin(&hdr)?;
-        self.publish(k, &hdr)?;
-        self.phase = Phase::Idle;
-        Ok(true)
+        // Every slice of every buffer is written; the buffers can go back to their owners.
+        self.zc_done(hdr)
+    }
+
+    /// all_gather of inputs of at least `zc_min` bytes, when every rank's input is in an arena:
+    /// each rank copies every peer's input straight into its output (one copy instead of two).
+    pub(super) fn zc_all_gather(&mut self, r: &AllGather, out: &mut HostBuffer, hdr: &StepHeader) -> Result<bool> {
+        let (bytes, me) = (r.input.byte_len(), self.rank);
+        let Some(peers) = self.zc_where(hdr, place_of(&r.input), |_| true, bytes)? else { return Ok(false) };
+        let dst = out.as_bytes_mut();
+        for (p, mapped) in peers.iter().enumerate() {
+            let to = &mut dst[p * bytes..(p + 1) * bytes];
+            match mapped {
+                // SAFETY: peer `p`'s input is in its op until the last step; nobody writes it.
+                Some((seg, base)) => to.copy_from_slice(unsafe { seg.bytes(*base, bytes) }),
+                None if p == me => to.copy_from_slice(r.input.as_bytes()),
+                None => unreachable!("zc_where maps every peer"),
+            }
+        }
+        self.zc_done(hdr)
+    }
+
+    /// reduce_scatter of inputs of at least `zc_min` bytes, when every rank's input is in an
+    /// arena: rank r reduces block r of every rank's input straight into its output.
+    pub(super) fn zc_reduce_scatter(
+        &mut self,
+        r: &ReduceScatter,
+        out: &mut HostBuffer,
+        hdr: &StepHeader,
+    ) -> Result<bool> {
+        let (n, me) = (self.world, self.rank);
+        let block = out.byte_len();
+        let Some(peers) = self.zc_where(hdr, place_of(&r.input), |_| true, block * n)? else { return Ok(false) };
+        let at = me * block;
+        let ins: Vec<&[u8]> = peers
+            .iter()
+            .map(|mapped| match mapped {
+                // SAFETY: peer `p`'s input is in its op until the last step; nobody writes it.
+                Some((seg, base)) => unsafe { seg.bytes(base + at, block) },
+                None => &r.input.as_bytes()[at..at + block],
+            })
+            .collect();
+        kernels::reduce(out.dtype(), r.op, &ins, out.as_bytes_mut());
+        self.zc_done(hdr)
+    }
+
+    /// broadcast of at least `zc_min` bytes from a buffer in the root's arena: every other rank
+    /// copies it straight into its buffer (one copy instead of two).
+    pub(super) fn zc_broadcast(&mut self, buf: &mut HostBuffer, root: usize, hdr: &StepHeader) -> Result<bool> {
+        let (bytes, me) = (buf.byte_len(), self.rank);
+        let mine = if me == root { place_of(buf) } else { None };
+        let Some(peers) = self.zc_where(hdr, mine, |p| p == root, bytes)? else { return Ok(false) };
+        if let Some((seg, base)) = &peers[root] {
+            // SAFETY: the root's buffer is in its op until the last step; nobody writes it.
+            buf.as_bytes_mut().copy_from_slice(unsafe { seg.bytes(*base, bytes) });
+        }
+        self.zc_done(hdr)
     }
 
     /// Peer `peer`'s arena chunk holding the `bytes` at `place`, mapped once (through its
