@@ -339,19 +339,6 @@ mod tests {
         assert!(err.contains("holds bf16") && err.contains("f32"), "{err}");
     }
 
-    /// Storage from a test provider: dirty (0xAB) unless asked for zeroes.
-    struct Provided(Vec<u64>);
-    impl ExternalStorage for Provided {
-        fn bytes(&self) -> &[u8] {
-            bytemuck::cast_slice(&self.0)
-        }
-        fn bytes_mut(&mut self) -> &mut [u8] {
-            bytemuck::cast_slice_mut(&mut self.0)
-        }
-        fn as_any(&self) -> &dyn Any {
-            self
-        }
-    }
     struct Provider;
     // A size no other test of this binary uses: the provider is process-wide.
     const BIG: usize = 3_000_008;
@@ -362,7 +349,8 @@ mod tests {
         fn alloc(&self, bytes: usize, zeroed: bool) -> Option<Box<dyn ExternalStorage>> {
             (bytes < 2 * BIG).then(|| {
                 let fill = if zeroed { 0 } else { u64::from_ne_bytes([0xAB; 8]) };
-                Box::new(Provided(vec![fill; bytes / 8])) as Box<dyn ExternalStorage>
+                // Dirty (0xAB) unless asked for zeroes; `false`: made by the provider.
+                Box::new(Lent(vec![fill; bytes / 8], false)) as Box<dyn ExternalStorage>
             })
         }
     }
@@ -370,7 +358,8 @@ mod tests {
     #[test]
     fn large_buffers_come_from_the_installed_provider() {
         set_large_buffers(Some(Arc::new(Provider)));
-        let provided = |b: &HostBuffer| b.external().is_some_and(|e| e.as_any().is::<Provided>());
+        let provided =
+            |b: &HostBuffer| b.external().and_then(|e| e.as_any().downcast_ref::<Lent>()).is_some_and(|l| !l.1);
         let z = HostBuffer::zeroed(DType::U8, BIG);
         assert!(provided(&z) && z.as_bytes().iter().all(|&x| x == 0));
         let t = HostBuffer::try_zeroed(DType::I64, BIG / 8).unwrap();
