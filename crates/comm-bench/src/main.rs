@@ -15,6 +15,14 @@ mod plot;
 mod progress;
 #[cfg(feature = "mpi-raw")]
 mod rawmpi;
+
+/// mpi-raw's buffers are plain heap memory (see `rawmpi::heap_copy`).
+#[cfg(feature = "mpi-raw")]
+use rawmpi::heap_copy;
+#[cfg(not(feature = "mpi-raw"))]
+fn heap_copy(b: &HostBuffer) -> HostBuffer {
+    b.clone()
+}
 mod report;
 mod saved;
 mod sizes;
@@ -709,6 +717,8 @@ async fn bench_row(
             let mut b = pg.alloc_buffer(template.dtype(), template.len())?;
             b.as_bytes_mut().copy_from_slice(template.as_bytes());
             b
+        } else if pg.backend_name() == "mpi-raw" {
+            heap_copy(&template)
         } else {
             template.clone()
         };
