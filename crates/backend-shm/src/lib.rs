@@ -93,10 +93,10 @@ pub struct ShmOptions {
     /// first take its line back from the peer that read it).
     pub stream: Option<bool>,
     /// From this many bytes, `HostBuffer`s of this process live in its shared-memory arena
-    /// once a group exists (so all_reduce reads peers' buffers in place instead of copying
-    /// through the window), and all_reduce of that many bytes reads them so; rank 0's value
-    /// decides the latter for a group. `None`: no arena (every buffer is heap memory and ops
-    /// copy). Default 256 KiB.
+    /// once a group exists, and all_reduce, all_gather, reduce_scatter and broadcast of that
+    /// many bytes read the peers' buffers there in place instead of copying through the
+    /// window (rank 0's value decides this for a group). `None`: no arena (every buffer is heap
+    /// memory and ops copy). Default 256 KiB.
     pub arena_min: Option<usize>,
     /// Bytes the arena may grow to; past them large buffers are heap memory (said once in the
     /// log). Default: the free space of /dev/shm when the options are made.
