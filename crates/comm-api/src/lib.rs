@@ -62,8 +62,8 @@ mod streams;
 
 pub use barrier::MONITORED_BARRIER_TAG;
 pub use comm_core::{
-    bf16, f16, ops, Backend, Collective, CommError, DType, Element, ExternalStorage, Group, HostBuffer, InOut,
-    Launcher, Rank, ReduceOp, Store, StoreKind, Work, WorldInfo, WorldSource,
+    bf16, f16, ops, Backend, Collective, CommError, DType, Element, Group, HostBuffer, InOut, Launcher, Rank, ReduceOp,
+    Store, StoreKind, Work, WorldInfo, WorldSource,
 };
 pub use config::{builder, init, BackendKind, Builder, Config};
 pub use group::{P2POp, ProcessGroup, Rooted};

@@ -383,24 +383,10 @@ fn peer_killed_during_rendezvous() {
     );
 }
 
-/// Plain memory a test lends a buffer (what the arena does not make).
-struct Plain(Vec<u64>);
-impl comm_api::ExternalStorage for Plain {
-    fn bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.0)
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        bytemuck::cast_slice_mut(&mut self.0)
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-}
-
 /// Large buffers live in the shared-memory arena once the group exists, and all_reduce,
 /// all_gather, reduce_scatter and broadcast read them in place: results equal the reference's,
-/// for buffers made by every constructor, for
-/// one of plain memory (it comes back in the arena), when a rank has no arena at all
+/// for buffers made by every constructor, for one of plain heap memory (it comes back in the
+/// arena), when a rank has no arena at all
 /// (`COMM_SHM_ARENA_MIN=off` on rank `off`: everyone copies), and nothing is left in
 /// /dev/shm.
 async fn arena_body(off: Option<u32>) -> Result<(), String> {
@@ -408,7 +394,7 @@ async fn arena_body(off: Option<u32>) -> Result<(), String> {
     let pg = connect().await?;
     let (rank, n) = (pg.rank(), pg.world_size());
     let e = |e: CommError| e.to_string();
-    let in_arena = |b: &HostBuffer| b.external().is_some_and(|s| !s.as_any().is::<Plain>());
+    let in_arena = |b: &HostBuffer| b.external().is_some();
     for (dtype, len) in [(DType::F32, 1usize << 20), (DType::BF16, 300_001), (DType::I64, 70_001)] {
         let inputs: Vec<HostBuffer> = (0..n).map(|r| reference::input(dtype, len, r, 7)).collect();
         let refs: Vec<&HostBuffer> = inputs.iter().collect();
@@ -420,10 +406,8 @@ async fn arena_body(off: Option<u32>) -> Result<(), String> {
         let got = pg.all_reduce(mine, ReduceOp::Sum).await.map_err(e)?;
         reference::compare(&got, &want, "all_reduce of an arena buffer", rank)?;
         // Plain memory goes into the arena for the op and stays there.
-        let mut words = vec![0u64; (len * dtype.size()).div_ceil(8)];
-        bytemuck::cast_slice_mut::<u64, u8>(&mut words)[..len * dtype.size()]
-            .copy_from_slice(inputs[rank as usize].as_bytes());
-        let plain = HostBuffer::from_external(dtype, len, Box::new(Plain(words))).map_err(e)?;
+        let mut plain = HostBuffer::zeroed_on_heap(dtype, len);
+        plain.as_bytes_mut().copy_from_slice(inputs[rank as usize].as_bytes());
         let got = pg.all_reduce(plain, ReduceOp::Sum).await.map_err(e)?;
         reference::compare(&got, &want, "all_reduce of a plain buffer", rank)?;
         if off.is_none() && !in_arena(&got) {

@@ -27,31 +27,11 @@ use comm_api::{
 use comm_core::Completer;
 use mpi::ffi;
 
-/// Plain heap memory, what a C program calling MPI uses: in a process with a shm group (the
-/// interleaved runs), large `HostBuffer`s would otherwise live in its shared-memory arena.
-struct Heap(Vec<u64>);
-
-impl comm_api::ExternalStorage for Heap {
-    fn bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.0)
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        bytemuck::cast_slice_mut(&mut self.0)
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-}
-
-/// `len` zeroed elements of `dtype` in plain heap memory.
-pub(crate) fn heap_zeroed(dtype: comm_api::DType, len: usize) -> HostBuffer {
-    let words = vec![0u64; (len * dtype.size()).div_ceil(8)];
-    HostBuffer::from_external(dtype, len, Box::new(Heap(words))).expect("sized for it")
-}
-
-/// A copy of `b` in plain heap memory.
+/// A copy of `b` in plain heap memory, what a C program calling MPI uses: in a process with
+/// a shm group (the interleaved runs), large `HostBuffer`s would otherwise live in its
+/// shared-memory arena.
 pub(crate) fn heap_copy(b: &HostBuffer) -> HostBuffer {
-    let mut h = heap_zeroed(b.dtype(), b.len());
+    let mut h = HostBuffer::zeroed_on_heap(b.dtype(), b.len());
     h.as_bytes_mut().copy_from_slice(b.as_bytes());
     h
 }
@@ -265,7 +245,7 @@ impl RawMpi {
 
     fn all_gather(&self, r: AllGather) -> Result<InOut, CommError> {
         let total = r.input.len() * self.0.size as usize;
-        let mut out = r.output.unwrap_or_else(|| heap_zeroed(r.input.dtype(), total));
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed_on_heap(r.input.dtype(), total));
         let (n, dt) = (count(r.input.len())?, datatype(r.input.dtype()));
         // SAFETY: `out` holds size × n elements (checked by the request's validation).
         check("MPI_Allgather", unsafe {
@@ -300,14 +280,14 @@ impl RawMpi {
                 ffi::RSMPI_COMM_WORLD,
             )
         })?;
-        let input = r.input.unwrap_or_else(|| heap_zeroed(out.dtype(), 0));
+        let input = r.input.unwrap_or_else(|| HostBuffer::zeroed_on_heap(out.dtype(), 0));
         Ok(InOut { input, output: out })
     }
 
     fn gather(&self, r: Gather) -> Result<InOut, CommError> {
         let root = r.root == self.0.rank;
         let total = if root { r.input.len() * self.0.size as usize } else { 0 };
-        let mut out = r.output.unwrap_or_else(|| heap_zeroed(r.input.dtype(), total));
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed_on_heap(r.input.dtype(), total));
         let (n, dt) = (count(r.input.len())?, datatype(r.input.dtype()));
         let recv: *mut c_void = if root { out.as_bytes_mut().as_mut_ptr().cast() } else { ptr::null_mut() };
         // SAFETY: the input holds n elements; on the root `out` holds size × n (validated), and
@@ -330,7 +310,7 @@ impl RawMpi {
     fn reduce_scatter(&self, r: ReduceScatter) -> Result<InOut, CommError> {
         let op = self.op(ReduceScatter::NAME, r.input.dtype(), r.op)?;
         let k = r.input.len() / self.0.size as usize;
-        let mut out = r.output.unwrap_or_else(|| heap_zeroed(r.input.dtype(), k));
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed_on_heap(r.input.dtype(), k));
         // SAFETY: the input holds size × k elements and `out` k (validated).
         check("MPI_Reduce_scatter_block", unsafe {
             ffi::MPI_Reduce_scatter_block(
@@ -348,7 +328,7 @@ impl RawMpi {
     fn all_to_all(&self, r: AllToAll) -> Result<InOut, CommError> {
         let (ins, outs) = r.splits(self.0.size);
         let dt = datatype(r.input.dtype());
-        let mut out = r.output.unwrap_or_else(|| heap_zeroed(r.input.dtype(), outs.iter().sum()));
+        let mut out = r.output.unwrap_or_else(|| HostBuffer::zeroed_on_heap(r.input.dtype(), outs.iter().sum()));
         let (send, recv): (*const c_void, *mut c_void) =
             (r.input.as_bytes().as_ptr().cast(), out.as_bytes_mut().as_mut_ptr().cast());
         if r.input_splits.is_none() && r.output_splits.is_none() {

@@ -45,7 +45,7 @@ pub fn set_large_buffers(large: Option<Arc<dyn LargeBuffers>>) {
 }
 
 /// Large-buffer storage for `bytes`, when one is installed and has room.
-fn large(bytes: usize, zeroed: bool) -> Option<Storage> {
+fn large(bytes: usize, zeroed: bool) -> Option<Box<dyn ExternalStorage>> {
     if bytes < LARGE_MIN.load(Ordering::Relaxed) {
         return None;
     }
@@ -53,7 +53,7 @@ fn large(bytes: usize, zeroed: bool) -> Option<Storage> {
     let storage = large.alloc(bytes, zeroed)?;
     let have = storage.bytes();
     // A provider's bug must not become a short or misaligned buffer.
-    (have.len() == bytes && have.as_ptr().align_offset(8) == 0).then_some(Storage::External(storage))
+    (have.len() == bytes && have.as_ptr().align_offset(8) == 0).then_some(storage)
 }
 
 enum Storage {
@@ -116,8 +116,23 @@ impl HostBuffer {
         let Some(bytes) = dtype.checked_bytes(len) else {
             panic!("HostBuffer::zeroed: {}", too_large("HostBuffer::zeroed", dtype, len));
         };
-        let storage = large(bytes, true).unwrap_or_else(|| Storage::Owned(vec![0u64; bytes.div_ceil(8)]));
-        HostBuffer { storage, bytes, dtype }
+        match large(bytes, true) {
+            Some(e) => HostBuffer { storage: Storage::External(e), bytes, dtype },
+            None => HostBuffer::zeroed_on_heap(dtype, len),
+        }
+    }
+
+    /// A buffer of `len` zeroed elements of `dtype` in plain heap memory, whatever
+    /// [`LargeBuffers`] is installed: memory no other process maps (for a C library's
+    /// baseline, say).
+    ///
+    /// # Panics
+    /// As [`HostBuffer::zeroed`].
+    pub fn zeroed_on_heap(dtype: DType, len: usize) -> Self {
+        let Some(bytes) = dtype.checked_bytes(len) else {
+            panic!("HostBuffer::zeroed_on_heap: {}", too_large("HostBuffer::zeroed_on_heap", dtype, len));
+        };
+        HostBuffer { storage: Storage::Owned(vec![0u64; bytes.div_ceil(8)]), bytes, dtype }
     }
 
     /// A buffer of `dtype` holding a copy of `bytes` (a whole number of elements), made
@@ -125,11 +140,9 @@ impl HostBuffer {
     fn copy_of(dtype: DType, bytes: &[u8]) -> Self {
         let n = bytes.len();
         let storage = match large(n, false) {
-            Some(mut s) => {
-                if let Storage::External(e) = &mut s {
-                    e.bytes_mut()[..n].copy_from_slice(bytes);
-                }
-                s
+            Some(mut e) => {
+                e.bytes_mut().copy_from_slice(bytes);
+                Storage::External(e)
             }
             None => {
                 let mut words = vec![0u64; n.div_ceil(8)];
@@ -144,8 +157,8 @@ impl HostBuffer {
     /// that many bytes cannot be represented or allocated (instead of a panic or an abort).
     pub fn try_zeroed(dtype: DType, len: usize) -> Result<Self, CommError> {
         let bytes = dtype.checked_bytes(len).ok_or_else(|| too_large("HostBuffer::try_zeroed", dtype, len))?;
-        if let Some(storage) = large(bytes, true) {
-            return Ok(HostBuffer { storage, bytes, dtype });
+        if let Some(e) = large(bytes, true) {
+            return Ok(HostBuffer { storage: Storage::External(e), bytes, dtype });
         }
         let mut words = Vec::new();
         words.try_reserve_exact(bytes.div_ceil(8)).map_err(|e| {
@@ -373,6 +386,7 @@ mod tests {
         // Smaller, or more than the provider has room for: plain memory.
         assert!(HostBuffer::zeroed(DType::U8, BIG - 8).external().is_none());
         assert!(HostBuffer::zeroed(DType::U8, 2 * BIG).external().is_none());
+        assert!(HostBuffer::zeroed_on_heap(DType::U8, BIG).external().is_none());
         set_large_buffers(None);
         assert!(HostBuffer::zeroed(DType::U8, BIG).external().is_none());
     }
