@@ -51,7 +51,7 @@ pub(crate) struct BenchCli {
     #[arg(long, value_delimiter = ',', default_value = "shm")]
     backend: Vec<String>,
     /// Ranks (default 2); several: the whole run once per count (JSON reports PATH.npN...), a
-    /// side-by-side table per count.
+    /// side-by-side table per count, then the scaling table (each row at every count).
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..))]
     np: Option<Vec<u32>>,
     /// Run every backend N times, interleaved (shm, mpi-raw, shm, ...; JSON reports
@@ -66,7 +66,9 @@ pub(crate) struct BenchCli {
     /// Write the JSON report (PATH.<backend>.json per backend when several).
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Plot busbw against size (log2 axis) as an SVG, one line per backend and dtype.
+    /// Plot busbw against size (log2 axis) as an SVG, one line per backend and dtype; with
+    /// several --np, busbw against ranks, a panel per size (8 B, 4 KiB, 1 MiB, 64 MiB or the
+    /// nearest that ran).
     #[arg(long)]
     svg: Option<PathBuf>,
     /// Compare with saved --json reports (or, when PATH is not there, its PATH.<backend>.json
@@ -370,8 +372,9 @@ fn interleaved(b: &BenchArgs) -> Option<&str> {
     b.backends.iter().map(String::as_str).find(|x| ["shm", "mpi"].contains(x))
 }
 
-fn scratch(target: &Path, backend: &str) -> PathBuf {
-    target.join("xtask-bench").join(format!("{backend}.json"))
+/// Where a report goes when the user asked for none but the tables or the plot need it.
+fn scratch(target: &Path, backend: &str, np: u32) -> PathBuf {
+    target.join("xtask-bench").join(format!("{backend}.np{np}.json"))
 }
 
 /// `PATH` with `.rN` before the extension: round N of `--rounds`.
@@ -418,9 +421,6 @@ pub(crate) fn bench(cli: BenchCli) -> Result {
     }
     let mut features = backend_features(&b.backends, &available)?;
     profiling_options(&mut b, &mut features)?;
-    if b.svg.is_some() && b.nps.len() > 1 {
-        return Err(Failure::usage("--svg plots one rank count: give --np a single number"));
-    }
     if (b.svg.is_some() || !b.baseline.is_empty()) && b.forward.iter().any(|a| a == "--profile-overhead") {
         return Err(Failure::usage("--svg and --baseline need the table: they do not go with --profile-overhead"));
     }
@@ -449,6 +449,8 @@ pub(crate) fn bench(cli: BenchCli) -> Result {
     };
     let mut first_failure = None;
     let mut reports = Vec::new();
+    // Every round of every rank count, for the scaling table.
+    let mut every = Vec::new();
     for &np in &b.nps {
         let mut np_reports: Vec<(String, PathBuf, u32)> = Vec::new();
         let runs = (1..=b.rounds).flat_map(|round| b.backends.iter().map(move |k| (round, k)));
@@ -467,7 +469,9 @@ pub(crate) fn bench(cli: BenchCli) -> Result {
             let json_for = |backend: &str| {
                 match &json_base {
                     Some(p) => Some(json_path(p, backend, several)),
-                    None if several || b.rounds > 1 || b.svg.is_some() => Some(scratch(&target_root, backend)),
+                    None if several || b.rounds > 1 || b.nps.len() > 1 || b.svg.is_some() => {
+                        Some(scratch(&target_root, backend, np))
+                    }
                     None => None,
                 }
                 .map(|p| if b.rounds > 1 { round_path(&p, round) } else { p })
@@ -542,7 +546,23 @@ pub(crate) fn bench(cli: BenchCli) -> Result {
             }
         }
         // The plot draws one line per backend and dtype: the first round's.
-        reports.extend(np_reports.into_iter().filter(|r| r.2 == 1).map(|(k, p, _)| (k, p)));
+        reports.extend(np_reports.iter().filter(|r| r.2 == 1).map(|(k, p, _)| (k.clone(), p.clone())));
+        every.extend(np_reports);
+    }
+    if b.nps.len() > 1 && !every.is_empty() {
+        println!("\n== scaling, {} ranks ==", b.nps.iter().map(u32::to_string).collect::<Vec<_>>().join(", "));
+        let mut c = Command::new(target.join("comm-bench"));
+        c.current_dir(root()).arg("scaling");
+        for k in &b.backends {
+            let paths: Vec<String> =
+                every.iter().filter(|(x, ..)| x == k).map(|(_, p, _)| p.display().to_string()).collect();
+            if !paths.is_empty() {
+                c.arg(format!("{k}={}", paths.join(",")));
+            }
+        }
+        if let Err(e) = run(c) {
+            first_failure.get_or_insert(e);
+        }
     }
     if let (Some(svg), false) = (&b.svg, reports.is_empty()) {
         step("plot", || {

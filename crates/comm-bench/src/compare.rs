@@ -140,10 +140,70 @@ pub(crate) fn table(series: &[(String, Vec<SavedReport>)]) -> String {
     s
 }
 
-/// Runs `comm-bench compare`.
-pub(crate) fn main(args: &CompareArgs) -> Result<(), String> {
+/// The rank count of a report (its rows', else the document's; 0 when unknown).
+fn np_of(r: &SavedReport) -> u32 {
+    r.rows.first().map(|x| x.np).filter(|&n| n > 0).or(r.np).unwrap_or(0)
+}
+
+/// The scaling table of `series` (label, reports of several rank counts, each count perhaps
+/// in several rounds): per backend, each row's median time and busbw at every rank count, and
+/// two ratios of the largest count to the smallest — busbw (below 1: it falls as ranks are
+/// added) and time.
+pub(crate) fn scaling(series: &[(String, Vec<SavedReport>)]) -> String {
+    let mut s = String::new();
+    let mut nps: Vec<u32> = series.iter().flat_map(|(_, r)| r.iter().map(np_of)).collect();
+    nps.sort_unstable();
+    nps.dedup();
+    let (Some(&lo), Some(&hi)) = (nps.first(), nps.last()) else { return s };
+    let _ = writeln!(
+        s,
+        "# scaling over {} ranks: time(us) and busbw (GB/s) per rank count, each the median round;",
+        nps.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+    );
+    let _ = writeln!(s, "# bw {hi}/{lo} = busbw at {hi} ranks / at {lo}; t {hi}/{lo} = time at {hi} ranks / at {lo}");
+    for (label, reports) in series {
+        let per_np: Vec<Vec<(Key, Cell)>> = nps
+            .iter()
+            .map(|&n| merge(&reports.iter().filter(|r| np_of(r) == n).cloned().collect::<Vec<_>>()))
+            .collect();
+        let mut keys: Vec<&Key> = Vec::new();
+        for k in per_np.iter().flatten().map(|(k, _)| k) {
+            if !keys.contains(&k) {
+                keys.push(k);
+            }
+        }
+        let mut head = format!("# {label}\n#{:>13} {:>6} {:>12}", "op", "type", "size(B)");
+        for n in &nps {
+            let _ = write!(head, " | {:>11} {:>9}", format!("np{n} time"), "bw");
+        }
+        let _ = write!(head, " | {:>9} {:>9}", format!("bw {hi}/{lo}"), format!("t {hi}/{lo}"));
+        let _ = writeln!(s, "{head}");
+        for key in keys {
+            let mut line = format!("{:>14} {:>6} {:>12}", key.0, key.1, key.2);
+            let cells: Vec<Option<&SavedRow>> =
+                per_np.iter().map(|rows| rows.iter().find(|(k, _)| k == key).map(|(_, c)| &c.median)).collect();
+            for c in &cells {
+                match c {
+                    Some(r) => write!(line, " | {:>11} {:>9}", num(r.time_us), num(r.busbw_gbps)),
+                    None => write!(line, " | {:>11} {:>9}", "-", "-"),
+                }
+                .ok();
+            }
+            let ratio = |f: fn(&SavedRow) -> f64| match (cells[0], cells[cells.len() - 1]) {
+                (Some(a), Some(b)) if f(a) > 0.0 => format!("{:.2}", f(b) / f(a)),
+                _ => "-".to_owned(),
+            };
+            let _ = writeln!(line, " | {:>9} {:>9}", ratio(|r| r.busbw_gbps), ratio(|r| r.time_us));
+            s.push_str(&line);
+        }
+    }
+    s
+}
+
+/// `BACKEND=REPORT[,REPORT...]` arguments, loaded.
+fn load_series(specs: &[String]) -> Result<Vec<(String, Vec<SavedReport>)>, String> {
     let mut series = Vec::new();
-    for spec in &args.series {
+    for spec in specs {
         let (label, paths) =
             spec.split_once('=').ok_or_else(|| format!("`{spec}`: expected BACKEND=REPORT[,REPORT...]"))?;
         let rounds = paths
@@ -156,7 +216,18 @@ pub(crate) fn main(args: &CompareArgs) -> Result<(), String> {
         }
         series.push((label.to_owned(), rounds));
     }
-    print!("{}", table(&series));
+    Ok(series)
+}
+
+/// Runs `comm-bench compare`.
+pub(crate) fn main(args: &CompareArgs) -> Result<(), String> {
+    print!("{}", table(&load_series(&args.series)?));
+    Ok(())
+}
+
+/// Runs `comm-bench scaling`.
+pub(crate) fn main_scaling(args: &CompareArgs) -> Result<(), String> {
+    print!("{}", scaling(&load_series(&args.series)?));
     Ok(())
 }
 
@@ -193,6 +264,24 @@ mod tests {
         let line = t.lines().find(|l| l.contains(" 8 ")).unwrap();
         assert!(line.trim_end().ends_with("0.50"), "{line}");
         assert!(t.contains("wrong elements over all backends and rounds: 0"));
+    }
+
+    #[test]
+    fn scaling_gives_every_rank_count_and_the_ratios() {
+        let at = |np: u32, t: f64| {
+            let mut r = report("shm", &[(1 << 20, t)]);
+            r.rows[0].np = np;
+            r
+        };
+        // Two rounds at 2 ranks (median: the upper, 12), one at 8; 16 ranks lack nothing.
+        let t = scaling(&[("shm".into(), vec![at(2, 10.0), at(8, 30.0), at(2, 12.0), at(16, 48.0)])]);
+        assert!(t.contains("scaling over 2, 8, 16 ranks"), "{t}");
+        assert!(t.contains("np2 time") && t.contains("np16 time") && t.contains("bw 16/2"), "{t}");
+        let line = t.lines().find(|l| l.contains(" 1048576 ")).unwrap();
+        let cells: Vec<&str> = line.split([' ', '|']).filter(|c| !c.is_empty()).collect();
+        // op type size, (time bw) x 3, bw ratio, time ratio
+        assert_eq!((cells[3], cells[5], cells[7]), ("12.00", "30.00", "48.00"), "{line}");
+        assert_eq!((cells[9], cells[10]), ("0.25", "4.00"), "{line}");
     }
 
     #[test]

@@ -114,9 +114,14 @@ PROGRESS (--progress, on rank 0's stderr; stdout keeps the table):
 
 PLOT (comm-bench plot --svg OUT.svg REPORT.json...):
   busbw (GB/s) against size (log2 axis, ticks in B/KiB/MiB/GiB), one line per backend and
-  dtype (and op, and rank count, where the reports hold several), with a legend and a title
-  naming the host, CPU, ranks and git revision. Reports of several runs (one per backend,
-  say) go on one plot.
+  dtype (and op, where the reports hold several), with a legend and a title naming the host,
+  CPU, ranks and git revision. Reports of several runs (one per backend, say) go on one plot.
+  Reports of several rank counts plot busbw against ranks instead, one panel per size (those
+  nearest 8 B, 4 KiB, 1 MiB and 64 MiB).
+
+SCALING (comm-bench scaling BACKEND=REPORT[,REPORT...]...):
+  Reports of several rank counts (and rounds), per backend: each row's median time and busbw
+  at every count, and the largest count's busbw and time over the smallest's.
 
 ENVIRONMENT:
   The launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), COMM_BACKEND, COMM_TIMEOUT.";
@@ -222,6 +227,9 @@ enum Command {
     /// Saved --json reports side by side (`BACKEND=REPORT[,REPORT...]`, several reports being
     /// rounds of one backend: median and spread per row), with time ratios to the first.
     Compare(compare::CompareArgs),
+    /// Saved --json reports of several rank counts (`BACKEND=REPORT[,REPORT...]`): per row,
+    /// time and busbw at every count, and the largest count's over the smallest's.
+    Scaling(compare::CompareArgs),
 }
 
 /// The parsed, validated request.
@@ -359,6 +367,7 @@ fn main() -> ExitCode {
     let sub = match &cli.command {
         Some(Command::Plot(args)) => Some(("plot", plot::main(args))),
         Some(Command::Compare(args)) => Some(("compare", compare::main(args))),
+        Some(Command::Scaling(args)) => Some(("scaling", compare::main_scaling(args))),
         None => None,
     };
     if let Some((name, result)) = sub {

@@ -1,6 +1,7 @@
 //! `comm-bench plot --svg OUT REPORT.json...`: busbw (GB/s) against message size (log2 x
-//! axis, ticks in B/KiB/MiB/GiB) as an SVG, one line per backend × dtype (× op, × np when the
-//! reports hold several), drawn with `plotters`' SVG backend.
+//! axis, ticks in B/KiB/MiB/GiB) as an SVG, one line per backend × dtype (× op); when the
+//! reports hold several rank counts, busbw against ranks instead, a panel per message size.
+//! Drawn with `plotters`' SVG backend.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -49,8 +50,10 @@ pub(crate) fn main(args: &PlotArgs) -> Result<(), String> {
     let reports = args.reports.iter().map(|p| SavedReport::load(p)).collect::<Result<Vec<_>, _>>()?;
     let svg = render(&reports, args.title.as_deref())?;
     write(&args.svg, &svg)?;
-    let lines = series(&reports).len();
-    println!("# SVG plot ({lines} line(s)) written to {}", args.svg.display());
+    match rank_counts(&reports).len() {
+        0 | 1 => println!("# SVG plot ({} line(s)) written to {}", series(&reports).len(), args.svg.display()),
+        n => println!("# SVG plot of busbw against {n} rank counts written to {}", args.svg.display()),
+    }
     Ok(())
 }
 
@@ -142,14 +145,14 @@ pub(crate) fn title(reports: &[SavedReport]) -> String {
     )
 }
 
-/// A log2 axis over byte counts, from 2^lo to 2^hi, with ticks at powers of two.
+/// A log2 axis (byte counts, or rank counts) from 2^lo to 2^hi, with ticks at powers of two.
 #[derive(Clone, Debug)]
-struct Log2Bytes {
+struct Log2 {
     lo: f64,
     hi: f64,
 }
 
-impl Ranged for Log2Bytes {
+impl Ranged for Log2 {
     type FormatOption = NoDefaultFormatting;
     type ValueType = f64;
 
@@ -174,14 +177,62 @@ impl Ranged for Log2Bytes {
     }
 }
 
-impl ValueFormatter<f64> for Log2Bytes {
+impl ValueFormatter<f64> for Log2 {
     fn format(value: &f64) -> String {
         format_size(value.round() as usize)
     }
 }
 
-/// The SVG text of the plot.
+/// Sizes for the panels of the scaling plot: those nearest (in doublings) to 8 B, 4 KiB,
+/// 1 MiB and 64 MiB — the small-message latency, the copy path, and two bandwidth sizes.
+fn panel_sizes(reports: &[SavedReport]) -> Vec<u64> {
+    let mut have: Vec<u64> = reports.iter().flat_map(|r| &r.rows).map(|r| r.bytes).filter(|&b| b > 0).collect();
+    have.sort_unstable();
+    have.dedup();
+    let mut out: Vec<u64> = [8u64, 4 << 10, 1 << 20, 64 << 20]
+        .into_iter()
+        .filter_map(|want| {
+            let far = |b: &u64| ((*b as f64).log2() - (want as f64).log2()).abs();
+            have.iter().copied().min_by(|a, b| far(a).total_cmp(&far(b)))
+        })
+        .collect();
+    out.dedup();
+    out
+}
+
+/// The lines of one panel of the scaling plot: rows of `bytes` grouped by (backend, op,
+/// dtype), one point (ranks, busbw) per rank count, in the order of `keys` (every panel's
+/// lines, so a line keeps its colour across panels).
+fn scaling_series(reports: &[SavedReport], bytes: u64, keys: &[(String, String, String)]) -> Vec<Vec<(f64, f64)>> {
+    keys.iter()
+        .map(|k| {
+            let mut p: Vec<(f64, f64)> = reports
+                .iter()
+                .flat_map(|r| &r.rows)
+                .filter(|r| r.bytes == bytes && (&r.backend, &r.op, &r.dtype) == (&k.0, &k.1, &k.2))
+                .map(|r| (f64::from(r.np), r.busbw_gbps.max(0.0)))
+                .collect();
+            p.sort_by(|a, b| a.0.total_cmp(&b.0));
+            p.dedup_by(|a, b| a.0 == b.0);
+            p
+        })
+        .collect()
+}
+
+/// The distinct rank counts of the reports' rows.
+fn rank_counts(reports: &[SavedReport]) -> Vec<u32> {
+    let mut nps: Vec<u32> = reports.iter().flat_map(|r| &r.rows).map(|r| r.np).filter(|&n| n > 0).collect();
+    nps.sort_unstable();
+    nps.dedup();
+    nps
+}
+
+/// The SVG text of the plot: busbw against size, or against ranks when the reports hold
+/// several rank counts.
 pub(crate) fn render(reports: &[SavedReport], title_text: Option<&str>) -> Result<String, String> {
+    if rank_counts(reports).len() > 1 {
+        return render_scaling(reports, title_text);
+    }
     let lines = series(reports);
     if lines.iter().all(|s| s.points.is_empty()) {
         return Err("nothing to plot: the reports have no rows".into());
@@ -205,7 +256,7 @@ pub(crate) fn render(reports: &[SavedReport], title_text: Option<&str>) -> Resul
             .margin_right(32)
             .x_label_area_size(48)
             .y_label_area_size(64)
-            .build_cartesian_2d(Log2Bytes { lo, hi }, 0f64..top)
+            .build_cartesian_2d(Log2 { lo, hi }, 0f64..top)
             .map_err(|e| err(&e))?;
         chart
             .configure_mesh()
@@ -234,6 +285,84 @@ pub(crate) fn render(reports: &[SavedReport], title_text: Option<&str>) -> Resul
             .background_style(WHITE.mix(0.85))
             .draw()
             .map_err(|e| err(&e))?;
+        root.present().map_err(|e| err(&e))?;
+    }
+    Ok(svg)
+}
+
+/// busbw against ranks (log2 axis), a panel per size of [`panel_sizes`], one line per
+/// backend × dtype (× op).
+fn render_scaling(reports: &[SavedReport], title_text: Option<&str>) -> Result<String, String> {
+    let nps = rank_counts(reports);
+    let sizes = panel_sizes(reports);
+    let mut keys: Vec<(String, String, String)> = Vec::new();
+    for r in reports.iter().flat_map(|r| &r.rows) {
+        let k = (r.backend.clone(), r.op.clone(), r.dtype.clone());
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    let several_ops = keys.iter().any(|k| k.1 != keys[0].1);
+    let label = |k: &(String, String, String)| match several_ops {
+        true => format!("{} {} {}", k.0, k.1, k.2),
+        false => format!("{} {}", k.0, k.2),
+    };
+    let (lo, hi) = (f64::from(nps[0]).log2().floor(), f64::from(nps[nps.len() - 1]).log2().ceil());
+    let title_text = title_text.map_or_else(|| title(reports).replacen("busbw", "busbw vs ranks", 1), str::to_owned);
+    let err = |e: &dyn std::fmt::Display| format!("drawing the plot: {e}");
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| err(&e))?;
+        let root = root.titled(&title_text, ("sans-serif", 17)).map_err(|e| err(&e))?;
+        let grid = match sizes.len() {
+            1 => (1, 1),
+            2 => (1, 2),
+            _ => (2, 2),
+        };
+        for (panel, (area, &bytes)) in root.split_evenly(grid).iter().zip(&sizes).enumerate() {
+            let lines = scaling_series(reports, bytes, &keys);
+            let top = lines.iter().flatten().map(|p| p.1).fold(0f64, f64::max).max(0.01) * 1.08;
+            let mut chart = ChartBuilder::on(area)
+                .caption(format!("{} per op", format_size(bytes as usize)), ("sans-serif", 14))
+                .margin(10)
+                .x_label_area_size(36)
+                .y_label_area_size(56)
+                .build_cartesian_2d(Log2 { lo, hi: hi.max(lo + 1.0) }, 0f64..top)
+                .map_err(|e| err(&e))?;
+            chart
+                .configure_mesh()
+                .x_labels(8)
+                .y_labels(6)
+                .max_light_lines(1)
+                .x_desc("ranks (log2)")
+                .y_desc("busbw (GB/s)")
+                .x_label_formatter(&|x| format!("{}", x.round()))
+                .y_label_formatter(&|y| format!("{y:.2}"))
+                .draw()
+                .map_err(|e| err(&e))?;
+            for (i, points) in lines.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
+                let color = COLORS[i % COLORS.len()];
+                let drawn = chart
+                    .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(LINE_WIDTH)))
+                    .map_err(|e| err(&e))?;
+                if panel == 0 {
+                    drawn
+                        .label(label(&keys[i]))
+                        .legend(move |(x, y)| Rectangle::new([(x, y - 3), (x + 18, y + 3)], color.filled()));
+                }
+                chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(|e| err(&e))?;
+            }
+            if panel == 0 {
+                chart
+                    .configure_series_labels()
+                    .position(SeriesLabelPosition::UpperRight)
+                    .border_style(BLACK)
+                    .background_style(WHITE.mix(0.85))
+                    .draw()
+                    .map_err(|e| err(&e))?;
+            }
+        }
         root.present().map_err(|e| err(&e))?;
     }
     Ok(svg)
@@ -356,6 +485,35 @@ mod tests {
     }
 
     #[test]
+    fn several_rank_counts_plot_busbw_against_ranks() {
+        let rows = |bw: f64| -> Vec<(&str, &str, u64, f64)> {
+            [8u64, 4096, 1 << 20, 16 << 20, 64 << 20].iter().map(|&b| ("all_reduce", "f32", b, bw)).collect()
+        };
+        let reports: Vec<SavedReport> = [(2, 8.0), (4, 6.0), (8, 5.0), (16, 4.0)]
+            .into_iter()
+            .flat_map(|(np, bw)| [report("shm", np, &rows(bw)), report("mpi", np, &rows(bw / 2.0))])
+            .collect();
+        assert_eq!(panel_sizes(&reports), [8, 4096, 1 << 20, 64 << 20]);
+        let svg = render(&reports, None).unwrap();
+        let els = elements(&svg);
+        let lines: Vec<usize> = els
+            .iter()
+            .filter(|(n, t)| n == "polyline" && attr(t, "stroke-width") == Some(&LINE_WIDTH.to_string()))
+            .map(|(_, t)| attr(t, "points").unwrap().split_whitespace().count())
+            .collect();
+        assert_eq!(lines, [4; 8], "two lines (shm, mpi) in each of four panels, a vertex per rank count");
+        for needle in ["busbw vs ranks", "8B per op", "4KiB per op", "1MiB per op", "64MiB per op", "ranks (log2)"] {
+            assert!(svg.contains(needle), "no `{needle}` in the SVG");
+        }
+        // The legend once, in the first panel.
+        assert_eq!(svg.matches("\nshm f32\n").count(), 1, "{svg}");
+        // Sizes between the wanted ones: the nearest each, no repeats.
+        let odd = [report("shm", 2, &[("all_reduce", "f32", 64, 1.0)]), report("shm", 4, &[("all_reduce", "f32", 64, 1.0)])];
+        assert_eq!(panel_sizes(&odd), [64]);
+        elements(&render(&odd, None).unwrap());
+    }
+
+    #[test]
     fn a_single_size_and_empty_reports() {
         let one = report("shm", 2, &[("all_reduce", "f32", 4096, 1.0)]);
         let svg = render(&[one], Some("custom title")).unwrap();
@@ -367,15 +525,15 @@ mod tests {
 
     #[test]
     fn log2_ticks_are_powers_of_two() {
-        let axis = Log2Bytes { lo: 3.0, hi: 26.0 };
-        let ticks: Vec<String> = axis.key_points(13usize).iter().map(Log2Bytes::format).collect();
+        let axis = Log2 { lo: 3.0, hi: 26.0 };
+        let ticks: Vec<String> = axis.key_points(13usize).iter().map(Log2::format).collect();
         assert_eq!(ticks.first().map(String::as_str), Some("16B"));
         assert!(ticks.len() == 12 && ticks.contains(&"1KiB".to_owned()) && ticks.contains(&"1MiB".to_owned()));
-        let ticks: Vec<String> = axis.key_points(6usize).iter().map(Log2Bytes::format).collect();
+        let ticks: Vec<String> = axis.key_points(6usize).iter().map(Log2::format).collect();
         assert_eq!(ticks, ["32B", "1KiB", "32KiB", "1MiB", "32MiB"]);
         assert_eq!(axis.key_points(100usize).len(), 24);
-        assert_eq!(Log2Bytes::format(&8.0), "8B");
-        assert_eq!(Log2Bytes::format(&65536.0), "64KiB");
+        assert_eq!(Log2::format(&8.0), "8B");
+        assert_eq!(Log2::format(&65536.0), "64KiB");
         assert_eq!(axis.map(&8.0, (0, 230)), 0);
         assert_eq!(axis.map(&(64.0 * 1024.0 * 1024.0), (0, 230)), 230);
         assert_eq!(axis.map(&8192.0, (0, 230)), 100);
