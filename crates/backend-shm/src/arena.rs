@@ -5,8 +5,8 @@
 //! Memory comes in anonymous segments (chunks of [`CHUNK`] bytes, or one per larger buffer)
 //! that peers on this host open through `/proc/<pid>/fd/<fd>` and map once each; nothing is
 //! ever named in /dev/shm, so nothing is left behind when the process ends, however it ends.
-//! Chunks are carved into blocks of power-of-two sizes; a dropped buffer's block waits for the
-//! next buffer of its size. Chunks are never given back while the process lives (peers keep
+//! Chunks are carved into blocks of a few sizes (four per doubling); a dropped buffer's block
+//! waits for the next buffer of its size. Chunks are never given back while the process lives (peers keep
 //! them mapped), and the arena stops growing at `COMM_SHM_ARENA_MAX` bytes: past that,
 //! buffers are plain heap memory again (said once in the log).
 //!
@@ -107,9 +107,7 @@ impl Arena {
     /// A block for a buffer of `len` bytes (zeroed when `zeroed`), or `None` when the arena is
     /// at its bound or the system has no memory for a chunk.
     pub(crate) fn block(&'static self, len: usize, zeroed: bool) -> Option<Block> {
-        let need = len.checked_add(SKEW)?;
-        let size =
-            if need <= CHUNK { need.max(PAGE).next_power_of_two() } else { need.checked_next_multiple_of(PAGE)? };
+        let size = block_size(len.checked_add(SKEW)?)?;
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((chunk, off)) = st.free.get_mut(&size).and_then(Vec::pop) {
             drop(st);
@@ -158,6 +156,18 @@ impl Arena {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         st.free.entry(size).or_default().push((chunk, off));
     }
+}
+
+/// The block for `need` bytes: up to a chunk, `need` rounded up to a quarter of its power of
+/// two (at least a page), so a block wastes under a fifth of itself — a buffer of 4 MiB (plus
+/// [`SKEW`]) takes 5 MiB, not 8 — and blocks fall into few sizes that dropped buffers' blocks
+/// can serve again; past a chunk, whole pages.
+fn block_size(need: usize) -> Option<usize> {
+    if need > CHUNK {
+        return need.checked_next_multiple_of(PAGE);
+    }
+    let quarter = (need.max(PAGE).next_power_of_two() / 8).max(PAGE);
+    Some(need.max(PAGE).next_multiple_of(quarter))
 }
 
 /// The storage of a buffer in the arena.
@@ -224,11 +234,11 @@ mod tests {
     fn blocks_are_carved_reused_and_bounded() {
         let a = arena(3 * CHUNK);
         let mut x = a.block(100_000, true).unwrap();
-        assert_eq!((x.size, x.off), (1 << 17, 0));
+        assert_eq!((x.size, x.off), (7 << 14, 0));
         assert!(x.bytes().iter().all(|&b| b == 0));
         x.bytes_mut().fill(7);
         let y = a.block(5000, false).unwrap();
-        assert_eq!((y.size, y.off), (8192, 1 << 17));
+        assert_eq!((y.size, y.off), (8192, 7 << 14));
         let place = x.place().unwrap();
         drop(x);
         // The dropped block comes back for the next buffer of its size, zeroed when asked.
@@ -242,6 +252,19 @@ mod tests {
         assert!(a.block(CHUNK, false).is_none(), "over COMM_SHM_ARENA_MAX");
         drop(big);
         assert!(a.block(CHUNK + 100, false).is_some(), "the big block is reused");
+    }
+
+    #[test]
+    fn blocks_waste_under_a_fifth() {
+        assert_eq!(block_size(1), Some(PAGE));
+        assert_eq!(block_size((4 << 20) + SKEW), Some(5 << 20));
+        assert_eq!(block_size((1 << 20) + 1), Some(5 << 18));
+        assert_eq!(block_size(CHUNK), Some(CHUNK));
+        assert_eq!(block_size(CHUNK + 1), Some(CHUNK + PAGE));
+        for need in (PAGE..CHUNK).step_by(12_345) {
+            let b = block_size(need).unwrap();
+            assert!(b >= need && (b - need) * 5 < b.max(5 * PAGE), "{need} -> {b}");
+        }
     }
 
     #[test]

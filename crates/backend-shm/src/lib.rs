@@ -204,22 +204,30 @@ impl std::fmt::Debug for ShmBackend {
 }
 
 /// The value rank `r` publishes under `key`, waited for until `deadline` in slices: a member
-/// of a shrunk group whose process (`known[r]`, from the old group) exits first fails the
-/// wait at once instead of at the deadline.
+/// of a shrunk group whose process (`known[r]`, from the old group) exits first, or a rank
+/// that gives up the rendezvous of group `abort` (its `{abort}/abort` key), fails the wait at
+/// once instead of at the deadline.
 async fn get_from(
     store: &dyn Store,
     key: &str,
     r: Rank,
     known: &[Option<ProcId>],
     deadline: std::time::Instant,
+    abort: Option<&str>,
 ) -> Result<Vec<u8>, CommError> {
     let known = known.get(r as usize).copied().flatten();
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
-        let slice = if known.is_some() { left.min(Duration::from_millis(20)) } else { left };
+        let slice = if known.is_some() || abort.is_some() { left.min(Duration::from_millis(20)) } else { left };
         match store.get(key, slice).await {
             Err(CommError::Timeout { .. }) if !left.is_zero() && slice < left => {}
             other => return other,
+        }
+        if let Some(e) = match abort {
+            Some(prefix) => ShmBackend::gave_up(store, prefix).await,
+            None => None,
+        } {
+            return Err(e);
         }
         if let Some(p) = known.filter(|p| p.alive() == Some(false)) {
             return Err(CommError::PeerLost {
@@ -288,7 +296,7 @@ impl ShmBackend {
             store.set(&format!("{prefix}/params"), p.as_bytes()).await?;
         }
         let deadline = std::time::Instant::now() + to;
-        let params = get_from(&*store, &format!("{prefix}/params"), 0, known, deadline).await?;
+        let params = get_from(&*store, &format!("{prefix}/params"), 0, known, deadline, None).await?;
         let params = String::from_utf8_lossy(&params).into_owned();
         let nums: Vec<usize> = params.split(' ').filter_map(|x| x.parse().ok()).collect();
         let [window, slot, small_max, zc_min] = nums[..] else {
@@ -296,7 +304,7 @@ impl ShmBackend {
         };
         let mut sets = Vec::with_capacity(world as usize);
         for r in 0..world {
-            let value = get_from(&*store, &format!("{prefix}/host/{r}"), r, known, deadline).await?;
+            let value = get_from(&*store, &format!("{prefix}/host/{r}"), r, known, deadline, None).await?;
             let value = String::from_utf8_lossy(&value);
             let (theirs, their_cpus) = CpuSet::split_id(&value);
             if theirs != host {
@@ -327,10 +335,15 @@ impl ShmBackend {
         })?;
         let me_id = ProcId::current();
         let name = format!("/commshm-{}-{:016x}", me_id.pid, u64::from_le_bytes(rnd));
-        let me = Arc::new(
-            Segment::create(&name, lay.total)
-                .map_err(io_err(format!("creating shared memory `{name}` ({} bytes)", lay.total)))?,
-        );
+        let me = match Segment::create(&name, lay.total) {
+            Ok(seg) => Arc::new(seg),
+            Err(e) => {
+                let e = io_err(format!("creating shared memory `{name}` ({} bytes)", lay.total))(e);
+                // Tell the others at once, instead of letting them wait for this rank's segment.
+                let _ = store.set(&format!("{prefix}/abort"), format!("rank {rank}: {e}").as_bytes()).await;
+                return Err(e);
+            }
+        };
         engine::init_segment(&me, world, rank, lay.window);
         me.u32_at(OFF_STATE).store(STATE_READY, SeqCst);
         me.u64_at(OFF_MAGIC).store(MAGIC, SeqCst);
@@ -423,7 +436,7 @@ impl ShmBackend {
                 procs.push(None);
                 continue;
             }
-            let raw = get_from(store, &format!("{prefix}/seg/{r}"), r, known, start + to).await?;
+            let raw = get_from(store, &format!("{prefix}/seg/{r}"), r, known, start + to, Some(prefix)).await?;
             let raw = String::from_utf8_lossy(&raw).into_owned();
             let mut it = raw.split(' ');
             let (Some(name), Some(pid), Some(start)) = (it.next(), it.next(), it.next()) else {

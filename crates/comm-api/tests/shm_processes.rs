@@ -518,3 +518,111 @@ async fn large_blocks_body() -> Result<(), String> {
 fn large_blocks() {
     multiprocess::run(3, "large_blocks", T, large_blocks_body);
 }
+
+/// Runs this binary's test `name` again inside a mount namespace whose /dev/shm is a fresh
+/// tmpfs of `size` bytes (`mount -o size=`), as a container's small /dev/shm is, and returns
+/// false; in there returns true (the caller then runs the test). Needs root and `unshare`
+/// (CI has both); elsewhere it says so and returns false.
+fn in_small_dev_shm(name: &str, size: &str) -> bool {
+    const INSIDE: &str = "COMM_TEST_SMALL_DEV_SHM";
+    if std::env::var_os(INSIDE).is_some() {
+        return true;
+    }
+    let unshare = || {
+        let mut c = std::process::Command::new("unshare");
+        c.args(["--mount", "--propagation", "private"]);
+        c
+    };
+    if !unshare().arg("true").status().is_ok_and(|s| s.success()) {
+        eprintln!("{name}: skipped: needs root and unshare(1) for a mount namespace");
+        return false;
+    }
+    let out = unshare()
+        .args(["sh", "-c", &format!("mount -t tmpfs -o size={size} tmpfs /dev/shm && exec \"$@\""), "sh"])
+        .arg(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(INSIDE, "1")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "in a {size} /dev/shm: {}\n{text}", out.status);
+    false
+}
+
+/// The messages of the events logged in this process, for a test to read.
+#[derive(Clone, Default)]
+struct Logged(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Logged {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Message(String);
+        impl tracing::field::Visit for Message {
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                if f.name() == "message" {
+                    self.0 = format!("{v:?}");
+                }
+            }
+        }
+        let mut m = Message(String::new());
+        event.record(&mut m);
+        self.0.lock().unwrap().push(m.0);
+    }
+}
+
+/// With a 24 MiB /dev/shm, the arena's default bound (/dev/shm's free space) takes a 4 MiB
+/// buffer and refuses 32 MiB ones: those are heap memory, said once in the log, and ops on
+/// them are right (no SIGBUS, no error).
+#[test]
+fn a_small_dev_shm_bounds_the_arena() {
+    if !in_small_dev_shm("a_small_dev_shm_bounds_the_arena", "24m") {
+        return;
+    }
+    multiprocess::run(2, "a_small_dev_shm_bounds_the_arena", T, || async {
+        use tracing_subscriber::layer::SubscriberExt;
+        let log = Logged::default();
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(log.clone()))
+            .map_err(|e| e.to_string())?;
+        let pg = connect().await?;
+        let e = |e: CommError| e.to_string();
+        let small = HostBuffer::from(vec![1.0f32; 1 << 20]);
+        let large: Vec<HostBuffer> = (0..2).map(|_| HostBuffer::from(vec![1.0f32; 8 << 20])).collect();
+        if small.external().is_none() || large.iter().any(|b| b.external().is_some()) {
+            return Err("4 MiB should be in the arena, 32 MiB past its bound should not".into());
+        }
+        let warned = log.0.lock().unwrap().iter().filter(|m| m.contains("no room in the shared-memory arena")).count();
+        if warned != 1 {
+            return Err(format!("{warned} warnings of a full arena, not one"));
+        }
+        for buf in large.into_iter().chain([small]) {
+            let got = pg.all_reduce(buf, ReduceOp::Sum).await.map_err(e)?;
+            if got.as_slice::<f32>().map_err(e)?.iter().any(|&x| x != 2.0) {
+                return Err("wrong sum".into());
+            }
+        }
+        pg.shutdown().await.map_err(e)
+    });
+}
+
+/// A /dev/shm too small for the group's segments (8 MiB: one rank's 1 MiB windows fit, not
+/// two): every rank fails with an error that names /dev/shm, at once, never a SIGBUS or a
+/// wait for the timeout.
+#[test]
+fn a_dev_shm_too_small_for_the_group() {
+    if !in_small_dev_shm("a_dev_shm_too_small_for_the_group", "8m") {
+        return;
+    }
+    let env = |_| vec![("COMM_SHM_WINDOW".into(), "1MiB".into()), ("COMM_TIMEOUT".into(), "100".into())];
+    multiprocess::run_with_env(2, "a_dev_shm_too_small_for_the_group", T, env, || async {
+        let start = Instant::now();
+        match connect().await {
+            Ok(_) => Err("a group in a /dev/shm too small for it".into()),
+            Err(e) if e.contains("/dev/shm has less than") && start.elapsed() < Duration::from_secs(20) => {
+                println!("refused in {:?}: {e}", start.elapsed());
+                // Rank 0 serves the store: it stays until the others have read why.
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                Ok(())
+            }
+            Err(e) => Err(format!("after {:?}, an error that does not say why: {e}", start.elapsed())),
+        }
+    });
+}
