@@ -16,7 +16,7 @@ use bytemuck::{Pod, Zeroable};
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"commshm1");
 /// Raised whenever the segment layout or the step protocol changes (git has the history), so
 /// ranks of different builds refuse each other.
-pub(crate) const VERSION: u32 = 10;
+pub(crate) const VERSION: u32 = 11;
 
 pub(crate) const OFF_MAGIC: usize = 0;
 pub(crate) const OFF_VERSION: usize = 8;
@@ -188,10 +188,17 @@ pub(crate) struct MsgHeader {
     pub(crate) len: u64,
     pub(crate) tag: u32,
     pub(crate) dtype: u8,
-    pub(crate) _pad: [u8; 3],
+    /// [`IN_PLACE`] or 0.
+    pub(crate) flags: u8,
+    pub(crate) _pad: [u8; 2],
     /// The data of a chunk of at most [`CARRIED`] bytes (then not in the slot).
     pub(crate) data: [u8; CARRIED],
 }
+
+/// [`MsgHeader::flags`]: the message is not in the mailbox; its data carries where the whole
+/// message is in the sender's arena, for the receiver to copy it from there and acknowledge
+/// the chunk when done.
+pub(crate) const IN_PLACE: u8 = 1;
 
 const _: () = assert!(size_of::<StepHeader>() == HDR && size_of::<MsgHeader>() == HDR);
 const _: () = assert!(std::mem::offset_of!(StepHeader, data) == CARRIED_AT);

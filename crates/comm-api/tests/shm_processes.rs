@@ -384,7 +384,7 @@ fn peer_killed_during_rendezvous() {
 }
 
 /// Large buffers live in the shared-memory arena once the group exists, and all_reduce,
-/// all_gather, reduce_scatter and broadcast read them in place: results equal the reference's,
+/// all_gather, reduce_scatter, broadcast and send/recv read them in place: results equal the reference's,
 /// for buffers made by every constructor, for one of plain heap memory (it comes back in the
 /// arena), when a rank has no arena at all
 /// (`COMM_SHM_ARENA_MIN=off` on rank `off`: everyone copies), and nothing is left in
@@ -435,6 +435,18 @@ async fn arena_body(off: Option<u32>) -> Result<(), String> {
         for root in 0..n {
             let got = pg.broadcast(inputs[rank as usize].clone(), root).await.map_err(e)?;
             reference::compare(&got, &inputs[root as usize], "broadcast", rank)?;
+        }
+        // A ring of large messages, sent in place from the arena, received into arena and
+        // heap buffers alike.
+        let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+        for (k, into) in
+            [HostBuffer::zeroed(dtype, len), HostBuffer::zeroed_on_heap(dtype, len)].into_iter().enumerate()
+        {
+            let s = pg.isend(inputs[rank as usize].clone(), next, k as u32);
+            let r = pg.irecv(into, prev, k as u32);
+            let (s, r) = futures::future::join(s, r).await;
+            reference::compare(&s.map_err(e)?, &inputs[rank as usize], "send (handed back)", rank)?;
+            reference::compare(&r.map_err(e)?, &inputs[prev as usize], "recv", rank)?;
         }
     }
     let small = pg.alloc_buffer(DType::F32, 100).map_err(e)?;

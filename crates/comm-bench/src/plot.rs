@@ -508,7 +508,8 @@ mod tests {
         // The legend once, in the first panel.
         assert_eq!(svg.matches("\nshm f32\n").count(), 1, "{svg}");
         // Sizes between the wanted ones: the nearest each, no repeats.
-        let odd = [report("shm", 2, &[("all_reduce", "f32", 64, 1.0)]), report("shm", 4, &[("all_reduce", "f32", 64, 1.0)])];
+        let odd =
+            [report("shm", 2, &[("all_reduce", "f32", 64, 1.0)]), report("shm", 4, &[("all_reduce", "f32", 64, 1.0)])];
         assert_eq!(panel_sizes(&odd), [64]);
         elements(&render(&odd, None).unwrap());
     }

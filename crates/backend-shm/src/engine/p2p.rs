@@ -5,9 +5,10 @@ use std::time::{Duration, Instant};
 
 use comm_core::{CommError, DType, OpKind};
 
-use crate::layout::{MsgHeader, OFF_RECEIVING, SLOTS};
+use crate::layout::{MsgHeader, CARRIED, IN_PLACE, OFF_RECEIVING, SLOTS};
 
 use super::steps::{read_chunk, write_chunk};
+use super::zero_copy::{copy_in_place, decode, encode, place_of};
 use super::{Engine, Result, INLINE_YIELD};
 
 impl Engine {
@@ -75,8 +76,38 @@ impl Engine {
             }
         }
         let total = op.req.buf.byte_len();
-        let len = (total - op.offset).min(self.lay.slot);
+        if op.offset == total && total > 0 {
+            // Sent in place: the buffer is the peer's to read until it acknowledges the chunk.
+            self.peer_acked[peer] = self.segs[peer].u64_at(self.lay.acked(self.rank)).load(Acquire);
+            if self.peer_acked[peer] < chunk {
+                return Ok(false);
+            }
+            let op = self.sends[peer].pop_front().expect("front exists");
+            op.done.complete(Ok(op.req.buf));
+            return Ok(true);
+        }
         let me = &self.segs[self.rank];
+        // A large message from the arena goes in place: the receiver copies it from there
+        // (one copy instead of two through the mailbox).
+        let place = (op.offset == 0 && total >= self.params.zc_min && self.procs[peer].is_some())
+            .then(|| place_of(&op.req.buf))
+            .flatten();
+        if let Some(place) = place {
+            let hdr = MsgHeader {
+                total: total as u64,
+                len: CARRIED as u64,
+                tag: op.req.tag,
+                dtype: op.req.buf.dtype().code(),
+                flags: IN_PLACE,
+                ..MsgHeader::default()
+            };
+            write_chunk(me, &self.lay, peer, chunk, hdr, &encode(Some(place), true), false);
+            self.sent[peer] = chunk + 1;
+            op.offset = total;
+            self.ring(peer);
+            return Ok(true);
+        }
+        let len = (total - op.offset).min(self.lay.slot);
         let hdr = MsgHeader {
             total: total as u64,
             offset: op.offset as u64,
@@ -142,15 +173,24 @@ impl Engine {
             });
         }
         let len = h.len as usize;
-        if op.offset + len > op.req.buf.byte_len() || len > self.lay.slot {
+        if h.flags == IN_PLACE && h.offset == 0 && len == CARRIED {
+            let data = read_chunk(src, &self.lay, self.rank, chunk, len).try_into().expect("CARRIED bytes");
+            let (total, place) = (op.req.buf.byte_len(), decode(&data).0);
+            let (seg, off) = self.map_in_place(peer, place, total)?;
+            let op = self.recvs[peer].front_mut().expect("front exists");
+            copy_in_place(&seg, off, op.req.buf.as_bytes_mut());
+            op.offset = total;
+        } else if op.offset + len > op.req.buf.byte_len() || len > self.lay.slot || h.flags != 0 {
             return Err(CommError::Mismatch {
                 op: "recv",
                 detail: format!("rank {peer} sent a chunk of {len} bytes past the message end"),
             });
+        } else {
+            let data = read_chunk(src, &self.lay, self.rank, chunk, len);
+            op.req.buf.as_bytes_mut()[op.offset..op.offset + len].copy_from_slice(data);
+            op.offset += len;
         }
-        let data = read_chunk(src, &self.lay, self.rank, chunk, len);
-        op.req.buf.as_bytes_mut()[op.offset..op.offset + len].copy_from_slice(data);
-        op.offset += len;
+        let op = self.recvs[peer].front_mut().expect("front exists");
         let finished = op.offset == op.req.buf.byte_len();
         self.acked[peer] = chunk + 1;
         self.me().u64_at(self.lay.acked(peer)).store(chunk + 1, SeqCst);

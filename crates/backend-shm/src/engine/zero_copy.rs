@@ -19,7 +19,7 @@ type Mapped = Vec<Option<(Arc<Segment>, usize)>>;
 
 /// What a rank says in the header of the first step: where its buffer is (fd + 1, 0: not in
 /// an arena), whether it can open every peer's memory, the chunk's length, the offset.
-fn encode(place: Option<Place>, can_open: bool) -> [u8; CARRIED] {
+pub(super) fn encode(place: Option<Place>, can_open: bool) -> [u8; CARRIED] {
     let mut d = [0u8; CARRIED];
     d[4..8].copy_from_slice(&u32::from(can_open).to_le_bytes());
     if let Some(p) = place {
@@ -30,7 +30,7 @@ fn encode(place: Option<Place>, can_open: bool) -> [u8; CARRIED] {
     d
 }
 
-fn decode(d: &[u8; CARRIED]) -> (Option<Place>, bool) {
+pub(super) fn decode(d: &[u8; CARRIED]) -> (Option<Place>, bool) {
     let word = |i: usize| u64::from_le_bytes(d[i..i + 8].try_into().expect("8 bytes"));
     let fd = u32::from_le_bytes(d[..4].try_into().expect("4 bytes")).checked_sub(1).and_then(|f| i32::try_from(f).ok());
     let place = fd.and_then(|fd| {
@@ -40,7 +40,7 @@ fn decode(d: &[u8; CARRIED]) -> (Option<Place>, bool) {
 }
 
 /// Where `b` is, when it is in an arena.
-fn place_of(b: &HostBuffer) -> Option<Place> {
+pub(super) fn place_of(b: &HostBuffer) -> Option<Place> {
     b.external().and_then(|e| e.as_any().downcast_ref::<Block>()).and_then(Block::place)
 }
 
@@ -206,6 +206,21 @@ impl Engine {
         self.zc_done(hdr)
     }
 
+    /// The chunk and offset of a message of `bytes` peer `peer` sent in place (`place`: where
+    /// its header said it is).
+    pub(super) fn map_in_place(
+        &mut self,
+        peer: usize,
+        place: Option<Place>,
+        bytes: usize,
+    ) -> Result<(Arc<Segment>, usize)> {
+        let Some(place) = place else {
+            let detail = format!("rank {peer} sent a message in place but did not say where");
+            return Err(CommError::Mismatch { op: "recv", detail });
+        };
+        Ok((self.map_zero_copy(peer, place, bytes)?, place.off))
+    }
+
     /// Peer `peer`'s arena chunk holding the `bytes` at `place`, mapped once (through its
     /// process).
     pub(super) fn map_zero_copy(&mut self, peer: usize, place: Place, bytes: usize) -> Result<Arc<Segment>> {
@@ -240,4 +255,12 @@ impl Engine {
         self.zc_maps.push((key, seg.clone()));
         Ok(seg)
     }
+}
+
+/// Copies `dst.len()` bytes from `off` in a peer's chunk: a message it sent in place, which it
+/// keeps unwritten in its send until we acknowledge the chunk that said where it is.
+pub(super) fn copy_in_place(seg: &Segment, off: usize, dst: &mut [u8]) {
+    // SAFETY: the sender does not write the message until we acknowledge it (above), which
+    // the caller does after this borrow ends; `map_in_place` checked it lies in the chunk.
+    dst.copy_from_slice(unsafe { seg.bytes(off, dst.len()) });
 }
