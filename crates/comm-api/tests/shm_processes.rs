@@ -638,3 +638,73 @@ fn a_dev_shm_too_small_for_the_group() {
         }
     });
 }
+
+/// This process's proportional set size (shared pages divided among the processes that map
+/// them), and its shared-memory pages, in bytes.
+fn pss_and_shmem() -> (usize, usize) {
+    let text = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
+    let kib = |key: &str| {
+        text.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(0)
+            << 10
+    };
+    (kib("Pss:"), kib("Pss_Shmem:"))
+}
+
+/// A loop of 1000 ops over 64 MiB buffers (all_reduce, broadcast, a ring of send/recv) holds
+/// at most twice the live buffers' memory (proportional set size: a peer's mapping of a
+/// buffer is shared memory, not a copy), the arena reusing its blocks, and names nothing in
+/// /dev/shm.
+#[test]
+fn a_loop_of_large_ops_holds_its_memory() {
+    multiprocess::run(2, "a_loop_of_large_ops_holds_its_memory", T, || async {
+        let pg = connect().await?;
+        let (rank, n) = (pg.rank(), pg.world_size());
+        let e = |e: CommError| e.to_string();
+        let before = pss_and_shmem();
+        const LEN: usize = 16 << 20;
+        let mut buf = HostBuffer::from(vec![1.0f32; LEN]);
+        let mut inbox = HostBuffer::zeroed(DType::F32, LEN);
+        for i in 0..1000 {
+            buf = match i % 3 {
+                0 => pg.all_reduce(buf, ReduceOp::Max).await.map_err(e)?,
+                1 => pg.broadcast(buf, (i % n as usize) as u32).await.map_err(e)?,
+                _ => {
+                    let s = pg.isend(buf, (rank + 1) % n, 0);
+                    let r = pg.irecv(inbox, (rank + n - 1) % n, 0);
+                    let (s, r) = futures::future::join(s, r).await;
+                    inbox = s.map_err(e)?;
+                    r.map_err(e)?
+                }
+            };
+        }
+        if buf.as_slice::<f32>().map_err(e)?.iter().any(|&x| x != 1.0) {
+            return Err("wrong data".into());
+        }
+        let after = pss_and_shmem();
+        let live = 2 * LEN * 4;
+        println!(
+            "rank {rank}: pss {} -> {} MB, of it shmem {} -> {} MB; live buffers {} MB",
+            before.0 >> 20,
+            after.0 >> 20,
+            before.1 >> 20,
+            after.1 >> 20,
+            live >> 20
+        );
+        if after.0.saturating_sub(before.0) > 2 * live {
+            return Err(format!(
+                "{} MB more after the loop, for {} MB of live buffers",
+                (after.0 - before.0) >> 20,
+                live >> 20
+            ));
+        }
+        let left = leftovers(std::process::id());
+        if !left.is_empty() {
+            return Err(format!("segments left in /dev/shm: {left:?}"));
+        }
+        Ok(())
+    });
+}
