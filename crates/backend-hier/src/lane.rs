@@ -62,7 +62,7 @@ impl Lane {
                     queued.done(Class::Collective);
                 }
             })
-            .map_err(|e| CommError::Io { context: "starting the hier lane thread".into(), source: e })?;
+            .map_err(|e| CommError::io("starting the hier lane thread", e))?;
         Ok(Lane { tx: Mutex::new(tx), lane })
     }
 

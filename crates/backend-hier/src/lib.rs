@@ -1,33 +1,9 @@
-//! The hierarchical backend: shared memory inside each host, MPI between hosts.
-//!
-//! A [`HierBackend`] is composed from two groups it is handed: the *world* group (every rank;
-//! in practice the MPI backend) and this host's *local* group (the ranks that share this
-//! host; in practice the shm backend). At start-up it derives from the world group, with
-//! `new_group`, the *rails* (ranks with the same local index on every host, when every host
-//! has as many ranks) and the *leaders* (the first rank of each host). It depends on
-//! `comm-core` only; `comm-api` builds the groups and picks this backend (`hier`) when an MPI
-//! launcher spread ranks over several hosts with more than one on some host.
-//!
-//! | op | how |
-//! |---|---|
-//! | all_reduce | reduce-scatter on the host → all_reduce of each slice on its rail → all_gather on the host; small messages (under [`HierOptions::rail_min`]), uneven hosts or machines with fewer cores than ranks: reduce to the leader → all_reduce among leaders → broadcast on the host |
-//! | reduce, reduce_scatter | that all_reduce, then the root's result / this rank's block |
-//! | broadcast | on the root's host → among leaders → on every other host |
-//! | all_gather | on the host → leaders all_gather every host's block (padded to the largest host) → broadcast on the host |
-//! | barrier | on the host → among leaders → on the host |
-//! | all_to_all, scatter, gather, send, recv | straight to the world group |
-//! | new_group | ranks of one host: a sub-group of the host's group (shm); else of the world group (MPI); either sequenced with this group's ops |
-//!
-//! **Reduction order**, fixed and the same on every rank: each host reduces its ranks' inputs
-//! in rank order (rounding f16/bf16 once), then the host results are reduced in host order
-//! (hosts ordered by their first rank; on a rail, by its members' ranks, the same order for
-//! block and round-robin placements) and rounded once more; `Avg` sums both ways and divides
-//! by the world size at the end. With the MPI backend's default exact reduction this is
-//! deterministic; `comm_test::reference::reduce_grouped` computes it.
-//!
-//! Every op of the group and of its sub-groups takes one lane (see `lane`), so every rank
-//! issues its inner groups' ops in one order, as MPI requires of collectives on overlapping
-//! communicators. A failed phase poisons the group.
+//! The hierarchical backend: shared memory inside each host, MPI between hosts. A
+//! [`HierBackend`] is composed from the world group (MPI) and this host's group (shm) it is
+//! handed, and derives the rails and the leaders' group from the world with `new_group`.
+//! Every op of the group and its sub-groups takes one lane (`lane`), so every rank issues its
+//! inner groups' ops in one order. The phases of each op and the fixed reduction order (host
+//! by host, in rank order): ARCHITECTURE.md, "hier backend".
 
 #![forbid(unsafe_code)]
 

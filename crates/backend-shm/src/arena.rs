@@ -1,19 +1,11 @@
-//! The process's arena of shared memory for large host buffers: once a shm group exists,
-//! every `HostBuffer` of at least `COMM_SHM_ARENA_MIN` bytes is made here
-//! (`comm_core::LargeBuffers`), so an all_reduce on it reads the peers' buffers in place.
+//! The process's arena of shared memory for large host buffers (`comm_core::LargeBuffers`):
+//! anonymous chunks peers map once through `/proc/<pid>/fd/<fd>` (nothing named in /dev/shm,
+//! nothing left behind however the process ends), carved into blocks reused by size, never
+//! given back while the process lives, bounded by `COMM_SHM_ARENA_MAX`.
 //!
-//! Memory comes in anonymous segments (chunks of [`CHUNK`] bytes, or one per larger buffer)
-//! that peers on this host open through `/proc/<pid>/fd/<fd>` and map once each; nothing is
-//! ever named in /dev/shm, so nothing is left behind when the process ends, however it ends.
-//! Chunks are carved into blocks of a few sizes (four per doubling); a dropped buffer's block
-//! waits for the next buffer of its size. Chunks are never given back while the process lives (peers keep
-//! them mapped), and the arena stops growing at `COMM_SHM_ARENA_MAX` bytes: past that,
-//! buffers are plain heap memory again (said once in the log).
-//!
-//! Who touches a block when: its buffer's owner, through `&`/`&mut HostBuffer`, whenever the
-//! buffer is not in an op; peers only during an op that owns the buffer (the engine's
-//! zero-copy steps). A block is reused only after its buffer is dropped, and a buffer is not
-//! dropped while an op owns it, so no peer ever reads a block that was freed or reused.
+//! A block is touched by its buffer's owner whenever the buffer is not in an op, and by peers
+//! only during an op that owns the buffer; it is reused only after its buffer is dropped,
+//! which cannot happen while an op owns it, so no peer reads a freed or reused block.
 
 #![allow(unsafe_code)] // see the SAFETY comments
 
@@ -29,10 +21,8 @@ use crate::segment::Segment;
 pub(crate) const CHUNK: usize = 64 << 20;
 /// The smallest block.
 const PAGE: usize = 4096;
-/// Where a buffer starts in its block: 17 cache lines in, not on a page boundary. Copies
-/// between page-aligned buffers and the window (whose steps start a line or two past a page)
-/// alias in the low address bits (4K aliasing) and ran at 0.75× of heap buffers' speed (1 MiB
-/// broadcast, Zen 4); heap buffers start 16 bytes into their pages.
+/// Where a buffer starts in its block: 17 cache lines in, not on a page boundary, against 4K
+/// aliasing of copies between it and the window (docs/performance.md).
 const SKEW: usize = 1088;
 /// `COMM_SHM_ARENA_MIN`'s default: from this size, buffers live in the arena and all_reduce
 /// reads them in place.

@@ -6,7 +6,7 @@
 //! 128   doorbell + sleeping flag: futex word peers ring               (line 2)
 //! 192   abort reason (256 bytes of UTF-8)
 //! 512   p2p counters, one cache line each: sent[peer]..., acked[peer]...
-//! coll  2 × (64-byte step header + window + 64-byte zero-copy name)   double-buffered window
+//! coll  2 × (64-byte step header + window)      double-buffered window
 //! p2p   world × SLOTS × (64-byte msg header + slot)   one mailbox per destination
 //! ```
 //! Every rank writes only its own segment; peers read it.
@@ -50,10 +50,9 @@ pub(crate) const REASON_LEN: usize = 256;
 pub(crate) const OFF_RECEIVING: usize = 448;
 const OFF_P2P_COUNTERS: usize = 512;
 const LINE: usize = 64;
+/// A step or message header; a collective buffer's precedes its data (so a small op's data
+/// is the line next to the one a waiting peer polls).
 const HDR: usize = 64;
-/// A collective buffer's overhead: the step header before the data (so a small op's data is
-/// the line next to the one a waiting peer polls).
-const COLL_HDR: usize = HDR;
 
 /// Smallest step that moves through the window ([`Layout::rotation`]).
 const ROTATE_MIN: usize = 4096;
@@ -90,7 +89,7 @@ impl Layout {
         let window = align(window.max(4096), LINE)?;
         let slot = align(slot.max(4096), LINE)?;
         let coll = align(world.checked_mul(LINE)?.checked_add(OFF_P2P_COUNTERS)?, 4096)?;
-        let p2p = (COLL_HDR + window).checked_mul(2)?.checked_add(coll)?;
+        let p2p = (HDR + window).checked_mul(2)?.checked_add(coll)?;
         let mailboxes = world.checked_mul(SLOTS as usize)?.checked_mul(HDR.checked_add(slot)?)?;
         let total = align(p2p.checked_add(mailboxes)?, 4096)?;
         (total <= isize::MAX as usize).then_some(Layout { world, window, slot, coll, p2p, total })
@@ -105,7 +104,7 @@ impl Layout {
     /// step, written last (atomically, release) when the step is published: a peer waiting
     /// for the step polls this line and finds the header with it.
     pub(crate) fn step_header(&self, k: u64) -> usize {
-        self.coll + (k % 2) as usize * (COLL_HDR + self.window)
+        self.coll + (k % 2) as usize * (HDR + self.window)
     }
 
     /// Data of the collective buffer used by step `k` (`window` bytes).

@@ -1,28 +1,12 @@
-//! Same-host shared-memory backend for comm.
-//!
-//! Every rank of a group maps one POSIX shared-memory segment per rank (created mode 0600
-//! under a random name, exchanged through the rendezvous [`Store`], and unlinked as soon as
-//! every rank has mapped it, so nothing is left in `/dev/shm` even after `kill -9`). One worker
-//! thread per group owns the mappings and runs ops in submission order; see `engine/` for
-//! the step protocol and ARCHITECTURE.md for the path of one op.
-//!
-//! Guarantees:
-//! - every op, dtype and reduce op of `comm-core`; results reduced in rank order, so every
-//!   rank gets bit-identical output (f16/bf16 accumulate in f32);
-//! - ranks that call different ops, sizes, dtypes or roots get [`CommError::Mismatch`];
-//! - a peer that dies, exits or fails gives [`CommError::PeerLost`], and a peer that never
-//!   arrives gives [`CommError::Timeout`] after [`ShmOptions::timeout`];
-//! - buffers larger than the window are processed in chunks.
-//!
-//! # Backend mapping
-//! Small all_reduce/reduce: every rank reduces all inputs (one step). Large ones:
-//! reduce-scatter then all-gather through the double-buffered window. Point-to-point:
-//! per-pair mailboxes, progressed concurrently with collectives.
+//! Same-host shared-memory backend for comm: one segment per rank (mode 0600, unlinked once
+//! every rank mapped it), one worker thread per group, ops in submission order. Results are
+//! reduced in rank order (bit-identical on every rank); disagreeing ranks get
+//! [`CommError::Mismatch`], lost ones [`CommError::PeerLost`], absent ones
+//! [`CommError::Timeout`]. ARCHITECTURE.md ("shm backend") has the path of one op.
 
 #![deny(unsafe_code)]
 
-// Mapped memory is touched only in `segment` (mapping, raw access), `engine::steps` (the
-// step and mailbox protocol), `engine::zero_copy` and `arena` (buffers in shared memory).
+// Mapped memory is touched only in `segment`, `engine::steps`, `engine::zero_copy` and `arena`.
 mod arena;
 mod engine;
 mod layout;
@@ -59,47 +43,33 @@ pub struct ShmOptions {
     /// How long any wait for peers may take before [`CommError::Timeout`].
     pub timeout: Duration,
     /// Bytes per collective buffer (two per rank); larger ops are chunked. Default: a core's
-    /// L2 cache (64 KiB..1 MiB), so each step's copy-in, the peers' reads and the reduction
-    /// stay in cache.
+    /// L2 cache (64 KiB..1 MiB).
     pub window: usize,
     /// Bytes per point-to-point mailbox slot (two per peer per rank). `None` (the default): the
-    /// window's size while each rank's mailboxes stay within 32 MiB, less from 17 ranks up
-    /// (64 KiB..1 MiB; see `tuning::slot`).
+    /// window's size while each rank's mailboxes stay within 32 MiB (`tuning::slot`).
     pub p2p_slot: Option<usize>,
-    /// all_reduce/reduce up to this many bytes (at most `window`) use the one-step algorithm
-    /// (and may run inline); larger ones reduce-scatter and all-gather. `None` (the default):
-    /// the largest power of two whose `world + 1` copies (its buffer, its window copy, the
-    /// peers' copies) fit in a core's L2 cache, divided by `world / 2` from 3 ranks up (one
-    /// step moves that many times the bytes of two), 16 KiB..1 MiB.
+    /// all_reduce/reduce up to this many bytes (at most `window`) take one step (and may run
+    /// inline); larger ones reduce-scatter and all-gather. `None` (the default): from the L2
+    /// size and the rank count (`tuning::small_max`).
     pub small_max: Option<usize>,
-    /// Ops of several steps that move up to this many bytes per rank run on the caller's
-    /// thread when the group is idle, as one-step ops do (0: never). `None` (the default): two
-    /// windows, about 100 µs of copying; larger ops go to the worker thread, so a caller that
-    /// overlaps its own work with them is not held up.
+    /// Ops of several steps up to this many bytes per rank run on the caller's thread when
+    /// the group is idle (0: never). `None` (the default): two windows; larger ones go to the
+    /// worker, so a caller overlapping its own work with them is not held up.
     pub inline_max: Option<usize>,
-    /// Spin before sleeping; `None` picks: 50 µs, or 0 when the ranks outnumber the CPUs they
-    /// may run on together.
+    /// Spin before sleeping; `None`: 50 µs, or 0 when the ranks outnumber their CPUs.
     pub spin: Option<Duration>,
-    /// Bind each rank's worker thread to a core of its own (rank r: the r-th core of the CPUs
-    /// every rank may run on). `None` (the default): only where the group's threads, a caller
-    /// and a worker per rank, outnumber those CPUs, so the scheduler cannot leave two workers
-    /// stacked on one core; never when ranks outnumber cores or run on different CPU sets
-    /// (a launcher bound them). Sub-groups bind their workers to their process's core.
+    /// Bind each rank's worker thread to a core of its own. `None` (the default): only where
+    /// the group's threads outnumber the CPUs every rank may run on (`tuning::worker_cpu`).
     pub pin: Option<bool>,
-    /// How this rank's large collective steps write its window: `Some(true)` with streaming
-    /// stores, which bypass the caches, `Some(false)` with plain ones. `None` (the default):
-    /// plain, unless they run several times slower than streaming ones (timed as the op runs;
-    /// the cores of a VM's vCPUs can sit on different chiplets, where each plain store must
-    /// first take its line back from the peer that read it).
+    /// Write large steps' windows with streaming (`Some(true)`) or plain stores. `None` (the
+    /// default): plain, unless timing shows them several times slower (`engine::stores`).
     pub stream: Option<bool>,
-    /// From this many bytes, `HostBuffer`s of this process live in its shared-memory arena
-    /// once a group exists, and all_reduce, all_gather, reduce_scatter and broadcast of that
-    /// many bytes read the peers' buffers there in place instead of copying through the
-    /// window (rank 0's value decides this for a group). `None`: no arena (every buffer is heap
-    /// memory and ops copy). Default 256 KiB.
+    /// From this many bytes, `HostBuffer`s live in the process's shared-memory arena once a
+    /// group exists, and large ops read the peers' buffers there in place (rank 0's value
+    /// decides for a group). `None`: no arena. Default 256 KiB.
     pub arena_min: Option<usize>,
-    /// Bytes the arena may grow to; past them large buffers are heap memory (said once in the
-    /// log). Default: the free space of /dev/shm when the options are made.
+    /// Bytes the arena may grow to; past them large buffers are heap memory. Default: the
+    /// free space of /dev/shm.
     pub arena_max: usize,
 }
 
@@ -203,10 +173,9 @@ impl std::fmt::Debug for ShmBackend {
     }
 }
 
-/// The value rank `r` publishes under `key`, waited for until `deadline` in slices: a member
-/// of a shrunk group whose process (`known[r]`, from the old group) exits first, or a rank
-/// that gives up the rendezvous of group `abort` (its `{abort}/abort` key), fails the wait at
-/// once instead of at the deadline.
+/// The value rank `r` publishes under `key`, waited for until `deadline` in slices: if its
+/// process (`known[r]`) exits first, or a rank gives up the rendezvous of group `abort`, the
+/// wait fails at once instead of at the deadline.
 async fn get_from(
     store: &dyn Store,
     key: &str,
@@ -232,14 +201,10 @@ async fn get_from(
         if let Some(p) = known.filter(|p| p.alive() == Some(false)) {
             return Err(CommError::PeerLost {
                 rank: r,
-                detail: format!("its process {} exited before the group was made", p.pid),
+                detail: format!("its process {} exited during the rendezvous", p.pid),
             });
         }
     }
-}
-
-fn io_err(context: String) -> impl FnOnce(std::io::Error) -> CommError {
-    move |e| CommError::Io { context, source: e }
 }
 
 impl ShmBackend {
@@ -329,16 +294,14 @@ impl ShmBackend {
             ))
         })?;
         let mut rnd = [0u8; 8];
-        getrandom::fill(&mut rnd).map_err(|e| CommError::Io {
-            context: "random segment name".into(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
+        getrandom::fill(&mut rnd)
+            .map_err(|e| CommError::io("random segment name", std::io::Error::other(e.to_string())))?;
         let me_id = ProcId::current();
         let name = format!("/commshm-{}-{:016x}", me_id.pid, u64::from_le_bytes(rnd));
         let me = match Segment::create(&name, lay.total) {
             Ok(seg) => Arc::new(seg),
             Err(e) => {
-                let e = io_err(format!("creating shared memory `{name}` ({} bytes)", lay.total))(e);
+                let e = CommError::io(format!("creating shared memory `{name}` ({} bytes)", lay.total), e);
                 // Tell the others at once, instead of letting them wait for this rank's segment.
                 let _ = store.set(&format!("{prefix}/abort"), format!("rank {rank}: {e}").as_bytes()).await;
                 return Err(e);
@@ -390,13 +353,16 @@ impl ShmBackend {
                 }
                 engine::worker(worker_lane, worker_me, spin)
             })
-            .map_err(io_err("starting the shm worker thread".into()))?;
+            .map_err(|e| CommError::io("starting the shm worker thread", e))?;
         Ok(ShmBackend {
             inner: Arc::new(Inner {
                 admission: Admission::new(rank, world, poison),
                 tx,
                 lane,
-                limits: Limits { world, window: lay.window, small_max },
+                limits: match world {
+                    1 => Limits { world, window: usize::MAX, small_max: usize::MAX },
+                    _ => Limits { world, window: lay.window, small_max },
+                },
                 inline_max: opts.inline_max.unwrap_or(2 * lay.window),
                 worker_cpu,
                 me,
@@ -459,7 +425,7 @@ impl ShmBackend {
                 Err(e) => {
                     return Err(Self::gave_up(store, prefix)
                         .await
-                        .unwrap_or_else(|| io_err(format!("mapping rank {r}'s shared memory `{name}`"))(e)))
+                        .unwrap_or_else(|| CommError::io(format!("mapping rank {r}'s shared memory `{name}`"), e)))
                 }
             };
             let ok = seg.u64_at(OFF_MAGIC).load(SeqCst) == MAGIC
@@ -477,28 +443,9 @@ impl ShmBackend {
             procs.push(alive().map(|_| id));
         }
         store.set(&format!("{prefix}/mapped/{rank}"), b"1").await?;
-        let keys: Vec<String> = (0..world).map(|r| format!("{prefix}/mapped/{r}")).collect();
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-        // Wait in slices, checking the peers' processes between them: a peer killed now fails
-        // the rendezvous at once instead of at the timeout.
-        loop {
-            let left = to.saturating_sub(start.elapsed());
-            match store.wait(&keys, left.min(Duration::from_millis(100))).await {
-                Ok(()) => break,
-                Err(CommError::Timeout { .. }) if !left.is_zero() => {}
-                Err(e) => return Err(e),
-            }
-            if let Some((r, p)) =
-                procs.iter().enumerate().find_map(|(r, p)| p.filter(|p| p.alive() == Some(false)).map(|p| (r, p)))
-            {
-                return Err(CommError::PeerLost {
-                    rank: r as Rank,
-                    detail: format!("its process {} exited during the rendezvous", p.pid),
-                });
-            }
-            if let Some(e) = Self::gave_up(store, prefix).await {
-                return Err(e);
-            }
+        // Every peer mapped ours: a peer killed meanwhile fails this at once.
+        for r in (0..world).filter(|&r| r != rank) {
+            get_from(store, &format!("{prefix}/mapped/{r}"), r, &procs, start + to, Some(prefix)).await?;
         }
         Ok((segs, procs))
     }

@@ -11,7 +11,8 @@ use crate::engine::{Done, Engine, OneShot, Queued};
 
 type Result<T, E = CommError> = std::result::Result<T, E>;
 
-/// What decides whether an op fits one step; the same on every rank.
+/// What decides whether an op fits one step; the same on every rank. In a group of one rank
+/// every op fits (`window` and `small_max` are unbounded): it needs no step at all.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
     pub(crate) world: u32,
@@ -106,7 +107,7 @@ impl OneShotOutput for () {
 
 impl Plan for AllReduce {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if l.world > 1 && self.buf.byte_len() > l.small_max {
+        if self.buf.byte_len() > l.small_max {
             return Err(self);
         }
         Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: None })
@@ -119,7 +120,7 @@ impl Plan for AllReduce {
 
 impl Plan for Reduce {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if l.world > 1 && self.buf.byte_len() > l.small_max {
+        if self.buf.byte_len() > l.small_max {
             return Err(self);
         }
         Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: Some(self.root) })

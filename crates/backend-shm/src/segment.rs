@@ -60,15 +60,17 @@ impl Segment {
 
     /// Opens and maps an existing segment that must be at least `len` bytes long.
     pub(crate) fn open(name: &str, len: usize) -> io::Result<Segment> {
-        let fd = shm::open(name, shm::OFlags::RDWR, Mode::empty())?;
+        Self::map_existing(shm::open(name, shm::OFlags::RDWR, Mode::empty())?, len, name.to_owned())
+    }
+
+    /// Maps the first `len` bytes of `fd`, which must have that many.
+    fn map_existing(fd: rustix::fd::OwnedFd, len: usize, name: String) -> io::Result<Segment> {
         let size = rustix::fs::fstat(&fd)?.st_size as u64;
         if size < len as u64 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("segment `{name}` is {size} bytes, expected at least {len}"),
-            ));
+            let e = format!("segment `{name}` is {size} bytes, expected at least {len}");
+            return Err(io::Error::new(io::ErrorKind::InvalidData, e));
         }
-        Ok(Segment { base: Self::map(&fd, len)?, len, name: name.to_owned(), fd: None })
+        Ok(Segment { base: Self::map(&fd, len)?, len, name, fd: None })
     }
 
     /// An anonymous segment (`memfd_create`) of `len` bytes, mapped; its memory is taken as
@@ -100,16 +102,8 @@ impl Segment {
     /// `/proc/<pid>/fd/<fd>`: same user, same host).
     pub(crate) fn open_anonymous(pid: u32, fd: i32, len: usize) -> io::Result<Segment> {
         let path = format!("/proc/{pid}/fd/{fd}");
-        let file =
-            rustix::fs::open(path.as_str(), rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC, Mode::empty())?;
-        let size = rustix::fs::fstat(&file)?.st_size as u64;
-        if size < len as u64 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("{path} is {size} bytes, expected at least {len}"),
-            ));
-        }
-        Ok(Segment { base: Self::map(&file, len)?, len, name: path, fd: None })
+        let flags = rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC;
+        Self::map_existing(rustix::fs::open(path.as_str(), flags, Mode::empty())?, len, path)
     }
 
     /// The mapping's length.

@@ -90,13 +90,8 @@ pub(crate) fn spin(world: u32, cpus: Option<&CpuSet>) -> Duration {
 /// the scheduler. `sets`: every rank's CPUs (its affinity; `None` where it could not tell).
 /// `pin`: [`ShmOptions::pin`](crate::ShmOptions::pin). `cores`: one CPU per physical core of
 /// a set (see [`cores_of`]).
-///
-/// By default the workers are bound, one per core, when every rank may run on the same CPUs
-/// and the group's threads (a caller and a worker per rank) outnumber those CPUs: there the
-/// scheduler can leave two busy workers stacked on one CPU while another idles, each step
-/// then waiting on the other's time slice, for whole runs (it does not move threads that ran
-/// within the last half millisecond, and these always have). On a larger machine there are
-/// idle CPUs to wake on; ranks a launcher bound already have a CPU each.
+/// By default only when every rank may run on the same CPUs and the group's threads outnumber
+/// them (ARCHITECTURE.md says why).
 pub(crate) fn worker_cpu(
     rank: u32,
     sets: &[Option<CpuSet>],

@@ -10,15 +10,13 @@ use crate::layout::StepHeader;
 use super::stores::to_window;
 use super::{pieces, Choice, Engine, Io, Result};
 
+// Groups of one rank run every op but an uneven all_to_all in its one-step form (`Limits`).
 impl Engine {
     /// all_reduce, or reduce to `root` (non-roots keep their input).
     pub(crate) fn all_reduce(&mut self, buf: &mut HostBuffer, op: ReduceOp, root: Option<Rank>) -> Result<()> {
         let (dtype, count, es, n) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world);
         let code = if root.is_some() { OpKind::Reduce } else { OpKind::AllReduce };
         let hdr = self.header(code, dtype, count, root.unwrap_or(0), Some(op));
-        if n == 1 {
-            return Ok(());
-        }
         if root.is_none() && buf.byte_len() >= self.params.zc_min && self.zc_all_reduce(buf, op, &hdr)? {
             return Ok(());
         }
@@ -79,9 +77,6 @@ impl Engine {
     pub(crate) fn broadcast(&mut self, buf: &mut HostBuffer, root: Rank) -> Result<()> {
         let (es, root) = (buf.dtype().size(), root as usize);
         let hdr = self.header(OpKind::Broadcast, buf.dtype(), buf.len(), root as Rank, None);
-        if self.world == 1 {
-            return Ok(());
-        }
         if buf.byte_len() >= self.params.zc_min && self.zc_broadcast(buf, root, &hdr)? {
             return Ok(());
         }
@@ -105,15 +100,11 @@ impl Engine {
         let (dtype, count, es, n, me) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, self.rank);
         let mut out = r.output.take().unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n));
         let hdr = self.header(OpKind::AllGather, dtype, count, 0, None);
-        if n > 1 && r.input.byte_len() >= self.params.zc_min && self.zc_all_gather(r, &mut out, &hdr)? {
+        if r.input.byte_len() >= self.params.zc_min && self.zc_all_gather(r, &mut out, &hdr)? {
             return Ok(out);
         }
         let input = r.input.as_bytes();
         let dst = out.as_bytes_mut();
-        if n == 1 {
-            dst.copy_from_slice(input);
-            return Ok(out);
-        }
         for (off, len) in pieces(count, self.lay.window / es) {
             let src = &input[off * es..(off + len) * es];
             self.step(&hdr, src.len(), Choice::Timed, |io, stream| match io {
@@ -135,15 +126,11 @@ impl Engine {
         let block = r.input.len() / n;
         let mut out = r.output.take().unwrap_or_else(|| HostBuffer::zeroed(dtype, block));
         let hdr = self.header(OpKind::ReduceScatter, dtype, r.input.len(), 0, Some(op));
-        if n > 1 && r.input.byte_len() >= self.params.zc_min && self.zc_reduce_scatter(r, &mut out, &hdr)? {
+        if r.input.byte_len() >= self.params.zc_min && self.zc_reduce_scatter(r, &mut out, &hdr)? {
             return Ok(out);
         }
         let input = r.input.as_bytes();
         let dst = out.as_bytes_mut();
-        if n == 1 {
-            dst.copy_from_slice(input);
-            return Ok(out);
-        }
         for (off, len) in pieces(block, self.lay.window / es / n) {
             let b = len * es;
             self.step(&hdr, n * b, Choice::Timed, |io, stream| match io {
@@ -258,12 +245,6 @@ impl Engine {
         let input = r.input;
         let src = input.as_ref().filter(|_| me == root).map(HostBuffer::as_bytes);
         let dst = out.as_bytes_mut();
-        if n == 1 {
-            if let Some(s) = src {
-                dst.copy_from_slice(s);
-            }
-            return Ok(InOut { input: input.unwrap_or_else(|| HostBuffer::zeroed(dtype, 0)), output: out });
-        }
         for (off, len) in pieces(block, self.lay.window / es / n) {
             let b = len * es;
             let choice = if src.is_some() { Choice::Writes } else { Choice::Plain };
@@ -307,12 +288,6 @@ impl Engine {
         {
             let src = input.as_bytes();
             let mut dst = out.as_mut().map(HostBuffer::as_bytes_mut);
-            if n == 1 {
-                if let Some(d) = dst {
-                    d.copy_from_slice(src);
-                }
-                return Ok(done(out, input));
-            }
             for (off, len) in pieces(count, self.lay.window / es) {
                 let piece = &src[off * es..(off + len) * es];
                 let choice = if is_root { Choice::Plain } else { Choice::Writes };

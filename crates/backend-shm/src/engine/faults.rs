@@ -80,20 +80,22 @@ impl Engine {
         self.ring_all();
         self.poison.set(cause.clone());
         self.poisoned = Some(cause);
-        let cause = self.poisoned.clone().unwrap_or_default();
-        let err = || CommError::Poisoned { cause: cause.clone() };
-        for q in &mut self.sends {
-            for op in q.drain(..) {
-                op.done.complete(Err(err()));
-            }
-        }
-        for q in &mut self.recvs {
-            for op in q.drain(..) {
-                op.done.complete(Err(err()));
-            }
+        let err = CommError::Poisoned { cause: self.poisoned.clone().unwrap_or_default() };
+        for peer in 0..self.world {
+            self.fail_p2p(peer, &err);
         }
         for cmd in std::mem::take(&mut self.colls) {
-            self.fail(cmd, err());
+            self.fail(cmd, err.duplicate());
+        }
+    }
+
+    /// Fails every send to and receive from `peer` with `e`.
+    pub(super) fn fail_p2p(&mut self, peer: usize, e: &CommError) {
+        for op in self.sends[peer].drain(..) {
+            op.done.complete(Err(e.duplicate()));
+        }
+        for op in self.recvs[peer].drain(..) {
+            op.done.complete(Err(e.duplicate()));
         }
     }
 
@@ -115,8 +117,9 @@ impl Engine {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
-    /// `Err` when `peer` can no longer make progress: it aborted, shut down, or died.
-    pub(super) fn check_peer(&mut self, peer: usize, throttle: bool) -> Result<()> {
+    /// `Err` when `peer` can no longer make progress: it aborted, shut down, or died (its
+    /// process is looked at every 50 ms at most).
+    pub(super) fn check_peer(&mut self, peer: usize) -> Result<()> {
         match self.segs[peer].u32_at(OFF_STATE).load(Acquire) {
             STATE_ABORTED => {
                 return Err(CommError::PeerLost {
@@ -132,7 +135,7 @@ impl Engine {
             }
             _ => {}
         }
-        if throttle && self.last_liveness.elapsed() < Duration::from_millis(50) {
+        if self.last_liveness.elapsed() < Duration::from_millis(50) {
             return Ok(());
         }
         self.last_liveness = Instant::now();

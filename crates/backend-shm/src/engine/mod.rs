@@ -169,15 +169,9 @@ enum Phase {
     Readable(u64),
 }
 
-struct SendOp {
-    req: SendTo,
-    done: Completer<HostBuffer>,
-    offset: usize,
-    started: Instant,
-}
-
-struct RecvOp {
-    req: RecvFrom,
+/// A send or receive in its peer's queue, `offset` bytes of it done.
+struct Message<R> {
+    req: R,
     done: Completer<HostBuffer>,
     offset: usize,
     started: Instant,
@@ -209,8 +203,8 @@ pub struct Engine {
     closing: bool,
     shutdown_waiters: Vec<Completer<()>>,
 
-    sends: Vec<VecDeque<SendOp>>,
-    recvs: Vec<VecDeque<RecvOp>>,
+    sends: Vec<VecDeque<Message<SendTo>>>,
+    recvs: Vec<VecDeque<Message<RecvFrom>>>,
     /// Chunks published to each peer.
     sent: Vec<u64>,
     /// Chunks taken from each peer (and acknowledged to it).
@@ -395,7 +389,7 @@ impl Engine {
             return done.complete(Err(e));
         }
         let dst = req.dst as usize;
-        self.sends[dst].push_back(SendOp { req, done, offset: 0, started: Instant::now() });
+        self.sends[dst].push_back(Message { req, done, offset: 0, started: Instant::now() });
     }
 
     pub(crate) fn queue_recv(&mut self, req: RecvFrom, done: Completer<HostBuffer>) {
@@ -403,7 +397,7 @@ impl Engine {
             return done.complete(Err(e));
         }
         let src = req.src as usize;
-        self.recvs[src].push_back(RecvOp { req, done, offset: 0, started: Instant::now() });
+        self.recvs[src].push_back(Message { req, done, offset: 0, started: Instant::now() });
     }
 
     fn execute(&mut self, cmd: Command) {

@@ -101,41 +101,35 @@ impl OneShot {
         }
     }
 
-    pub(super) fn name(&self) -> &'static str {
+    /// What its step header says: kind, dtype, count, root, reduce op (as the queued forms of
+    /// the ops say it, so both forms check against each other; all_to_all's aux 0: equal splits).
+    fn signature(&self) -> (OpKind, DType, usize, Rank, Option<ReduceOp>) {
         match self {
-            OneShot::AllReduce { root: None, .. } => "all_reduce",
-            OneShot::AllReduce { .. } => "reduce",
-            OneShot::Broadcast { .. } => "broadcast",
-            OneShot::AllGather { .. } => "all_gather",
-            OneShot::ReduceScatter { .. } => "reduce_scatter",
-            OneShot::AllToAll { .. } => "all_to_all",
-            OneShot::Scatter { .. } => "scatter",
-            OneShot::Gather { .. } => "gather",
-            OneShot::Barrier => "barrier",
-            OneShot::Arrive { kind, .. } => kind.name(),
+            OneShot::AllReduce { buf, op, root: None } => (OpKind::AllReduce, buf.dtype(), buf.len(), 0, Some(*op)),
+            OneShot::AllReduce { buf, op, root: Some(r) } => (OpKind::Reduce, buf.dtype(), buf.len(), *r, Some(*op)),
+            OneShot::Broadcast { buf, root } => (OpKind::Broadcast, buf.dtype(), buf.len(), *root, None),
+            OneShot::AllGather { input, .. } => (OpKind::AllGather, input.dtype(), input.len(), 0, None),
+            OneShot::ReduceScatter { input, op, .. } => {
+                (OpKind::ReduceScatter, input.dtype(), input.len(), 0, Some(*op))
+            }
+            OneShot::AllToAll { input, .. } => (OpKind::AllToAll, input.dtype(), input.len(), 0, None),
+            OneShot::Scatter { out, root, .. } => (OpKind::Scatter, out.dtype(), out.len(), *root, None),
+            OneShot::Gather { input, root, .. } => (OpKind::Gather, input.dtype(), input.len(), *root, None),
+            OneShot::Barrier => (OpKind::Barrier, DType::U8, 0, 0, None),
+            OneShot::Arrive { kind, dtype, count } => (*kind, *dtype, *count, 0, None),
         }
     }
 
+    pub(super) fn name(&self) -> &'static str {
+        self.signature().0.name()
+    }
+
     pub(super) fn header(&self, e: &Engine) -> StepHeader {
+        let (kind, dtype, count, root, op) = self.signature();
+        let h = e.header(kind, dtype, count, root, op);
         match self {
-            OneShot::AllReduce { buf, op, root } => {
-                let code = if root.is_some() { OpKind::Reduce } else { OpKind::AllReduce };
-                e.header(code, buf.dtype(), buf.len(), root.unwrap_or(0), Some(*op))
-            }
-            OneShot::Broadcast { buf, root } => e.header(OpKind::Broadcast, buf.dtype(), buf.len(), *root, None),
-            OneShot::AllGather { input, .. } => e.header(OpKind::AllGather, input.dtype(), input.len(), 0, None),
-            OneShot::ReduceScatter { input, op, .. } => {
-                e.header(OpKind::ReduceScatter, input.dtype(), input.len(), 0, Some(*op))
-            }
-            // aux 0: equal splits, as in `Engine::all_to_all`.
-            OneShot::AllToAll { input, .. } => e.header(OpKind::AllToAll, input.dtype(), input.len(), 0, None),
-            // As in `Engine::scatter` and `Engine::gather`.
-            OneShot::Scatter { out, root, .. } => e.header(OpKind::Scatter, out.dtype(), out.len(), *root, None),
-            OneShot::Gather { input, root, .. } => e.header(OpKind::Gather, input.dtype(), input.len(), *root, None),
-            OneShot::Barrier => e.header(OpKind::Barrier, DType::U8, 0, 0, None),
-            OneShot::Arrive { kind, dtype, count } => {
-                StepHeader { aux: AUX_ARRIVE, ..e.header(*kind, *dtype, *count, 0, None) }
-            }
+            OneShot::Arrive { .. } => StepHeader { aux: AUX_ARRIVE, ..h },
+            _ => h,
         }
     }
 
@@ -261,31 +255,19 @@ impl OneShot {
     }
 
     /// The result in a world of one rank, where no step is needed.
-    pub(super) fn alone(self) -> OneShot {
-        match self {
-            OneShot::AllGather { input, mut out } => {
-                out.as_bytes_mut().copy_from_slice(input.as_bytes());
-                OneShot::AllGather { input, out }
-            }
-            OneShot::ReduceScatter { input, mut out, op } => {
-                out.as_bytes_mut().copy_from_slice(input.as_bytes());
-                OneShot::ReduceScatter { input, out, op }
-            }
-            OneShot::Scatter { input: Some(input), mut out, root, n } => {
-                out.as_bytes_mut().copy_from_slice(input.as_bytes());
-                OneShot::Scatter { input: Some(input), out, root, n }
-            }
-            OneShot::Gather { input, out, root } => {
-                let mut out = out.unwrap_or_else(|| HostBuffer::zeroed(input.dtype(), input.len()));
-                out.as_bytes_mut().copy_from_slice(input.as_bytes());
-                OneShot::Gather { input, out: Some(out), root }
-            }
-            OneShot::AllToAll { input, mut out, n } => {
-                out.as_bytes_mut().copy_from_slice(input.as_bytes());
-                OneShot::AllToAll { input, out, n }
-            }
-            other => other,
+    pub(super) fn alone(mut self) -> OneShot {
+        match &mut self {
+            OneShot::AllGather { input, out }
+            | OneShot::ReduceScatter { input, out, .. }
+            | OneShot::AllToAll { input, out, .. }
+            | OneShot::Scatter { input: Some(input), out, .. } => out.as_bytes_mut().copy_from_slice(input.as_bytes()),
+            OneShot::Gather { input, out, .. } => out
+                .get_or_insert_with(|| HostBuffer::zeroed(input.dtype(), input.len()))
+                .as_bytes_mut()
+                .copy_from_slice(input.as_bytes()),
+            _ => {}
         }
+        self
     }
 }
 

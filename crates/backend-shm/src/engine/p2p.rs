@@ -212,7 +212,7 @@ impl Engine {
                 .min();
             let Some(started) = oldest else { continue };
             let timeout = self.params.timeout;
-            let r = self.check_peer(peer, true).and_then(|()| match started.elapsed() >= timeout {
+            let r = self.check_peer(peer).and_then(|()| match started.elapsed() >= timeout {
                 true => Err(CommError::Timeout {
                     op: "send/recv".into(),
                     after: timeout,
@@ -223,12 +223,7 @@ impl Engine {
             if let Err(e) = r {
                 // Every send and recv waiting on this peer gets the real cause; the others
                 // see the group poisoned.
-                for op in self.sends[peer].drain(..) {
-                    op.done.complete(Err(e.duplicate()));
-                }
-                for op in self.recvs[peer].drain(..) {
-                    op.done.complete(Err(e.duplicate()));
-                }
+                self.fail_p2p(peer, &e);
                 return Err(e);
             }
         }

@@ -60,7 +60,7 @@ impl Engine {
             }
             let late: Vec<usize> = (0..self.world).filter(|&p| p != self.rank && self.peer_step(p) < target).collect();
             for &p in &late {
-                self.check_peer(p, true)?;
+                self.check_peer(p)?;
             }
             if start.elapsed() >= self.params.timeout {
                 let who: Vec<String> = late.iter().map(|p| format!("rank {p}")).collect();

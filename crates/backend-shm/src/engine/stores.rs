@@ -1,24 +1,8 @@
-//! How a large piece of a collective writes its window: plain stores, or streaming ones when
-//! plain ones crawl.
-//!
-//! A window line the peers read in a previous step may still be in their caches, and a plain
-//! store to it first takes it back from there, one round trip per line. Where the cores share
-//! a cache that costs little, but a virtual machine's vCPUs can sit on cores of different
-//! chiplets for seconds at a time, and then plain stores into the window run ~10× slower than
-//! streaming ones, which bypass every cache (the readers then fetch the lines from memory: ~2×
-//! slower than from a shared cache, so plain stores stay the default). The engine times each
-//! large piece, waits included (`Engine::choose`/`chosen`: the peers' reads of what we wrote
-//! delay our next wait for them), streams while the least of the last few plain pieces costs
-//! several times a streaming one per byte, and tries the other kind now and then, less often
-//! each time it loses. Each op kind, and one-step all_reduces, keep their own [`Stores`]
-//! (their work per byte differs). Ranks choose each for itself.
-//!
-//! Point-to-point chunks ([`Stores::writes`]) are timed by their copy into the mailbox alone:
-//! a receiver copies a chunk out whenever it gets to it, so the sender cannot time the reads.
-//! The copy shows the crawl by itself (plain stores ~10× slower than streaming ones apart,
-//! about as fast where the cache is shared); what it cannot show is the receiver's slower
-//! reads of streamed lines, so those stream only where plain copies cost [`SLOWER_WRITES`]
-//! times more.
+//! How a large piece of a collective writes its window: plain stores, or streaming ones while
+//! plain ones crawl (a VM's vCPUs on different chiplets, where a plain store first takes its
+//! line back from the peer that read it). Each rank times its pieces and chooses for itself;
+//! ARCHITECTURE.md ("Plain or streaming window stores") has the rule and why. Point-to-point
+//! chunks ([`Stores::writes`]) are timed by their copy alone: the sender cannot time the reads.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -77,10 +61,11 @@ impl Stores {
     /// Starts a piece that moves `bytes` per rank: whether its copies into the window stream,
     /// and when it started where its time counts (for [`finish`](Self::finish)).
     pub(super) fn start(&mut self, bytes: usize) -> (bool, Option<Instant>) {
-        if self.fixed.is_none() && bytes < MIN {
-            return (false, None);
+        match self.fixed {
+            Some(fixed) => (fixed, None),
+            None if bytes < MIN => (false, None),
+            None => (self.pick(), Some(Instant::now())),
         }
-        (self.pick(bytes), Some(Instant::now()))
     }
 
     /// Ends a piece [`start`](Self::start) began, waits included: a peer's reads of what we
@@ -91,14 +76,8 @@ impl Stores {
         }
     }
 
-    /// Whether a step that moves `bytes` should stream.
-    fn pick(&mut self, bytes: usize) -> bool {
-        if let Some(fixed) = self.fixed {
-            return fixed;
-        }
-        if bytes < MIN {
-            return false;
-        }
+    /// Whether a timed step should stream.
+    fn pick(&mut self) -> bool {
         if self.until_try == 0 {
             self.until_try = self.interval;
             return !self.streaming;
@@ -109,9 +88,6 @@ impl Stores {
 
     /// What the work of a step of `bytes` that [`pick`](Self::pick) chose for took.
     fn record(&mut self, streaming: bool, bytes: usize, took: Duration) {
-        if bytes < MIN || self.fixed.is_some() {
-            return;
-        }
         let cost = took.as_nanos() as f64 * 1024.0 / bytes as f64;
         if streaming {
             self.stream = Some(cost);
@@ -168,7 +144,7 @@ mod tests {
     fn run(s: &mut Stores, n: usize, plain: u64, stream: u64) -> usize {
         (0..n)
             .filter(|_| {
-                let st = s.pick(1 << 20);
+                let st = s.pick();
                 s.record(st, 1 << 20, Duration::from_micros(if st { stream } else { plain }));
                 st
             })
@@ -189,14 +165,10 @@ mod tests {
         run(&mut s, 1100, 40, 35);
         assert!(!s.streaming());
         // Small copies never stream and do not count.
-        assert!(!s.pick(MIN - 1));
-        s.record(true, MIN - 1, Duration::from_secs(1));
-        assert!(!s.streaming());
-        // A kind set by the user stays, at any size.
+        assert_eq!(s.start(MIN - 1), (false, None));
+        // A kind set by the user stays, at any size, untimed.
         let mut s = Stores::new(Some(true));
-        assert!(s.pick(64) && s.pick(1 << 20));
-        s.record(true, 1 << 20, Duration::from_secs(1));
-        assert!(s.pick(1 << 20));
+        assert_eq!((s.start(64), s.start(1 << 20)), ((true, None), (true, None)));
     }
 
     #[test]

@@ -240,12 +240,10 @@ impl Engine {
             return Ok(hit.1);
         }
         let pid = self.procs[peer].map_or(0, |p| p.pid);
-        let seg = Segment::open_anonymous(pid, place.fd, place.chunk_len).map_err(|e| CommError::Io {
-            context: format!(
-                "mapping rank {peer}'s shared-memory arena (process {pid}, fd {}); COMM_SHM_ARENA_MIN=off turns the arena off",
-                place.fd
-            ),
-            source: e,
+        let seg = Segment::open_anonymous(pid, place.fd, place.chunk_len).map_err(|e| {
+            let fd = place.fd;
+            let what = format!("mapping rank {peer}'s shared-memory arena (process {pid}, fd {fd}); COMM_SHM_ARENA_MIN=off turns the arena off");
+            CommError::io(what, e)
         })?;
         let seg = Arc::new(seg);
         self.zc_maps.retain(|(k, _)| *k != key);
