@@ -14,10 +14,17 @@ const FALLBACK_L2: usize = 512 << 10;
 /// The per-core L2 (or, lacking one, the last private data/unified cache) of CPU 0, in bytes.
 pub(crate) fn l2_bytes() -> usize {
     static L2: OnceLock<usize> = OnceLock::new();
-    *L2.get_or_init(|| read_l2("/sys/devices/system/cpu/cpu0/cache").unwrap_or(FALLBACK_L2))
+    *L2.get_or_init(|| read_cache("/sys/devices/system/cpu/cpu0/cache", 2).unwrap_or(FALLBACK_L2))
 }
 
-fn read_l2(dir: &str) -> Option<usize> {
+/// The L3 of CPU 0 in bytes (8 MiB where sysfs does not say): output beyond it will not stay
+/// in cache, so copies into it stream (they skip reading each line before writing it).
+pub(crate) fn l3_bytes() -> usize {
+    static L3: OnceLock<usize> = OnceLock::new();
+    *L3.get_or_init(|| read_cache("/sys/devices/system/cpu/cpu0/cache", 3).unwrap_or(8 << 20))
+}
+
+fn read_cache(dir: &str, want: u32) -> Option<usize> {
     let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok().map(|s| s.trim().to_owned());
     std::fs::read_dir(dir)
         .ok()?
@@ -28,7 +35,7 @@ fn read_l2(dir: &str) -> Option<usize> {
             let level: u32 = read(p.join("level"))?.parse().ok()?;
             let kind = read(p.join("type"))?;
             let size = parse_size(&read(p.join("size"))?).ok()?;
-            (level == 2 && kind != "Instruction").then_some(size)
+            (level == want && kind != "Instruction").then_some(size)
         })
         .max()
         .filter(|&s| s >= 64 << 10)
@@ -218,9 +225,10 @@ mod tests {
             std::fs::write(d.join("type"), format!("{kind}\n")).unwrap();
             std::fs::write(d.join("size"), format!("{size}\n")).unwrap();
         }
-        assert_eq!(read_l2(dir.to_str().unwrap()), Some(1 << 20));
+        assert_eq!(read_cache(dir.to_str().unwrap(), 2), Some(1 << 20));
+        assert_eq!(read_cache(dir.to_str().unwrap(), 3), Some(32 << 20));
         std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(read_l2("/nonexistent"), None);
+        assert_eq!(read_cache("/nonexistent", 2), None);
         assert!(l2_bytes() >= 64 << 10);
     }
 }

@@ -705,6 +705,13 @@ fn a_loop_of_large_ops_holds_its_memory() {
         if !left.is_empty() {
             return Err(format!("segments left in /dev/shm: {left:?}"));
         }
+        // An output larger than the L3 cache is written with streaming stores.
+        let got = pg.all_gather(HostBuffer::from(vec![rank as f32; LEN])).await.map_err(e)?;
+        let ok =
+            got.as_slice::<f32>().map_err(e)?.chunks(LEN).enumerate().all(|(r, c)| c.iter().all(|&x| x == r as f32));
+        if !ok {
+            return Err("wrong all_gather".into());
+        }
         Ok(())
     });
 }

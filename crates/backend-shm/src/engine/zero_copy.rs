@@ -11,7 +11,9 @@ use comm_kernels::{self as kernels, Src};
 use crate::arena::{self, Block, Place};
 use crate::layout::{StepHeader, CARRIED};
 use crate::segment::Segment;
+use crate::tuning;
 
+use super::stores::to_window;
 use super::{Engine, Phase, Result, AUX_ZERO_COPY, ZC_CACHE};
 
 /// Peers' buffers mapped here for one op (index: rank; ours `None`): chunk and offset.
@@ -156,13 +158,14 @@ impl Engine {
     pub(super) fn zc_all_gather(&mut self, r: &AllGather, out: &mut HostBuffer, hdr: &StepHeader) -> Result<bool> {
         let (bytes, me) = (r.input.byte_len(), self.rank);
         let Some(peers) = self.zc_where(hdr, place_of(&r.input), |_| true, bytes)? else { return Ok(false) };
+        let stream = out.byte_len() > tuning::l3_bytes();
         let dst = out.as_bytes_mut();
         for (p, mapped) in peers.iter().enumerate() {
             let to = &mut dst[p * bytes..(p + 1) * bytes];
             match mapped {
                 // SAFETY: peer `p`'s input is in its op until the last step; nobody writes it.
-                Some((seg, base)) => to.copy_from_slice(unsafe { seg.bytes(*base, bytes) }),
-                None if p == me => to.copy_from_slice(r.input.as_bytes()),
+                Some((seg, base)) => to_window(stream, to, unsafe { seg.bytes(*base, bytes) }),
+                None if p == me => to_window(stream, to, r.input.as_bytes()),
                 None => unreachable!("zc_where maps every peer"),
             }
         }
@@ -200,8 +203,9 @@ impl Engine {
         let mine = if me == root { place_of(buf) } else { None };
         let Some(peers) = self.zc_where(hdr, mine, |p| p == root, bytes)? else { return Ok(false) };
         if let Some((seg, base)) = &peers[root] {
+            let stream = bytes > tuning::l3_bytes();
             // SAFETY: the root's buffer is in its op until the last step; nobody writes it.
-            buf.as_bytes_mut().copy_from_slice(unsafe { seg.bytes(*base, bytes) });
+            to_window(stream, buf.as_bytes_mut(), unsafe { seg.bytes(*base, bytes) });
         }
         self.zc_done(hdr)
     }
