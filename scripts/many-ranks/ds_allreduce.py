@@ -44,7 +44,7 @@ def main():
                 t.fill_(rank + 1)
                 ds.inference_all_reduce(t)
             want = n * (n + 1) / 2
-            ok = bool(torch.all(t == want)) if name == "f32" else True
+            ok = bool(torch.all(t == want))  # exact in bf16 too up to 16 ranks (136)
             dist.barrier()
             start = time.perf_counter()
             for _ in range(iters):
