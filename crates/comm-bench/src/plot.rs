@@ -8,6 +8,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use plotters::coord::ranged1d::{KeyPointHint, NoDefaultFormatting, Ranged, ValueFormatter};
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use crate::saved::SavedReport;
@@ -270,24 +271,40 @@ pub(crate) fn render(reports: &[SavedReport], title_text: Option<&str>) -> Resul
             .draw()
             .map_err(|e| err(&e))?;
         for (i, s) in lines.iter().enumerate() {
-            let color = COLORS[i % COLORS.len()];
-            chart
-                .draw_series(LineSeries::new(s.points.iter().copied(), color.stroke_width(LINE_WIDTH)))
-                .map_err(|e| err(&e))?
-                .label(s.label.as_str())
-                .legend(move |(x, y)| Rectangle::new([(x, y - 3), (x + 18, y + 3)], color.filled()));
-            chart.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(|e| err(&e))?;
+            line(&mut chart, &s.points, COLORS[i % COLORS.len()], Some(&s.label))?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .border_style(BLACK)
-            .background_style(WHITE.mix(0.85))
-            .draw()
-            .map_err(|e| err(&e))?;
+        legend(&mut chart, SeriesLabelPosition::UpperLeft)?;
         root.present().map_err(|e| err(&e))?;
     }
     Ok(svg)
+}
+
+type Chart<'a, 'b> = ChartContext<'a, SVGBackend<'b>, Cartesian2d<Log2, RangedCoordf64>>;
+
+/// One data line with a marker per point, named in the legend when `label` is given.
+fn line(chart: &mut Chart<'_, '_>, points: &[(f64, f64)], color: RGBColor, label: Option<&str>) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Display| format!("drawing the plot: {e}");
+    let drawn = chart
+        .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(LINE_WIDTH)))
+        .map_err(|e| err(&e))?;
+    if let Some(label) = label {
+        drawn.label(label).legend(move |(x, y)| Rectangle::new([(x, y - 3), (x + 18, y + 3)], color.filled()));
+    }
+    chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(|e| err(&e))?;
+    Ok(())
+}
+
+fn legend<'a, 'b>(chart: &mut Chart<'a, 'b>, at: SeriesLabelPosition) -> Result<(), String>
+where
+    'b: 'a,
+{
+    chart
+        .configure_series_labels()
+        .position(at)
+        .border_style(BLACK)
+        .background_style(WHITE.mix(0.85))
+        .draw()
+        .map_err(|e| format!("drawing the plot: {e}"))
 }
 
 /// busbw against ranks (log2 axis), a panel per size of [`panel_sizes`], one line per
@@ -341,26 +358,13 @@ fn render_scaling(reports: &[SavedReport], title_text: Option<&str>) -> Result<S
                 .y_label_formatter(&|y| format!("{y:.2}"))
                 .draw()
                 .map_err(|e| err(&e))?;
+            // The legend once, in the first panel.
             for (i, points) in lines.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
-                let color = COLORS[i % COLORS.len()];
-                let drawn = chart
-                    .draw_series(LineSeries::new(points.iter().copied(), color.stroke_width(LINE_WIDTH)))
-                    .map_err(|e| err(&e))?;
-                if panel == 0 {
-                    drawn
-                        .label(label(&keys[i]))
-                        .legend(move |(x, y)| Rectangle::new([(x, y - 3), (x + 18, y + 3)], color.filled()));
-                }
-                chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(|e| err(&e))?;
+                let name = (panel == 0).then(|| label(&keys[i]));
+                line(&mut chart, points, COLORS[i % COLORS.len()], name.as_deref())?;
             }
             if panel == 0 {
-                chart
-                    .configure_series_labels()
-                    .position(SeriesLabelPosition::UpperRight)
-                    .border_style(BLACK)
-                    .background_style(WHITE.mix(0.85))
-                    .draw()
-                    .map_err(|e| err(&e))?;
+                legend(&mut chart, SeriesLabelPosition::UpperRight)?;
             }
         }
         root.present().map_err(|e| err(&e))?;
