@@ -372,6 +372,21 @@ fn interleaved(b: &BenchArgs) -> Option<&str> {
     b.backends.iter().map(String::as_str).find(|x| ["shm", "mpi"].contains(x))
 }
 
+/// `comm-bench compare` or `scaling` (`sub`) over `reports` (backend, path, round), a
+/// `BACKEND=PATH,PATH...` argument per backend.
+fn tables(target: &Path, sub: &str, backends: &[String], reports: &[(String, PathBuf, u32)]) -> Command {
+    let mut c = Command::new(target.join("comm-bench"));
+    c.current_dir(root()).arg(sub);
+    for k in backends {
+        let paths: Vec<String> =
+            reports.iter().filter(|(x, ..)| x == k).map(|(_, p, _)| p.display().to_string()).collect();
+        if !paths.is_empty() {
+            c.arg(format!("{k}={}", paths.join(",")));
+        }
+    }
+    c
+}
+
 /// Where a report goes when the user asked for none but the tables or the plot need it.
 fn scratch(target: &Path, backend: &str, np: u32) -> PathBuf {
     target.join("xtask-bench").join(format!("{backend}.np{np}.json"))
@@ -532,16 +547,7 @@ pub(crate) fn bench(cli: BenchCli) -> Result {
         }
         if np_reports.len() > 1 {
             println!("\n== {} side by side, {np} ranks ==", b.backends.join(" vs "));
-            let mut c = Command::new(target.join("comm-bench"));
-            c.current_dir(root()).arg("compare");
-            for k in &b.backends {
-                let paths: Vec<String> =
-                    np_reports.iter().filter(|(x, ..)| x == k).map(|(_, p, _)| p.display().to_string()).collect();
-                if !paths.is_empty() {
-                    c.arg(format!("{k}={}", paths.join(",")));
-                }
-            }
-            if let Err(e) = run(c) {
+            if let Err(e) = run(tables(&target, "compare", &b.backends, &np_reports)) {
                 first_failure.get_or_insert(e);
             }
         }
@@ -551,16 +557,7 @@ pub(crate) fn bench(cli: BenchCli) -> Result {
     }
     if b.nps.len() > 1 && !every.is_empty() {
         println!("\n== scaling, {} ranks ==", b.nps.iter().map(u32::to_string).collect::<Vec<_>>().join(", "));
-        let mut c = Command::new(target.join("comm-bench"));
-        c.current_dir(root()).arg("scaling");
-        for k in &b.backends {
-            let paths: Vec<String> =
-                every.iter().filter(|(x, ..)| x == k).map(|(_, p, _)| p.display().to_string()).collect();
-            if !paths.is_empty() {
-                c.arg(format!("{k}={}", paths.join(",")));
-            }
-        }
-        if let Err(e) = run(c) {
+        if let Err(e) = run(tables(&target, "scaling", &b.backends, &every)) {
             first_failure.get_or_insert(e);
         }
     }
