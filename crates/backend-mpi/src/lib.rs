@@ -2,59 +2,8 @@
 //!
 //! Launch the program with `mpirun -np N prog` (as root add `--allow-run-as-root`, and
 //! `--oversubscribe` for more ranks than cores); [`MpiBackend::init`] returns the world group.
-//!
-//! # Design
-//! - **One worker thread** initialises MPI (asking for `MPI_THREAD_MULTIPLE`, so the panic hook
-//!   may call `MPI_Abort` from any thread), owns every communicator and request, and runs the
-//!   ops handed to it. Handles are `Send + Sync` and talk to it over a channel. Where MPI
-//!   provides `MPI_THREAD_MULTIPLE`, a small collective or an all_reduce submitted while the
-//!   worker holds none of its group's collectives runs on the caller's thread instead, under
-//!   the group's lane lock (no hand-off; handed to the worker if peers are late). See `engine/lane.rs`.
-//! - **Nonblocking to the user.** Every op is an `MPI_I*` call completed by polling
-//!   (`MPI_Test`), so point-to-point ops and collectives of different groups are in flight
-//!   together: an `isend` never blocks a collective. A group's collectives run one at a time in
-//!   submission order, which is the order MPI needs on every rank. Past the header exchange a
-//!   collective makes MPI's faster blocking calls where no rank had another group's collective
-//!   unfinished when it sent its header (then no two blocked threads can wait on each other).
-//! - **Owned buffers** move into the request and come back when MPI completes it; all `unsafe`
-//!   is in `raw.rs`, which never frees memory MPI may still use.
-//! - **Exact reductions.** By default every reduction is computed by this backend in rank
-//!   order (f16/bf16 accumulate in f32 and round once), so results are bit-identical on every
-//!   rank, at every world size, and to `comm_test::reference` and the shm backend. MPI's own
-//!   reductions may combine ranks in any order (user-defined ops also round f16/bf16 at every
-//!   step), and MPI's 8-bit kernels can be wrong (Open MPI 4.1 saturates sums, MPICH 4.0
-//!   compares `uint8_t` as signed). Small
-//!   messages: all-gather + local reduce (one round); large ones: `alltoallv` of slices +
-//!   local reduce + `allgatherv` (bandwidth-optimal, like a ring). [`Reduction::Native`] (opt
-//!   in) hands reductions to MPI: built-in ops for integers and f32/f64, user-defined MPI ops
-//!   (combining in f32) for f16/bf16.
-//! - **Errors instead of aborts.** Communicators use `MPI_ERRORS_RETURN` and every return code
-//!   is checked. With checking on (default), every collective starts by gathering a 32-byte
-//!   header from each rank (op, dtype, count, root, reduce op), so ranks that call different ops
-//!   or sizes get [`CommError::Mismatch`] on every rank instead of undefined MPI behaviour;
-//!   all_to_all also checks every pair's split sizes. Point-to-point tags carry the dtype (low 3
-//!   bits), and a receive of the wrong size is a `Mismatch` (MPI's truncation error, or the
-//!   received count).
-//! - **Timeouts everywhere.** An op that does not complete within [`MpiOptions::timeout`]
-//!   fails with [`CommError::Timeout`] and poisons its group (later ops fail fast with
-//!   `Poisoned`); its buffers stay with MPI. A rank that dies usually makes `mpirun` end the
-//!   job; where it does not, the others end with an error within the timeout.
-//! - **A panic ends the job** (`MPI_Abort` from a panic hook, unless
-//!   [`MpiOptions::abort_on_panic`] is off): otherwise the other ranks would hang in their
-//!   next collective or in `MPI_Finalize`.
-//! - **Finalisation.** Shutting a world group down ([`Group::shutdown`]) finishes every
-//!   group's submitted ops, frees the communicators and calls `MPI_Finalize`; MPI cannot be
-//!   initialised again in the process. A process that never does it is finalised at exit
-//!   (an `atexit` hook), so `mpirun` sees a clean exit.
-//!
-//! # Backend mapping
-//! broadcast `MPI_Ibcast`; all_gather `MPI_Iallgather`; scatter `MPI_Iscatter`; gather
-//! `MPI_Igather`; all_to_all `MPI_Ialltoallv`; barrier: the header exchange (or `MPI_Ibarrier`
-//! with checking off); all_reduce / reduce / reduce_scatter as above (native mode:
-//! `MPI_Iallreduce` in place / `MPI_Ireduce` / `MPI_Ireduce_scatter_block`); send/recv
-//! `MPI_Isend` / `MPI_Irecv`; `new_group` `MPI_Comm_split` (after a header exchange, so it
-//! never waits on a missing rank); each world group is an `MPI_Comm_idup` of
-//! `MPI_COMM_WORLD`.
+//! One worker thread owns MPI; exact reductions by default; errors and timeouts instead of
+//! hangs. The design is in ARCHITECTURE.md, "The MPI backend".
 
 #![deny(unsafe_code)]
 
@@ -86,16 +35,14 @@ use engine::{Command, GroupInfo, NewGroup, Params, Pending, Plan};
 /// How floating-point reductions are computed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Reduction {
-    /// By this backend, in rank order, for every dtype: bit-identical to the reference on
-    /// every rank and at every world size (f16/bf16 accumulate in f32 and round once). The
-    /// default.
+    /// By this backend, in rank order: bit-identical to the reference on every rank and at
+    /// every world size (f16/bf16 accumulate in f32 and round once). The default.
     #[default]
     Exact,
     /// By MPI (`MPI_Iallreduce` and friends): built-in ops for integers and f32/f64,
     /// user-defined MPI ops combining in f32 for f16/bf16 (each step rounds to 16 bits).
     /// Float results can differ in the last bits from `Exact` (and between world sizes) from
-    /// three ranks on. 8-bit integers are still reduced by this backend (Open MPI 4.1's AVX
-    /// kernels saturate their sums, MPICH 4.0 compares `uint8_t` as signed).
+    /// three ranks on. 8-bit integers are still reduced by this backend.
     Native,
 }
 
@@ -121,13 +68,10 @@ pub struct MpiOptions {
     /// [`CommError::Mismatch`] (costs one small point-to-point exchange per collective).
     pub check: bool,
     /// All_reduces of at most this many bytes × (ranks − 1) gather every input to every rank
-    /// (with the header exchange: one round) and reduce them in rank order; larger ones use
-    /// reduce-scatter + all-gather (exact mode) or MPI's own all_reduce (native). `None`
-    /// (the default): measured when the world group is created, from MPI's round trip between
-    /// its ranks (64 KiB - 96 over shared memory, up to 256 KiB over a network).
+    /// and reduce them in rank order; larger ones use two phases. `None` (the default):
+    /// measured from MPI's round trip when the world group is created.
     pub small_max: Option<usize>,
-    /// Larger exact reductions are done this many bytes at a time (so each piece's traffic
-    /// and reduction stay in cache).
+    /// Larger exact reductions are done this many bytes at a time (to stay in cache).
     pub chunk: usize,
     /// How long the worker busy-polls before yielding the core; `None` picks 50 µs, or 0 when
     /// this node's ranks outnumber the CPUs they may run on together.
@@ -185,12 +129,6 @@ impl MpiOptions {
             spin: self.spin,
         }
     }
-}
-
-/// Whether this process was started by an MPI launcher (Open MPI's `mpirun` sets
-/// `OMPI_COMM_WORLD_SIZE`, MPICH/Hydra and Intel MPI set `PMI_SIZE`).
-pub fn launched_by_mpi() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"].iter().any(|v| std::env::var_os(v).is_some())
 }
 
 /// Process-wide state: whether the worker runs, and what the panic and exit hooks need.
@@ -358,9 +296,8 @@ impl MpiBackend {
         self.inner.info.local_size
     }
 
-    /// How long the worker (and a caller running a small collective) polls before yielding the
-    /// core: [`MpiOptions::spin`], or what start-up chose from the CPUs the node's ranks may
-    /// run on together.
+    /// How long the worker (and a caller running a small op) polls before yielding the core:
+    /// [`MpiOptions::spin`], or what start-up chose from the node's CPUs.
     pub fn spin(&self) -> Duration {
         self.inner.info.spin
     }
@@ -371,13 +308,9 @@ impl MpiBackend {
         self.inner.info.tag_max
     }
 
-    /// Reconciles the world the environment described with MPI's: under MPI, rank and size
-    /// come from MPI itself.
-    ///
-    /// When `discovered` came from a launcher (or was given explicitly), its rank and world
-    /// size must equal MPI's, else [`CommError::Config`] names both. When nothing was found
-    /// ([`Launcher::Single`], e.g. a discovery that does not read MPI variables), the world is
-    /// taken from MPI. Call it on a world group.
+    /// Reconciles the world the environment described with MPI's (call it on a world group):
+    /// a launcher's rank and world size must equal MPI's, else [`CommError::Config`] names
+    /// both; when nothing was found ([`Launcher::Single`]) the world is taken from MPI.
     pub fn reconcile(&self, discovered: &WorldInfo) -> Result<WorldInfo, CommError> {
         let i = &self.inner.info;
         if discovered.source.launcher == Launcher::Single {
@@ -410,8 +343,7 @@ impl MpiBackend {
         Ok(discovered.clone())
     }
 
-    /// Runs the op on this thread when its type allows it and the group has no collective in
-    /// the worker (see `engine::Lane`), else hands it to the worker.
+    /// Runs the op on this thread where the lane allows it, else hands it to the worker.
     fn send<R: Plan>(&self, op: Pending<R>) {
         let inner = &*self.inner;
         let (op, ticket) = match &inner.info.lane {
@@ -421,8 +353,7 @@ impl MpiBackend {
             },
             None => (op, None),
         };
-        // If the worker is gone the message (and its Completer) is dropped, which completes the
-        // Work with `Shutdown`.
+        // If the worker is gone, the dropped Completer completes the Work with `Shutdown`.
         let _ = inner.tx.send(Command::Op(inner.info.gid, Box::new(op), ticket));
     }
 }

@@ -10,7 +10,7 @@ use crate::raw;
 use crate::raw::{Comm, Request};
 
 use super::p2p::P2p;
-use super::plans::{Active, Env, Pool, Steps};
+use super::plans::{Active, Born, Env, Out, Pool, Reply, Steps};
 use super::{GroupInfo, Params};
 
 pub(super) struct Group {
@@ -34,10 +34,9 @@ const HEAR_EVERY: Duration = Duration::from_millis(1);
 
 impl Drop for Group {
     fn drop(&mut self) {
-        // Callers stop using the communicator (waiting for a direct op that runs) before it
-        // is freed with the group.
+        // Callers stop using the communicator before it is freed with the group.
         if let Some(lane) = &self.info.lane {
-            lane.lock().comm = None;
+            lane.lane.lock().comm = None;
         }
     }
 }
@@ -64,15 +63,12 @@ impl Group {
         self.poisoned.as_ref().map(|cause| CommError::Poisoned { cause: cause.clone() })
     }
 
-    /// Marks the group unusable and fails everything queued or in flight; requests still in
-    /// flight go to the graveyard (their buffers stay with MPI). Every peer is sent a notice
-    /// with the cause, so its ops on the group fail within [`HEAR_EVERY`] instead of at their
-    /// timeout.
+    /// Marks the group unusable and fails everything queued or in flight; every peer is sent a
+    /// notice, so its ops on the group fail within [`HEAR_EVERY`] instead of at their timeout.
     pub(super) fn poison(&mut self, e: &CommError, graveyard: &mut Vec<Request>) {
         if self.poison_only(e, graveyard) {
             let cause = e.to_string();
-            let mut text = cause.as_bytes();
-            text = &text[..text.len().min(raw::NOTICE_MAX)];
+            let text = &cause.as_bytes()[..cause.len().min(raw::NOTICE_MAX)];
             for p in (0..self.info.size).filter(|&p| p != self.info.rank) {
                 if let Ok(buf) = HostBuffer::from_bytes(DType::U8, text) {
                     // A peer that is gone may never take it: the request stays in the graveyard.
@@ -93,7 +89,13 @@ impl Group {
         tracing::warn!(group = self.info.gid, rank = self.info.rank, "comm mpi: group poisoned: {cause}");
         self.info.poison.set(cause.clone());
         self.poisoned = Some(cause.clone());
-        let err = || CommError::Poisoned { cause: cause.clone() };
+        self.fail_all(&|| CommError::Poisoned { cause: cause.clone() }, true, graveyard);
+        true
+    }
+
+    /// Fails every op queued or in flight with `err()`; unfinished requests go to the graveyard
+    /// (matched receives cancelled first where `cancel`).
+    pub(super) fn fail_all(&mut self, err: &dyn Fn() -> CommError, cancel: bool, graveyard: &mut Vec<Request>) {
         if let Some(a) = self.active.take() {
             a.reply.fail(err());
             bury(a.req, graveyard);
@@ -101,7 +103,7 @@ impl Group {
         for p in self.p2p.drain(..) {
             p.done.complete(Err(err()));
             if let Some(mut req) = p.req {
-                if p.recv {
+                if cancel && p.recv {
                     req.cancel();
                 }
                 bury(req, graveyard);
@@ -110,12 +112,32 @@ impl Group {
         for (steps, _) in self.queue.drain(..) {
             steps.reply.fail(err());
         }
-        true
     }
 
-    /// While ops are in flight, at most every [`HEAR_EVERY`]: poisons the group when a caller's
-    /// own op poisoned it on the caller's thread (telling the peers), or when a peer's notice
-    /// says the peer's group failed. Whether it did either.
+    /// Ends a collective with `r`, its lane ticket dropped first: else the caller's next op,
+    /// submitted at once, would find the worker busy and queue behind nothing.
+    pub(super) fn end(
+        &mut self,
+        ticket: Option<Ticket>,
+        reply: Reply,
+        r: Result<Out, CommError>,
+        graveyard: &mut Vec<Request>,
+        born: &mut Born,
+    ) {
+        drop(ticket);
+        match r {
+            Ok(out) => born.extend(reply.complete(out).map(|(c, d)| (self.info.gid, c, d))),
+            Err(e) => {
+                if e.poisons_group() {
+                    self.poison(&e, graveyard);
+                }
+                reply.fail(e);
+            }
+        }
+    }
+
+    /// Poisons the group when a caller's op poisoned it on the caller's thread, or (while ops
+    /// are in flight, at most every [`HEAR_EVERY`]) a peer's notice says its side failed.
     pub(super) fn hear(&mut self, now: Instant, graveyard: &mut Vec<Request>) -> bool {
         if self.poisoned.is_some() {
             return false;

@@ -13,11 +13,8 @@ use super::group::Group;
 use super::held;
 use super::plans::{internal, take, wait, Active, Born, Cont, Env, Pool, Start, Step, Steps};
 
-/// Issues the exchange before a collective (the header, and a small op's data, of every rank in
-/// one fixed-size slot each; of an all_reduce's input longer than the slot, the start beside
-/// it as a message of its own, [`beside_len`]); the continuation checks the headers and starts
-/// the op, from the exchanged data when it carried the op's. The same on the worker and on a
-/// caller's thread.
+/// Issues the exchange before a collective (a long all_reduce input's start beside it,
+/// [`beside_len`]); the continuation checks the headers and starts the op, on any thread.
 pub(super) fn exchange(
     env: &Env<'_>,
     header: Header,
@@ -38,7 +35,15 @@ pub(super) fn exchange(
         return Err(internal("an exchange payload longer than the slot"));
     }
     let inline = data.is_some();
-    let mine = exchange_slot(pool, &header, data, held::alone(env.gid));
+    // Our slot: the header (with the [`ALONE`] bit), then the data.
+    let p = data.unwrap_or_default();
+    let mut mine = pool.buffer(DType::U8, 32 + p.len());
+    let mut words = header.encode();
+    if held::alone(env.gid) {
+        words[1] |= ALONE;
+    }
+    mine.as_bytes_mut()[..32].copy_from_slice(bytemuck::cast_slice(&words));
+    mine.as_bytes_mut()[32..].copy_from_slice(p);
     // An all_reduce reads its own input from its buffer: only the header is copied over.
     let own = if whole.is_some() { 32 } else { mine.byte_len() };
     // Not zeroed when kept from an earlier op: every message starts with a whole header, and
@@ -80,9 +85,8 @@ pub(super) fn exchange(
     Ok((req, cont))
 }
 
-/// After a failed header check: receives (and drops) every input a peer's header says it sent
-/// beside the exchange, and completes our own sends, so no message of the failed op stays in
-/// MPI's queues; then fails with `e`.
+/// After a failed header check: receives what the peers sent beside the exchange and completes
+/// our own sends, so no message of the failed op stays queued in MPI; then fails with `e`.
 fn drain(env: &Env<'_>, ex: &Exchange, sends: Option<Request>, e: CommError) -> Result<Step, CommError> {
     let mut parts = Vec::new();
     let mut at = 0;
@@ -112,32 +116,14 @@ pub(super) fn bulk_len(h: &Header, n: usize) -> Option<usize> {
     (h.op == OpKind::AllReduce.code()).then(|| beside_len(len, n)).filter(|&b| b > 0)
 }
 
-/// How many leading bytes of an all_reduce input of `len` bytes a rank of a group of `n` sends
-/// beside the exchange, straight from the input; its slot carries the rest, copied there. None
-/// when the input fits the slot; else as many as one eager message holds ([`WHOLE_MAX`], so the
-/// slot carries only a short tail: a 64 KiB input costs a 96-byte copy, not a 64 KiB one), or
-/// more when the rest would not fit the slot.
+/// How many leading bytes of an all_reduce input go beside the exchange (the slot carries the
+/// rest): none when it fits, else [`WHOLE_MAX`] (so little is copied), or what the slot cannot.
 pub(super) fn beside_len(len: usize, n: usize) -> usize {
     let in_slot = slot_max(n);
     if len <= in_slot {
         return 0;
     }
     len.min(WHOLE_MAX).max(len - in_slot)
-}
-
-/// What this rank sends in its slot of the exchange before a collective: the header (with the
-/// [`ALONE`] bit when `alone`), then a small op's data (a kept buffer when there is one of that
-/// length: a slot's data is read only up to the length its header gives).
-pub(super) fn exchange_slot(pool: &Pool, header: &Header, payload: Option<&[u8]>, alone: bool) -> HostBuffer {
-    let p = payload.unwrap_or_default();
-    let mut mine = pool.buffer(DType::U8, 32 + p.len());
-    let mut words = header.encode();
-    if alone {
-        words[1] |= ALONE;
-    }
-    mine.as_bytes_mut()[..32].copy_from_slice(bytemuck::cast_slice(&words));
-    mine.as_bytes_mut()[32..].copy_from_slice(p);
-    mine
 }
 
 pub(super) const NO_VALUE: u8 = u8::MAX;
@@ -231,11 +217,8 @@ pub(super) fn hash_ranks(ranks: &[Rank]) -> u64 {
         .fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
-/// Bytes per rank received in the exchange before every collective in a group of `n`: the
-/// 32-byte header, then up to [`inline_max`] bytes of a small op's data, or [`slot_max`] of an
-/// all_reduce's. One size per group, so every receive holds whatever a peer sends, whatever
-/// the ranks called: 64 KiB - 64 up to 8 ranks (a pooled buffer; messages are only as long as their
-/// data), else 1 KiB up to 16 ranks, halving with more (16 KiB in all), at least 256.
+/// Bytes per rank received in the exchange of a group of `n`: the header, then data. One size
+/// per group, so every receive holds whatever a peer sends, whatever the ranks called.
 pub(super) fn exchange_slot_bytes(n: usize) -> usize {
     if n <= WHOLE_RANKS {
         return (32 + WHOLE_MAX).next_multiple_of(64);
@@ -245,12 +228,9 @@ pub(super) fn exchange_slot_bytes(n: usize) -> usize {
 }
 
 /// Groups of at most this many ranks receive slots that hold a whole all_reduce input of up to
-/// [`WHOLE_MAX`] bytes (an MPI receive must never be shorter than what a peer may send: a
-/// truncated message is an error, and in Open MPI's single-copy path worse).
+/// [`WHOLE_MAX`] bytes.
 const WHOLE_RANKS: usize = 8;
-/// See [`WHOLE_RANKS`]. With our header and MPI's own (Open MPI's match header is 14-16 bytes)
-/// a message stays within 64 KiB, Open MPI's TCP eager limit, which counts both: a longer one
-/// costs a rendezvous round trip.
+/// With our header and MPI's own, a message within Open MPI's 64 KiB TCP eager limit.
 pub(super) const WHOLE_MAX: usize = (64 << 10) - 32 - 64;
 
 /// The most data a rank's exchange slot carries in a group of `n`.
@@ -261,11 +241,8 @@ pub(super) fn slot_max(n: usize) -> usize {
 /// What any group's exchange slot holds besides the header.
 pub(super) const INLINE_ANY: usize = 256 - 32;
 
-/// The most data a small op ships inside the exchange (and then needs no other MPI call): up
-/// to [`WHOLE_RANKS`], what keeps a slot's message within Open MPI's 4 KiB shared-memory eager
-/// limit with our header and its own (every rank sends its slot to every peer: larger data
-/// would cost a rendezvous per message, and a broadcast's or gather's data would cross
-/// n (n − 1) times where n − 1 do).
+/// The most data a small op ships inside the exchange (then needing no other MPI call): up to
+/// [`WHOLE_RANKS`], within Open MPI's 4 KiB shared-memory eager limit.
 pub(super) fn inline_max(n: usize) -> usize {
     if n <= WHOLE_RANKS {
         return (4 << 10) - 96;
@@ -306,11 +283,6 @@ impl Exchange {
         }
     }
 
-    /// This rank's whole input, when it went with the exchange.
-    pub(super) fn take_input(&mut self) -> Option<HostBuffer> {
-        self.input.take()
-    }
-
     /// Whether every rank of a group of `n` sent its header [`ALONE`].
     pub(super) fn all_alone(&self, n: usize) -> bool {
         (0..n).all(|p| {
@@ -327,8 +299,7 @@ impl Exchange {
     }
 }
 
-/// Names a collective in messages ("all_reduce #3", "barrier (direct #7)"), formatted only
-/// when a message needs it: the direct path must not pay for it on every op.
+/// Names a collective in messages ("all_reduce #3"), formatted only when a message needs it.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct OpLabel {
     pub(super) name: &'static str,
@@ -359,8 +330,7 @@ impl std::fmt::Display for OpLabel {
     }
 }
 
-/// Starts a group's next collective: the header exchange first (with checking on), else the
-/// op itself.
+/// Starts a group's next collective: the header exchange first (with checking on).
 pub(super) fn start_collective(
     g: &mut Group,
     steps: Steps,
@@ -388,54 +358,32 @@ pub(super) fn start_collective(
         Ok(Step::Wait(req, cont)) => {
             g.active = Some(Active { ticket, what, started: Instant::now(), req, cont, reply })
         }
-        Ok(Step::Done(out)) => {
-            // The lane is free before the caller hears (see `Engine::progress`).
-            drop(ticket);
-            born.extend(reply.complete(out).map(|(c, d)| (g.info.gid, c, d)))
-        }
-        Err(e) => {
-            drop(ticket);
-            if e.poisons_group() {
-                g.poison(&e, graveyard);
-            }
-            reply.fail(e);
-        }
+        Ok(Step::Done(out)) => g.end(ticket, reply, Ok(out), graveyard, born),
+        Err(e) => g.end(ticket, reply, Err(e), graveyard, born),
     }
 }
 
 /// Compares every rank's header with rank 0's (so every rank reaches the same verdict).
 pub(super) fn verify(ex: &Exchange, n: usize, mine: &Header, me: usize, what: OpLabel) -> Result<(), CommError> {
-    let headers: Vec<Option<Header>> = (0..n).map(|p| ex.header(p)).collect();
-    let op = op_name(mine.op);
-    let Some(first) = headers[0] else {
-        return Err(CommError::Mismatch {
-            op,
-            detail: format!(
-                "{what}: rank 0 sent a header this version does not understand (another program or version?)"
-            ),
-        });
-    };
-    for (p, h) in headers.iter().enumerate().skip(1) {
-        match h {
-            None => {
-                return Err(CommError::Mismatch {
-                    op,
-                    detail: format!(
-                        "{what}: rank {p} sent a header this version does not understand (another program or version?)"
-                    ),
-                })
-            }
-            Some(h) if *h != first => {
-                return Err(CommError::Mismatch {
-                    op,
-                    detail: format!(
-                        "rank {p} called {} but rank 0 called {} (seen by rank {me} at its {what})",
-                        h.describe(),
-                        first.describe()
-                    ),
-                })
-            }
-            Some(_) => {}
+    let (op, first) = (op_name(mine.op), ex.header(0));
+    for p in 0..n {
+        let (Some(h), Some(first)) = (ex.header(p), first) else {
+            return Err(CommError::Mismatch {
+                op,
+                detail: format!(
+                    "{what}: rank {p} sent a header this version does not understand (another program or version?)"
+                ),
+            });
+        };
+        if h != first {
+            return Err(CommError::Mismatch {
+                op,
+                detail: format!(
+                    "rank {p} called {} but rank 0 called {} (seen by rank {me} at its {what})",
+                    h.describe(),
+                    first.describe()
+                ),
+            });
         }
     }
     Ok(())

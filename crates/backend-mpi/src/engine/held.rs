@@ -1,7 +1,5 @@
-//! Which groups have collectives unfinished on this rank. A collective makes MPI's blocking
-//! calls only where no rank held another group's when it sent its header (the header's
-//! `alone` bit, [`alone`]): a worker blocked in one group's call cannot then hold up the call
-//! of another group that a peer blocks in (see ARCHITECTURE.md, "Blocking calls").
+//! Which groups have collectives unfinished on this rank: a collective makes MPI's blocking
+//! calls only where no rank held another group's ([`alone`]; ARCHITECTURE.md, "Blocking calls").
 
 use std::sync::Mutex;
 

@@ -1,6 +1,5 @@
-//! Each group's lane: callers run collectives on their own thread when the worker holds none
-//! of the group's collectives, and sends and receives when it holds none of its sends and
-//! receives.
+//! Each group's lane: callers run small ops on their own thread while the worker holds none of
+//! the group's ops of that class (see ARCHITECTURE.md, "The path of a small op").
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,14 +15,11 @@ use crate::raw::{Comm, Polled, Request};
 use super::header::{exchange, Header, OpLabel};
 use super::op::{Job, Pending, Plan, Post};
 use super::p2p::P2p;
-use super::plans::{internal, Active, Cont, Env, Out, Pool, Reply, Start, Step, Steps};
+use super::plans::{Active, Cont, Env, Out, Pool, Reply, Start, Step, Steps};
 use super::{p2p, reject_with, Command, GroupInfo, Params};
 
-/// A group's lane, shared by its handles and the worker: a caller runs a small collective on
-/// its own thread (no hand-off to the worker and back) when the worker has none of this group's
-/// collectives queued or running, and a small send or receive when it has none of its sends
-/// and receives; otherwise it queues the op behind them. Either way the group's collectives
-/// are issued one at a time, in submission order.
+/// A group's lane, shared by its handles and the worker: a caller runs an op itself when the
+/// worker holds none of the group's ops of its class, else queues it behind them.
 pub(crate) struct Lane {
     pub(super) lane: shared::Lane<Caller>,
     pub(super) params: Params,
@@ -61,20 +57,10 @@ impl Lane {
         let caller = Caller { comm: Some(comm), seq: 0, pool: Pool::default(), poison: poison.clone() };
         Lane { lane: shared::Lane::new(caller, Arc::default(), poison, spin), params }
     }
-
-    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, Caller> {
-        self.lane.lock()
-    }
-
-    fn spin(&self) -> Duration {
-        self.lane.spin()
-    }
 }
 
-/// Runs `op` on the caller's thread when its type allows it (`Plan::direct`) and the group's
-/// lane is free (`None`; see ARCHITECTURE.md, "The path of a small op"); else hands it back for
-/// the worker, with the ticket that counts it in the lane (point-to-point ops never wait for
-/// collectives, nor collectives for them).
+/// Runs `op` on the caller's thread when `Plan::direct` allows it and the lane is free (`None`);
+/// else hands it back for the worker, with the ticket that counts it in the lane.
 pub(crate) fn submit_direct<R: Plan>(
     lane: &Arc<Lane>,
     info: &GroupInfo,
@@ -129,15 +115,13 @@ fn collective_direct<R: Plan>(
         Ok(Direct::Done(out)) => Ok(out),
         Err(e) => Err(e),
         Ok(Direct::Waiting(req, cont, started)) => {
-            // Peers are late: the worker polls it from here on (this thread must not block for
-            // them: a task it would run may be what they wait for). Counted in the lane like
-            // any collective the worker runs, and sent under the lock, so it runs first.
+            // Peers are late: the worker polls it (a task this thread would run may be what they
+            // wait for); counted in the lane and sent under the lock, so it runs first.
             let ticket = lane.lane.queued().ticket(Class::Collective);
             let active = Active { ticket: Some(ticket), what, started, req, cont, reply };
-            return match tx.send(Command::Adopt(info.gid, Box::new(active))) {
-                Ok(()) => Finished::Nothing,
-                Err(std::sync::mpsc::SendError(msg)) => Finished::Gone(msg),
-            };
+            return tx
+                .send(Command::Adopt(info.gid, Box::new(active)))
+                .map_or_else(|e| Finished::Gone(e.0), |()| Finished::Nothing);
         }
     };
     if let Err(e) = &r {
@@ -149,11 +133,8 @@ fn collective_direct<R: Plan>(
     Finished::Collective(reply, r)
 }
 
-/// Posts a send or receive (of at most [`P2P_DIRECT_MAX`] bytes, sent eagerly: a send needs
-/// no answer from the receiver) on the caller's thread and polls it for the lane's spin budget
-/// and a few yields (a small message is there by then). What is still in flight goes to the
-/// worker, counted in the lane (sent under the lock, so later sends and receives wait behind
-/// it). Returns what finished, to be completed once the lane is unlocked.
+/// Posts a send or receive on the caller's thread and polls it for a while; what is still in
+/// flight goes to the worker. Returns what finished, to complete once the lane is unlocked.
 fn p2p_direct(
     lane: &Arc<Lane>,
     st: &mut Caller,
@@ -173,7 +154,7 @@ fn p2p_direct(
                 return Err(Finished::Done(Box::new(p), result));
             }
             // The clock read only every 16th poll: it costs about as much as a poll.
-            if !polls.is_multiple_of(16) || started.elapsed() < lane.spin() {
+            if !polls.is_multiple_of(16) || started.elapsed() < lane.lane.spin() {
                 std::hint::spin_loop();
             } else if yields < DIRECT_YIELDS {
                 yields += 1;
@@ -188,15 +169,10 @@ fn p2p_direct(
         Err(finished) => return finished,
     };
     p.ticket = Some(lane.lane.queued().ticket(Class::P2p));
-    match tx.send(Command::AdoptP2p(info.gid, Box::new(p))) {
-        Ok(()) => Finished::Nothing,
-        // The worker is gone (MPI finalised): the request stays with MPI.
-        Err(std::sync::mpsc::SendError(msg)) => Finished::Gone(msg),
-    }
+    tx.send(Command::AdoptP2p(info.gid, Box::new(p))).map_or_else(|e| Finished::Gone(e.0), |()| Finished::Nothing)
 }
 
-/// What a direct op leaves its caller to complete, once the lane is unlocked (completion
-/// hooks may submit the next op).
+/// What a direct op leaves its caller to complete once the lane is unlocked.
 enum Finished {
     /// Handed to the worker.
     Nothing,
@@ -210,9 +186,8 @@ enum Finished {
 
 impl Finished {
     fn complete(self, info: &GroupInfo) {
-        // As on the worker (`progress_p2p`), a failed send or receive poisons the group before
-        // the op completes: the caller's next op must find it so. The worker tells the peers
-        // when it next looks (`Group::hear`).
+        // A failed send or receive poisons the group before the op completes, as on the worker
+        // (`progress_p2p`); the worker tells the peers (`Group::hear`).
         let poison = |e: &CommError| info.poison.set(e.to_string());
         match self {
             Finished::Nothing => {}
@@ -238,9 +213,8 @@ impl Finished {
     }
 }
 
-/// Largest message a caller sends or receives itself: one that every transport sends eagerly
-/// (Open MPI's shared memory from 4 KiB on, and most others later, wait for the receiver's
-/// answer first, which this thread would only wait for; the worker handles those).
+/// Largest message a caller sends or receives itself: one every transport sends eagerly, with
+/// no wait for the receiver's answer.
 const P2P_DIRECT_MAX: usize = 2 << 10;
 
 /// How far a direct op got on the caller's thread.
@@ -253,8 +227,7 @@ pub(super) enum Direct {
 /// Yields a direct op's caller makes after its spin budget before handing the op to the worker.
 pub(super) const DIRECT_YIELDS: u32 = 16;
 
-/// The exchange of a direct op, polled on this thread for the lane's spin budget and a few
-/// yields, then the rest of the op.
+/// A direct op's exchange, polled on this thread for a while, then the rest of the op.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn exchange_direct(
     comm: &Comm,
@@ -275,12 +248,12 @@ pub(super) fn exchange_direct(
     let bufs = loop {
         polls = polls.wrapping_add(1);
         match req.test() {
-            Polled::Done(_) => {
-                break req.into_bufs().ok_or_else(|| internal("a completed request kept its buffers"))?
-            }
+            Polled::Done(_) => break req.into_bufs()?,
             Polled::Failed { err, .. } => return Err(what.failed(err)),
             // The clock read only every 16th poll: it costs about as much as a poll.
-            Polled::Pending if !polls.is_multiple_of(16) || started.elapsed() < lane.spin() => std::hint::spin_loop(),
+            Polled::Pending if !polls.is_multiple_of(16) || started.elapsed() < lane.lane.spin() => {
+                std::hint::spin_loop()
+            }
             Polled::Pending if yields < DIRECT_YIELDS => {
                 yields += 1;
                 std::thread::yield_now();
@@ -297,9 +270,7 @@ pub(super) fn exchange_direct(
         };
         let bufs = loop {
             match req.test() {
-                Polled::Done(_) => {
-                    break req.into_bufs().ok_or_else(|| internal("a completed request kept its buffers"))?
-                }
+                Polled::Done(_) => break req.into_bufs()?,
                 Polled::Failed { err, .. } => return Err(what.failed(err)),
                 Polled::Pending if started.elapsed() >= lane.params.timeout => {
                     // The request stays with MPI: dropping it leaks its buffers (raw rule 3).
@@ -309,8 +280,7 @@ pub(super) fn exchange_direct(
                         detail: format!("a rank of the group of {size} stopped in the middle of it (died, or hangs)"),
                     });
                 }
-                // Yield between polls, as the worker does while a collective is in flight: on
-                // a busy machine the transport (TCP's kernel work, a peer) needs the core.
+                // Yield between polls, as the worker does: the transport may need the core.
                 Polled::Pending => std::thread::yield_now(),
             }
         };

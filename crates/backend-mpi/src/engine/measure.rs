@@ -17,11 +17,9 @@ pub(crate) const GATHER_MIN: usize = WHOLE_MAX;
 /// Most: beyond it a gather's (n − 1)-fold traffic costs more than any round trip it saves.
 const GATHER_MAX: usize = 256 << 10;
 
-/// The gather threshold (`Params::small_max`) of a new world group: the bytes the ranks reduce
-/// in one of MPI's round trips (the round trip that gathering saves against two phases, whose
-/// ranks each reduce 1/n), within [`GATHER_MIN`, `GATHER_MAX`]; the largest any rank measured,
-/// so that all agree. Over shared memory a round trip costs about as much as reducing a few KiB
-/// (the threshold is what the slot carries); over TCP tens of microseconds (the most).
+/// The gather threshold (`Params::small_max`) of a new world group: the bytes a rank reduces in
+/// one of MPI's round trips (what gathering saves), within [`GATHER_MIN`, `GATHER_MAX`]; the
+/// largest any rank measured, so that all agree.
 pub(super) fn gather_threshold(comm: &Comm, timeout: Duration) -> Result<usize, CommError> {
     let deadline = Instant::now() + timeout;
     let round_trip = (0..12)
@@ -50,8 +48,7 @@ fn threshold(per_round: i64) -> usize {
     usize::try_from(per_round).unwrap_or(0).clamp(GATHER_MIN, GATHER_MAX)
 }
 
-/// Bytes per second of one input the reduction kernels add into another (f32 sums of 64 KiB
-/// inputs, in cache: what a gather's extra reduction runs at); the fastest of a few runs.
+/// Bytes per second the kernels reduce (f32 sums of 64 KiB inputs, in cache); the best of 5.
 fn reduce_rate() -> f64 {
     let len = 64 << 10;
     let (a, b) = (vec![1u8; len], vec![2u8; len]);
@@ -86,7 +83,7 @@ fn allreduce_max(comm: &Comm, mine: i64, deadline: Instant, timeout: Duration) -
             Polled::Failed { err, .. } => return Err(err.into_comm()),
         }
     }
-    let got = req.into_bufs().and_then(|b| b.recv).ok_or_else(|| internal("a finished all_reduce lost its buffer"))?;
+    let got = req.into_bufs()?.recv.ok_or_else(|| internal("a finished all_reduce lost its buffer"))?;
     got.to_vec::<i64>()?.first().copied().ok_or_else(|| internal("an empty all_reduce"))
 }
 

@@ -1,23 +1,8 @@
-//! The worker: the one thread that initialises MPI, owns every communicator and request, and is
-//! the only thread that calls MPI (except `MPI_Abort` from the panic hook).
-//!
-//! Handles send [`Command`]s over a channel. Each group (a communicator) runs its collectives one
-//! at a time in submission order — every rank then issues the same MPI collectives in the same
-//! order, which MPI requires —, while its point-to-point operations are all in flight at once.
-//! Every operation is a nonblocking MPI call; the loop polls every request (`MPI_Test`, which
-//! also drives MPI's progress), so an `isend` never waits behind a collective and collectives
-//! of different groups overlap.
-//!
-//! A collective is a chain of steps: each step is one nonblocking call plus a continuation that
-//! runs when it completes (and may issue the next call). With checking on (the default), step
-//! one gathers a fixed-size slot from every rank: a 32-byte header (op, dtype, count, root,
-//! reduce op) and, for a small op, its data; all ranks see the same headers, so they all detect
-//! a mismatch alike and fail with [`CommError::Mismatch`] instead of feeding MPI mismatched
-//! calls (which MPI does not detect: it hangs, corrupts or aborts), and a small op finishes from
-//! the slots without a second call.
+//! The worker: the one thread that initialises MPI, owns every communicator and request, and
+//! runs every op as nonblocking steps polled in one loop (see ARCHITECTURE.md, "The MPI backend").
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,8 +58,7 @@ pub struct GroupInfo {
     pub(crate) gid: Gid,
     pub(crate) rank: Rank,
     pub(crate) size: u32,
-    /// Largest user tag (`(MPI_TAG_UB >> 3) - 1`: the low 3 bits carry the dtype, the top block
-    /// of tags is the header exchange's).
+    /// Largest user tag (`(MPI_TAG_UB >> 3) - 1`, see `MpiBackend::max_tag`).
     pub(crate) tag_max: u32,
     pub(crate) poison: Poison,
     /// Created by `MpiBackend::init` (its shutdown ends MPI for the process).
@@ -83,11 +67,9 @@ pub struct GroupInfo {
     pub(crate) local_size: u32,
     /// How long the worker and the lane poll before yielding.
     pub(crate) spin: Duration,
-    /// How long a caller's first wait for an op the worker runs polls before sleeping
-    /// (`handle::caller_spin`).
+    /// How long a caller waiting for the worker polls before sleeping (`handle::caller_spin`).
     pub(crate) caller_spin: Duration,
-    /// Where callers may run small collectives themselves (MPI provides
-    /// `MPI_THREAD_MULTIPLE`).
+    /// Where callers may run small ops themselves (MPI provides `MPI_THREAD_MULTIPLE`).
     pub(crate) lane: Option<Arc<Lane>>,
 }
 
@@ -209,9 +191,8 @@ impl Engine {
     pub(crate) fn run(mut self) {
         let mut panics = 0;
         loop {
-            // A panic here (with `abort_on_panic` off; on, the hook ends the job first) is
-            // contained: every group is poisoned with its message, so pending and later ops
-            // fail and shutdown completes. A second one ends the worker as at finalisation.
+            // A panic (with `abort_on_panic` off) poisons every group, so pending and later ops
+            // fail and shutdown completes; a second one ends the worker.
             match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.turn())) {
                 Ok(true) => break,
                 Ok(false) => {}
@@ -257,22 +238,16 @@ impl Engine {
 
     fn drain(&mut self) -> bool {
         let mut any = false;
-        loop {
-            match self.rx.try_recv() {
-                Ok(m) => {
-                    any = true;
-                    self.accept(m);
-                }
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => return any,
-            }
+        while let Ok(m) = self.rx.try_recv() {
+            any = true;
+            self.accept(m);
         }
+        any
     }
 
-    /// Nothing progressed. Right after progress: poll again at once (spin). While a collective
-    /// is in flight every rank is (or should be) in it and MPI only progresses inside our
-    /// polls: keep polling, yielding the core between polls. With only point-to-point ops in
-    /// flight (a peer may be busy computing for long) the same for a second, then poll every
-    /// 200 µs. With nothing in flight: sleep until a message arrives.
+    /// Nothing progressed: spin, then yield between polls while a collective (or, for a
+    /// second, point-to-point) is in flight, as MPI only progresses inside our polls; then
+    /// poll point-to-point every 200 µs; with nothing in flight sleep until a message arrives.
     fn idle(&mut self) {
         let quiet = self.last_progress.elapsed();
         if quiet < self.spin {
@@ -289,12 +264,9 @@ impl Engine {
         } else {
             Duration::from_millis(100)
         };
-        match self.rx.recv_timeout(wait) {
-            Ok(m) => {
-                self.last_progress = Instant::now();
-                self.accept(m);
-            }
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {}
+        if let Ok(m) = self.rx.recv_timeout(wait) {
+            self.last_progress = Instant::now();
+            self.accept(m);
         }
     }
 
@@ -327,22 +299,14 @@ impl Engine {
                     reply.fail(e);
                     bury(req, &mut self.graveyard);
                 }
-                None => {
-                    let Active { req, reply, .. } = *a;
-                    reply.fail(CommError::Shutdown("the group was shut down".into()));
-                    std::mem::forget(req);
-                }
+                None => refuse(Command::Adopt(gid, a), &|| CommError::Shutdown("the group was shut down".into())),
             },
             Command::AdoptP2p(gid, p) => match self.groups.get_mut(&gid) {
                 Some(g) => match g.poison_error() {
                     None => g.p2p.push(*p),
                     Some(e) => p2p::finish(*p, Err(e), &mut self.graveyard),
                 },
-                None => {
-                    let P2p { req, done, .. } = *p;
-                    done.complete(Err(CommError::Shutdown("the group was shut down".into())));
-                    std::mem::forget(req);
-                }
+                None => refuse(Command::AdoptP2p(gid, p), &|| CommError::Shutdown("the group was shut down".into())),
             },
             Command::World(params, done) => {
                 if self.ending.is_some() {
@@ -408,8 +372,7 @@ impl Engine {
         }
     }
 
-    /// Polls everything in flight once; starts queued collectives. Returns whether anything
-    /// completed or started.
+    /// Polls everything in flight once and starts queued collectives; whether anything did.
     fn progress(&mut self) -> bool {
         let mut any = false;
         any |= self.progress_dups();
@@ -417,7 +380,7 @@ impl Engine {
         let half = self.half.as_ref();
         let pool = &self.pool;
         let now = Instant::now();
-        for (&gid, g) in self.groups.iter_mut() {
+        for g in self.groups.values_mut() {
             any |= g.hear(now, &mut self.graveyard);
             any |= progress_p2p(g, &mut self.graveyard, now);
             loop {
@@ -428,68 +391,39 @@ impl Engine {
                     start_collective(g, steps, ticket, half, pool, &mut self.graveyard, &mut born);
                 }
                 let Some(a) = g.active.as_mut() else { continue };
-                match a.req.test() {
-                    Polled::Pending => {
-                        if now.duration_since(a.started) >= g.params.timeout {
-                            let e = CommError::Timeout {
-                                op: a.what.to_string(),
-                                after: g.params.timeout,
-                                detail: format!(
-                                    "not every rank of the group of {} joined it: a peer died, hangs, or called another op (MPI cannot tell which; set COMM_TIMEOUT to wait longer)",
-                                    g.info.size
-                                ),
-                            };
-                            let a = g.active.take().expect("active checked above");
-                            a.reply.fail(e.duplicate());
-                            bury(a.req, &mut self.graveyard);
-                            g.poison(&e, &mut self.graveyard);
-                        }
-                        break;
-                    }
-                    Polled::Failed { err, completed } => {
+                let e = match a.req.test() {
+                    Polled::Pending if now.duration_since(a.started) < g.params.timeout => break,
+                    Polled::Pending => CommError::Timeout {
+                        op: a.what.to_string(),
+                        after: g.params.timeout,
+                        detail: format!(
+                            "not every rank of the group of {} joined it: a peer died, hangs, or called another op (MPI cannot tell which; set COMM_TIMEOUT to wait longer)",
+                            g.info.size
+                        ),
+                    },
+                    Polled::Failed { err, .. } => {
                         any = true;
-                        let a = g.active.take().expect("active checked above");
-                        let e = a.what.failed(err);
-                        if !completed {
-                            bury(a.req, &mut self.graveyard);
-                        }
-                        a.reply.fail(e.duplicate());
-                        g.poison(&e, &mut self.graveyard);
-                        break;
+                        a.what.failed(err)
                     }
                     Polled::Done(_) => {
                         any = true;
                         let Active { ticket, what, started, req, cont, reply } =
                             g.active.take().expect("active checked above");
-                        let Some(bufs) = req.into_bufs() else {
-                            reply.fail(internal("a completed request kept its buffers"));
-                            break;
-                        };
-                        let next = {
-                            let env = g.env(half, pool);
-                            cont(&env, bufs)
-                        };
-                        match next {
+                        match req.into_bufs().and_then(|bufs| cont(&g.env(half, pool), bufs)) {
                             Ok(Step::Wait(req, cont)) => {
                                 g.active = Some(Active { ticket, what, started, req, cont, reply })
                             }
-                            // The lane is free before the caller learns the op is done:
-                            // else its next op, submitted at once, would find the worker busy
-                            // and queue behind nothing, and so would every op after it.
-                            Ok(Step::Done(out)) => {
-                                drop(ticket);
-                                born.extend(reply.complete(out).map(|(c, d)| (gid, c, d)));
-                            }
-                            Err(e) => {
-                                drop(ticket);
-                                if e.poisons_group() {
-                                    g.poison(&e, &mut self.graveyard);
-                                }
-                                reply.fail(e);
-                            }
+                            Ok(Step::Done(out)) => g.end(ticket, reply, Ok(out), &mut self.graveyard, &mut born),
+                            Err(e) => g.end(ticket, reply, Err(e), &mut self.graveyard, &mut born),
                         }
+                        continue;
                     }
-                }
+                };
+                let a = g.active.take().expect("active checked above");
+                a.reply.fail(e.duplicate());
+                bury(a.req, &mut self.graveyard);
+                g.poison(&e, &mut self.graveyard);
+                break;
             }
         }
         for (parent, comm, done) in born {
@@ -615,25 +549,12 @@ impl Engine {
     }
 
     /// Frees every communicator and finalises MPI, unless requests are still in flight (then
-    /// MPI_Finalize could hang or crash: the process leaves MPI as it is, and the launcher ends
-    /// the job).
+    /// MPI_Finalize could hang or crash: the launcher ends the job).
     fn finish(mut self) {
         let clean = self.groups.values().all(Group::idle) && self.dups.is_empty() && self.graveyard.is_empty();
         for g in self.groups.values_mut() {
-            let cause = CommError::Shutdown("MPI was finalised before this op finished".into());
-            if let Some(a) = g.active.take() {
-                a.reply.fail(cause.duplicate());
-                bury(a.req, &mut self.graveyard);
-            }
-            for p in g.p2p.drain(..) {
-                p.done.complete(Err(cause.duplicate()));
-                if let Some(req) = p.req {
-                    bury(req, &mut self.graveyard);
-                }
-            }
-            for (steps, _) in g.queue.drain(..) {
-                steps.reply.fail(cause.duplicate());
-            }
+            let cause = || CommError::Shutdown("MPI was finalised before this op finished".into());
+            g.fail_all(&cause, false, &mut self.graveyard);
         }
         let waiters: Vec<Completer<()>> = self.ending.take().map(|e| e.waiters).unwrap_or_default();
         global::mpi_ending();
@@ -662,19 +583,18 @@ impl Engine {
         }
         // Anything that arrives from now on is answered by the global state.
         while let Ok(m) = self.rx.try_recv() {
-            reject(m);
+            reject_with(m, "MPI was finalised");
         }
     }
 }
 
-/// Answers a message that arrived after MPI ended.
-pub(crate) fn reject(m: Command) {
-    reject_with(m, "MPI was finalised");
-}
-
 /// Answers a message that cannot be served, with `why`.
 pub(crate) fn reject_with(m: Command, why: &str) {
-    let e = || CommError::Unavailable { backend: "mpi", why: why.to_owned() };
+    refuse(m, &|| CommError::Unavailable { backend: "mpi", why: why.to_owned() });
+}
+
+/// Answers a message with `e()`; a request handed over stays with MPI.
+fn refuse(m: Command, e: &dyn Fn() -> CommError) {
     match m {
         Command::Op(_, cmd, _) => cmd.fail(e()),
         Command::Adopt(_, a) => {
@@ -693,9 +613,8 @@ pub(crate) fn reject_with(m: Command, why: &str) {
     }
 }
 
-/// When the launcher's environment says the job has another number of ranks than
-/// MPI_COMM_WORLD: the binary is linked against another MPI than the launcher's (each rank
-/// then runs as a singleton).
+/// Why world groups cannot be created when the launcher's environment says the job has another
+/// number of ranks than MPI_COMM_WORLD (the binary is linked against another MPI).
 fn launcher_disagrees(size: i32) -> Option<String> {
     for var in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"] {
         if let Some(v) = std::env::var(var).ok().and_then(|v| v.trim().parse::<i32>().ok()) {

@@ -1,10 +1,9 @@
-//! What this backend needs from each request type ([`Plan`], implemented per op in `plans.rs`),
+//! What this backend needs from each request type ([`Plan`], implemented per op in `plans`),
 //! and how a request queued for the worker travels ([`Pending`] behind `Box<dyn Queued>`).
 
 use comm_core::ops::Op;
 use comm_core::{CommError, Completer, DType, HostBuffer, OpKind, Rank};
 
-use super::header::inline_max;
 use super::plans::Steps;
 use super::{GroupInfo, Params};
 
@@ -12,8 +11,7 @@ use super::{GroupInfo, Params};
 /// as are the types in its signatures: `MpiBackend` implements `Collective<R>` for every
 /// `R: Plan`, and a crate-private bound there would be a `private_bounds` warning.
 pub trait Plan: Op + Sized {
-    /// Point-to-point: posted as soon as the worker receives it, never queued behind the
-    /// group's collectives (nor run on the caller's thread).
+    /// Point-to-point: posted at once, never queued behind the group's collectives.
     const P2P: bool = false;
 
     /// Checks against this group's limits at submission, beyond `Op::validate`.
@@ -21,15 +19,13 @@ pub trait Plan: Op + Sized {
         Ok(())
     }
 
-    /// Whether a caller may run it on its own thread while the group's lane is free (see
-    /// `lane.rs`): ops small enough to finish from the header exchange, collectives up to
-    /// `plans::DIRECT_MAX`, and all_reduce.
+    /// Whether a caller may run it on its own thread while the group's lane is free: ops that
+    /// finish from the header exchange, collectives up to `plans::DIRECT_MAX`, and all_reduce.
     fn direct(&self, _params: &Params, _size: usize) -> bool {
         false
     }
 
-    /// What it becomes in a group of `size` ranks, on the worker or on a caller's thread for a
-    /// direct op.
+    /// What it becomes in a group of `size` ranks (on the worker or a caller's thread).
     fn job(self, done: Completer<Self::Output>, params: &Params, size: usize) -> Job;
 }
 
@@ -48,12 +44,6 @@ pub struct Post {
     pub(super) peer: Rank,
     pub(super) tag: u32,
     pub(super) done: Completer<HostBuffer>,
-}
-
-/// Whether an op whose data is `bytes` on every rank finishes from the header exchange of a
-/// group of `size` (and so waits for peers, not for a transfer).
-pub(super) fn small(bytes: usize, size: usize) -> bool {
-    bytes <= inline_max(size)
 }
 
 /// An op handed to the worker, whatever its type.
@@ -79,8 +69,7 @@ impl<R: Plan> Queued for Pending<R> {
     }
 }
 
-/// `new_group`'s agreement and `MPI_Comm_split`, run like a collective of the parent group
-/// (after the header exchange, in submission order).
+/// `new_group`'s header agreement and `MPI_Comm_split`, run as a collective of the parent group.
 pub(crate) struct NewGroup {
     /// The members, sorted.
     pub(crate) ranks: Vec<Rank>,

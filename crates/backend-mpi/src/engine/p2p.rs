@@ -12,8 +12,7 @@ use super::group::{bury, Group};
 use super::op::Post;
 use super::plans::{internal, take};
 
-/// The MPI tag of a user tag: the dtype in the low 3 bits, so a receive only matches a message
-/// of its own dtype.
+/// The MPI tag of a user tag: the dtype in the low 3 bits, so a receive matches only its dtype.
 pub(super) fn mpi_tag(tag: u32, dtype: DType) -> i32 {
     ((tag << 3) | u32::from(dtype.code())) as i32
 }
@@ -59,11 +58,6 @@ impl P2p {
         };
         Ok(P2p { recv, peer, tag, dtype, len, deadline, req, buf, too_long: None, done, ticket })
     }
-
-    pub(super) fn what(&self) -> String {
-        let dir = if self.recv { "recv from" } else { "send to" };
-        format!("{dir} rank {} (tag {}, {} × {})", self.peer, self.tag, self.dtype, self.len)
-    }
 }
 
 /// Matches a receive's message, and posts the receive for it. `Ok(false)`: none yet.
@@ -87,8 +81,7 @@ pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Ins
     // tag must not match first (its probe would take a message that arrived since theirs).
     let mut waiting: Vec<(Rank, i32)> = Vec::new();
     while i < g.p2p.len() {
-        // Receives are matched in the order they were posted (the list keeps it), as MPI
-        // matches posted receives.
+        // Receives are matched in posting order (the list keeps it), as MPI matches them.
         let p = &mut g.p2p[i];
         let key = (p.peer, mpi_tag(p.tag, p.dtype));
         let unmatched = p.recv && p.req.is_none();
@@ -105,8 +98,7 @@ pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Ins
         };
         any = true;
         let p = g.p2p.remove(i);
-        // The group is poisoned before the op completes: the caller's next op, submitted as
-        // soon as it learns of the failure, must find it so (and the peers are told).
+        // Poisoned before the op completes: the caller's next op must find it so.
         if let Err(e) = &result {
             g.poison(e, graveyard);
         }
@@ -147,12 +139,12 @@ pub(super) fn poll(
                 p.tag
             ),
         }),
-        Polled::Done(c) if p.recv && c.count.is_some_and(|n| n != p.len) => Err(CommError::Mismatch {
+        Polled::Done(count) if p.recv && count.is_some_and(|n| n != p.len) => Err(CommError::Mismatch {
             op: "recv",
             detail: format!(
                 "rank {} sent {} elements of {} with tag {}, but rank {me} posted a recv of {} elements",
                 p.peer,
-                c.count.unwrap_or(0),
+                count.unwrap_or(0),
                 p.dtype,
                 p.tag,
                 p.len
@@ -173,18 +165,14 @@ pub(super) fn poll(
 /// Completes a finished `p` with `result` (the buffer back, or the error); a failed request
 /// MPI may still use goes to `graveyard`. The caller poisons the group first on a failure.
 pub(super) fn finish(mut p: P2p, result: Result<(), CommError>, graveyard: &mut Vec<Request>) {
-    // Counted down before the `Work` completes, as a collective's ticket: the caller's next
-    // send or receive may run on its own thread again.
+    // Counted down before the `Work` completes, so the caller's next op may run directly.
     drop(p.ticket.take());
     let Some(mut req) = p.req else {
         // A receive whose message never came: nothing was posted for it.
         return p.done.complete(Err(result.err().unwrap_or_else(|| internal("a receive finished unmatched"))));
     };
     match result {
-        Ok(()) => match req.into_bufs() {
-            Some(b) => p.done.complete(if p.recv { take(b.recv) } else { take(b.send) }),
-            None => p.done.complete(Err(internal("a completed request kept its buffers"))),
-        },
+        Ok(()) => p.done.complete(req.into_bufs().and_then(|b| take(if p.recv { b.recv } else { b.send }))),
         Err(e) => {
             if p.recv && !req.is_done() {
                 req.cancel();
@@ -217,8 +205,9 @@ pub(super) fn p2p_timeout(p: &P2p, comm: &Comm, after: Duration) -> CommError {
             }
         }
     }
+    let dir = if p.recv { "recv from" } else { "send to" };
     CommError::Timeout {
-        op: p.what(),
+        op: format!("{dir} rank {} (tag {}, {} × {})", p.peer, p.tag, p.dtype, p.len),
         after,
         detail: format!(
             "rank {} never posted the matching {} (set COMM_TIMEOUT to wait longer)",

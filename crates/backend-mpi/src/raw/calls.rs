@@ -1,6 +1,5 @@
-//! The collective calls, each moving its buffers into a [`Request`]: nonblocking, or MPI's
-//! blocking form where the caller says `blocking` (returned completed); and two blocking calls
-//! on borrowed buffers.
+//! The collective calls, each moving its buffers into a [`Request`] (nonblocking, or blocking
+//! where the caller says `blocking`); and blocking calls on borrowed buffers.
 
 use std::ffi::{c_int, c_void};
 use std::ops::Range;
@@ -11,33 +10,35 @@ use mpi::ffi;
 use super::request::{count, counts, recv_ptr, send_ptr, Bufs, Request};
 use super::{check, datatype, in_place, tag_ub, Comm, MpiError};
 
+/// A collective's nonblocking call given a request slot, else its blocking form (see
+/// [`Request::start_or_call`]).
+macro_rules! call {
+    ($req:expr, $nonblocking:ident / $blocking:ident($($arg:expr),*)) => {
+        match $req {
+            Some(req) => ffi::$nonblocking($($arg),*, req),
+            None => ffi::$blocking($($arg),*),
+        }
+    };
+}
+
 /// `MPI_Ibarrier`.
 pub(crate) fn ibarrier(comm: &Comm) -> Result<Request, CommError> {
-    // SAFETY: reading a constant initialised at load time.
-    let dt = unsafe { ffi::RSMPI_UINT8_T };
-    Request::start("MPI_Ibarrier", dt, Bufs::default(), vec![], |_, _, _, req| {
+    Request::start("MPI_Ibarrier", datatype(DType::U8), Bufs::default(), vec![], |_, _, _, req| {
         // SAFETY: no buffers.
         unsafe { ffi::MPI_Ibarrier(comm.raw, req) }
     })
 }
 
-/// `MPI_Ibcast` of `buf` in place from `root` (`MPI_Bcast` where `blocking`: see
-/// [`Request::start_or_call`], as for every `blocking` below).
+/// `MPI_Ibcast` of `buf` in place from `root` (`MPI_Bcast` where `blocking`, as below).
 pub(crate) fn ibcast(comm: &Comm, buf: HostBuffer, root: i32, blocking: bool) -> Result<Request, CommError> {
     let (dt, n) = (datatype(buf.dtype()), count("broadcast", buf.len())?);
     Request::start_or_call(blocking, "MPI_Ibcast", dt, Bufs { send: None, recv: Some(buf) }, vec![], |_, r, _, req| {
         // SAFETY: `r` points to `n` elements of the owned buffer (rule 2).
-        unsafe {
-            match req {
-                Some(req) => ffi::MPI_Ibcast(r, n, dt, root, comm.raw, req),
-                None => ffi::MPI_Bcast(r, n, dt, root, comm.raw),
-            }
-        }
+        unsafe { call!(req, MPI_Ibcast / MPI_Bcast(r, n, dt, root, comm.raw)) }
     })
 }
 
-/// `MPI_Iallgather` (`MPI_Allgather`): every rank's `send` (same length) concatenated into
-/// `recv`.
+/// `MPI_Iallgather` (`MPI_Allgather`): every rank's `send` concatenated into `recv`.
 pub(crate) fn iallgather(
     comm: &Comm,
     send: HostBuffer,
@@ -50,12 +51,7 @@ pub(crate) fn iallgather(
     let bufs = Bufs { send: Some(send), recv: Some(recv) };
     Request::start_or_call(blocking, "MPI_Iallgather", dt, bufs, vec![], |s, r, _, req| {
         // SAFETY: `s` holds `n` elements and `r` holds `size × n` (rule 2).
-        unsafe {
-            match req {
-                Some(req) => ffi::MPI_Iallgather(s, n, dt, r, n, dt, comm.raw, req),
-                None => ffi::MPI_Allgather(s, n, dt, r, n, dt, comm.raw),
-            }
-        }
+        unsafe { call!(req, MPI_Iallgather / MPI_Allgather(s, n, dt, r, n, dt, comm.raw)) }
     })
 }
 
@@ -65,24 +61,20 @@ pub(crate) fn exchange_tag() -> i32 {
     (tag_ub() >> 3) << 3
 }
 
-/// The tag of an all_reduce input sent beside the exchange ([`isend_all`]): the next one in
-/// the same reserved block (`MPI_TAG_UB` is `2^k - 1` in every MPI, so the block has 8; the
-/// worker checks it).
+/// The tag of an all_reduce input sent beside the exchange ([`isend_all`]): the next in the
+/// reserved block (of 8, as `MPI_TAG_UB` is `2^k - 1`: the worker checks it).
 pub(crate) fn bulk_tag() -> i32 {
     exchange_tag() + 1
 }
 
-/// The tag of a poisoned group's notice to its peers ([`take_notice`]): the third of the
-/// reserved block.
+/// The tag of a poisoned group's notice to its peers ([`take_notice`]).
 pub(crate) fn notice_tag() -> i32 {
     exchange_tag() + 2
 }
 
-/// An all-gather of small slots by point-to-point messages: `send` (at most `slot` bytes) goes
-/// to every other rank, and rank `p`'s lands at `p × slot` of `recv` (`size × slot` bytes; the
-/// first `own` bytes of ours are copied there). Cheaper than `MPI_Iallgather`, whose schedule (Open MPI's libnbc) costs
-/// microseconds per call; messages between two ranks on one tag match in order, as the
-/// collectives they start are issued.
+/// An all-gather of small slots by point-to-point messages (cheaper than `MPI_Iallgather`):
+/// `send` (at most `slot` bytes) goes to every other rank, and rank `p`'s lands at `p × slot`
+/// of `recv` (`size × slot` bytes; the first `own` bytes of ours are copied there).
 pub(crate) fn iexchange(
     comm: &Comm,
     send: HostBuffer,
@@ -107,8 +99,7 @@ fn peers(comm: &Comm) -> impl Iterator<Item = usize> + Clone {
     (0..comm.size as usize).filter(move |&p| p != me)
 }
 
-/// Bytes `bytes` of `send` to every other rank on `tag` (the part of an all_reduce's input
-/// that goes beside the exchange).
+/// Bytes `bytes` of `send` to every other rank on `tag`.
 pub(crate) fn isend_all(comm: &Comm, send: HostBuffer, bytes: Range<usize>, tag: i32) -> Result<Request, CommError> {
     imessages(comm, tag, Some((send, bytes)), None, &[])
 }
@@ -123,9 +114,8 @@ pub(crate) fn irecv_parts(
     imessages(comm, tag, None, Some(recv), parts)
 }
 
-/// Point-to-point messages on one tag that complete together: the given bytes of `send` to
-/// every other rank, and for each `(peer, at, len)` of `from`, `len` bytes from
-/// `peer` into `recv` at byte `at` (receives posted first).
+/// Point-to-point messages on one tag that complete together: the given bytes of `send` to every
+/// other rank, and for each `(peer, at, len)` of `from`, `len` bytes into `recv` at byte `at`.
 fn imessages(
     comm: &Comm,
     tag: i32,
@@ -224,12 +214,7 @@ pub(crate) fn igather(
     Request::start_or_call(blocking, "MPI_Igather", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
         // SAFETY: `s` holds `n` elements; on the root `r` holds `size × n` (rule 2); elsewhere
         // the receive arguments are ignored by MPI.
-        unsafe {
-            match req {
-                Some(req) => ffi::MPI_Igather(s, n, dt, r, n, dt, root, comm.raw, req),
-                None => ffi::MPI_Gather(s, n, dt, r, n, dt, root, comm.raw),
-            }
-        }
+        unsafe { call!(req, MPI_Igather / MPI_Gather(s, n, dt, r, n, dt, root, comm.raw)) }
     })
 }
 
@@ -252,8 +237,7 @@ pub(crate) fn igatherv(
     })
 }
 
-/// `MPI_Iscatter` (`MPI_Scatter`) from `root`: block `j` of the root's `send` to rank `j`'s
-/// `recv`.
+/// `MPI_Iscatter` (`MPI_Scatter`): block `j` of the root's `send` to rank `j`'s `recv`.
 pub(crate) fn iscatter(
     comm: &Comm,
     send: Option<HostBuffer>,
@@ -266,18 +250,12 @@ pub(crate) fn iscatter(
     debug_assert!(send.as_ref().is_none_or(|s| s.len() == recv.len() * comm.size as usize));
     Request::start_or_call(blocking, "MPI_Iscatter", dt, Bufs { send, recv: Some(recv) }, vec![], |s, r, _, req| {
         // SAFETY: on the root `s` holds `size × n` elements (ignored elsewhere); `r` holds `n`.
-        unsafe {
-            match req {
-                Some(req) => ffi::MPI_Iscatter(s, n, dt, r, n, dt, root, comm.raw, req),
-                None => ffi::MPI_Scatter(s, n, dt, r, n, dt, root, comm.raw),
-            }
-        }
+        unsafe { call!(req, MPI_Iscatter / MPI_Scatter(s, n, dt, r, n, dt, root, comm.raw)) }
     })
 }
 
-/// `MPI_Ialltoallv` (`MPI_Alltoallv`): `send_parts[j]` of `send` to rank `j`, whose block
-/// lands at `recv_parts[i]` of rank `j`'s `recv` for sender `i`. Parts are `(offset, len)` in
-/// elements.
+/// `MPI_Ialltoallv` (`MPI_Alltoallv`): `send_parts[j]` of `send` to rank `j`, landing at its
+/// `recv_parts[i]` for sender `i`. Parts are `(offset, len)` in elements.
 pub(crate) fn ialltoallv(
     comm: &Comm,
     send: HostBuffer,
@@ -295,17 +273,11 @@ pub(crate) fn ialltoallv(
         let (sc, sd, rc, rd) = (a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr());
         // SAFETY: every (displacement, count) lies inside its buffer (checked above); the arrays
         // live in the request (rule 2).
-        unsafe {
-            match req {
-                Some(req) => ffi::MPI_Ialltoallv(s, sc, sd, dt, r, rc, rd, dt, comm.raw, req),
-                None => ffi::MPI_Alltoallv(s, sc, sd, dt, r, rc, rd, dt, comm.raw),
-            }
-        }
+        unsafe { call!(req, MPI_Ialltoallv / MPI_Alltoallv(s, sc, sd, dt, r, rc, rd, dt, comm.raw)) }
     })
 }
 
-/// `MPI_Iallreduce` of `buf` in place (`MPI_IN_PLACE`): MPI reduces into the buffer it reads,
-/// with no copy of the input into a separate output first.
+/// `MPI_Iallreduce` of `buf` in place (`MPI_IN_PLACE`: no copy of the input first).
 pub(crate) fn iallreduce_in_place(comm: &Comm, buf: HostBuffer, op: ffi::MPI_Op) -> Result<Request, CommError> {
     let dt = datatype(buf.dtype());
     let n = count("all_reduce", buf.len())?;
@@ -341,12 +313,7 @@ pub(crate) fn ireduce(
     debug_assert!(recv.as_ref().is_none_or(|r| r.len() == send.len()));
     Request::start_or_call(blocking, "MPI_Ireduce", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
         // SAFETY: `s` holds `n` elements, and so does `r` on the root (ignored elsewhere).
-        unsafe {
-            match req {
-                Some(req) => ffi::MPI_Ireduce(s, r, n, dt, op, root, comm.raw, req),
-                None => ffi::MPI_Reduce(s, r, n, dt, op, root, comm.raw),
-            }
-        }
+        unsafe { call!(req, MPI_Ireduce / MPI_Reduce(s, r, n, dt, op, root, comm.raw)) }
     })
 }
 
@@ -365,17 +332,11 @@ pub(crate) fn ireduce_scatter_block(
     let bufs = Bufs { send: Some(send), recv: Some(recv) };
     Request::start_or_call(blocking, "MPI_Ireduce_scatter_block", dt, bufs, vec![], |s, r, _, req| {
         // SAFETY: `s` holds `size × n` elements and `r` holds `n` (rule 2).
-        unsafe {
-            match req {
-                Some(req) => ffi::MPI_Ireduce_scatter_block(s, r, n, dt, op, comm.raw, req),
-                None => ffi::MPI_Reduce_scatter_block(s, r, n, dt, op, comm.raw),
-            }
-        }
+        unsafe { call!(req, MPI_Ireduce_scatter_block / MPI_Reduce_scatter_block(s, r, n, dt, op, comm.raw)) }
     })
 }
 
-/// `MPI_Alltoallv`, blocking (see [`allreduce_in_place`] for when that is allowed): as
-/// [`ialltoallv`], with borrowed buffers.
+/// `MPI_Alltoallv`, blocking (see [`allreduce_in_place`]): [`ialltoallv`] on borrowed buffers.
 pub(crate) fn alltoallv(
     comm: &Comm,
     send: &HostBuffer,

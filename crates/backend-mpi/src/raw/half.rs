@@ -9,9 +9,7 @@ use mpi::ffi;
 use super::{check, MpiError};
 
 /// MPI ops combining f16/bf16 elements (carried as `uint16_t`) through f32: Sum, Prod, Min,
-/// Max for each type. Each combination rounds back to 16 bits, so results depend on MPI's
-/// reduction order; the default (exact) mode does not use them. (Also what comm-bench's
-/// `mpi-raw` baseline reduces f16/bf16 with.)
+/// Max. Each step rounds to 16 bits, so results depend on MPI's reduction order.
 pub struct HalfOps {
     /// f16 Sum, Prod, Min, Max, then the same for bf16 (only those created so far).
     ops: Vec<ffi::MPI_Op>,

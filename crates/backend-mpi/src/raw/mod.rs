@@ -131,15 +131,6 @@ pub fn builtin_op(op: ReduceOp) -> Option<ffi::MPI_Op> {
     }
 }
 
-/// `MPI_UNDEFINED` (the color of ranks that are not in a split's new communicator).
-fn undefined() -> c_int {
-    // SAFETY: reading a constant initialised at load time.
-    unsafe { ffi::RSMPI_UNDEFINED }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Process-wide calls
-
 /// Sets `MPI_ERRORS_RETURN` on `MPI_COMM_WORLD`, so communicators derived from it inherit it.
 pub(crate) fn world_errors_return() -> Result<(), MpiError> {
     // SAFETY: MPI is initialised (called right after `initialize_with_threading`), on its thread.
@@ -159,10 +150,8 @@ pub(crate) fn world_rank_size() -> Result<(i32, i32), MpiError> {
     Ok((rank, size))
 }
 
-/// `(local rank, local size)`: this process's place among the ranks sharing its node
-/// (`MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`), and the CPUs they may run on together:
-/// `cpus` (bit words, see `CpuSet::from_words`) is this rank's on entry and the node's union
-/// on return. Collective over the world.
+/// `(local rank, local size)` among the ranks sharing this node (`MPI_COMM_TYPE_SHARED`); `cpus`
+/// (bit words) is this rank's CPUs on entry and the node's union on return. Collective.
 pub(crate) fn node_rank_size(cpus: &mut [u64]) -> Result<(i32, i32), MpiError> {
     let mut node = MaybeUninit::<ffi::MPI_Comm>::uninit();
     let n = c_int::try_from(cpus.len()).expect("a CPU mask of a few words");
@@ -246,9 +235,6 @@ pub(crate) fn at_exit(f: extern "C" fn()) -> bool {
     unsafe { atexit(f) == 0 }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Communicators
-
 /// An owned communicator (never `MPI_COMM_WORLD` itself): freed on drop.
 pub(crate) struct Comm {
     raw: ffi::MPI_Comm,
@@ -278,11 +264,11 @@ impl Comm {
         self.size
     }
 
-    /// `MPI_Comm_split`: members (`Some(key)`) get the new communicator, ordered by key; the
-    /// others get `None`. Blocking and collective over `self`: call it only once every rank is
-    /// known to have arrived.
+    /// `MPI_Comm_split`: members (`Some(key)`) get the new communicator, ordered by key. Blocking:
+    /// call it only once every rank is known to have arrived.
     pub(crate) fn split(&self, key: Option<i32>) -> Result<Option<Comm>, MpiError> {
-        let color = if key.is_some() { 0 } else { undefined() };
+        // SAFETY: reading a constant initialised at load time (`MPI_UNDEFINED`: not a member).
+        let color = if key.is_some() { 0 } else { unsafe { ffi::RSMPI_UNDEFINED } };
         let mut out = MaybeUninit::<ffi::MPI_Comm>::uninit();
         // SAFETY: `self.raw` is valid; `out` is read only after a successful call.
         let raw = unsafe {
@@ -299,11 +285,7 @@ impl Comm {
 
 /// A communicator's handle for the callers' threads (rule 1): not owned, never freed through
 /// it. The lane that holds it drops it before the worker frees the communicator.
-pub(crate) struct SharedComm {
-    raw: ffi::MPI_Comm,
-    rank: i32,
-    size: i32,
-}
+pub(crate) struct SharedComm(std::mem::ManuallyDrop<Comm>);
 
 // SAFETY: an MPI communicator handle may be used from any thread once MPI provides
 // MPI_THREAD_MULTIPLE (the worker shares one only then); the lane lock keeps collectives on it
@@ -315,15 +297,14 @@ unsafe impl Sync for SharedComm {}
 impl Comm {
     /// A handle for direct calls from callers' threads (see [`SharedComm`]).
     pub(crate) fn share(&self) -> SharedComm {
-        SharedComm { raw: self.raw, rank: self.rank, size: self.size }
+        SharedComm(std::mem::ManuallyDrop::new(Comm { raw: self.raw, rank: self.rank, size: self.size }))
     }
 }
 
 impl SharedComm {
     /// Runs `f` with the communicator as a [`Comm`] that is not freed afterwards.
     pub(crate) fn with<R>(&self, f: impl FnOnce(&Comm) -> R) -> R {
-        let comm = std::mem::ManuallyDrop::new(Comm { raw: self.raw, rank: self.rank, size: self.size });
-        f(&comm)
+        f(&self.0)
     }
 }
 

@@ -19,20 +19,13 @@ pub(crate) struct Bufs {
     pub(crate) recv: Option<HostBuffer>,
 }
 
-/// How a completed request ended.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Completion {
-    /// Elements received (receives only).
-    pub(crate) count: Option<usize>,
-}
-
 /// What [`Request::test`] saw.
 #[derive(Debug)]
 pub(crate) enum Polled {
     /// Still in flight.
     Pending,
-    /// Completed successfully.
-    Done(Completion),
+    /// Completed successfully, with the elements received (receives only).
+    Done(Option<usize>),
     /// MPI reported an error; `completed` says whether the request is finished (its buffers
     /// can be taken back) or in an unknown state (they stay with the request).
     Failed { err: MpiError, completed: bool },
@@ -55,12 +48,6 @@ pub(crate) struct Request {
 // caller's direct op that did not finish at once is handed to the worker, see `SharedComm`),
 // and MPI request handles are then valid on any thread; its buffers are owned (rule 2).
 unsafe impl Send for Request {}
-
-impl std::fmt::Debug for Request {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Request").field("done", &self.done).finish()
-    }
-}
 
 /// A buffer's length as an MPI count.
 pub(crate) fn count(op: &'static str, n: usize) -> Result<c_int, CommError> {
@@ -90,8 +77,7 @@ impl Request {
         Request { raw, many: Vec::new(), bufs, _arrays: arrays, datatype, done: false }
     }
 
-    /// Moves `bufs` and `arrays` into a new request and issues it with `issue`, which gets the
-    /// buffers' pointers, the arrays and the request slot.
+    /// Moves `bufs` and `arrays` into a new request and issues it with `issue`.
     pub(super) fn start(
         call: &'static str,
         datatype: ffi::MPI_Datatype,
@@ -111,10 +97,9 @@ impl Request {
         Ok(req)
     }
 
-    /// A collective as [`start`](Self::start) issues it (`issue` gets the request slot), or,
-    /// where `blocking`, MPI's blocking form (`issue` gets `None`), returned completed. Blocking
-    /// only where every rank is known to make the same call, and no cycle of blocked threads can
-    /// form (the worker's `held`).
+    /// [`start`](Self::start), or where `blocking` MPI's blocking form (`issue` gets `None`),
+    /// returned completed: only where every rank makes the same call and no blocked threads can
+    /// form a cycle (the worker's `held`).
     pub(super) fn start_or_call(
         blocking: bool,
         call: &'static str,
@@ -139,7 +124,7 @@ impl Request {
     /// Polls the request once (this also drives MPI's progress engine).
     pub(crate) fn test(&mut self) -> Polled {
         if self.done {
-            return Polled::Done(Completion { count: None });
+            return Polled::Done(None);
         }
         if !self.many.is_empty() {
             return self.test_many();
@@ -170,7 +155,7 @@ impl Request {
         // SAFETY: `status` was filled by the successful MPI_Test above.
         let got = unsafe { ffi::MPI_Get_count(status.as_ptr(), self.datatype, &mut n) };
         let count = (got == ffi::MPI_SUCCESS as c_int && n >= 0).then_some(n as usize);
-        Polled::Done(Completion { count })
+        Polled::Done(count)
     }
 
     fn test_many(&mut self) -> Polled {
@@ -186,12 +171,11 @@ impl Request {
             return Polled::Pending;
         }
         self.done = true;
-        Polled::Done(Completion { count: None })
+        Polled::Done(None)
     }
 
-    /// Asks MPI to cancel a receive that has not matched (used when it times out; of an op
-    /// made of several calls, each one still live: its receives, and sends MPI can still take
-    /// back). Poll again to see it complete.
+    /// Asks MPI to cancel a receive that has not matched (of an op made of several calls, each
+    /// one still live). Poll again to see it complete.
     pub(crate) fn cancel(&mut self) {
         if self.done {
             return;
@@ -219,14 +203,14 @@ impl Request {
         self.done
     }
 
-    /// The buffers, once the request completed; `None` (and the buffers stay leaked with the
-    /// request) if it did not.
-    pub(crate) fn into_bufs(mut self) -> Option<Bufs> {
-        if self.done {
-            Some(std::mem::take(&mut self.bufs))
-        } else {
-            None
+    /// The buffers, once the request completed; an (internal) error, the buffers leaked with
+    /// the request, if it did not.
+    pub(crate) fn into_bufs(mut self) -> Result<Bufs, CommError> {
+        if !self.done {
+            let source = "internal error: a completed request kept its buffers".into();
+            return Err(CommError::Backend { backend: "mpi", source });
         }
+        Ok(std::mem::take(&mut self.bufs))
     }
 }
 
@@ -255,15 +239,15 @@ pub(crate) struct Matched {
     message: ffi::MPI_Message,
     /// Its length in bytes.
     pub(crate) bytes: usize,
+    source: i32,
 }
 
 // SAFETY: a matched message is a handle owned by the worker thread, like a request; it moves
 // only with the `P2p` that holds it and is used by the thread that matched it.
 unsafe impl Send for Matched {}
 
-/// `MPI_Improbe`: the next message from `src` with `tag`, taken out of matching (so a
-/// receive of exactly its length can be posted for it: a shorter receive is an error in MPI,
-/// and Open MPI's single-copy shared-memory path overruns it).
+/// `MPI_Improbe`: the next message from `src` with `tag`, taken out of matching, so a receive
+/// of its length can be posted (Open MPI's single-copy path overruns a shorter one).
 pub(crate) fn improbe(comm: &Comm, src: i32, tag: i32) -> Result<Option<Matched>, CommError> {
     let mut flag: c_int = 0;
     let mut status = MaybeUninit::<ffi::MPI_Status>::zeroed();
@@ -279,7 +263,9 @@ pub(crate) fn improbe(comm: &Comm, src: i32, tag: i32) -> Result<Option<Matched>
     // SAFETY: `status` was filled by the successful MPI_Improbe above.
     let rc = unsafe { ffi::MPI_Get_count(status.as_ptr(), ffi::RSMPI_UINT8_T, &mut n) };
     check("MPI_Get_count", rc).map_err(MpiError::into_comm)?;
-    Ok(Some(Matched { message, bytes: n.max(0) as usize }))
+    // SAFETY: `status` was filled by the successful MPI_Improbe.
+    let source = unsafe { status.assume_init() }.MPI_SOURCE;
+    Ok(Some(Matched { message, bytes: n.max(0) as usize, source }))
 }
 
 /// `MPI_Imrecv` of a matched message into `buf`, which must hold all of it.
@@ -304,39 +290,18 @@ pub(crate) const NOTICE_MAX: usize = 512;
 /// A poisoned group's notice from any peer, if one has arrived: `(source, text)`. Notices are
 /// at most [`NOTICE_MAX`] bytes, sent eagerly, so the matched message is received at once.
 pub(crate) fn take_notice(comm: &Comm) -> Result<Option<(i32, String)>, CommError> {
-    let mut flag: c_int = 0;
-    let mut status = MaybeUninit::<ffi::MPI_Status>::zeroed();
     // SAFETY: reading a constant initialised at load time.
-    let mut message = unsafe { ffi::RSMPI_MESSAGE_NULL };
-    // SAFETY: out-parameters to locals; `status` is read only when a message was matched.
-    let rc = unsafe {
-        ffi::MPI_Improbe(ffi::RSMPI_ANY_SOURCE, notice_tag(), comm.raw, &mut flag, &mut message, status.as_mut_ptr())
-    };
-    check("MPI_Improbe", rc).map_err(MpiError::into_comm)?;
-    if flag == 0 {
-        return Ok(None);
-    }
-    // SAFETY: `status` was filled by the successful MPI_Improbe above.
-    let source = unsafe { status.assume_init() }.MPI_SOURCE;
+    let Some(mut m) = improbe(comm, unsafe { ffi::RSMPI_ANY_SOURCE }, notice_tag())? else { return Ok(None) };
     let mut text = vec![0u8; NOTICE_MAX];
-    let mut got = MaybeUninit::<ffi::MPI_Status>::zeroed();
-    // SAFETY: `text` holds NOTICE_MAX bytes, the receive's count; `message` was matched above
-    // and is received once. A longer message is truncated (an error we report, not UB).
+    // SAFETY: `text` holds NOTICE_MAX bytes, the receive's count; `m.message` was matched by
+    // `improbe` and is received once. A longer message is truncated (an error we report, not UB).
     let rc = unsafe {
-        ffi::MPI_Mrecv(
-            text.as_mut_ptr().cast(),
-            NOTICE_MAX as c_int,
-            ffi::RSMPI_UINT8_T,
-            &mut message,
-            got.as_mut_ptr(),
-        )
+        let buf = text.as_mut_ptr().cast();
+        ffi::MPI_Mrecv(buf, NOTICE_MAX as c_int, ffi::RSMPI_UINT8_T, &mut m.message, ffi::RSMPI_STATUS_IGNORE)
     };
     check("MPI_Mrecv", rc).map_err(MpiError::into_comm)?;
-    let mut n: c_int = 0;
-    // SAFETY: `got` was filled by the successful MPI_Mrecv above.
-    unsafe { ffi::MPI_Get_count(got.as_ptr(), ffi::RSMPI_UINT8_T, &mut n) };
-    text.truncate(n.clamp(0, NOTICE_MAX as c_int) as usize);
-    Ok(Some((source, String::from_utf8_lossy(&text).into_owned())))
+    text.truncate(m.bytes.min(NOTICE_MAX));
+    Ok(Some((m.source, String::from_utf8_lossy(&text).into_owned())))
 }
 
 /// A message from `src` waiting to be received, whatever its tag: `(tag, bytes)`.

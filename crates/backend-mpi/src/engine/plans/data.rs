@@ -1,78 +1,14 @@
 //! Data movement: broadcast, all_gather, all_to_all, scatter and gather.
 
 use comm_core::ops::{AllGather, AllToAll, Broadcast, Gather, Op, Scatter};
-use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind};
+use comm_core::{CommError, Completer, DType, HostBuffer, InOut};
 
 use crate::engine::header::{inline_max, Exchange, Header, INLINE_ANY};
-use crate::engine::op::{small, Job, Plan};
+use crate::engine::op::{Job, Plan};
 use crate::engine::Params;
 use crate::raw;
 
-use super::{direct_transfer, done, done_io, inline, take, wait, Env, Part, Reply, Step, Steps};
-
-pub(super) fn plan_all_to_all(r: AllToAll, reply: Reply, n: usize) -> Steps {
-    let (dtype, es) = (r.input.dtype(), r.input.dtype().size());
-    let header = Header::new(OpKind::AllToAll, Some(dtype), 0, None, None);
-    let (ins, outs) = r.splits(n as u32);
-    // What this rank sends to and expects from each peer: every rank checks every pair, so
-    // all of them reach the same verdict. It rides in the exchange when it fits (2n counts),
-    // after a flag saying whether the input follows it (when that fits too: then, if every
-    // rank's did, the op finishes from the exchange).
-    let row: Vec<i64> = ins.iter().chain(&outs).map(|&c| c as i64).collect();
-    let with_data = 8 + row.len() * 8 + r.input.byte_len() <= inline_max(n);
-    let payload = inline(8 + row.len() * 8, n, || {
-        let mut p = Vec::with_capacity(8 + row.len() * 8 + if with_data { r.input.byte_len() } else { 0 });
-        p.extend_from_slice(&i64::from(with_data).to_ne_bytes());
-        p.extend_from_slice(bytemuck::cast_slice(&row));
-        if with_data {
-            p.extend_from_slice(r.input.as_bytes());
-        }
-        p
-    });
-    let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
-        let offsets = |v: &[usize]| -> Vec<(usize, usize)> {
-            v.iter().scan(0, |at, &c| Some((std::mem::replace(at, *at + c), c))).collect()
-        };
-        let (send_parts, recv_parts) = (offsets(&ins), offsets(&outs));
-        let mut out = r.output.unwrap_or_else(|| env.buffer(dtype, outs.iter().sum()));
-        let input = r.input;
-        if !env.params.check || n == 1 {
-            return ialltoallv(env, input, &send_parts, out, &recv_parts);
-        }
-        if let Some(ex) = ex {
-            let head = |p: usize| bytemuck::pod_collect_to_vec::<u8, i64>(ex.data(p, 8 + 16 * n));
-            let heads: Vec<Vec<i64>> = (0..n).map(head).collect();
-            let rows: Vec<i64> = heads.iter().flat_map(|h| h[1..].iter().copied()).collect();
-            check_splits(&rows, n)?;
-            if heads.iter().any(|h| h[0] == 0) {
-                return ialltoallv(env, input, &send_parts, out, &recv_parts);
-            }
-            // Every input came with the headers: take our block of each.
-            let me = env.rank;
-            for (p, h) in heads.iter().enumerate() {
-                let sent = &h[1..=n];
-                let at = sent[..me].iter().sum::<i64>() as usize * es;
-                let len = sent[me] as usize * es;
-                let data = &ex.data(p, 8 + 16 * n + at + len)[8 + 16 * n + at..];
-                let (o, l) = recv_parts[p];
-                out.as_bytes_mut()[o * es..(o + l) * es].copy_from_slice(data);
-            }
-            return done_io(input, out);
-        }
-        // A group too large for the rows in its slots: gather them in a round of their own.
-        let req = raw::iallgather(
-            env.comm,
-            HostBuffer::from_slice(&row),
-            HostBuffer::zeroed(DType::I64, 2 * n * n),
-            env.may_block,
-        )?;
-        Ok(wait(req, move |env, b| {
-            check_splits(take(b.recv)?.as_slice::<i64>()?, n)?;
-            ialltoallv(env, input, &send_parts, out, &recv_parts)
-        }))
-    };
-    Steps::new("all_to_all", header, payload, start, reply)
-}
+use super::{done, done_io, take, wait, Env, Part, Reply, Step, Steps, DIRECT_MAX};
 
 /// The transfer of an all_to_all.
 fn ialltoallv(
@@ -108,23 +44,82 @@ fn check_splits(m: &[i64], n: usize) -> Result<(), CommError> {
 impl Plan for AllToAll {
     /// Its splits fit the exchange: once every rank is in, the rest waits for the transfer.
     fn direct(&self, _: &Params, size: usize) -> bool {
-        small(16 * size, size)
+        16 * size <= inline_max(size)
     }
 
     fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
-        Job::Collective(plan_all_to_all(self, Reply::Io(d), n))
+        let (ins, outs) = self.splits(n as u32);
+        let AllToAll { input, output, .. } = self;
+        let (dtype, es) = (input.dtype(), input.dtype().size());
+        let header = Header::new(Self::KIND, Some(dtype), 0, None, None);
+        // Every rank checks every pair's counts (sent and expected), so all reach one verdict;
+        // they ride in the exchange after a flag saying whether the input follows them.
+        let row: Vec<i64> = ins.iter().chain(&outs).map(|&c| c as i64).collect();
+        let with_data = 8 + row.len() * 8 + input.byte_len() <= inline_max(n);
+        let payload = (8 + row.len() * 8 <= inline_max(n)).then(|| {
+            let mut p = Vec::with_capacity(8 + row.len() * 8 + if with_data { input.byte_len() } else { 0 });
+            p.extend_from_slice(&i64::from(with_data).to_ne_bytes());
+            p.extend_from_slice(bytemuck::cast_slice(&row));
+            if with_data {
+                p.extend_from_slice(input.as_bytes());
+            }
+            p
+        });
+        let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
+            let offsets = |v: &[usize]| -> Vec<(usize, usize)> {
+                v.iter().scan(0, |at, &c| Some((std::mem::replace(at, *at + c), c))).collect()
+            };
+            let (send_parts, recv_parts) = (offsets(&ins), offsets(&outs));
+            let mut out = output.unwrap_or_else(|| env.buffer(dtype, outs.iter().sum()));
+            if !env.params.check || n == 1 {
+                return ialltoallv(env, input, &send_parts, out, &recv_parts);
+            }
+            if let Some(ex) = ex {
+                let head = |p: usize| bytemuck::pod_collect_to_vec::<u8, i64>(ex.data(p, 8 + 16 * n));
+                let heads: Vec<Vec<i64>> = (0..n).map(head).collect();
+                let rows: Vec<i64> = heads.iter().flat_map(|h| h[1..].iter().copied()).collect();
+                check_splits(&rows, n)?;
+                if heads.iter().any(|h| h[0] == 0) {
+                    return ialltoallv(env, input, &send_parts, out, &recv_parts);
+                }
+                // Every input came with the headers: take our block of each.
+                let me = env.rank;
+                for (p, h) in heads.iter().enumerate() {
+                    let sent = &h[1..=n];
+                    let at = sent[..me].iter().sum::<i64>() as usize * es;
+                    let len = sent[me] as usize * es;
+                    let data = &ex.data(p, 8 + 16 * n + at + len)[8 + 16 * n + at..];
+                    let (o, l) = recv_parts[p];
+                    out.as_bytes_mut()[o * es..(o + l) * es].copy_from_slice(data);
+                }
+                return done_io(input, out);
+            }
+            // A group too large for the rows in its slots: gather them in a round of their own.
+            let req = raw::iallgather(
+                env.comm,
+                HostBuffer::from_slice(&row),
+                HostBuffer::zeroed(DType::I64, 2 * n * n),
+                env.may_block,
+            )?;
+            Ok(wait(req, move |env, b| {
+                check_splits(take(b.recv)?.as_slice::<i64>()?, n)?;
+                ialltoallv(env, input, &send_parts, out, &recv_parts)
+            }))
+        };
+        Job::Collective(Steps::new(Self::NAME, header, payload, start, Reply::Io(d)))
     }
 }
 
 impl Plan for Broadcast {
-    fn direct(&self, _: &Params, size: usize) -> bool {
-        small(self.buf.byte_len(), size) || direct_transfer(self.buf.byte_len())
+    /// Whatever fits the exchange is within [`DIRECT_MAX`] too.
+    fn direct(&self, _: &Params, _: usize) -> bool {
+        self.buf.byte_len() <= DIRECT_MAX
     }
 
     fn job(self, d: Completer<HostBuffer>, _: &Params, n: usize) -> Job {
         let Broadcast { buf, root } = self;
         let header = Header::new(Self::KIND, Some(buf.dtype()), buf.len(), Some(root), None);
-        let payload = inline(buf.byte_len(), n, || buf.as_bytes().to_vec());
+        let payload = (buf.byte_len() <= inline_max(n)).then(|| buf.as_bytes().to_vec());
         let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
             let mut buf = buf;
             if let Some(ex) = ex {
@@ -141,14 +136,14 @@ impl Plan for Broadcast {
 
 impl Plan for AllGather {
     fn direct(&self, _: &Params, size: usize) -> bool {
-        small(self.input.byte_len(), size) || direct_transfer(self.input.byte_len().saturating_mul(size))
+        self.input.byte_len() <= inline_max(size) || self.input.byte_len().saturating_mul(size) <= DIRECT_MAX
     }
 
     fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
         let AllGather { input, output } = self;
         let (dtype, len) = (input.dtype(), input.len());
         let header = Header::new(Self::KIND, Some(dtype), len, None, None);
-        let payload = inline(input.byte_len(), n, || input.as_bytes().to_vec());
+        let payload = (input.byte_len() <= inline_max(n)).then(|| input.as_bytes().to_vec());
         let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
             let mut out = output.unwrap_or_else(|| env.buffer(dtype, len * env.size));
             if let Some(ex) = ex {
@@ -173,16 +168,15 @@ fn scatter_inline(block: usize, size: usize) -> bool {
 impl Plan for Scatter {
     fn direct(&self, _: &Params, size: usize) -> bool {
         let all = self.output.byte_len().saturating_mul(size);
-        scatter_inline(self.output.byte_len(), size) || direct_transfer(all)
+        scatter_inline(self.output.byte_len(), size) || all <= DIRECT_MAX
     }
 
     fn job(self, d: Completer<InOut>, _: &Params, _: usize) -> Job {
         let Scatter { input, output, root } = self;
         let dtype = output.dtype();
         let header = Header::new(Self::KIND, Some(dtype), output.len(), Some(root), None);
-        // The root's blocks ride in the exchange when they fit in any group's slot; every
-        // payload then fits (an input passed off the root too), so every rank gets the
-        // exchange's data and decides from the sizes alone, alike.
+        // The root's blocks ride in the exchange when they fit any group's slot, so every rank
+        // decides alike from the sizes alone.
         let payload = Some(match &input {
             Some(all) if all.byte_len() <= INLINE_ANY => all.as_bytes().to_vec(),
             _ => Vec::new(),
@@ -209,14 +203,14 @@ impl Plan for Scatter {
 
 impl Plan for Gather {
     fn direct(&self, _: &Params, size: usize) -> bool {
-        small(self.input.byte_len(), size) || direct_transfer(self.input.byte_len().saturating_mul(size))
+        self.input.byte_len() <= inline_max(size) || self.input.byte_len().saturating_mul(size) <= DIRECT_MAX
     }
 
     fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
         let Gather { input, output, root } = self;
         let (dtype, len) = (input.dtype(), input.len());
         let header = Header::new(Self::KIND, Some(dtype), len, Some(root), None);
-        let payload = inline(input.byte_len(), n, || input.as_bytes().to_vec());
+        let payload = (input.byte_len() <= inline_max(n)).then(|| input.as_bytes().to_vec());
         let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
             let is_root = env.rank == root as usize;
             // Off the root MPI fills no output: one passed anyway comes back as it is.

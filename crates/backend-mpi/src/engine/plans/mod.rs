@@ -11,7 +11,7 @@ use crate::raw::{Bufs, Comm, Request};
 use crate::{raw, Reduction};
 
 use super::header::{hash_ranks, Exchange, Header, OpLabel};
-use super::op::{small, Job, NewGroup, Plan, Post};
+use super::op::{Job, NewGroup, Plan, Post};
 use super::{Gid, GroupInfo, Params};
 
 mod data;
@@ -35,9 +35,8 @@ pub(super) struct Env<'a> {
     pub(super) may_block: bool,
 }
 
-/// Spare large buffers, reused for scratch space and outputs: repeated ops of one size then
-/// neither allocate nor page-fault. Every buffer taken from it is completely overwritten by
-/// MPI or by a reduction before anyone reads it.
+/// Spare large buffers, reused for scratch space and outputs (so repeated ops neither allocate
+/// nor page-fault); every one taken is completely overwritten before anyone reads it.
 #[derive(Default)]
 pub(super) struct Pool {
     pub(super) spare: std::cell::RefCell<Vec<HostBuffer>>,
@@ -49,8 +48,7 @@ impl Pool {
     /// At most this many bytes are kept.
     const MAX_BYTES: usize = 256 << 20;
 
-    /// A buffer of `len` elements whose contents will all be overwritten (a kept one when
-    /// there is one of that size: not zeroed).
+    /// A buffer of `len` elements whose contents will all be overwritten (a kept one is not zeroed).
     pub(super) fn buffer(&self, dtype: DType, len: usize) -> HostBuffer {
         let bytes = len * dtype.size();
         if bytes >= Pool::MIN {
@@ -84,9 +82,8 @@ impl Env<'_> {
 
 pub(super) type Cont = Box<dyn FnOnce(&Env<'_>, Bufs) -> Result<Step, CommError> + Send>;
 
-/// How a planned collective starts, once every rank agreed on its header; given the gathered
-/// exchange when it carried every rank's [`Steps::payload`] or [`Steps::whole`] (then the op
-/// finishes from it).
+/// How a planned collective starts once every rank agreed on its header; given the exchange
+/// when it carried every rank's [`Steps::payload`] or [`Steps::whole`].
 pub(super) type Start = Box<dyn FnOnce(&Env<'_>, Option<&mut Exchange>) -> Result<Step, CommError> + Send>;
 
 pub(super) enum Step {
@@ -180,7 +177,7 @@ pub struct Steps {
     /// rank of an op with a matching header has one, possibly empty).
     pub(super) payload: Option<Vec<u8>>,
     /// An all_reduce's whole input, shipped with the header (in the slot, what does not fit
-    /// beside it); it comes back in the exchange ([`Exchange::take_input`]).
+    /// beside it); it comes back in the exchange ([`Exchange::input`]).
     pub(super) whole: Option<HostBuffer>,
     pub(super) start: Start,
     pub(super) reply: Reply,
@@ -199,23 +196,15 @@ impl Steps {
     }
 }
 
-/// The payload of an op whose data (`bytes` on every rank, by the header) fits the exchange of
-/// a group of `n`.
-pub(super) fn inline(bytes: usize, n: usize, data: impl FnOnce() -> Vec<u8>) -> Option<Vec<u8>> {
-    small(bytes, n).then(data)
-}
-
-/// Whether a reduction is done by us (rank order, bit-identical to the reference) rather than
-/// by an MPI op: always in exact mode; in native mode for 8-bit integers, which MPI libraries
-/// get wrong (Open MPI 4.1's AVX kernels saturate sums instead of wrapping; MPICH 4.0
-/// compares `uint8_t` as signed in min/max).
+/// Whether a reduction is done by us (rank order) rather than by an MPI op: always in exact
+/// mode; in native mode for 8-bit integers, which MPI libraries get wrong (Open MPI 4.1 saturates
+/// sums; MPICH 4.0 compares `uint8_t` as signed in min/max).
 pub(super) fn local_reduction(params: &Params, dtype: DType) -> bool {
     params.reduction == Reduction::Exact || matches!(dtype, DType::U8 | DType::I8)
 }
 
-/// Whether a caller's thread may run a native all_reduce of `dtype`: MPI reduces it with a
-/// built-in op (f16/bf16 take our user ops, which live on the worker, so those always run
-/// there).
+/// Whether a caller's thread may run a native all_reduce of `dtype`: a built-in MPI op (our
+/// f16/bf16 ops live on the worker).
 pub(super) fn direct_native(params: &Params, dtype: DType) -> bool {
     !local_reduction(params, dtype) && !matches!(dtype, DType::F16 | DType::BF16)
 }
@@ -236,30 +225,19 @@ pub(super) fn blocks(all: &HostBuffer, n: usize, len: usize) -> Vec<&[u8]> {
     (0..n).map(|i| &all.as_bytes()[i * b..(i + 1) * b]).collect()
 }
 
-// `d` below is each op's completer (`done` builds a finished step).
-
-/// Largest op (bytes this rank hands in or receives, whichever is more) that a caller runs on
-/// its own thread beyond what fits the exchange: once the exchange completed every rank is in
-/// the op, so the rest waits for the transfer, not for peers, and a hand-off to the worker and
-/// back costs more than a small transfer. Larger ones go to the worker, so that a caller that
-/// overlaps its own work with them is not held up (all_reduce excepted: see its `direct`).
+/// Largest op (bytes in or out) a caller runs on its own thread beyond what fits the exchange;
+/// larger ones go to the worker, so a caller overlapping its own work is not held up.
 const DIRECT_MAX: usize = 1 << 20;
 
-/// Whether a caller may run a transfer of `bytes` (see [`DIRECT_MAX`]).
-fn direct_transfer(bytes: usize) -> bool {
-    bytes <= DIRECT_MAX
-}
-
-/// Whether a caller may run a reduction of `dtype` of `bytes` beyond the exchange: ours, or
-/// MPI's built-in ops (f16/bf16 MPI ops live on the worker).
+/// Whether a caller may run a reduction of `bytes` beyond the exchange (see [`direct_native`]).
 fn direct_reduction(params: &Params, dtype: DType, bytes: usize) -> bool {
-    direct_transfer(bytes) && (local_reduction(params, dtype) || direct_native(params, dtype))
+    bytes <= DIRECT_MAX && (local_reduction(params, dtype) || direct_native(params, dtype))
 }
 
 impl Plan for Barrier {
     /// It ships no data: the exchange is the whole op.
-    fn direct(&self, _: &Params, size: usize) -> bool {
-        small(0, size)
+    fn direct(&self, _: &Params, _: usize) -> bool {
+        true
     }
 
     fn job(self, d: Completer<()>, _: &Params, _: usize) -> Job {
@@ -286,8 +264,7 @@ impl Plan for NewGroup {
         let mut header = Header::new(Self::KIND, None, ranks.len(), None, None);
         header.extra = hash_ranks(&ranks);
         let start = move |env: &Env<'_>, _: Option<&mut Exchange>| -> Result<Step, CommError> {
-            // Every rank of the parent passed the header exchange, so all of them are about to
-            // call the (blocking) split: it cannot hang on a missing rank.
+            // Every rank passed the header exchange: the blocking split cannot hang on a missing one.
             let key = ranks.iter().position(|&r| r as usize == env.rank).map(|p| p as i32);
             let comm = env.comm.split(key).map_err(raw::MpiError::into_comm)?;
             Ok(Step::Done(Out::Comm(comm)))

@@ -3,18 +3,17 @@
 use comm_core::ops::{slice_of, AllReduce, Reduce, ReduceScatter};
 use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
 
-use crate::engine::header::{beside_len, Exchange, Header};
-use crate::engine::op::{small, Job, Plan};
+use crate::engine::header::{beside_len, inline_max, Exchange, Header};
+use crate::engine::op::{Job, Plan};
 use crate::engine::Params;
 use crate::{kernels, raw};
 
 use super::{
-    blocks, direct_native, direct_reduction, done, done_io, inline, internal, local_reduction, mpi_op, take, wait, Env,
-    Part, Reply, Step, Steps,
+    blocks, direct_native, direct_reduction, done, done_io, internal, local_reduction, mpi_op, take, wait, Env, Part,
+    Reply, Step, Steps,
 };
 
-/// all_reduce (`root == None`) or reduce to `root` in a group of `n`. Non-roots get their
-/// input back.
+/// all_reduce (`root == None`) or reduce to `root` in a group of `n`; non-roots get their input.
 pub(super) fn plan_reduce(
     buf: HostBuffer,
     op: ReduceOp,
@@ -26,18 +25,15 @@ pub(super) fn plan_reduce(
     let (dtype, len, bytes) = (buf.dtype(), buf.len(), buf.byte_len());
     let (name, code) = if root.is_some() { ("reduce", OpKind::Reduce) } else { ("all_reduce", OpKind::AllReduce) };
     let mut header = Header::new(code, Some(dtype), len, root, Some(op));
-    // An all_reduce whose gather of every input stays small (`small_max`, as for exact mode's
-    // all-gather) ships its whole input with the header: one round trip, reduced by us in rank
-    // order (in native mode too: as fast at these sizes, and exact). In the exchange slot, or
-    // for an input longer than that, most of it beside as a message of its own (so an input
-    // of exactly 64 KiB is two eager messages over TCP, not a rendezvous, and no copy).
+    // An all_reduce whose gather of every input stays within `small_max` ships its whole input
+    // with the header (one round trip, reduced by us in rank order, in native mode too).
     let gather = root.is_none() && n > 1 && params.check && bytes.saturating_mul(n - 1) <= params.small_max;
-    let (payload, whole, input) = if gather && !small(bytes, n) {
+    let (payload, whole, input) = if gather && bytes > inline_max(n) {
         // Ranks that decided otherwise (other sizes, other settings) fail the header check.
         header.extra = bytes as u64;
         (None, Some(buf), None)
     } else {
-        (inline(bytes, n, || buf.as_bytes().to_vec()), None, Some(buf))
+        ((bytes <= inline_max(n)).then(|| buf.as_bytes().to_vec()), None, Some(buf))
     };
     let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
         let (me, n) = (env.rank, env.size);
@@ -45,7 +41,7 @@ pub(super) fn plan_reduce(
         let keep = root.is_none_or(|r| r == me);
         if let Some(ex) = ex {
             // Every input came with the headers: reduce them in rank order, no other call.
-            let mut buf = input.or_else(|| ex.take_input()).ok_or_else(|| internal("an all_reduce lost its input"))?;
+            let mut buf = input.or_else(|| ex.input.take()).ok_or_else(|| internal("an all_reduce lost its input"))?;
             // In two ranges when the start of the inputs came beside the slots.
             let split = beside_len(bytes, n);
             for (lo, hi) in [(0, split), (split, bytes)].into_iter().filter(|(lo, hi)| lo < hi && keep) {
@@ -58,10 +54,9 @@ pub(super) fn plan_reduce(
         }
         let buf = input.ok_or_else(|| internal("an all_reduce's input went beside an exchange that did not happen"))?;
         if root.is_none() && env.may_block && !local_reduction(env.params, dtype) {
-            // Every rank completed the header exchange, so every rank is in this all_reduce
-            // and MPI's blocking call (its fastest algorithms) cannot wait on a missing one.
-            // Wherever it runs (a caller's thread or the worker): blocking and nonblocking
-            // collectives do not match each other in MPI, so all ranks must make the same call.
+            // Every rank is in this all_reduce (the exchange completed), so MPI's blocking call
+            // cannot wait on a missing one; on every thread alike, as MPI does not match a
+            // blocking collective with a nonblocking one.
             let mut buf = buf;
             raw::allreduce_in_place(env.comm, &mut buf, mpi_op(env, dtype, op)?)?;
             if op == ReduceOp::Avg {
@@ -91,8 +86,7 @@ pub(super) fn plan_reduce(
         }
         let es = dtype.size();
         if len * es * (n - 1) <= env.params.small_max {
-            // Small (a checked all_reduce this small came with the exchange): gather every
-            // input, reduce all of them in rank order.
+            // Small: gather every input, reduce them in rank order.
             let all = keep.then(|| env.buffer(dtype, n * len));
             let req = match root {
                 None => raw::iallgather(env.comm, buf, take(all)?, env.may_block)?,
@@ -108,9 +102,7 @@ pub(super) fn plan_reduce(
                 done(buf)
             }));
         }
-        // Large: chunk by chunk (so each chunk's traffic and reduction stay in cache), rank j
-        // reduces slice j of the chunk of every input (in rank order), then the reduced slices
-        // are gathered (to every rank, or the root).
+        // Large: per chunk, rank j reduces slice j of every input, then the slices are gathered.
         let per = (env.params.chunk / es).max(16 * n);
         let chunks = Chunks { dtype, op, len, root, per };
         if env.may_block {
@@ -145,8 +137,7 @@ fn chunk_parts(off: usize, clen: usize, n: usize) -> Vec<Part> {
 }
 
 /// The send and receive parts of a chunk's alltoallv without our own slice, which the
-/// reduction reads where it is (a copy through the receive buffer would add a pass over it
-/// to a memory-bound op: 16 MiB ran at 0.72 of MPI's own all_reduce with it).
+/// reduction reads where it is (a copy would add a pass over memory).
 fn peer_parts(parts: &[Part], me: usize) -> (Vec<Part>, Vec<Part>) {
     let mine = parts[me].1;
     let mut send = parts.to_vec();
@@ -163,10 +154,8 @@ fn reduce_slice(c: &Chunks, (me, n): (usize, usize), slices: &HostBuffer, own: k
     kernels::reduce_to(c.dtype, c.op, &ins, out, None);
 }
 
-/// A large exact all_reduce or reduce with MPI's blocking calls, chunk by chunk: the same
-/// slices, rank order and kernel as [`large_reduce`], each rank's reduced slice gathered in
-/// place (`MPI_IN_PLACE`: written into its place of `buf` first) to every rank, or to the
-/// root (a non-root keeps its input, and sends its slice from a scratch buffer).
+/// [`large_reduce`] with MPI's blocking calls: each reduced slice is gathered in place (a
+/// non-root keeps its input and sends its slice from a scratch buffer).
 fn reduce_blocking(env: &Env<'_>, buf: &mut HostBuffer, c: Chunks) -> Result<(), CommError> {
     let (me, n, dtype, es) = (env.rank, env.size, c.dtype, c.dtype.size());
     let mut off = 0;
@@ -223,70 +212,20 @@ pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks
                 done(buf)
             }
         };
-        match c.root {
-            None => {
-                let req = raw::iallgatherv(env.comm, reduced, buf, &parts)?;
-                Ok(wait(req, move |env, b| {
-                    env.recycle(b.send);
-                    next(env, take(b.recv)?)
-                }))
-            }
-            Some(r) if r == me => {
-                let req = raw::igatherv(env.comm, reduced, Some(buf), &parts, r as i32)?;
-                Ok(wait(req, move |env, b| {
-                    env.recycle(b.send);
-                    next(env, take(b.recv)?)
-                }))
-            }
-            Some(r) => {
-                // Non-roots keep their input: send the slice, keep `buf` as it is.
-                let req = raw::igatherv(env.comm, reduced, None, &parts, r as i32)?;
-                Ok(wait(req, move |env, b| {
-                    env.recycle(b.send);
-                    next(env, buf)
-                }))
-            }
-        }
+        let (req, kept) = match c.root {
+            None => (raw::iallgatherv(env.comm, reduced, buf, &parts)?, None),
+            Some(r) if r == me => (raw::igatherv(env.comm, reduced, Some(buf), &parts, r as i32)?, None),
+            // Non-roots keep their input: send the slice, keep `buf` as it is.
+            Some(r) => (raw::igatherv(env.comm, reduced, None, &parts, r as i32)?, Some(buf)),
+        };
+        Ok(wait(req, move |env, b| {
+            env.recycle(b.send);
+            next(env, kept.map_or_else(|| take(b.recv), Ok)?)
+        }))
     }))
 }
 
-pub(super) fn plan_reduce_scatter(r: ReduceScatter, reply: Reply, n: usize) -> Steps {
-    let (dtype, len, op) = (r.input.dtype(), r.input.len(), r.op);
-    let header = Header::new(OpKind::ReduceScatter, Some(dtype), len, None, Some(op));
-    let payload = inline(r.input.byte_len(), n, || r.input.as_bytes().to_vec());
-    let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
-        let n = env.size;
-        let block = len / n;
-        let mut out = r.output.unwrap_or_else(|| env.buffer(dtype, block));
-        if let Some(ex) = ex {
-            // Every input came with the headers: reduce this rank's block of each, in rank order.
-            let (b, all) = (block * dtype.size(), len * dtype.size());
-            let ins: Vec<&[u8]> = (0..n).map(|p| &ex.data(p, all)[env.rank * b..(env.rank + 1) * b]).collect();
-            kernels::reduce(dtype, op, &ins, out.as_bytes_mut());
-            return done_io(r.input, out);
-        }
-        if !local_reduction(env.params, dtype) {
-            let req = raw::ireduce_scatter_block(env.comm, r.input, out, mpi_op(env, dtype, op)?, env.may_block)?;
-            return Ok(wait(req, move |_, b| {
-                let mut out = take(b.recv)?;
-                if op == ReduceOp::Avg {
-                    kernels::divide(&mut out, n);
-                }
-                done_io(take(b.send)?, out)
-            }));
-        }
-        if block == 0 {
-            return done_io(r.input, out);
-        }
-        // Block j of every input to rank j, which reduces them in rank order; chunk by chunk.
-        let per = (env.params.chunk / n / dtype.size()).max(16);
-        scatter_reduce(env, r.input, out, 0, Chunks { dtype, op, len: block, root: None, per })
-    };
-    Steps::new("reduce_scatter", header, payload, start, reply)
-}
-
-/// Chunk `[off, off + per)` of every block of a large exact reduce_scatter into `out`, then
-/// the next one.
+/// Chunk `[off, off + per)` of every block of a large exact reduce_scatter, then the next one.
 pub(super) fn scatter_reduce(
     env: &Env<'_>,
     input: HostBuffer,
@@ -313,12 +252,11 @@ pub(super) fn scatter_reduce(
 }
 
 impl Plan for AllReduce {
-    /// Any size: once the exchange completed every rank is in it, so the rest waits for the
-    /// transfer, not for peers (f16/bf16 in native mode excepted: their MPI ops live on the
-    /// worker).
+    /// Any size: past the exchange it waits for the transfer, not for peers (native f16/bf16
+    /// excepted: their MPI ops live on the worker).
     fn direct(&self, params: &Params, size: usize) -> bool {
         let dtype = self.buf.dtype();
-        small(self.buf.byte_len(), size) || local_reduction(params, dtype) || direct_native(params, dtype)
+        self.buf.byte_len() <= inline_max(size) || local_reduction(params, dtype) || direct_native(params, dtype)
     }
 
     fn job(self, d: Completer<HostBuffer>, params: &Params, n: usize) -> Job {
@@ -329,7 +267,7 @@ impl Plan for AllReduce {
 impl Plan for Reduce {
     fn direct(&self, params: &Params, size: usize) -> bool {
         let bytes = self.buf.byte_len();
-        small(bytes, size) || direct_reduction(params, self.buf.dtype(), bytes)
+        bytes <= inline_max(size) || direct_reduction(params, self.buf.dtype(), bytes)
     }
 
     fn job(self, d: Completer<HostBuffer>, params: &Params, n: usize) -> Job {
@@ -340,10 +278,42 @@ impl Plan for Reduce {
 impl Plan for ReduceScatter {
     fn direct(&self, params: &Params, size: usize) -> bool {
         let bytes = self.input.byte_len();
-        small(bytes, size) || direct_reduction(params, self.input.dtype(), bytes)
+        bytes <= inline_max(size) || direct_reduction(params, self.input.dtype(), bytes)
     }
 
     fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
-        Job::Collective(plan_reduce_scatter(self, Reply::Io(d), n))
+        let ReduceScatter { input, op, output } = self;
+        let (dtype, len) = (input.dtype(), input.len());
+        let header = Header::new(OpKind::ReduceScatter, Some(dtype), len, None, Some(op));
+        let payload = (input.byte_len() <= inline_max(n)).then(|| input.as_bytes().to_vec());
+        let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
+            let n = env.size;
+            let block = len / n;
+            let mut out = output.unwrap_or_else(|| env.buffer(dtype, block));
+            if let Some(ex) = ex {
+                // Every input came with the headers: reduce this rank's block of each, in rank order.
+                let (b, all) = (block * dtype.size(), len * dtype.size());
+                let ins: Vec<&[u8]> = (0..n).map(|p| &ex.data(p, all)[env.rank * b..(env.rank + 1) * b]).collect();
+                kernels::reduce(dtype, op, &ins, out.as_bytes_mut());
+                return done_io(input, out);
+            }
+            if !local_reduction(env.params, dtype) {
+                let req = raw::ireduce_scatter_block(env.comm, input, out, mpi_op(env, dtype, op)?, env.may_block)?;
+                return Ok(wait(req, move |_, b| {
+                    let mut out = take(b.recv)?;
+                    if op == ReduceOp::Avg {
+                        kernels::divide(&mut out, n);
+                    }
+                    done_io(take(b.send)?, out)
+                }));
+            }
+            if block == 0 {
+                return done_io(input, out);
+            }
+            // Block j of every input to rank j, which reduces them in rank order; chunk by chunk.
+            let per = (env.params.chunk / n / dtype.size()).max(16);
+            scatter_reduce(env, input, out, 0, Chunks { dtype, op, len: block, root: None, per })
+        };
+        Job::Collective(Steps::new("reduce_scatter", header, payload, start, Reply::Io(d)))
     }
 }
