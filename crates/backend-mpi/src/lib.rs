@@ -110,8 +110,7 @@ impl MpiOptions {
         let positive =
             |v: &str| config::parse_size(v).and_then(|c| if c > 0 { Ok(c) } else { Err("must be above 0".into()) });
         o.chunk = config::env_parse("COMM_MPI_CHUNK", positive)?.unwrap_or(o.chunk);
-        let spin_us = |v: &str| v.trim().parse::<u32>().map_err(|_| "not a number of microseconds".to_string());
-        o.spin = config::env_parse("COMM_MPI_SPIN_US", spin_us)?.map(|us| Duration::from_micros(us.into())).or(o.spin);
+        o.spin = config::env_parse("COMM_MPI_SPIN_US", config::parse_micros)?.or(o.spin);
         o.abort_on_panic =
             config::env_parse("COMM_MPI_ABORT_ON_PANIC", config::parse_bool)?.unwrap_or(o.abort_on_panic);
         Ok(o)

@@ -103,12 +103,11 @@ impl ShmOptions {
     /// `COMM_SHM_PIN` and `COMM_SHM_STREAM` (`1` or `0`).
     pub fn from_env() -> Result<Self, CommError> {
         let mut o = ShmOptions::default();
-        let spin_us = |v: &str| v.trim().parse::<u32>().map_err(|_| "not a number of microseconds".to_string());
         o.window = config::env_parse("COMM_SHM_WINDOW", config::parse_size)?.unwrap_or(o.window);
         o.p2p_slot = config::env_parse("COMM_SHM_SLOT", config::parse_size)?.or(o.p2p_slot);
         o.small_max = config::env_parse("COMM_SHM_SMALL_MAX", config::parse_size)?.or(o.small_max);
         o.inline_max = config::env_parse("COMM_SHM_INLINE_MAX", config::parse_size)?.or(o.inline_max);
-        o.spin = config::env_parse("COMM_SHM_SPIN_US", spin_us)?.map(|us| Duration::from_micros(us.into())).or(o.spin);
+        o.spin = config::env_parse("COMM_SHM_SPIN_US", config::parse_micros)?.or(o.spin);
         o.pin = config::env_parse("COMM_SHM_PIN", config::parse_bool)?.or(o.pin);
         o.stream = config::env_parse("COMM_SHM_STREAM", config::parse_bool)?.or(o.stream);
         o.arena_min = match config::env_var("COMM_SHM_ARENA_MIN") {
@@ -329,7 +328,9 @@ impl ShmBackend {
         let params = Params {
             panic_at: faults.panic_at,
             timeout: to,
-            spin: opts.spin.unwrap_or_else(|| tuning::spin(world, all_cpus.as_ref())),
+            spin: opts
+                .spin
+                .unwrap_or_else(|| handle::default_spin(world as usize, CpuSet::runnable_of(all_cpus.as_ref()))),
             cpus: (CpuSet::runnable_of(all_cpus.as_ref()) / world as usize).max(1),
             stream: opts.stream,
             zc_min,

@@ -3,7 +3,6 @@
 //! a large one. ARCHITECTURE.md ("One step vs two") says why these formulas.
 
 use std::sync::OnceLock;
-use std::time::Duration;
 
 use comm_core::config::parse_size;
 use comm_core::cpus::CpuSet;
@@ -80,19 +79,6 @@ pub(crate) fn small_max(l2: usize, world: u32) -> usize {
     pow2_floor(l2 * 2 / n.saturating_mul(n + 1)).clamp(16 << 10, 1 << 20)
 }
 
-/// How long a wait spins before it sleeps: 50 µs, or nothing when the group's ranks outnumber
-/// the CPUs they can run on together (`cpus`: the union of every rank's affinity; `None` where
-/// a rank could not tell, then this process's CPUs). Ranks bound to one core each see one CPU
-/// apiece but can all spin at once; a spinning rank that shares its core with a peer only
-/// delays it.
-pub(crate) fn spin(world: u32, cpus: Option<&CpuSet>) -> Duration {
-    if world as usize > CpuSet::runnable_of(cpus) {
-        Duration::ZERO
-    } else {
-        Duration::from_micros(50)
-    }
-}
-
 /// The CPU the worker thread of the group's rank `rank` is bound to, or `None` to leave it to
 /// the scheduler. `sets`: every rank's CPUs (its affinity; `None` where it could not tell).
 /// `pin`: [`ShmOptions::pin`](crate::ShmOptions::pin). `cores`: one CPU per physical core of
@@ -136,6 +122,8 @@ pub(crate) fn cores_of(set: &CpuSet, dir: &str) -> Vec<usize> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -146,10 +134,11 @@ mod tests {
         u.union_with(&other);
         assert_eq!(u.len(), 2);
         // (Unless a CPU quota on this process caps it below two.)
-        assert_eq!(spin(2, Some(&u)) > Duration::ZERO, u.runnable() == 2);
+        let spin = |n: usize, cpus: &CpuSet| comm_core::handle::default_spin(n, CpuSet::runnable_of(Some(cpus)));
+        assert_eq!(spin(2, &u) > Duration::ZERO, u.runnable() == 2);
         // Both bound to core 0, or more ranks than CPUs: no spinning.
-        assert_eq!(spin(2, Some(&set("0"))), Duration::ZERO);
-        assert_eq!(spin(3, Some(&set("0-1"))), Duration::ZERO);
+        assert_eq!(spin(2, &set("0")), Duration::ZERO);
+        assert_eq!(spin(3, &set("0-1")), Duration::ZERO);
     }
 
     #[test]

@@ -85,6 +85,22 @@ pub fn fmt_duration(d: Duration) -> String {
     format!("{} ns", d.as_nanos())
 }
 
+/// Panics when fault injection (`COMM_FAULT_INJECT=panic:OP`, [`Faults::panic_at`]) names op
+/// `name`: for the tests of panic containment.
+pub fn injected_panic(panic_at: Option<&str>, name: &str, rank: impl std::fmt::Display) {
+    if panic_at == Some(name) {
+        panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {rank}");
+    }
+}
+
+/// A whole number of microseconds (`COMM_*_SPIN_US`).
+pub fn parse_micros(s: &str) -> Result<Duration, String> {
+    s.trim()
+        .parse::<u32>()
+        .map(|us| Duration::from_micros(us.into()))
+        .map_err(|_| format!("`{s}` is not a number of microseconds"))
+}
+
 /// A switch: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off`.
 pub fn parse_bool(s: &str) -> Result<bool, String> {
     match s.trim().to_ascii_lowercase().as_str() {

@@ -186,6 +186,18 @@ pub fn host_identity() -> String {
     format!("{}@{}", read("/proc/sys/kernel/random/boot_id"), read("/proc/sys/kernel/hostname"))
 }
 
+/// How long a worker's wait spins before it sleeps, by default: 50 µs, or nothing where the
+/// `ranks` ranks of this host outnumber the `cpus` CPUs they may run on together (ranks bound
+/// to a core each see one CPU apiece but can all spin at once; a rank spinning on a core it
+/// shares with a peer only delays it).
+pub fn default_spin(ranks: usize, cpus: usize) -> Duration {
+    if ranks > cpus {
+        Duration::ZERO
+    } else {
+        Duration::from_micros(50)
+    }
+}
+
 /// How long a caller's first wait for an op that a worker thread runs may spin
 /// ([`Work::with_spin`]): the worker's own polling time `spin`, where the `ranks` ranks of this
 /// host, each a caller and a worker, can all run at once on `cpus` CPUs; else not at all

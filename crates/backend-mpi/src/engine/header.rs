@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use comm_core::lane::Ticket;
-use comm_core::{CommError, DType, HostBuffer, OpKind, Rank, ReduceOp};
+use comm_core::{config, CommError, DType, HostBuffer, OpKind, Rank, ReduceOp};
 
 use crate::raw;
 use crate::raw::{Bufs, Request};
@@ -341,9 +341,7 @@ pub(super) fn start_collective(
     born: &mut Born,
 ) {
     let Steps { name, header, payload, whole, start, reply } = steps;
-    if g.params.panic_at == Some(name) {
-        panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", g.info.rank);
-    }
+    config::injected_panic(g.params.panic_at, name, g.info.rank);
     let what = OpLabel { name, seq: g.seq, direct: false };
     let checked = g.info.size > 1 && (g.params.check || header.op == OpKind::NewGroup.code());
     let env = g.env(half, pool);

@@ -169,8 +169,7 @@ impl Engine {
             tracing::debug!("comm mpi: MPI provides {provided:?} threading; only the worker thread calls MPI");
         }
         global::mpi_started(world.rank);
-        // Ranks bound to one core each see one CPU apiece, but can all spin at once.
-        let spin = if world.local_size as usize > world.node_cpus { Duration::ZERO } else { Duration::from_micros(50) };
+        let spin = comm_core::handle::default_spin(world.local_size as usize, world.node_cpus);
         Ok(Engine {
             rx,
             universe: Some(universe),

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use comm_core::handle::Poison;
 use comm_core::lane::{self, Class, Lane, LaneState};
 use comm_core::ops::{RecvFrom, SendTo};
-use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, ReduceOp};
+use comm_core::{config, CommError, Completer, DType, HostBuffer, InOut, OpKind, ReduceOp};
 
 use crate::layout::*;
 use crate::segment::Segment;
@@ -423,9 +423,7 @@ impl Engine {
 
     pub(crate) fn run_op<T>(&mut self, name: &'static str, f: impl FnOnce(&mut Engine) -> Result<T>) -> Result<T> {
         self.op = name;
-        if self.params.panic_at == Some(name) {
-            panic!("COMM_FAULT_INJECT: injected panic in {name} on rank {}", self.rank);
-        }
+        config::injected_panic(self.params.panic_at, name, self.rank);
         let res = f(self);
         self.phase = Phase::Idle;
         if let Err(e) = &res {

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use comm_core::lane::SpinSlot;
-use comm_core::{DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
+use comm_core::{config, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
 use comm_kernels as kernels;
 
 use crate::layout::{StepHeader, CARRIED};
@@ -304,9 +304,7 @@ impl Engine {
         if let Some(e) = self.poison_error() {
             return Inline::Done(Err(e));
         }
-        if self.params.panic_at == Some(op.name()) {
-            panic!("COMM_FAULT_INJECT: injected panic in {} on rank {}", op.name(), self.rank);
-        }
+        config::injected_panic(self.params.panic_at, op.name(), self.rank);
         if self.world == 1 {
             return Inline::Done(Ok(op.alone()));
         }
