@@ -425,6 +425,14 @@ mod tests {
         out
     }
 
+    /// The vertex count of each data line (the polylines drawn [`LINE_WIDTH`] wide).
+    fn data_lines(els: &[(String, String)]) -> Vec<usize> {
+        els.iter()
+            .filter(|(n, t)| n == "polyline" && attr(t, "stroke-width") == Some(&LINE_WIDTH.to_string()))
+            .map(|(_, t)| attr(t, "points").unwrap().split_whitespace().count())
+            .collect()
+    }
+
     fn attr<'a>(tag: &'a str, name: &str) -> Option<&'a str> {
         let pat = format!(" {name}=\"");
         let at = tag.find(&pat)? + pat.len();
@@ -450,11 +458,7 @@ mod tests {
         let svg = render(&reports, None).unwrap();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{}", &svg[..80]);
         let els = elements(&svg);
-        let lines: Vec<usize> = els
-            .iter()
-            .filter(|(n, t)| n == "polyline" && attr(t, "stroke-width") == Some(&LINE_WIDTH.to_string()))
-            .map(|(_, t)| attr(t, "points").unwrap().split_whitespace().count())
-            .collect();
+        let lines = data_lines(&els);
         assert_eq!(lines, [4, 2, 2], "one polyline per backend x dtype, one vertex per row");
         assert_eq!(els.iter().filter(|(n, _)| n == "circle").count(), 8, "a marker per row");
         for needle in ["shm f32", "shm bf16", "mpi f32", "busbw (GB/s)", "16B", "1KiB", "1MiB", "64MiB", "git abc1234"]
@@ -500,11 +504,7 @@ mod tests {
         assert_eq!(panel_sizes(&reports), [8, 4096, 1 << 20, 64 << 20]);
         let svg = render(&reports, None).unwrap();
         let els = elements(&svg);
-        let lines: Vec<usize> = els
-            .iter()
-            .filter(|(n, t)| n == "polyline" && attr(t, "stroke-width") == Some(&LINE_WIDTH.to_string()))
-            .map(|(_, t)| attr(t, "points").unwrap().split_whitespace().count())
-            .collect();
+        let lines = data_lines(&els);
         assert_eq!(lines, [4; 8], "two lines (shm, mpi) in each of four panels, a vertex per rank count");
         for needle in ["busbw vs ranks", "8B per op", "4KiB per op", "1MiB per op", "64MiB per op", "ranks (log2)"] {
             assert!(svg.contains(needle), "no `{needle}` in the SVG");
