@@ -715,3 +715,39 @@ fn a_loop_of_large_ops_holds_its_memory() {
         Ok(())
     });
 }
+
+/// A message sent in place whose send timed out (its receiver came late) is never read after
+/// the sender got its buffer back: the late receive fails, even though the sender's arena
+/// block now holds another buffer.
+#[test]
+fn a_late_receive_never_reads_a_buffer_given_back() {
+    let env = |_| vec![("COMM_TIMEOUT".into(), "2".into())];
+    multiprocess::run_with_env(2, "a_late_receive_never_reads_a_buffer_given_back", T, env, || async {
+        let pg = connect().await?;
+        const LEN: usize = 1 << 20;
+        if pg.rank() == 0 {
+            let sent = HostBuffer::from(vec![1.0f32; LEN]);
+            match pg.isend(sent, 1, 0).await {
+                Err(CommError::Timeout { .. }) => {}
+                other => return Err(format!("the send should time out: {other:?}")),
+            }
+            // The block the message was in, now another buffer's.
+            let other = HostBuffer::from(vec![9.0f32; LEN]);
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            drop(other);
+            Ok(())
+        } else {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            match pg.irecv(HostBuffer::zeroed(DType::F32, LEN), 0, 0).await {
+                Ok(b) => Err(format!(
+                    "received {:?}… from a send that failed",
+                    &b.as_slice::<f32>().map_err(|e| e.to_string())?[..2]
+                )),
+                Err(e) => {
+                    println!("late receive: {e}");
+                    Ok(())
+                }
+            }
+        }
+    });
+}

@@ -74,10 +74,7 @@ impl Engine {
             return;
         }
         let cause = e.to_string();
-        let me = self.segs[self.rank].clone();
-        write_reason(&me, &cause);
-        me.u32_at(OFF_STATE).store(STATE_ABORTED, SeqCst);
-        self.ring_all();
+        self.give_up(&cause);
         self.poison.set(cause.clone());
         self.poisoned = Some(cause);
         let err = CommError::Poisoned { cause: self.poisoned.clone().unwrap_or_default() };
@@ -86,6 +83,29 @@ impl Engine {
         }
         for cmd in std::mem::take(&mut self.colls) {
             self.fail(cmd, err.duplicate());
+        }
+    }
+
+    /// Tells the peers this rank gave up the group (state and reason in its segment). Before
+    /// any op fails: a peer reading a message sent in place checks this after its copy, so it
+    /// never takes a buffer its owner got back meanwhile.
+    pub(super) fn give_up(&mut self, cause: &str) {
+        let me = self.segs[self.rank].clone();
+        write_reason(&me, cause);
+        me.u32_at(OFF_STATE).store(STATE_ABORTED, SeqCst);
+        self.ring_all();
+    }
+
+    /// Whether `peer` still holds the message it sent in place, having read it: it neither
+    /// aborted nor closed since (it releases a message only after saying so, `give_up`).
+    pub(super) fn still_held(&self, peer: usize) -> Result<()> {
+        std::sync::atomic::fence(SeqCst);
+        match self.segs[peer].u32_at(OFF_STATE).load(SeqCst) {
+            STATE_ABORTED | STATE_CLOSED => Err(CommError::PeerLost {
+                rank: peer as Rank,
+                detail: format!("it gave up its send while this rank read it: {}", self.peer_reason(peer)),
+            }),
+            _ => Ok(()),
         }
     }
 

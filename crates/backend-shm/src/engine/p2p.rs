@@ -179,7 +179,8 @@ impl Engine {
             let (seg, off) = self.map_in_place(peer, place, total)?;
             let op = self.recvs[peer].front_mut().expect("front exists");
             copy_in_place(&seg, off, op.req.buf.as_bytes_mut());
-            op.offset = total;
+            self.still_held(peer)?;
+            self.recvs[peer].front_mut().expect("front exists").offset = total;
         } else if op.offset + len > op.req.buf.byte_len() || len > self.lay.slot || h.flags != 0 {
             return Err(CommError::Mismatch {
                 op: "recv",
@@ -223,6 +224,7 @@ impl Engine {
             if let Err(e) = r {
                 // Every send and recv waiting on this peer gets the real cause; the others
                 // see the group poisoned.
+                self.give_up(&e.to_string());
                 self.fail_p2p(peer, &e);
                 return Err(e);
             }
