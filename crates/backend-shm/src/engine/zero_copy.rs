@@ -105,7 +105,7 @@ impl Engine {
     /// A buffer of plain memory goes into the arena first (the one copy it costs), and comes
     /// back in it, so a loop of ops copies once.
     pub(super) fn zc_all_reduce(&mut self, buf: &mut HostBuffer, op: ReduceOp, hdr: &StepHeader) -> Result<bool> {
-        let (dtype, count, es, n, me) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world, self.rank);
+        let (dtype, count, es) = (buf.dtype(), buf.len(), buf.dtype().size());
         if place_of(buf).is_none() {
             if let Some(b) = arena::get().and_then(|a| a.block(buf.byte_len(), false)) {
                 let mut moved = HostBuffer::from_external(dtype, count, Box::new(b))?;
@@ -113,7 +113,27 @@ impl Engine {
                 *buf = moved;
             }
         }
-        let Some(peers) = self.zc_where(hdr, place_of(buf), |_| true, count * es)? else { return Ok(false) };
+        let r = self.zc_where(hdr, place_of(buf), |_| true, count * es).and_then(|peers| match peers {
+            Some(peers) => self.zc_reduce_in_place(buf, op, hdr, &peers).map(|()| true),
+            None => Ok(false),
+        });
+        if r.is_err() && place_of(buf).is_some() {
+            // Peers that saw where the buffer is may still write their slices into it: it
+            // must never hold another buffer (the op fails; its block stays out of use).
+            std::mem::forget(std::mem::replace(buf, HostBuffer::zeroed(dtype, 0)));
+        }
+        r
+    }
+
+    /// The reduction of [`zc_all_reduce`](Self::zc_all_reduce) once every buffer is mapped.
+    fn zc_reduce_in_place(
+        &mut self,
+        buf: &mut HostBuffer,
+        op: ReduceOp,
+        hdr: &StepHeader,
+        peers: &Mapped,
+    ) -> Result<()> {
+        let (dtype, count, es, n, me) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world, self.rank);
         let std::ops::Range { start: lo, end: hi } = slice_of(count, n, me);
         let (off, len) = (lo * es, (hi - lo) * es);
         // The first peer's slice is read and written through `copy` (`Src::Copy`); the
@@ -150,7 +170,7 @@ impl Engine {
             }
         }
         // Every slice of every buffer is written; the buffers can go back to their owners.
-        self.zc_done(hdr)
+        self.zc_done(hdr).map(drop)
     }
 
     /// all_gather of inputs of at least `zc_min` bytes, when every rank's input is in an arena:
