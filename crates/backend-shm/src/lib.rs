@@ -311,6 +311,7 @@ impl ShmBackend {
         me.u64_at(OFF_MAGIC).store(MAGIC, SeqCst);
 
         let faults = config::fault_injection()?;
+        arena::install(arena::Limits { min: opts.arena_min, max: opts.arena_max });
         let joined = Self::join_peers(&*store, &prefix, rank, world, &lay, &me, me_id, to, faults, known).await;
         if let Err(e) = &joined {
             // Tell the others why this rank gives up before its segment goes away.
@@ -323,7 +324,7 @@ impl ShmBackend {
             // What a peer that died before unlinking its segment left behind.
             reap_stale_segments();
         }
-        let (segs, procs) = joined?;
+        let (segs, procs, all_arenas) = joined?;
 
         let params = Params {
             panic_at: faults.panic_at,
@@ -333,9 +334,10 @@ impl ShmBackend {
                 .unwrap_or_else(|| handle::default_spin(world as usize, CpuSet::runnable_of(all_cpus.as_ref()))),
             cpus: (CpuSet::runnable_of(all_cpus.as_ref()) / world as usize).max(1),
             stream: opts.stream,
-            zc_min,
+            // With a rank that has no arena every large op would learn so in an extra step and
+            // copy anyway: they copy at once.
+            zc_min: if all_arenas { zc_min } else { usize::MAX },
         };
-        arena::install(arena::Limits { min: opts.arena_min, max: opts.arena_max });
         let (tx, rx) = channel();
         let poison = Poison::new();
         let queued = Arc::default();
@@ -388,9 +390,10 @@ impl ShmBackend {
         to: Duration,
         faults: config::Faults,
         known: &[Option<ProcId>],
-    ) -> Result<(Vec<Arc<Segment>>, Vec<Option<ProcId>>), CommError> {
+    ) -> Result<(Vec<Arc<Segment>>, Vec<Option<ProcId>>, bool), CommError> {
         let start = std::time::Instant::now();
-        let info = format!("{} {} {}", me.name(), me_id.pid, me_id.start);
+        let mut all_arenas = arena::get().is_some();
+        let info = format!("{} {} {} {}", me.name(), me_id.pid, me_id.start, u8::from(all_arenas));
         store.set(&format!("{prefix}/seg/{rank}"), info.as_bytes()).await?;
         if faults.kill_in_rendezvous {
             config::kill_self();
@@ -406,10 +409,11 @@ impl ShmBackend {
             let raw = get_from(store, &format!("{prefix}/seg/{r}"), r, known, start + to, Some(prefix)).await?;
             let raw = String::from_utf8_lossy(&raw).into_owned();
             let mut it = raw.split(' ');
-            let (Some(name), Some(pid), Some(start)) = (it.next(), it.next(), it.next()) else {
+            let (Some(name), Some(pid), Some(start), Some(arena)) = (it.next(), it.next(), it.next(), it.next()) else {
                 return Err(CommError::Store(format!("malformed segment record `{raw}` for rank {r}")));
             };
             let id = ProcId { pid: pid.parse().unwrap_or(0), start: start.parse().unwrap_or(0) };
+            all_arenas &= arena == "1";
             // A pid we cannot see (another pid namespace) is not checked; timeouts still apply.
             let alive = || if id.pid == 0 { None } else { id.alive() };
             let lost = || CommError::PeerLost {
@@ -448,7 +452,7 @@ impl ShmBackend {
         for r in (0..world).filter(|&r| r != rank) {
             get_from(store, &format!("{prefix}/mapped/{r}"), r, &procs, start + to, Some(prefix)).await?;
         }
-        Ok((segs, procs))
+        Ok((segs, procs, all_arenas))
     }
 
     /// The reason a rank gave up this group's rendezvous, if one did.
