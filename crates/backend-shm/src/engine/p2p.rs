@@ -175,10 +175,14 @@ impl Engine {
         let len = h.len as usize;
         if h.flags == IN_PLACE && h.offset == 0 && len == CARRIED {
             let data = read_chunk(src, &self.lay, self.rank, chunk, len).try_into().expect("CARRIED bytes");
-            let (total, place) = (op.req.buf.byte_len(), decode(&data).0);
-            let (seg, off) = self.map_in_place(peer, place, total)?;
+            let Some(place) = decode(&data).0 else {
+                let detail = format!("rank {peer} sent a message in place but did not say where");
+                return Err(CommError::Mismatch { op: "recv", detail });
+            };
+            let total = op.req.buf.byte_len();
+            let seg = self.map_zero_copy(peer, place, total)?;
             let op = self.recvs[peer].front_mut().expect("front exists");
-            copy_in_place(&seg, off, op.req.buf.as_bytes_mut());
+            copy_in_place(&seg, place.off, op.req.buf.as_bytes_mut());
             self.still_held(peer)?;
             self.recvs[peer].front_mut().expect("front exists").offset = total;
         } else if op.offset + len > op.req.buf.byte_len() || len > self.lay.slot || h.flags != 0 {

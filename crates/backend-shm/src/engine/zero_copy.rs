@@ -230,21 +230,6 @@ impl Engine {
         self.zc_done(hdr)
     }
 
-    /// The chunk and offset of a message of `bytes` peer `peer` sent in place (`place`: where
-    /// its header said it is).
-    pub(super) fn map_in_place(
-        &mut self,
-        peer: usize,
-        place: Option<Place>,
-        bytes: usize,
-    ) -> Result<(Arc<Segment>, usize)> {
-        let Some(place) = place else {
-            let detail = format!("rank {peer} sent a message in place but did not say where");
-            return Err(CommError::Mismatch { op: "recv", detail });
-        };
-        Ok((self.map_zero_copy(peer, place, bytes)?, place.off))
-    }
-
     /// Peer `peer`'s arena chunk holding the `bytes` at `place`, mapped once (through its
     /// process).
     pub(super) fn map_zero_copy(&mut self, peer: usize, place: Place, bytes: usize) -> Result<Arc<Segment>> {
@@ -282,7 +267,7 @@ impl Engine {
 /// Copies `dst.len()` bytes from `off` in a peer's chunk: a message it sent in place, which it
 /// keeps unwritten in its send until we acknowledge the chunk that said where it is.
 pub(super) fn copy_in_place(seg: &Segment, off: usize, dst: &mut [u8]) {
-    // SAFETY: the sender does not write the message until we acknowledge it (above), which
-    // the caller does after this borrow ends; `map_in_place` checked it lies in the chunk.
+    // SAFETY: the sender does not write the message until we acknowledge it, which the caller
+    // does after this borrow ends; `map_zero_copy` checked that it lies in the chunk.
     dst.copy_from_slice(unsafe { seg.bytes(off, dst.len()) });
 }
