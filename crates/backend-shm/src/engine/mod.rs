@@ -125,9 +125,11 @@ pub(crate) struct Params {
     pub(crate) panic_at: Option<&'static str>,
     /// [`crate::ShmOptions::stream`] (this rank's own; ranks may differ).
     pub(crate) stream: Option<bool>,
-    /// all_reduce of at least this many bytes first learns where every rank's buffer is, and
-    /// reads them in place when all are in arenas (rank 0's [`crate::ShmOptions::arena_min`],
-    /// above the one-step threshold; `usize::MAX`: never).
+    /// all_reduce, all_gather, reduce_scatter and broadcast of at least this many bytes first
+    /// learn where every rank's buffer is and read them in place when all are in arenas, and
+    /// sends of this many bytes from the arena go in place (rank 0's
+    /// [`crate::ShmOptions::arena_min`], above the one-step threshold; `usize::MAX`: never, as
+    /// when some rank has no arena).
     pub(crate) zc_min: usize,
 }
 
