@@ -363,8 +363,8 @@ impl ShmBackend {
                 tx,
                 lane,
                 limits: match world {
-                    1 => Limits { world, window: usize::MAX, small_max: usize::MAX },
-                    _ => Limits { world, window: lay.window, small_max },
+                    1 => Limits { world, window: usize::MAX, small_max: usize::MAX, zc_min: usize::MAX },
+                    _ => Limits { world, window: lay.window, small_max, zc_min: params.zc_min },
                 },
                 inline_max: opts.inline_max.unwrap_or(2 * lay.window),
                 worker_cpu,

@@ -20,6 +20,10 @@ pub struct Limits {
     pub(crate) window: usize,
     /// Largest one-step all_reduce/reduce (bytes; at most `window`).
     pub(crate) small_max: usize,
+    /// The smallest op that reads its peers' buffers in place (`Params::zc_min`): all_gather,
+    /// reduce_scatter and broadcast of that much take that path even when they fit one step,
+    /// as it saves a copy.
+    pub(crate) zc_min: usize,
 }
 
 /// How the shm backend runs one kind of op. `pub` (with the types it names) only so that
@@ -133,7 +137,7 @@ impl Plan for Reduce {
 
 impl Plan for Broadcast {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if self.buf.byte_len() > l.window {
+        if self.buf.byte_len() > l.window || self.buf.byte_len() >= l.zc_min {
             return Err(self);
         }
         Ok(OneShot::Broadcast { buf: self.buf, root: self.root })
@@ -146,11 +150,11 @@ impl Plan for Broadcast {
 
 impl Plan for AllGather {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if self.input.byte_len() > l.window {
+        if self.input.byte_len() > l.window || self.input.byte_len() >= l.zc_min {
             return Err(self);
         }
         let n = self.input.len() * l.world as usize;
-        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), n));
+        let out = self.output.unwrap_or_else(|| HostBuffer::for_overwrite(self.input.dtype(), n));
         Ok(OneShot::AllGather { input: self.input, out })
     }
     fn run(mut self, e: &mut Engine) -> Result<InOut> {
@@ -161,11 +165,11 @@ impl Plan for AllGather {
 
 impl Plan for ReduceScatter {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if self.input.byte_len() > l.window {
+        if self.input.byte_len() > l.window || self.input.byte_len() >= l.zc_min {
             return Err(self);
         }
         let block = self.input.len() / l.world as usize;
-        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), block));
+        let out = self.output.unwrap_or_else(|| HostBuffer::for_overwrite(self.input.dtype(), block));
         Ok(OneShot::ReduceScatter { input: self.input, out, op: self.op })
     }
     fn run(mut self, e: &mut Engine) -> Result<InOut> {
@@ -181,7 +185,7 @@ impl Plan for AllToAll {
         if self.input_splits.is_some() || self.output_splits.is_some() || peers_bytes > l.window {
             return Err(self);
         }
-        let out = self.output.unwrap_or_else(|| HostBuffer::zeroed(self.input.dtype(), self.input.len()));
+        let out = self.output.unwrap_or_else(|| HostBuffer::for_overwrite(self.input.dtype(), self.input.len()));
         Ok(OneShot::AllToAll { input: self.input, out, n })
     }
     fn run(mut self, e: &mut Engine) -> Result<InOut> {

@@ -422,6 +422,14 @@ async fn arena_body(off: Option<u32>) -> Result<(), String> {
         // The other ops read the peers' inputs in place (or all copy, with a rank without).
         let got = pg.all_gather(inputs[rank as usize].clone()).await.map_err(e)?;
         reference::compare(&got, &reference::all_gather(&refs)[rank as usize], "all_gather", rank)?;
+        // One rank's input in plain memory: every rank copies through the window instead.
+        let mut input = inputs[rank as usize].clone();
+        if rank == 0 {
+            input = HostBuffer::zeroed_on_heap(dtype, len);
+            input.as_bytes_mut().copy_from_slice(inputs[0].as_bytes());
+        }
+        let got = pg.all_gather(input).await.map_err(e)?;
+        reference::compare(&got, &reference::all_gather(&refs)[rank as usize], "all_gather, one plain input", rank)?;
         let whole = len - len % n as usize;
         let slices: Vec<HostBuffer> = inputs.iter().map(|b| reference::slice(b, 0, whole)).collect();
         let srefs: Vec<&HostBuffer> = slices.iter().collect();

@@ -22,7 +22,7 @@ pub trait ExternalStorage: Send + Sync + 'static {
 /// Where large buffers come from when a backend offers memory its peers can read in place
 /// (shm: its arena of shared memory). A backend installs one with [`set_large_buffers`];
 /// from then on every [`HostBuffer`] of at least [`LargeBuffers::min_bytes`] is made in it
-/// (`zeroed`, `try_zeroed`, `from_slice`, `from(Vec)`, clones), so ops on it need no copy.
+/// (`zeroed`, `try_zeroed`, `for_overwrite`, `from_slice`, `from(Vec)`, clones), so ops on it need no copy.
 pub trait LargeBuffers: Send + Sync + 'static {
     /// The smallest buffer (in bytes) to take from here.
     fn min_bytes(&self) -> usize;
@@ -117,6 +117,23 @@ impl HostBuffer {
             panic!("HostBuffer::zeroed: {}", too_large("HostBuffer::zeroed", dtype, len));
         };
         match large(bytes, true) {
+            Some(e) => HostBuffer { storage: Storage::External(e), bytes, dtype },
+            None => HostBuffer::zeroed_on_heap(dtype, len),
+        }
+    }
+
+    /// A buffer of `len` elements of `dtype` for an output that is written in full: the
+    /// contents are unspecified until then. One made by [`LargeBuffers`] may hold what an
+    /// earlier buffer of this process left in its storage (it skips the zeroing pass, as
+    /// much work as a copy); any other is zeroed. Never uninitialised memory.
+    ///
+    /// # Panics
+    /// As [`HostBuffer::zeroed`].
+    pub fn for_overwrite(dtype: DType, len: usize) -> Self {
+        let Some(bytes) = dtype.checked_bytes(len) else {
+            panic!("HostBuffer::for_overwrite: {}", too_large("HostBuffer::for_overwrite", dtype, len));
+        };
+        match large(bytes, false) {
             Some(e) => HostBuffer { storage: Storage::External(e), bytes, dtype },
             None => HostBuffer::zeroed_on_heap(dtype, len),
         }
@@ -383,6 +400,11 @@ mod tests {
         assert_eq!(v.to_vec::<i64>().unwrap(), data);
         let c = v.clone();
         assert!(provided(&c) && c == v);
+        // An output for overwriting skips the zeroing pass; a small one is plain zeroes.
+        let o = HostBuffer::for_overwrite(DType::U8, BIG);
+        assert!(provided(&o) && o.as_bytes().iter().all(|&x| x == 0xAB));
+        let o = HostBuffer::for_overwrite(DType::U8, BIG - 8);
+        assert!(o.external().is_none() && o.as_bytes().iter().all(|&x| x == 0));
         // Smaller, or more than the provider has room for: plain memory.
         assert!(HostBuffer::zeroed(DType::U8, BIG - 8).external().is_none());
         assert!(HostBuffer::zeroed(DType::U8, 2 * BIG).external().is_none());

@@ -98,7 +98,7 @@ impl Engine {
     /// Fills `r`'s output (taken from it, or allocated); `r.input` stays.
     pub(crate) fn all_gather(&mut self, r: &mut AllGather) -> Result<HostBuffer> {
         let (dtype, count, es, n, me) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, self.rank);
-        let mut out = r.output.take().unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n));
+        let mut out = r.output.take().unwrap_or_else(|| HostBuffer::for_overwrite(dtype, count * n));
         let hdr = self.header(OpKind::AllGather, dtype, count, 0, None);
         if r.input.byte_len() >= self.params.zc_min && self.zc_all_gather(r, &mut out, &hdr)? {
             return Ok(out);
@@ -124,7 +124,7 @@ impl Engine {
     pub(crate) fn reduce_scatter(&mut self, r: &mut ReduceScatter) -> Result<HostBuffer> {
         let (dtype, es, n, me, op) = (r.input.dtype(), r.input.dtype().size(), self.world, self.rank, r.op);
         let block = r.input.len() / n;
-        let mut out = r.output.take().unwrap_or_else(|| HostBuffer::zeroed(dtype, block));
+        let mut out = r.output.take().unwrap_or_else(|| HostBuffer::for_overwrite(dtype, block));
         let hdr = self.header(OpKind::ReduceScatter, dtype, r.input.len(), 0, Some(op));
         if r.input.byte_len() >= self.params.zc_min && self.zc_reduce_scatter(r, &mut out, &hdr)? {
             return Ok(out);
@@ -158,7 +158,7 @@ impl Engine {
         let (dtype, es, n, me) = (r.input.dtype(), r.input.dtype().size(), self.world, self.rank);
         let (ins, outs) = r.splits(n as u32);
         let out_len: usize = outs.iter().sum();
-        let mut out = r.output.take().unwrap_or_else(|| HostBuffer::zeroed(dtype, out_len));
+        let mut out = r.output.take().unwrap_or_else(|| HostBuffer::for_overwrite(dtype, out_len));
         // Equal blocks need no agreement beyond the length, which the header checks. Uneven
         // ones start with a step where everyone publishes its send splits, so each rank checks
         // that what it expects from every peer is what that peer sends, and all agree on the
@@ -277,7 +277,7 @@ impl Engine {
         let hdr = self.header(OpKind::Gather, dtype, count, root as Rank, None);
         let is_root = self.rank == root;
         let (mut out, spare) = match is_root {
-            true => (Some(r.output.unwrap_or_else(|| HostBuffer::zeroed(dtype, count * n))), None),
+            true => (Some(r.output.unwrap_or_else(|| HostBuffer::for_overwrite(dtype, count * n))), None),
             false => (None, r.output),
         };
         let input = r.input;

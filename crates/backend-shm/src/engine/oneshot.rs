@@ -244,7 +244,8 @@ impl OneShot {
             }
             (OneShot::Gather { input, out, root }, Io::Read(views, _)) if *root as usize == me => {
                 let b = input.byte_len();
-                let out = out.get_or_insert_with(|| HostBuffer::zeroed(input.dtype(), input.len() * views.len()));
+                let out =
+                    out.get_or_insert_with(|| HostBuffer::for_overwrite(input.dtype(), input.len() * views.len()));
                 for (p, v) in views.iter().enumerate() {
                     let src = if p == me { input.as_bytes() } else { &v[..b] };
                     out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(src);
