@@ -102,12 +102,12 @@ impl<T: DeviceElement> Op for DeviceAllReduce<T> {
     fn validate(&self, _: Rank, _: u32) -> Result<(), CommError> {
         check_reduce(Self::NAME, self.op, T::DTYPE)
     }
-}
-
-impl<T: DeviceElement> Plan for DeviceAllReduce<T> {
     fn reduce_op(&self) -> Option<ReduceOp> {
         Some(self.op)
     }
+}
+
+impl<T: DeviceElement> Plan for DeviceAllReduce<T> {
     fn check_device(&self, ctx: &CudaContext) -> Result<(), CommError> {
         same_device(Self::NAME, &self.buf, ctx)
     }
@@ -142,6 +142,9 @@ impl<T: DeviceElement> Op for DeviceBroadcast<T> {
     }
     fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
         check_root(Self::NAME, self.root, world)
+    }
+    fn root(&self) -> Option<Rank> {
+        Some(self.root)
     }
 }
 
@@ -184,12 +187,15 @@ impl<T: DeviceElement> Op for DeviceReduce<T> {
         check_root(Self::NAME, self.root, world)?;
         check_reduce(Self::NAME, self.op, T::DTYPE)
     }
-}
-
-impl<T: DeviceElement> Plan for DeviceReduce<T> {
+    fn root(&self) -> Option<Rank> {
+        Some(self.root)
+    }
     fn reduce_op(&self) -> Option<ReduceOp> {
         Some(self.op)
     }
+}
+
+impl<T: DeviceElement> Plan for DeviceReduce<T> {
     fn check_device(&self, ctx: &CudaContext) -> Result<(), CommError> {
         same_device(Self::NAME, &self.buf, ctx)
     }
@@ -277,12 +283,12 @@ impl<T: DeviceElement> Op for DeviceReduceScatter<T> {
         }
         check_len(Self::NAME, "the output buffer", self.output.len(), n / world as usize)
     }
-}
-
-impl<T: DeviceElement> Plan for DeviceReduceScatter<T> {
     fn reduce_op(&self) -> Option<ReduceOp> {
         Some(self.op)
     }
+}
+
+impl<T: DeviceElement> Plan for DeviceReduceScatter<T> {
     fn check_device(&self, ctx: &CudaContext) -> Result<(), CommError> {
         same_device(Self::NAME, &self.input, ctx)?;
         same_device(Self::NAME, &self.output, ctx)

@@ -44,9 +44,6 @@ fn in_out(st: &mut [Staged]) -> Result<InOut, CommError> {
 }
 
 impl Plan for AllReduce {
-    fn reduce_op(&self) -> Option<ReduceOp> {
-        Some(self.op)
-    }
     fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
         let AllReduce { buf, op } = self;
         let b = (|| {
@@ -73,9 +70,6 @@ impl Plan for Broadcast {
 }
 
 impl Plan for Reduce {
-    fn reduce_op(&self) -> Option<ReduceOp> {
-        Some(self.op)
-    }
     fn plan(self, cx: &mut Cx, done: Completer<HostBuffer>) -> Prepared {
         let Reduce { buf, op, root } = self;
         let b = (|| {
@@ -106,9 +100,6 @@ impl Plan for AllGather {
 }
 
 impl Plan for ReduceScatter {
-    fn reduce_op(&self) -> Option<ReduceOp> {
-        Some(self.op)
-    }
     fn plan(self, cx: &mut Cx, done: Completer<InOut>) -> Prepared {
         let ReduceScatter { input, op, output } = self;
         let k = input.len() / cx.world as usize;

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use comm_core::ops::{RecvFrom, SendTo};
-use comm_core::{Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Op, Rank, Work};
+use comm_core::{Backend, Collective, CommError, Completer, DType, Group, HostBuffer, Op, Rank, ReduceOp, Work};
 
 use crate::group::fnv1a;
 use crate::issuers::Issuers;
@@ -514,11 +514,13 @@ impl StreamBackend {
             }
         };
         // What both sides of an op must agree on: a send and its receive differ only in name.
-        let mut what = Vec::with_capacity(R::NAME.len() + 13);
+        let mut what = Vec::with_capacity(R::NAME.len() + 18);
         what.extend_from_slice(if p2p.is_some() { b"message" } else { R::NAME.as_bytes() });
         what.push(dtype);
         what.extend_from_slice(&(req.bytes() as u64).to_le_bytes());
         what.extend_from_slice(&tag.to_le_bytes());
+        what.extend_from_slice(&req.root().unwrap_or(Rank::MAX).to_le_bytes());
+        what.push(req.reduce_op().map_or(u8::MAX, ReduceOp::code));
         let (done, work) = Work::pending();
         // Sent while the counters are held, so that the driver gets a stream's ops in order.
         // Without a driver the op is dropped, which completes it with `Shutdown`.

@@ -90,7 +90,7 @@ fn two_tasks_on_one_group_are_reported() {
 /// Rank 0 issues stream A's op then stream B's, rank 1 the other way round, with the same
 /// shapes: each pairs with its own, for two direct streams (0, 1), two arbitrated ones (2, 3)
 /// and one of each. The same crossing on one stream, with different shapes, is `Mismatch` on
-/// both ranks, and only that stream fails.
+/// both ranks, and only that stream fails; so are ops that differ in reduce op or root.
 #[test]
 fn crossed_streams() {
     multiprocess::run(2, "crossed_streams", T, || async {
@@ -131,11 +131,22 @@ fn crossed_streams() {
             (Err(CommError::Mismatch { .. } | CommError::PeerLost { .. }), Err(_)) => {}
             other => return Err(format!("stream 0 crossed: {other:?}")),
         }
+        // Arbitrated streams whose ranks differ only in the reduce op or the root: `Mismatch`
+        // on that stream alone (the data group under every arbitrated stream never sees it).
+        let (op, root) = if me == 0 { (ReduceOp::Sum, 0) } else { (ReduceOp::Max, 1) };
+        let r = streams.stream(5).all_reduce(HostBuffer::from_slice(&[1.0f32; 16]), op).await;
+        if !matches!(&r, Err(CommError::Mismatch { detail, .. }) if detail.contains("stream 5")) {
+            return Err(format!("stream 5, sum against max: {r:?}"));
+        }
+        let r = streams.stream(6).broadcast(HostBuffer::from_slice(&[1.0f32; 16]), root).await;
+        if !matches!(&r, Err(CommError::Mismatch { detail, .. }) if detail.contains("stream 6")) {
+            return Err(format!("stream 6, roots 0 and 1: {r:?}"));
+        }
         // The other streams go on.
-        for k in [1, 2] {
+        for k in [1, 2, 3] {
             let r = issue(&streams.stream(k), 1.0).await.map_err(|e| e.to_string())?;
             if r.to_vec::<f32>().unwrap() != [2.0; 16] {
-                return Err(format!("stream {k} after streams 0 and 4 failed"));
+                return Err(format!("stream {k} after streams 0, 4, 5 and 6 failed"));
             }
         }
         Ok(())

@@ -139,6 +139,14 @@ pub trait Op: Send + 'static {
     fn dtype(&self) -> Option<DType>;
     /// Checks the arguments on this rank; group-wide agreement is the backend's job.
     fn validate(&self, rank: Rank, world_size: u32) -> Result<(), CommError>;
+    /// The root rank, for ops that have one (every rank must name the same).
+    fn root(&self) -> Option<Rank> {
+        None
+    }
+    /// How the op combines, for reductions (every rank must use the same).
+    fn reduce_op(&self) -> Option<ReduceOp> {
+        None
+    }
 }
 
 // Argument checks shared by every request type, here and in backends' own request types
@@ -225,6 +233,9 @@ impl Op for AllReduce {
     fn validate(&self, _: Rank, _: u32) -> Result<(), CommError> {
         check_reduce(Self::NAME, self.op, self.buf.dtype())
     }
+    fn reduce_op(&self) -> Option<ReduceOp> {
+        Some(self.op)
+    }
 }
 
 /// `broadcast`: every rank ends with `root`'s `buf`. In place.
@@ -247,6 +258,9 @@ impl Op for Broadcast {
     }
     fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
         check_root(Self::NAME, self.root, world)
+    }
+    fn root(&self) -> Option<Rank> {
+        Some(self.root)
     }
 }
 
@@ -273,6 +287,12 @@ impl Op for Reduce {
     fn validate(&self, _: Rank, world: u32) -> Result<(), CommError> {
         check_root(Self::NAME, self.root, world)?;
         check_reduce(Self::NAME, self.op, self.buf.dtype())
+    }
+    fn root(&self) -> Option<Rank> {
+        Some(self.root)
+    }
+    fn reduce_op(&self) -> Option<ReduceOp> {
+        Some(self.op)
     }
 }
 
@@ -349,6 +369,9 @@ impl Op for ReduceScatter {
             Some(out) => check_output(Self::NAME, out, self.input.dtype(), n / world as usize),
             None => Ok(()),
         }
+    }
+    fn reduce_op(&self) -> Option<ReduceOp> {
+        Some(self.op)
     }
 }
 
@@ -499,6 +522,9 @@ impl Op for Scatter {
         }
         Ok(())
     }
+    fn root(&self) -> Option<Rank> {
+        Some(self.root)
+    }
 }
 
 /// `gather`: the root receives every rank's `input`, concatenated in rank order, in `output`
@@ -529,6 +555,9 @@ impl Op for Gather {
             Some(out) if rank == self.root => check_output(Self::NAME, out, self.input.dtype(), total),
             _ => Ok(()),
         }
+    }
+    fn root(&self) -> Option<Rank> {
+        Some(self.root)
     }
 }
 

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
-use comm_core::{CommError, Completer, Op, ReduceOp};
+use comm_core::{CommError, Completer, Op};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
 use crate::error::{call_error, cuda_error};
@@ -52,10 +52,6 @@ pub trait Plan: Op + Sized {
     /// Point-to-point ops are batched into one NCCL group with the p2p ops submitted right
     /// after them.
     const P2P: bool = false;
-    /// The reduction, for ops that have one (checked against what NCCL supports).
-    fn reduce_op(&self) -> Option<ReduceOp> {
-        None
-    }
     /// Checks beyond `Op::validate` that need the communicator's CUDA context.
     fn check_device(&self, _ctx: &CudaContext) -> Result<(), CommError> {
         Ok(())
