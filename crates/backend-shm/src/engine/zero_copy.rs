@@ -178,7 +178,7 @@ impl Engine {
     pub(super) fn zc_all_gather(&mut self, r: &AllGather, out: &mut HostBuffer, hdr: &StepHeader) -> Result<bool> {
         let (bytes, me) = (r.input.byte_len(), self.rank);
         let Some(peers) = self.zc_where(hdr, place_of(&r.input), |_| true, bytes)? else { return Ok(false) };
-        let stream = out.byte_len() > tuning::l3_bytes();
+        let stream = tuning::past_l3((out.byte_len() + bytes).saturating_mul(self.world));
         let dst = out.as_bytes_mut();
         for (p, mapped) in peers.iter().enumerate() {
             let to = &mut dst[p * bytes..(p + 1) * bytes];
@@ -223,7 +223,7 @@ impl Engine {
         let mine = if me == root { place_of(buf) } else { None };
         let Some(peers) = self.zc_where(hdr, mine, |p| p == root, bytes)? else { return Ok(false) };
         if let Some((seg, base)) = &peers[root] {
-            let stream = bytes > tuning::l3_bytes();
+            let stream = tuning::past_l3(bytes.saturating_mul(self.world));
             // SAFETY: the root's buffer is in its op until the last step; nobody writes it.
             to_window(stream, buf.as_bytes_mut(), unsafe { seg.bytes(*base, bytes) });
         }
