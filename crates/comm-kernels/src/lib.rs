@@ -196,13 +196,14 @@ mod tests {
         out
     }
 
-    /// Input `own` taken in place from the output buffer, result also copied out.
-    fn red_in_place(op: ReduceOp, ins: &[HostBuffer], own: usize) -> (HostBuffer, Vec<u8>) {
+    /// Input `own` taken in place from the output buffer, result also copied out when `copied`.
+    fn red_in_place(op: ReduceOp, ins: &[HostBuffer], own: usize, copied: bool) -> (HostBuffer, Vec<u8>) {
         let mut out = ins[own].clone();
         let mut copy = vec![0u8; out.byte_len()];
         let views: Vec<Src<'_>> =
             ins.iter().enumerate().map(|(i, b)| if i == own { Src::Out } else { Src::Buf(b.as_bytes()) }).collect();
-        reduce_to(ins[0].dtype(), op, &views, out.as_bytes_mut(), Some(&mut copy));
+        reduce_to(ins[0].dtype(), op, &views, out.as_bytes_mut(), copied.then_some(&mut copy[..]));
+        let copy = if copied { copy } else { out.as_bytes().to_vec() };
         (out, copy)
     }
 
@@ -322,13 +323,20 @@ mod tests {
                             unsafe { avx2::reduce(dtype, op, &views, out.as_bytes_mut(), None) };
                             assert_eq!(out.as_bytes(), want.as_bytes(), "avx2 {dtype} {op} len {len}");
                         }
-                        let (inplace, copy) = red_in_place(op, &ins, ranks / 2);
-                        assert_eq!(inplace.as_bytes(), want.as_bytes(), "in place {dtype} {op} len {len}");
-                        assert_eq!(copy, want.as_bytes(), "copy {dtype} {op} len {len}");
+                        // Every position of the own input (first, middle, last), with and
+                        // without a copy: two inputs have a one-pass kernel per shape.
+                        for (own, copied) in [(0, true), (ranks / 2, true), (ranks - 1, false), (0, false)] {
+                            let (inplace, copy) = red_in_place(op, &ins, own, copied);
+                            assert_eq!(inplace.as_bytes(), want.as_bytes(), "in place {own} {dtype} {op} len {len}");
+                            assert_eq!(copy, want.as_bytes(), "copy {own} {dtype} {op} len {len}");
+                        }
                         if ranks > 1 {
-                            let (inplace, copy) = red_both_in_place(op, &ins, ranks - 1, 0);
-                            assert_eq!(inplace.as_bytes(), want.as_bytes(), "out+copy in place {dtype} {op} len {len}");
-                            assert_eq!(copy, want.as_bytes(), "copy in place {dtype} {op} len {len}");
+                            for (own, other) in [(ranks - 1, 0), (0, ranks - 1)] {
+                                let (inplace, copy) = red_both_in_place(op, &ins, own, other);
+                                let what = format!("out {own} + copy {other} in place {dtype} {op} len {len}");
+                                assert_eq!(inplace.as_bytes(), want.as_bytes(), "{what}");
+                                assert_eq!(copy, want.as_bytes(), "{what}");
+                            }
                         }
                     }
                 }

@@ -149,6 +149,8 @@ fn run<'a, T: Lane>(
                 c[i] = out[i];
             }
         }
+    } else if pair(bufs, out, copy.as_deref_mut(), &combine, &finish) {
+        // Done in one pass.
     } else if out.len() <= 4 * SMALL {
         // Small blocks for small buffers: setting up two 1024-element blocks costs more than
         // reducing a few hundred elements (64 f32: 28 ns with 64-element blocks, 116 ns
@@ -157,6 +159,49 @@ fn run<'a, T: Lane>(
     } else {
         blocks::<T, BLOCK>(bufs, out, copy, combine, finish);
     }
+}
+
+/// Two inputs, as two ranks reduce, in one pass over the buffers with no block copied through
+/// the stack (f32, two buffers into a third: 2x at 4 KiB, 1.3x from memory); combined in the
+/// same order as [`blocks`]. `false` (nothing done) for other shapes, and for types that
+/// widen to accumulate (f16, bf16: 64 bf16 took 58 ns here against 47 in blocks).
+#[inline(always)]
+fn pair<T: Lane>(
+    bufs: &[In<'_, T>],
+    out: &mut [T],
+    copy: Option<&mut [T]>,
+    combine: impl Fn(T::Acc, T::Acc) -> T::Acc,
+    finish: impl Fn(T::Acc) -> T::Acc,
+) -> bool {
+    if std::mem::size_of::<T::Acc>() != std::mem::size_of::<T>() {
+        return false;
+    }
+    let f = |x: T, y: T| T::store(finish(combine(x.load(), y.load())));
+    match (bufs, copy) {
+        ([In::Buf(a), In::Buf(b)], None) => out.iter_mut().zip(*a).zip(*b).for_each(|((o, &x), &y)| *o = f(x, y)),
+        ([In::Out, In::Buf(b)], None) => out.iter_mut().zip(*b).for_each(|(o, &y)| *o = f(*o, y)),
+        ([In::Buf(a), In::Out], None) => out.iter_mut().zip(*a).for_each(|(o, &x)| *o = f(x, *o)),
+        // `copy` a second destination (a window for the peers) ...
+        ([In::Out, In::Buf(b)], Some(c)) => out.iter_mut().zip(c).zip(*b).for_each(|((o, c), &y)| {
+            *o = f(*o, y);
+            *c = *o;
+        }),
+        ([In::Buf(a), In::Out], Some(c)) => out.iter_mut().zip(c).zip(*a).for_each(|((o, c), &x)| {
+            *o = f(x, *o);
+            *c = *o;
+        }),
+        // ... or an input too (the peer's slice, reduced in place).
+        ([In::Out, In::Copy], Some(c)) => out.iter_mut().zip(c).for_each(|(o, c)| {
+            *o = f(*o, *c);
+            *c = *o;
+        }),
+        ([In::Copy, In::Out], Some(c)) => out.iter_mut().zip(c).for_each(|(o, c)| {
+            *o = f(*c, *o);
+            *c = *o;
+        }),
+        _ => return false,
+    }
+    true
 }
 
 /// An input of `run`, typed.
