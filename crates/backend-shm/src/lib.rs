@@ -66,7 +66,7 @@ pub struct ShmOptions {
     pub stream: Option<bool>,
     /// From this many bytes, `HostBuffer`s live in the process's shared-memory arena once a
     /// group exists, and large ops read the peers' buffers there in place (rank 0's value
-    /// decides for a group). `None`: no arena. Default 256 KiB.
+    /// decides for a group). `None`: no arena. Default 64 KiB.
     pub arena_min: Option<usize>,
     /// Bytes the arena may grow to; past them large buffers are heap memory. Default: the
     /// free space of /dev/shm.
@@ -254,8 +254,9 @@ impl ShmBackend {
             let small_max =
                 opts.small_max.unwrap_or_else(|| tuning::small_max(tuning::l2_bytes(), world)).min(opts.window);
             let slot = opts.p2p_slot.unwrap_or_else(|| tuning::slot(opts.window, world));
-            // all_reduce reads peers' arena buffers in place from this size (above one step).
-            let zc_min = opts.arena_min.map_or(usize::MAX, |m| m.max(small_max + 1));
+            // Collectives read peers' arena buffers in place from this size (sends go in place
+            // only above one step: `Params::send_in_place_min`).
+            let zc_min = opts.arena_min.unwrap_or(usize::MAX);
             let p = format!("{} {} {} {}", opts.window, slot, small_max, zc_min);
             store.set(&format!("{prefix}/params"), p.as_bytes()).await?;
         }
@@ -337,6 +338,7 @@ impl ShmBackend {
             // With a rank that has no arena every large op would learn so in an extra step and
             // copy anyway: they copy at once.
             zc_min: if all_arenas { zc_min } else { usize::MAX },
+            send_in_place_min: if all_arenas { zc_min.max(small_max + 1) } else { usize::MAX },
         };
         let (tx, rx) = channel();
         let poison = Poison::new();

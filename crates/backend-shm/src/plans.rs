@@ -20,9 +20,9 @@ pub struct Limits {
     pub(crate) window: usize,
     /// Largest one-step all_reduce/reduce (bytes; at most `window`).
     pub(crate) small_max: usize,
-    /// The smallest op that reads its peers' buffers in place (`Params::zc_min`): all_gather,
-    /// reduce_scatter and broadcast of that much take that path even when they fit one step,
-    /// as it saves a copy.
+    /// The smallest op that reads its peers' buffers in place (`Params::zc_min`): all_reduce,
+    /// all_gather, reduce_scatter and broadcast of that much take that path even when they fit
+    /// one step, as it saves a copy.
     pub(crate) zc_min: usize,
 }
 
@@ -111,7 +111,7 @@ impl OneShotOutput for () {
 
 impl Plan for AllReduce {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if self.buf.byte_len() > l.small_max {
+        if self.buf.byte_len() > l.small_max || self.buf.byte_len() >= l.zc_min {
             return Err(self);
         }
         Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: None })

@@ -126,11 +126,13 @@ pub(crate) struct Params {
     /// [`crate::ShmOptions::stream`] (this rank's own; ranks may differ).
     pub(crate) stream: Option<bool>,
     /// all_reduce, all_gather, reduce_scatter and broadcast of at least this many bytes first
-    /// learn where every rank's buffer is and read them in place when all are in arenas, and
-    /// sends of this many bytes from the arena go in place (rank 0's
-    /// [`crate::ShmOptions::arena_min`], above the one-step threshold; `usize::MAX`: never, as
-    /// when some rank has no arena).
+    /// learn where every rank's buffer is and read them in place when all are in arenas (rank
+    /// 0's [`crate::ShmOptions::arena_min`]; `usize::MAX`: never, as when some rank has no
+    /// arena).
     pub(crate) zc_min: usize,
+    /// Sends of at least this many bytes from the arena go in place: `zc_min`, but above the
+    /// one-step size (smaller ones were not measured faster than the mailbox).
+    pub(crate) send_in_place_min: usize,
 }
 
 /// Yields `(offset, len)` pieces of `total` elements, `per` at most; one empty piece when

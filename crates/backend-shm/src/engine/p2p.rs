@@ -89,7 +89,7 @@ impl Engine {
         let me = &self.segs[self.rank];
         // A large message from the arena goes in place: the receiver copies it from there
         // (one copy instead of two through the mailbox).
-        let place = (op.offset == 0 && total >= self.params.zc_min && self.procs[peer].is_some())
+        let place = (op.offset == 0 && total >= self.params.send_in_place_min && self.procs[peer].is_some())
             .then(|| place_of(&op.req.buf))
             .flatten();
         if let Some(place) = place {
