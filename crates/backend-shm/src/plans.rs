@@ -26,6 +26,14 @@ pub struct Limits {
     pub(crate) zc_min: usize,
 }
 
+impl Limits {
+    /// Whether an op that reads peers' buffers in place from `zc_min` runs `bytes` in one step,
+    /// one step taking at most `most`.
+    fn one_step(&self, bytes: usize, most: usize) -> bool {
+        bytes <= most && bytes < self.zc_min
+    }
+}
+
 /// How the shm backend runs one kind of op. `pub` (with the types it names) only so that
 /// the backend's generic `Collective` impl may name it: the modules are private, so it
 /// stays crate-internal.
@@ -111,7 +119,7 @@ impl OneShotOutput for () {
 
 impl Plan for AllReduce {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if self.buf.byte_len() > l.small_max || self.buf.byte_len() >= l.zc_min {
+        if !l.one_step(self.buf.byte_len(), l.small_max) {
             return Err(self);
         }
         Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: None })
@@ -137,7 +145,7 @@ impl Plan for Reduce {
 
 impl Plan for Broadcast {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if self.buf.byte_len() > l.window || self.buf.byte_len() >= l.zc_min {
+        if !l.one_step(self.buf.byte_len(), l.window) {
             return Err(self);
         }
         Ok(OneShot::Broadcast { buf: self.buf, root: self.root })
@@ -150,7 +158,7 @@ impl Plan for Broadcast {
 
 impl Plan for AllGather {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if self.input.byte_len() > l.window || self.input.byte_len() >= l.zc_min {
+        if !l.one_step(self.input.byte_len(), l.window) {
             return Err(self);
         }
         let n = self.input.len() * l.world as usize;
@@ -165,7 +173,7 @@ impl Plan for AllGather {
 
 impl Plan for ReduceScatter {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if self.input.byte_len() > l.window || self.input.byte_len() >= l.zc_min {
+        if !l.one_step(self.input.byte_len(), l.window) {
             return Err(self);
         }
         let block = self.input.len() / l.world as usize;

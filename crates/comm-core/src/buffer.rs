@@ -22,7 +22,8 @@ pub trait ExternalStorage: Send + Sync + 'static {
 /// Where large buffers come from when a backend offers memory its peers can read in place
 /// (shm: its arena of shared memory). A backend installs one with [`set_large_buffers`];
 /// from then on every [`HostBuffer`] of at least [`LargeBuffers::min_bytes`] is made in it
-/// (`zeroed`, `try_zeroed`, `for_overwrite`, `from_slice`, `from(Vec)`, clones), so ops on it need no copy.
+/// (`zeroed`, `try_zeroed`, `for_overwrite`, `from_slice`, `from(Vec)`, clones), so ops on it
+/// need no copy.
 pub trait LargeBuffers: Send + Sync + 'static {
     /// The smallest buffer (in bytes) to take from here.
     fn min_bytes(&self) -> usize;
@@ -113,13 +114,7 @@ impl HostBuffer {
     /// Like `vec![0; n]`, when `len` elements of `dtype` exceed `isize::MAX` bytes; see
     /// [`HostBuffer::try_zeroed`] for an error instead.
     pub fn zeroed(dtype: DType, len: usize) -> Self {
-        let Some(bytes) = dtype.checked_bytes(len) else {
-            panic!("HostBuffer::zeroed: {}", too_large("HostBuffer::zeroed", dtype, len));
-        };
-        match large(bytes, true) {
-            Some(e) => HostBuffer { storage: Storage::External(e), bytes, dtype },
-            None => HostBuffer::zeroed_on_heap(dtype, len),
-        }
+        HostBuffer::large_or_heap("HostBuffer::zeroed", dtype, len, true)
     }
 
     /// A buffer of `len` elements of `dtype` for an output that is written in full: the
@@ -130,10 +125,16 @@ impl HostBuffer {
     /// # Panics
     /// As [`HostBuffer::zeroed`].
     pub fn for_overwrite(dtype: DType, len: usize) -> Self {
+        HostBuffer::large_or_heap("HostBuffer::for_overwrite", dtype, len, false)
+    }
+
+    /// A [`LargeBuffers`] buffer (zeroed when `zeroed`) where one is installed and has room,
+    /// else zeroed heap memory; `op` names the caller in the panic.
+    fn large_or_heap(op: &'static str, dtype: DType, len: usize, zeroed: bool) -> Self {
         let Some(bytes) = dtype.checked_bytes(len) else {
-            panic!("HostBuffer::for_overwrite: {}", too_large("HostBuffer::for_overwrite", dtype, len));
+            panic!("{op}: {}", too_large(op, dtype, len));
         };
-        match large(bytes, false) {
+        match large(bytes, zeroed) {
             Some(e) => HostBuffer { storage: Storage::External(e), bytes, dtype },
             None => HostBuffer::zeroed_on_heap(dtype, len),
         }
