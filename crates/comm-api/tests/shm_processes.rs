@@ -665,7 +665,7 @@ fn pss_and_shmem() -> (usize, usize) {
 /// A loop of 1000 ops over 64 MiB buffers (all_reduce, broadcast, a ring of send/recv) holds
 /// at most twice the live buffers' memory (proportional set size: a peer's mapping of a
 /// buffer is shared memory, not a copy), the arena reusing its blocks, and names nothing in
-/// /dev/shm.
+/// /dev/shm. Then an all_gather and a reduce_scatter whose outputs stream past the L3.
 #[test]
 fn a_loop_of_large_ops_holds_its_memory() {
     multiprocess::run(2, "a_loop_of_large_ops_holds_its_memory", T, || async {
@@ -719,6 +719,20 @@ fn a_loop_of_large_ops_holds_its_memory() {
             got.as_slice::<f32>().map_err(e)?.chunks(LEN).enumerate().all(|(r, c)| c.iter().all(|&x| x == r as f32));
         if !ok {
             return Err("wrong all_gather".into());
+        }
+        // So is a reduce_scatter's (two inputs: in one pass).
+        let input: Vec<f32> = (0..LEN).map(|i| (i % 1000) as f32 + rank as f32).collect();
+        let got = pg.reduce_scatter(HostBuffer::from(input), ReduceOp::Sum).await.map_err(e)?;
+        let (nf, base) = (n as f32, (n * (n - 1) / 2) as f32);
+        let at = rank as usize * LEN / n as usize;
+        let ok = got
+            .as_slice::<f32>()
+            .map_err(e)?
+            .iter()
+            .enumerate()
+            .all(|(i, &x)| x == nf * ((at + i) % 1000) as f32 + base);
+        if !ok {
+            return Err("wrong reduce_scatter".into());
         }
         Ok(())
     });

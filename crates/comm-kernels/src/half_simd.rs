@@ -5,7 +5,7 @@
 
 use comm_core::{DType, ReduceOp};
 
-use crate::{reduce_generic, Src};
+use crate::{reduce_generic, Dst, Src};
 
 /// Whether the CPU converts f16 in hardware (F16C), for the AVX2 tier.
 #[cfg(target_arch = "x86_64")]
@@ -88,7 +88,7 @@ pub(super) mod x86 {
                     ReduceOp::Min => run!($to, |a, b| $min(b, a), id),
                     ReduceOp::Max => run!($to, |a, b| $max(b, a), id),
                     // Not float ops (validated away): the generic kernel decides.
-                    _ => return reduce_generic($dtype, op, inputs, out, copy),
+                    _ => return reduce_generic($dtype, op, inputs, Dst { out, copy, stream: false }),
                 }
                 if main < n {
                     let tail: Vec<Src<'_>> = inputs
@@ -98,7 +98,8 @@ pub(super) mod x86 {
                             other => *other,
                         })
                         .collect();
-                    reduce_generic($dtype, op, &tail, &mut out[main * 2..], copy.map(|c| &mut c[main * 2..]));
+                    let (out, copy) = (&mut out[main * 2..], copy.map(|c| &mut c[main * 2..]));
+                    reduce_generic($dtype, op, &tail, Dst { out, copy, stream: false });
                 }
             }
         };

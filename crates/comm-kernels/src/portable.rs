@@ -5,17 +5,11 @@ use comm_core::{bf16, f16, DType, ReduceOp};
 use half::slice::HalfFloatSliceExt;
 
 use crate::convert::{bf16_bits_to_f32, f32_to_bf16_bits};
-use crate::{Src, BLOCK, SMALL, TINY};
-
-/// The destination of a reduction: `out`, and optionally a second copy.
-struct Dst<'a> {
-    out: &'a mut [u8],
-    copy: Option<&'a mut [u8]>,
-}
+use crate::stream::fill_streaming;
+use crate::{Dst, Src, BLOCK, SMALL, TINY};
 
 #[inline(always)]
-pub(crate) fn reduce_generic(dtype: DType, op: ReduceOp, inputs: &[Src<'_>], out: &mut [u8], copy: Option<&mut [u8]>) {
-    let d = Dst { out, copy };
+pub(crate) fn reduce_generic(dtype: DType, op: ReduceOp, inputs: &[Src<'_>], d: Dst<'_>) {
     match dtype {
         DType::U8 => int_op::<u8>(op, inputs, d),
         DType::I8 => int_op::<i8>(op, inputs, d),
@@ -149,7 +143,7 @@ fn run<'a, T: Lane>(
                 c[i] = out[i];
             }
         }
-    } else if pair(bufs, out, copy.as_deref_mut(), &combine, &finish) {
+    } else if pair(bufs, out, copy.as_deref_mut(), dst.stream, &combine, &finish) {
         // Done in one pass.
     } else if out.len() <= 4 * SMALL {
         // Small blocks for small buffers: setting up two 1024-element blocks costs more than
@@ -164,12 +158,14 @@ fn run<'a, T: Lane>(
 /// Two inputs, as two ranks reduce, in one pass over the buffers with no block copied through
 /// the stack (f32, two buffers into a third: 2x at 4 KiB, 1.3x from memory); combined in the
 /// same order as [`blocks`]. `false` (nothing done) for other shapes, and for types that
-/// widen to accumulate (f16, bf16: 64 bf16 took 58 ns here against 47 in blocks).
+/// widen to accumulate (f16, bf16: 64 bf16 took 58 ns here against 47 in blocks). `stream`:
+/// two buffers into a third write it with streaming stores.
 #[inline(always)]
 fn pair<T: Lane>(
     bufs: &[In<'_, T>],
     out: &mut [T],
     copy: Option<&mut [T]>,
+    stream: bool,
     combine: impl Fn(T::Acc, T::Acc) -> T::Acc,
     finish: impl Fn(T::Acc) -> T::Acc,
 ) -> bool {
@@ -178,6 +174,10 @@ fn pair<T: Lane>(
     }
     let f = |x: T, y: T| T::store(finish(combine(x.load(), y.load())));
     match (bufs, copy) {
+        ([In::Buf(a), In::Buf(b)], None) if stream => fill_streaming(out, |i, part| {
+            let (a, b) = (&a[i..i + part.len()], &b[i..i + part.len()]);
+            part.iter_mut().zip(a).zip(b).for_each(|((o, &x), &y)| *o = f(x, y));
+        }),
         ([In::Buf(a), In::Buf(b)], None) => out.iter_mut().zip(*a).zip(*b).for_each(|((o, &x), &y)| *o = f(x, y)),
         ([In::Out, In::Buf(b)], None) => out.iter_mut().zip(*b).for_each(|(o, &y)| *o = f(*o, y)),
         ([In::Buf(a), In::Out], None) => out.iter_mut().zip(*a).for_each(|(o, &x)| *o = f(x, *o)),

@@ -41,6 +41,49 @@ pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);
 }
 
+/// Writes `out` through `fill(i, part)`, which fills `part` with the elements from `i` on:
+/// the 64-byte lines in the middle of `out` are filled in a line on the stack (so in
+/// registers or L1) and written with streaming stores, the ragged ends in place; then a
+/// store fence. For an output larger than the caches, which nothing reads soon: plain stores
+/// would first read every line from memory.
+#[inline(always)]
+pub(crate) fn fill_streaming<T: bytemuck::Pod>(out: &mut [T], mut fill: impl FnMut(usize, &mut [T])) {
+    #[repr(C, align(64))]
+    #[derive(Clone, Copy)]
+    struct Line([u8; 64]);
+    let size = std::mem::size_of::<T>();
+    if cfg!(not(target_arch = "x86_64")) || size == 0 || 64 % size != 0 {
+        return fill(0, out);
+    }
+    let per = 64 / size;
+    // `usize::MAX` (never aligned) when `out` is not aligned to `T`'s size: all in place.
+    let head = out.as_ptr().align_offset(64).min(out.len());
+    let body = (out.len() - head) / per * per;
+    fill(0, &mut out[..head]);
+    let mut line = Line([0; 64]);
+    for i in (head..head + body).step_by(per) {
+        fill(i, bytemuck::cast_slice_mut(&mut line.0));
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{__m128i, _mm_load_si128, _mm_stream_si128};
+            let (d, s) = (out[i..i + per].as_mut_ptr().cast::<__m128i>(), line.0.as_ptr().cast::<__m128i>());
+            // SAFETY: SSE2 is part of x86-64. `out[i..i + per]` is 64 bytes, 64-byte aligned
+            // (`head` aligned it and `i - head` is a multiple of `per`), as `line` is.
+            unsafe {
+                for j in 0..4 {
+                    _mm_stream_si128(d.add(j), _mm_load_si128(s.add(j)));
+                }
+            }
+        }
+    }
+    fill(head + body, &mut out[head + body..]);
+    // SAFETY: SSE is part of x86-64.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -212,7 +212,11 @@ impl Engine {
                 None => &r.input.as_bytes()[at..at + block],
             })
             .collect();
-        kernels::reduce(out.dtype(), r.op, &ins, out.as_bytes_mut());
+        if tuning::past_l3((block * n + block).saturating_mul(n)) {
+            kernels::reduce_streaming(out.dtype(), r.op, &ins, out.as_bytes_mut());
+        } else {
+            kernels::reduce(out.dtype(), r.op, &ins, out.as_bytes_mut());
+        }
         self.zc_done(hdr)
     }
 
