@@ -335,7 +335,10 @@ async fn stopped() -> Result<(), String> {
 #[test]
 fn a_stopped_rank_is_left_out_and_told() {
     let dir = std::env::temp_dir().join(format!("comm-elastic-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    // Only the test creates it; its ranks (this function again, under SCENARIO) use theirs.
+    if std::env::var_os(SCENARIO).is_none() {
+        std::fs::create_dir_all(&dir).unwrap();
+    }
     let envs = [("COMM_TIMEOUT", "2"), ("ELASTIC_DIR", dir.to_str().unwrap())];
     launch_with("a_stopped_rank_is_left_out_and_told", &["-n", "4"], &envs, |stdout, stderr| {
         for r in 0..3 {
