@@ -62,15 +62,15 @@ where
 {
     let (name, members) = (inner.name, &inner.members);
     Collective::<R>::submit(&*inner.group, req).wait().map_err(|e| match e {
-        CommError::PeerLost { rank, detail } => CommError::PeerLost {
-            rank: members.get(rank as usize).copied().unwrap_or(rank),
-            detail: format!("{detail} (seen in the {name} group {members:?})"),
-        },
+        CommError::PeerLost { rank, detail } => CommError::peer_lost(
+            members.get(rank as usize).copied().unwrap_or(rank),
+            format!("{detail} (seen in the {name} group {members:?})"),
+        ),
         CommError::Mismatch { op, detail } => {
-            CommError::Mismatch { op, detail: format!("{detail} (in the {name} group {members:?}, by its own ranks)") }
+            CommError::mismatch(op, format!("{detail} (in the {name} group {members:?}, by its own ranks)"))
         }
         CommError::Timeout { op, after, detail } => {
-            CommError::Timeout { op, after, detail: format!("{detail} (in the {name} group {members:?})") }
+            CommError::timeout(op, after, format!("{detail} (in the {name} group {members:?})"))
         }
         other => other,
     })

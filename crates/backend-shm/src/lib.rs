@@ -198,10 +198,7 @@ async fn get_from(
             return Err(e);
         }
         if let Some(p) = known.filter(|p| p.alive() == Some(false)) {
-            return Err(CommError::PeerLost {
-                rank: r,
-                detail: format!("its process {} exited during the rendezvous", p.pid),
-            });
+            return Err(CommError::peer_lost(r, format!("its process {} exited during the rendezvous", p.pid)));
         }
     }
 }
@@ -418,10 +415,7 @@ impl ShmBackend {
             all_arenas &= arena == "1";
             // A pid we cannot see (another pid namespace) is not checked; timeouts still apply.
             let alive = || if id.pid == 0 { None } else { id.alive() };
-            let lost = || CommError::PeerLost {
-                rank: r,
-                detail: format!("its process {} exited during the rendezvous", id.pid),
-            };
+            let lost = || CommError::peer_lost(r, format!("its process {} exited during the rendezvous", id.pid));
             if alive() == Some(false) {
                 return Err(lost());
             }
@@ -441,10 +435,10 @@ impl ShmBackend {
                 && seg.read::<u32>(OFF_RANK) == r
                 && seg.read::<u64>(OFF_WINDOW) == lay.window as u64;
             if !ok {
-                return Err(CommError::Mismatch {
-                    op: "shm init",
-                    detail: format!("rank {r}'s segment `{name}` has a different layout (another job or version?)"),
-                });
+                return Err(CommError::mismatch(
+                    "shm init",
+                    format!("rank {r}'s segment `{name}` has a different layout (another job or version?)"),
+                ));
             }
             segs.push(Arc::new(seg));
             procs.push(alive().map(|_| id));
@@ -462,7 +456,7 @@ impl ShmBackend {
         let reason = store.get(&format!("{prefix}/abort"), Duration::ZERO).await.ok()?;
         let reason = String::from_utf8_lossy(&reason).into_owned();
         let rank = reason.strip_prefix("rank ").and_then(|r| r.split(':').next()).and_then(|r| r.parse().ok());
-        Some(CommError::PeerLost { rank: rank.unwrap_or(0), detail: format!("it gave up the rendezvous: {reason}") })
+        Some(CommError::peer_lost(rank.unwrap_or(0), format!("it gave up the rendezvous: {reason}")))
     }
 
     fn enqueue(&self, cmd: Command) {

@@ -60,7 +60,7 @@ impl ProcessGroup {
         if n == 1 {
             return Ok(());
         }
-        let timed_out = |detail: String| CommError::Timeout { op: OP.into(), after: timeout, detail };
+        let timed_out = |detail: String| CommError::timeout(OP, timeout, detail);
         if self.rank() != 0 {
             let me = self.rank();
             let mut sent = self.isend(HostBuffer::zeroed(DType::U8, 1), 0, tag);

@@ -393,14 +393,14 @@ impl Builder {
 /// say which launcher described the job, so the user can check it.
 fn startup_context(e: CommError, world: &WorldInfo) -> CommError {
     match e {
-        CommError::Timeout { op, after, detail } => CommError::Timeout {
+        CommError::Timeout { op, after, detail } => CommError::timeout(
             op,
             after,
-            detail: format!(
+            format!(
                 "{detail}; this process is {world}: were all {} ranks started, with the same variables?",
                 world.world_size
             ),
-        },
+        ),
         other => other,
     }
 }

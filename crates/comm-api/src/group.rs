@@ -723,12 +723,9 @@ fn shape_signature(bufs: &[HostBuffer]) -> u64 {
 /// `Mismatch` naming the first rank whose shape signature differs from `mine`.
 fn check_signatures(op: &'static str, me: Rank, mine: u64, sigs: impl Iterator<Item = u64>) -> Result<(), CommError> {
     match sigs.enumerate().find(|&(_, s)| s != mine) {
-        Some((r, _)) => Err(CommError::Mismatch {
-            op,
-            detail: format!(
+        Some((r, _)) => Err(CommError::mismatch(op, format!(
                 "rank {r} passed buffers of other dtypes or lengths than rank {me} (every rank must pass the same shapes, in the same order)"
-            ),
-        }),
+            ))),
         None => Ok(()),
     }
 }

@@ -42,9 +42,8 @@ fn encode<T: Serialize>(op: &'static str, obj: &T) -> Result<Vec<u8>, CommError>
 
 /// Decodes exactly `bytes` as a `T`: bytes left over mean the sender's type was another one.
 fn decode<T: DeserializeOwned>(op: &'static str, bytes: &[u8], from: Rank) -> Result<T, CommError> {
-    let mismatch = |what: String| CommError::Mismatch {
-        op,
-        detail: format!("rank {from}'s object {what} (do all ranks pass the same type?)"),
+    let mismatch = |what: String| {
+        CommError::mismatch(op, format!("rank {from}'s object {what} (do all ranks pass the same type?)"))
     };
     let ty = std::any::type_name::<T>();
     match postcard::take_from_bytes(bytes) {
@@ -76,16 +75,10 @@ impl ProcessGroup {
         let mut cap = u64::MAX;
         for (r, h) in all.chunks_exact(width).enumerate() {
             if h[0] != MAGIC {
-                return Err(CommError::Mismatch {
-                    op,
-                    detail: format!("rank {r} called another op (rank {me} called {op})"),
-                });
+                return Err(CommError::mismatch(op, format!("rank {r} called another op (rank {me} called {op})")));
             }
             if h[1] != mine[1] {
-                return Err(CommError::Mismatch {
-                    op,
-                    detail: format!("rank {r} passes another type than rank {me}'s {ty}"),
-                });
+                return Err(CommError::mismatch(op, format!("rank {r} passes another type than rank {me}'s {ty}")));
             }
             cap = cap.min(h[2]);
         }
@@ -142,7 +135,7 @@ fn as_op<T>(op: &'static str, bytes: u64, f: impl FnOnce() -> T) -> T {
 fn every_rank_sent(op: &'static str, h: &Headers) -> Result<Vec<u64>, CommError> {
     let lens: Vec<u64> = h.sizes.iter().map(|s| s[0]).collect();
     match lens.iter().position(|&l| l == NONE) {
-        Some(r) => Err(CommError::Mismatch { op, detail: format!("rank {r} sent no object") }),
+        Some(r) => Err(CommError::mismatch(op, format!("rank {r} sent no object"))),
         None => Ok(lens),
     }
 }

@@ -192,12 +192,12 @@ impl Failure {
         let detail = self.detail();
         match self.code {
             _ if !first => CommError::Poisoned { cause: format!("stream {} failed: {detail}", self.key.stream) },
-            MISMATCH => CommError::Mismatch { op, detail: detail + "; the stream is failed" },
-            _ => CommError::Timeout {
-                op: format!("{op} on stream {}", self.key.stream),
-                after: timeout,
-                detail: detail + "; the stream is failed, other streams go on",
-            },
+            MISMATCH => CommError::mismatch(op, detail + "; the stream is failed"),
+            _ => CommError::timeout(
+                format!("{op} on stream {}", self.key.stream),
+                timeout,
+                detail + "; the stream is failed, other streams go on",
+            ),
         }
     }
 }

@@ -116,10 +116,10 @@ impl Elastic {
         } else {
             let theirs = store.get(&count_key, timeout).await?;
             if theirs != n.to_string().as_bytes() {
-                return Err(CommError::Mismatch {
-                    op: "grow",
-                    detail: format!("rank 0 admits {} newcomers, rank {me} {n}", String::from_utf8_lossy(&theirs)),
-                });
+                return Err(CommError::mismatch(
+                    "grow",
+                    format!("rank 0 admits {} newcomers, rank {me} {n}", String::from_utf8_lossy(&theirs)),
+                ));
             }
         }
         Ok(Admitted { rank: me, world: grown, prefix })
@@ -155,11 +155,11 @@ impl Elastic {
                 Err(e) => return Err(e),
             }
         }
-        Err(CommError::Timeout {
-            op: "shrink".into(),
-            after: timeout,
-            detail: format!("every one of {} attempts lost a member while the group was being built", world + 1),
-        })
+        Err(CommError::timeout(
+            "shrink",
+            timeout,
+            format!("every one of {} attempts lost a member while the group was being built", world + 1),
+        ))
     }
 }
 
@@ -170,11 +170,11 @@ pub async fn admission(store: &dyn Store, timeout: Duration) -> Result<Admitted,
     let place = match store.get(&format!("elastic/join/ticket/{ticket}"), timeout).await {
         Ok(place) => place,
         Err(CommError::Timeout { after, .. }) => {
-            return Err(CommError::Timeout {
-                op: "join".into(),
+            return Err(CommError::timeout(
+                "join",
                 after,
-                detail: format!("no group admitted this process (ticket {ticket}): its members call grow to admit it"),
-            })
+                format!("no group admitted this process (ticket {ticket}): its members call grow to admit it"),
+            ))
         }
         Err(e) => return Err(e),
     };
@@ -231,13 +231,13 @@ pub async fn agree(
     };
     let ranks = decode(&decided, world)?;
     let Some(rank) = ranks.iter().position(|&r| r == me) else {
-        return Err(CommError::Timeout {
-            op: "shrink".into(),
-            after: timeout,
-            detail: format!(
+        return Err(CommError::timeout(
+            "shrink",
+            timeout,
+            format!(
                 "the survivors agreed on ranks {ranks:?} without rank {me}: it came to shrink after they had decided"
             ),
-        });
+        ));
     };
     Ok(Survivors { ranks, rank: rank as Rank, prefix: format!("{base}/group") })
 }
@@ -303,7 +303,7 @@ mod tests {
         let e = shrinks
             .shrink(&store, 0, 3, Duration::from_millis(20), &|r| r == 2, |s| {
                 attempts.push(s.prefix.clone());
-                async move { Err(CommError::PeerLost { rank: 1, detail: "test".into() }) }
+                async move { Err(CommError::peer_lost(1, "test")) }
             })
             .await
             .unwrap_err();

@@ -102,6 +102,21 @@ impl CommError {
         CommError::InvalidArgument { op, reason: reason.into() }
     }
 
+    /// Shorthand for [`CommError::Mismatch`].
+    pub fn mismatch(op: &'static str, detail: impl Into<String>) -> Self {
+        CommError::Mismatch { op, detail: detail.into() }
+    }
+
+    /// Shorthand for [`CommError::PeerLost`].
+    pub fn peer_lost(rank: Rank, detail: impl Into<String>) -> Self {
+        CommError::PeerLost { rank, detail: detail.into() }
+    }
+
+    /// Shorthand for [`CommError::Timeout`].
+    pub fn timeout(op: impl Into<String>, after: Duration, detail: impl Into<String>) -> Self {
+        CommError::Timeout { op: op.into(), after, detail: detail.into() }
+    }
+
     /// Shorthand for [`CommError::Io`] from an error convertible to `std::io::Error`.
     pub fn io(context: impl Into<String>, source: impl Into<std::io::Error>) -> Self {
         CommError::Io { context: context.into(), source: source.into() }

@@ -70,11 +70,7 @@ impl MemoryStore {
                 }
             };
             if expired {
-                return Err(CommError::Timeout {
-                    op: "store wait".into(),
-                    after: timeout,
-                    detail: format!("key(s) {what} never set"),
-                });
+                return Err(CommError::timeout("store wait", timeout, format!("key(s) {what} never set")));
             }
         }
     }

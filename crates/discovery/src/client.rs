@@ -341,11 +341,11 @@ impl TcpStore {
         let reply = rx.await.map_err(|_| self.lost())??;
         match reply.status {
             wire::STATUS_OK => Ok(reply.body.into()),
-            wire::STATUS_TIMEOUT => Err(CommError::Timeout {
-                op: name.into(),
-                after: wait.unwrap_or(limit),
-                detail: format!("{} (store at {})", String::from_utf8_lossy(&reply.body), self.inner.shown),
-            }),
+            wire::STATUS_TIMEOUT => Err(CommError::timeout(
+                name,
+                wait.unwrap_or(limit),
+                format!("{} (store at {})", String::from_utf8_lossy(&reply.body), self.inner.shown),
+            )),
             wire::STATUS_ERROR => Err(CommError::Store(String::from_utf8_lossy(&reply.body).into_owned())),
             s => Err(CommError::Store(format!("malformed reply from the store at {} (status {s})", self.inner.shown))),
         }
@@ -597,11 +597,11 @@ async fn forward(call: Call, rx: oneshot::Receiver<Reply>, pending: Pending, sho
         Outcome::Lost => {}
         Outcome::TimedOut => {
             lock(&pending).remove(&id);
-            let _ = reply.send(Err(CommError::Timeout {
-                op: "store request".into(),
-                after: limit,
-                detail: format!("no reply from the store at {shown} (is rank 0 alive and reachable?)"),
-            }));
+            let _ = reply.send(Err(CommError::timeout(
+                "store request",
+                limit,
+                format!("no reply from the store at {shown} (is rank 0 alive and reachable?)"),
+            )));
         }
         Outcome::Abandoned => {
             lock(&pending).remove(&id);

@@ -217,15 +217,15 @@ async fn check_world_size(
     let ws = info.world_size.to_string();
     let stored = store.compare_set(WORLD_SIZE_KEY, None, ws.as_bytes()).await?;
     if stored != ws.as_bytes() {
-        return Err(CommError::Mismatch {
-            op: "rendezvous",
-            detail: format!(
+        return Err(CommError::mismatch(
+            "rendezvous",
+            format!(
                 "rank {} has world size {ws}, but the job at the store {shown} has world size {} (set by the first \
                  rank to arrive); check WORLD_SIZE on every rank",
                 info.rank,
                 String::from_utf8_lossy(&stored)
             ),
-        });
+        ));
     }
     Ok((store, server))
 }

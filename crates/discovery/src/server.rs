@@ -587,7 +587,7 @@ async fn wait(store: &MemoryStore, keys: &[String], timeout: Duration) -> Result
                 // All set just as the wait timed out: still a timeout, name them all.
                 missing = refs.iter().map(|k| format!("`{k}`")).collect();
             }
-            Err(CommError::Timeout { op, after, detail: format!("key(s) {} never set", missing.join(", ")) })
+            Err(CommError::timeout(op, after, format!("key(s) {} never set", missing.join(", "))))
         }
         other => other,
     }

@@ -317,11 +317,9 @@ impl TorchStore {
                         shared.give_back(conn);
                         Ok(v)
                     }
-                    Err(Fail::Timeout) => Err(CommError::Timeout {
-                        op: op.into(),
-                        after: limit,
-                        detail: format!("no reply from the torch store at {}", shared.shown),
-                    }),
+                    Err(Fail::Timeout) => {
+                        Err(CommError::timeout(op, limit, format!("no reply from the torch store at {}", shared.shown)))
+                    }
                     Err(e) => Err(shared.failed(op, e)),
                 }
             })
@@ -650,16 +648,16 @@ impl Store for TorchStore {
 impl TorchStore {
     fn timeout(&self, op: &str, after: Duration, missing: &[&str]) -> CommError {
         let names: Vec<String> = missing.iter().map(|k| format!("`{k}`")).collect();
-        CommError::Timeout {
-            op: op.into(),
+        CommError::timeout(
+            op,
             after,
-            detail: format!(
+            format!(
                 "key(s) {} never set (torch store at {}, prefix `{}`)",
                 names.join(", "),
                 self.shared.shown,
                 self.shared.prefix
             ),
-        }
+        )
     }
 
     /// A wait's timeout error naming only the keys still missing (one CHECK each).

@@ -181,9 +181,8 @@ impl Timeline {
         for r in 0..group.world_size() as usize {
             let raw = &all.as_bytes()[r * max..(r + 1) * max];
             let end = raw.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
-            let (offset, events): (i64, Vec<TraceEvent>) = serde_json::from_slice(&raw[..end]).map_err(|e| {
-                CommError::Mismatch { op: "Timeline::gather", detail: format!("rank {r}'s events: {e}") }
-            })?;
+            let (offset, events): (i64, Vec<TraceEvent>) = serde_json::from_slice(&raw[..end])
+                .map_err(|e| CommError::mismatch("Timeline::gather", format!("rank {r}'s events: {e}")))?;
             ranks.push((r as u32, offset, events));
         }
         Ok(Some(chrome_trace(&ranks)))

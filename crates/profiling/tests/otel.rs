@@ -39,11 +39,7 @@ fn workload() {
     });
     drop(step);
     mock.complete_next();
-    mock.fail_next(CommError::Timeout {
-        op: "broadcast".into(),
-        after: Duration::from_secs(3),
-        detail: "rank 0".into(),
-    });
+    mock.fail_next(CommError::timeout("broadcast", Duration::from_secs(3), "rank 0"));
     a.wait().unwrap();
     assert!(b.wait().is_err());
     // A detached op outside any user span: a root span.

@@ -63,7 +63,7 @@ fn failed_ops_mark_the_span_as_an_error() {
     let mock = Mock::new(0, 2, false);
     let p = ProfilingLayer::new().layer(mock.clone());
     let w = p.submit(Broadcast { buf: f32s(4), root: 0 });
-    mock.fail_next(CommError::PeerLost { rank: 1, detail: "exited".into() });
+    mock.fail_next(CommError::peer_lost(1, "exited"));
     let s = &cap.named("comm.broadcast")[0];
     assert!(s.closed);
     assert_eq!(s.fields["otel.status_code"], "ERROR");

@@ -152,10 +152,9 @@ impl Group {
         self.heard_at = now;
         let e = match raw::take_notice(&self.comm) {
             Ok(None) => return false,
-            Ok(Some((from, cause))) => CommError::PeerLost {
-                rank: from as Rank,
-                detail: format!("rank {from}'s side of the group failed: {cause}"),
-            },
+            Ok(Some((from, cause))) => {
+                CommError::peer_lost(from as Rank, format!("rank {from}'s side of the group failed: {cause}"))
+            }
             Err(e) => e,
         };
         // The op in flight fails with the real cause (its receives from the failed peer will

@@ -314,7 +314,7 @@ impl OpLabel {
     /// than this rank expected, so the ranks called different ops or sizes.
     pub(super) fn failed(self, err: raw::MpiError) -> CommError {
         if err.is_truncation() {
-            CommError::Mismatch { op: self.name, detail: format!("{self}: ranks passed different sizes ({err})") }
+            CommError::mismatch(self.name, format!("{self}: ranks passed different sizes ({err})"))
         } else {
             err.into_comm()
         }
@@ -366,22 +366,22 @@ pub(super) fn verify(ex: &Exchange, n: usize, mine: &Header, me: usize, what: Op
     let (op, first) = (op_name(mine.op), ex.header(0));
     for p in 0..n {
         let (Some(h), Some(first)) = (ex.header(p), first) else {
-            return Err(CommError::Mismatch {
+            return Err(CommError::mismatch(
                 op,
-                detail: format!(
+                format!(
                     "{what}: rank {p} sent a header this version does not understand (another program or version?)"
                 ),
-            });
+            ));
         };
         if h != first {
-            return Err(CommError::Mismatch {
+            return Err(CommError::mismatch(
                 op,
-                detail: format!(
+                format!(
                     "rank {p} called {} but rank 0 called {} (seen by rank {me} at its {what})",
                     h.describe(),
                     first.describe()
                 ),
-            });
+            ));
         }
     }
     Ok(())

@@ -274,11 +274,11 @@ pub(super) fn exchange_direct(
                 Polled::Failed { err, .. } => return Err(what.failed(err)),
                 Polled::Pending if started.elapsed() >= lane.params.timeout => {
                     // The request stays with MPI: dropping it leaks its buffers (raw rule 3).
-                    return Err(CommError::Timeout {
-                        op: what.to_string(),
-                        after: lane.params.timeout,
-                        detail: format!("a rank of the group of {size} stopped in the middle of it (died, or hangs)"),
-                    });
+                    return Err(CommError::timeout(
+                        what.to_string(),
+                        lane.params.timeout,
+                        format!("a rank of the group of {size} stopped in the middle of it (died, or hangs)"),
+                    ));
                 }
                 // Yield between polls, as the worker does: the transport may need the core.
                 Polled::Pending => std::thread::yield_now(),

@@ -74,11 +74,11 @@ fn allreduce_max(comm: &Comm, mine: i64, deadline: Instant, timeout: Duration) -
             Polled::Done(_) => break,
             Polled::Pending if Instant::now() < deadline => std::hint::spin_loop(),
             Polled::Pending => {
-                return Err(CommError::Timeout {
-                    op: "mpi init (measuring the round trip)".into(),
-                    after: timeout,
-                    detail: "a rank stopped answering while the world group was measured".into(),
-                })
+                return Err(CommError::timeout(
+                    "mpi init (measuring the round trip)",
+                    timeout,
+                    "a rank stopped answering while the world group was measured",
+                ))
             }
             Polled::Failed { err, .. } => return Err(err.into_comm()),
         }

@@ -392,14 +392,10 @@ impl Engine {
                 let Some(a) = g.active.as_mut() else { continue };
                 let e = match a.req.test() {
                     Polled::Pending if now.duration_since(a.started) < g.params.timeout => break,
-                    Polled::Pending => CommError::Timeout {
-                        op: a.what.to_string(),
-                        after: g.params.timeout,
-                        detail: format!(
+                    Polled::Pending => CommError::timeout(a.what.to_string(), g.params.timeout, format!(
                             "not every rank of the group of {} joined it: a peer died, hangs, or called another op (MPI cannot tell which; set COMM_TIMEOUT to wait longer)",
                             g.info.size
-                        ),
-                    },
+                        )),
                     Polled::Failed { err, .. } => {
                         any = true;
                         a.what.failed(err)
@@ -452,11 +448,11 @@ impl Engine {
                 Ok(None) => {
                     let (p, params, done, _) = self.dups.swap_remove(i);
                     std::mem::forget(p);
-                    done.complete(Err(CommError::Timeout {
-                        op: "mpi init (MPI_Comm_idup of MPI_COMM_WORLD)".into(),
-                        after: params.timeout,
-                        detail: "not every rank of MPI_COMM_WORLD called init".into(),
-                    }));
+                    done.complete(Err(CommError::timeout(
+                        "mpi init (MPI_Comm_idup of MPI_COMM_WORLD)",
+                        params.timeout,
+                        "not every rank of MPI_COMM_WORLD called init",
+                    )));
                 }
                 Ok(Some(comm)) => {
                     let (_, mut params, done, _) = self.dups.swap_remove(i);

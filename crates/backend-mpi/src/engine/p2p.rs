@@ -128,9 +128,9 @@ pub(super) fn poll(
     Some(match req.test() {
         Polled::Pending if now < p.deadline => return None,
         Polled::Pending => Err(p2p_timeout(p, comm, timeout)),
-        Polled::Done(_) if p.too_long.is_some() => Err(CommError::Mismatch {
-            op: "recv",
-            detail: format!(
+        Polled::Done(_) if p.too_long.is_some() => Err(CommError::mismatch(
+            "recv",
+            format!(
                 "rank {} sent {} elements of {}, more than the {} elements rank {me} posted a recv for (tag {})",
                 p.peer,
                 p.too_long.unwrap_or(0),
@@ -138,10 +138,10 @@ pub(super) fn poll(
                 p.len,
                 p.tag
             ),
-        }),
-        Polled::Done(count) if p.recv && count.is_some_and(|n| n != p.len) => Err(CommError::Mismatch {
-            op: "recv",
-            detail: format!(
+        )),
+        Polled::Done(count) if p.recv && count.is_some_and(|n| n != p.len) => Err(CommError::mismatch(
+            "recv",
+            format!(
                 "rank {} sent {} elements of {} with tag {}, but rank {me} posted a recv of {} elements",
                 p.peer,
                 count.unwrap_or(0),
@@ -149,15 +149,15 @@ pub(super) fn poll(
                 p.tag,
                 p.len
             ),
-        }),
+        )),
         Polled::Done(_) => Ok(()),
-        Polled::Failed { err, .. } if p.recv && err.is_truncation() => Err(CommError::Mismatch {
-            op: "recv",
-            detail: format!(
+        Polled::Failed { err, .. } if p.recv && err.is_truncation() => Err(CommError::mismatch(
+            "recv",
+            format!(
                 "rank {} sent more than the {} elements of {} rank {me} posted a recv for (tag {})",
                 p.peer, p.len, p.dtype, p.tag
             ),
-        }),
+        )),
         Polled::Failed { err, .. } => Err(err.into_comm()),
     })
 }
@@ -191,28 +191,25 @@ pub(super) fn p2p_timeout(p: &P2p, comm: &Comm, after: Duration) -> CommError {
         if let Some((t, bytes)) = raw::probe(comm, p.peer as i32).filter(|(t, _)| *t < raw::exchange_tag()) {
             let (tag, code) = ((t as u32) >> 3, (t as u32 & 7) as u8);
             if let Some(d) = DType::from_code(code) {
-                return CommError::Mismatch {
-                    op: "recv",
-                    detail: format!(
+                return CommError::mismatch("recv", format!(
                         "rank {} sent {} elements of {d} with tag {tag}, but this rank waited {after:?} in a recv of {} elements of {} with tag {}",
                         p.peer,
                         bytes / d.size(),
                         p.len,
                         p.dtype,
                         p.tag
-                    ),
-                };
+                    ));
             }
         }
     }
     let dir = if p.recv { "recv from" } else { "send to" };
-    CommError::Timeout {
-        op: format!("{dir} rank {} (tag {}, {} × {})", p.peer, p.tag, p.dtype, p.len),
+    CommError::timeout(
+        format!("{dir} rank {} (tag {}, {} × {})", p.peer, p.tag, p.dtype, p.len),
         after,
-        detail: format!(
+        format!(
             "rank {} never posted the matching {} (set COMM_TIMEOUT to wait longer)",
             p.peer,
             if p.recv { "send" } else { "recv" }
         ),
-    }
+    )
 }

@@ -34,11 +34,11 @@ impl<T: Send + 'static> Once<T> {
                 let left = timeout.saturating_sub(start.elapsed());
                 if left.is_zero() {
                     if let Some(c) = guard.take() {
-                        c.complete(Err(CommError::Timeout {
-                            op: what,
-                            after: timeout,
-                            detail: "not every rank got there in time (is every rank running, on its own GPU?)".into(),
-                        }));
+                        c.complete(Err(CommError::timeout(
+                            what,
+                            timeout,
+                            "not every rank got there in time (is every rank running, on its own GPU?)",
+                        )));
                     }
                     return;
                 }

@@ -465,14 +465,10 @@ impl Engine {
     /// communicator is a timeout.
     fn call_failure(&self, e: CallError, what: &str) -> CommError {
         if self.comm.state().is_gone() {
-            return CommError::Timeout {
-                op: what.to_owned(),
-                after: self.setup.timeout,
-                detail: format!(
+            return CommError::timeout(what, self.setup.timeout, format!(
                     "a call into NCCL blocked for longer than the timeout (a peer is gone?); the watchdog aborted the communicator of rank {} of {} and the group is poisoned",
                     self.setup.rank, self.setup.world
-                ),
-            };
+                ));
         }
         call_error(e, "the NCCL communicator was aborted")
     }
@@ -509,14 +505,10 @@ impl Engine {
                 }
                 Ok(false) => {
                     if front.issued.elapsed() > self.setup.timeout {
-                        let e = CommError::Timeout {
-                            op: front.name.to_owned(),
-                            after: self.setup.timeout,
-                            detail: format!(
+                        let e = CommError::timeout(front.name, self.setup.timeout, format!(
                                 "rank {} of {} (CUDA device {}): the op did not complete (a peer never joined it, or died); the NCCL communicator was aborted (ncclCommAbort) and the group is poisoned",
                                 self.setup.rank, self.setup.world, self.setup.device
-                            ),
-                        };
+                            ));
                         self.abort_all(e);
                     }
                     break;

@@ -187,12 +187,9 @@ impl Engine {
             for (p, &expect) in outs.iter().enumerate() {
                 let sends = matrix[p * n + me] as usize;
                 if sends != expect {
-                    return Err(CommError::Mismatch {
-                        op: "all_to_all",
-                        detail: format!(
+                    return Err(CommError::mismatch("all_to_all", format!(
                             "rank {p} sends {sends} elements to rank {me}, but rank {me}'s output_splits expect {expect}"
-                        ),
-                    });
+                        )));
                 }
             }
         }

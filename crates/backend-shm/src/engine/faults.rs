@@ -101,10 +101,10 @@ impl Engine {
     pub(super) fn still_held(&self, peer: usize) -> Result<()> {
         std::sync::atomic::fence(SeqCst);
         match self.segs[peer].u32_at(OFF_STATE).load(SeqCst) {
-            STATE_ABORTED | STATE_CLOSED => Err(CommError::PeerLost {
-                rank: peer as Rank,
-                detail: format!("it gave up its send while this rank read it: {}", self.peer_reason(peer)),
-            }),
+            STATE_ABORTED | STATE_CLOSED => Err(CommError::peer_lost(
+                peer as Rank,
+                format!("it gave up its send while this rank read it: {}", self.peer_reason(peer)),
+            )),
             _ => Ok(()),
         }
     }
@@ -142,16 +142,16 @@ impl Engine {
     pub(super) fn check_peer(&mut self, peer: usize) -> Result<()> {
         match self.segs[peer].u32_at(OFF_STATE).load(Acquire) {
             STATE_ABORTED => {
-                return Err(CommError::PeerLost {
-                    rank: peer as Rank,
-                    detail: format!("it aborted the group: {}", self.peer_reason(peer)),
-                })
+                return Err(CommError::peer_lost(
+                    peer as Rank,
+                    format!("it aborted the group: {}", self.peer_reason(peer)),
+                ))
             }
             STATE_CLOSED => {
-                return Err(CommError::PeerLost {
-                    rank: peer as Rank,
-                    detail: "it shut its process group down (or exited) without joining this op".into(),
-                })
+                return Err(CommError::peer_lost(
+                    peer as Rank,
+                    "it shut its process group down (or exited) without joining this op",
+                ))
             }
             _ => {}
         }
@@ -161,10 +161,7 @@ impl Engine {
         self.last_liveness = Instant::now();
         if let Some(p) = self.procs[peer] {
             if p.alive() == Some(false) {
-                return Err(CommError::PeerLost {
-                    rank: peer as Rank,
-                    detail: format!("its process {} exited", p.pid),
-                });
+                return Err(CommError::peer_lost(peer as Rank, format!("its process {} exited", p.pid)));
             }
         }
         Ok(())

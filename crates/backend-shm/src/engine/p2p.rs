@@ -154,30 +154,27 @@ impl Engine {
         let want_total = op.req.buf.byte_len() as u64;
         let want_dtype = op.req.buf.dtype();
         if h.offset != op.offset as u64 {
-            return Err(CommError::Mismatch {
-                op: "recv",
-                detail: format!(
+            return Err(CommError::mismatch(
+                "recv",
+                format!(
                     "mailbox from rank {peer} is out of order (chunk {chunk} at offset {}, expected offset {})",
                     h.offset, op.offset
                 ),
-            });
+            ));
         }
         if h.tag != op.req.tag || h.total != want_total || h.dtype != want_dtype.code() {
             let their_dtype = DType::from_code(h.dtype).map_or("?", DType::name);
-            return Err(CommError::Mismatch {
-                op: "recv",
-                detail: format!(
+            return Err(CommError::mismatch("recv", format!(
                     "rank {peer} sent {} bytes of {their_dtype} with tag {} but rank {} posted a recv of {want_total} bytes of {want_dtype} with tag {} (messages between two ranks match in order)",
                     h.total, h.tag, self.rank, op.req.tag
-                ),
-            });
+                )));
         }
         let len = h.len as usize;
         if h.flags == IN_PLACE && h.offset == 0 && len == CARRIED {
             let data = read_chunk(src, &self.lay, self.rank, chunk, len).try_into().expect("CARRIED bytes");
             let Some(place) = decode(&data).0 else {
                 let detail = format!("rank {peer} sent a message in place but did not say where");
-                return Err(CommError::Mismatch { op: "recv", detail });
+                return Err(CommError::mismatch("recv", detail));
             };
             let total = op.req.buf.byte_len();
             let seg = self.map_zero_copy(peer, place, total)?;
@@ -186,10 +183,10 @@ impl Engine {
             self.still_held(peer)?;
             self.recvs[peer].front_mut().expect("front exists").offset = total;
         } else if op.offset + len > op.req.buf.byte_len() || len > self.lay.slot || h.flags != 0 {
-            return Err(CommError::Mismatch {
-                op: "recv",
-                detail: format!("rank {peer} sent a chunk of {len} bytes past the message end"),
-            });
+            return Err(CommError::mismatch(
+                "recv",
+                format!("rank {peer} sent a chunk of {len} bytes past the message end"),
+            ));
         } else {
             let data = read_chunk(src, &self.lay, self.rank, chunk, len);
             op.req.buf.as_bytes_mut()[op.offset..op.offset + len].copy_from_slice(data);
@@ -218,11 +215,11 @@ impl Engine {
             let Some(started) = oldest else { continue };
             let timeout = self.params.timeout;
             let r = self.check_peer(peer).and_then(|()| match started.elapsed() >= timeout {
-                true => Err(CommError::Timeout {
-                    op: "send/recv".into(),
-                    after: timeout,
-                    detail: format!("rank {peer} never posted the matching operation"),
-                }),
+                true => Err(CommError::timeout(
+                    "send/recv",
+                    timeout,
+                    format!("rank {peer} never posted the matching operation"),
+                )),
                 false => Ok(()),
             });
             if let Err(e) = r {

@@ -64,15 +64,11 @@ impl Engine {
             }
             if start.elapsed() >= self.params.timeout {
                 let who: Vec<String> = late.iter().map(|p| format!("rank {p}")).collect();
-                return Err(CommError::Timeout {
-                    op: self.op.to_owned(),
-                    after: self.params.timeout,
-                    detail: format!(
-                        "{} never joined op #{} (set COMM_TIMEOUT to wait longer)",
-                        who.join(", "),
-                        self.seq
-                    ),
-                });
+                return Err(CommError::timeout(
+                    self.op,
+                    self.params.timeout,
+                    format!("{} never joined op #{} (set COMM_TIMEOUT to wait longer)", who.join(", "), self.seq),
+                ));
             }
             self.sleep(|e| e.reached(target))?;
         }
@@ -158,21 +154,16 @@ impl Engine {
         for p in (0..self.world).filter(|&p| p != self.rank) {
             let theirs: StepHeader = self.segs[p].read(self.lay.step_header(k));
             if theirs.step != k {
-                return Err(CommError::Mismatch {
-                    op: self.op,
-                    detail: format!("rank {p} is out of step (at step {}, expected {k})", theirs.step),
-                });
+                return Err(CommError::mismatch(
+                    self.op,
+                    format!("rank {p} is out of step (at step {}, expected {k})", theirs.step),
+                ));
             }
             if (StepHeader { step: k, data: theirs.data, ..*hdr }) != theirs {
-                return Err(CommError::Mismatch {
-                    op: self.op,
-                    detail: format!(
-                        "rank {p} called {} but rank {} called {}",
-                        describe(&theirs),
-                        self.rank,
-                        describe(hdr)
-                    ),
-                });
+                return Err(CommError::mismatch(
+                    self.op,
+                    format!("rank {p} called {} but rank {} called {}", describe(&theirs), self.rank, describe(hdr)),
+                ));
             }
         }
         self.phase = Phase::Readable(k);

@@ -238,13 +238,10 @@ impl Engine {
     /// process).
     pub(super) fn map_zero_copy(&mut self, peer: usize, place: Place, bytes: usize) -> Result<Arc<Segment>> {
         if place.off.checked_add(bytes).is_none_or(|end| end > place.chunk_len) {
-            return Err(CommError::Mismatch {
-                op: self.op,
-                detail: format!(
-                    "rank {peer} named {bytes} bytes at {} of a chunk of {} bytes",
-                    place.off, place.chunk_len
-                ),
-            });
+            return Err(CommError::mismatch(
+                self.op,
+                format!("rank {peer} named {bytes} bytes at {} of a chunk of {} bytes", place.off, place.chunk_len),
+            ));
         }
         let key = (peer, place.fd);
         if let Some(i) = self.zc_maps.iter().position(|(k, s)| *k == key && s.len() >= place.chunk_len) {

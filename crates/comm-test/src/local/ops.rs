@@ -119,13 +119,13 @@ impl LocalOp for AllToAll {
         for (i, (ins, _)) in splits.iter().enumerate() {
             for (j, (_, outs)) in splits.iter().enumerate() {
                 if ins[j] != outs[i] {
-                    return Err(CommError::Mismatch {
-                        op: Self::NAME,
-                        detail: format!(
+                    return Err(CommError::mismatch(
+                        Self::NAME,
+                        format!(
                             "rank {i} sends {} elements to rank {j} but rank {j} expects {} from rank {i}",
                             ins[j], outs[i]
                         ),
-                    });
+                    ));
                 }
             }
         }

@@ -108,7 +108,7 @@ impl LocalRank {
                 if slot.count() == n {
                     g.slots.remove(&seq);
                 }
-                return Deposit::Fail(done, CommError::Mismatch { op: R::NAME, detail });
+                return Deposit::Fail(done, CommError::mismatch(R::NAME, detail));
             }
         }
         if let Some(cause) = &g.poisoned {
@@ -131,14 +131,14 @@ impl LocalRank {
             slot.failed = Some(detail.clone());
             slot.arrived[me] = true;
             for e in slot.entries.iter_mut().filter_map(Option::take) {
-                let err = CommError::Mismatch { op: e.sig.op, detail: detail.clone() };
+                let err = CommError::mismatch(e.sig.op, detail.clone());
                 deferred.push(Box::new(move || (e.fail)(e.payload, err)));
             }
             if slot.count() == n {
                 g.slots.remove(&seq);
             }
             g.poison(&format!("ranks disagreed on an op: {detail}"), deferred);
-            return Deposit::Fail(done, CommError::Mismatch { op: R::NAME, detail });
+            return Deposit::Fail(done, CommError::mismatch(R::NAME, detail));
         }
         slot.entries[me] = Some(Entry { sig, payload: Box::new((req, done)), fail: fail::<R> });
         slot.arrived[me] = true;
@@ -241,8 +241,8 @@ impl LocalRank {
         );
         let d = detail.clone();
         deferred.push(Box::new(move || {
-            s.done.complete(Err(CommError::Mismatch { op: SendOp::NAME, detail: d.clone() }));
-            r.done.complete(Err(CommError::Mismatch { op: RecvFrom::NAME, detail: d }));
+            s.done.complete(Err(CommError::mismatch(SendOp::NAME, d.clone())));
+            r.done.complete(Err(CommError::mismatch(RecvFrom::NAME, d)));
         }));
         g.poison(&format!("point-to-point mismatch: {detail}"), deferred);
     }

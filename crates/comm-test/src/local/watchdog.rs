@@ -57,7 +57,7 @@ fn expire(st: &mut State, now: Instant, timeout: Duration, deferred: &mut Deferr
                 g.name_ranks(&present)
             );
             for e in slot.entries.into_iter().flatten() {
-                let err = CommError::Timeout { op: e.sig.op.to_owned(), after: timeout, detail: detail.clone() };
+                let err = CommError::timeout(e.sig.op, timeout, detail.clone());
                 deferred.push(Box::new(move || (e.fail)(e.payload, err)));
             }
             causes.push(format!("{op} timed out: {detail}"));
@@ -72,7 +72,7 @@ fn expire(st: &mut State, now: Instant, timeout: Duration, deferred: &mut Deferr
                     p.req.buf.len()
                 );
                 causes.push(format!("send timed out: {detail}"));
-                let err = CommError::Timeout { op: SendOp::NAME.to_owned(), after: timeout, detail };
+                let err = CommError::timeout(SendOp::NAME, timeout, detail);
                 deferred.push(Box::new(move || p.done.complete(Err(err))));
             }
             while ch.recvs.front().is_some_and(|p| p.deadline <= now) {
@@ -84,7 +84,7 @@ fn expire(st: &mut State, now: Instant, timeout: Duration, deferred: &mut Deferr
                     p.req.buf.len()
                 );
                 causes.push(format!("recv timed out: {detail}"));
-                let err = CommError::Timeout { op: RecvFrom::NAME.to_owned(), after: timeout, detail };
+                let err = CommError::timeout(RecvFrom::NAME, timeout, detail);
                 deferred.push(Box::new(move || p.done.complete(Err(err))));
             }
         }

@@ -29,12 +29,9 @@ fn check_splits(m: &[i64], n: usize) -> Result<(), CommError> {
         for j in 0..n {
             let (sends, expects) = (m[i * 2 * n + j], m[j * 2 * n + n + i]);
             if sends != expects {
-                return Err(CommError::Mismatch {
-                    op: "all_to_all",
-                    detail: format!(
+                return Err(CommError::mismatch("all_to_all", format!(
                         "rank {i} sends {sends} elements to rank {j}, but rank {j}'s output splits expect {expects} from rank {i}"
-                    ),
-                });
+                    )));
             }
         }
     }
