@@ -6,8 +6,7 @@ use std::time::{Duration, Instant};
 use comm_core::lane::Ticket;
 use comm_core::{CommError, Completer, DType, HostBuffer, Rank};
 
-use crate::raw;
-use crate::raw::{Comm, Request};
+use crate::raw::{self, Comm, Request};
 
 use super::p2p::P2p;
 use super::plans::{Active, Born, Env, Out, Pool, Reply, Steps};

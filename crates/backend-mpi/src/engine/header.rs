@@ -6,8 +6,7 @@ use std::time::Instant;
 use comm_core::lane::Ticket;
 use comm_core::{config, CommError, DType, HostBuffer, OpKind, Rank, ReduceOp};
 
-use crate::raw;
-use crate::raw::{Bufs, Request};
+use crate::raw::{self, Bufs, Request};
 
 use super::group::Group;
 use super::held;

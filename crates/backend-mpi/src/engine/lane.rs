@@ -5,12 +5,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
-use comm_core::lane::Ticket;
-use comm_core::lane::{self as shared, Class, LaneState, Queued, Ran};
+use comm_core::lane::{self as shared, Class, LaneState, Queued, Ran, Ticket};
 use comm_core::{CommError, Completer, HostBuffer};
 
-use crate::raw;
-use crate::raw::{Comm, Polled, Request};
+use crate::raw::{self, Comm, Polled, Request};
 
 use super::header::{exchange, Header, OpLabel};
 use super::op::{Job, Pending, Plan, Post};
@@ -146,22 +144,10 @@ fn p2p_direct(
     let Some(comm) = &st.comm else { unreachable!("checked by the lane") };
     let polled = comm.with(|comm| {
         let mut p = P2p::start(post, comm, timeout, None).map_err(Finished::Refused)?;
-        let started = Instant::now();
-        let (mut yields, mut polls) = (0, 0u32);
-        loop {
-            polls = polls.wrapping_add(1);
-            if let Some(result) = p2p::poll(&mut p, comm, info.rank, Instant::now(), timeout) {
-                return Err(Finished::Done(Box::new(p), result));
-            }
-            // The clock read only every 16th poll: it costs about as much as a poll.
-            if !polls.is_multiple_of(16) || started.elapsed() < lane.lane.spin() {
-                std::hint::spin_loop();
-            } else if yields < DIRECT_YIELDS {
-                yields += 1;
-                std::thread::yield_now();
-            } else {
-                return Ok(p);
-            }
+        let spin = lane.lane.spin();
+        match spin_poll(Instant::now(), spin, || p2p::poll(&mut p, comm, info.rank, Instant::now(), timeout)) {
+            Some(result) => Err(Finished::Done(Box::new(p), result)),
+            None => Ok(p),
         }
     });
     let mut p = match polled {
@@ -225,7 +211,29 @@ pub(super) enum Direct {
 }
 
 /// Yields a direct op's caller makes after its spin budget before handing the op to the worker.
-pub(super) const DIRECT_YIELDS: u32 = 16;
+const DIRECT_YIELDS: u32 = 16;
+
+/// Polls on the caller's thread until `poll` gives a result: spinning until `spin` has passed
+/// since `started`, then yielding [`DIRECT_YIELDS`] times; `None` if it still has none (the
+/// worker goes on with the op).
+fn spin_poll<T>(started: Instant, spin: Duration, mut poll: impl FnMut() -> Option<T>) -> Option<T> {
+    let (mut yields, mut polls) = (0, 0u32);
+    loop {
+        polls = polls.wrapping_add(1);
+        if let Some(t) = poll() {
+            return Some(t);
+        }
+        // The clock read only every 16th poll: it costs about as much as a poll.
+        if !polls.is_multiple_of(16) || started.elapsed() < spin {
+            std::hint::spin_loop();
+        } else if yields < DIRECT_YIELDS {
+            yields += 1;
+            std::thread::yield_now();
+        } else {
+            return None;
+        }
+    }
+}
 
 /// A direct op's exchange, polled on this thread for a while, then the rest of the op.
 #[allow(clippy::too_many_arguments)]
@@ -244,22 +252,14 @@ pub(super) fn exchange_direct(
     let env = Env { comm, gid: info.gid, rank, size, params: &lane.params, half: None, pool, may_block: false };
     let (mut req, finish) = exchange(&env, header, payload, whole, start, what)?;
     let started = Instant::now();
-    let (mut yields, mut polls) = (0, 0u32);
-    let bufs = loop {
-        polls = polls.wrapping_add(1);
-        match req.test() {
-            Polled::Done(_) => break req.into_bufs()?,
-            Polled::Failed { err, .. } => return Err(what.failed(err)),
-            // The clock read only every 16th poll: it costs about as much as a poll.
-            Polled::Pending if !polls.is_multiple_of(16) || started.elapsed() < lane.lane.spin() => {
-                std::hint::spin_loop()
-            }
-            Polled::Pending if yields < DIRECT_YIELDS => {
-                yields += 1;
-                std::thread::yield_now();
-            }
-            Polled::Pending => return Ok(Direct::Waiting(req, finish, started)),
-        }
+    let polled = spin_poll(started, lane.lane.spin(), || match req.test() {
+        Polled::Pending => None,
+        Polled::Done(_) => Some(Ok(())),
+        Polled::Failed { err, .. } => Some(Err(what.failed(err))),
+    });
+    let bufs = match polled {
+        Some(done) => done.and_then(|()| req.into_bufs())?,
+        None => return Ok(Direct::Waiting(req, finish, started)),
     };
     // Every rank is in the op now: its further steps (a large exact reduction) run here too.
     let mut step = finish(&env, bufs)?;

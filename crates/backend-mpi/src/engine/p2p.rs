@@ -5,8 +5,7 @@ use std::time::{Duration, Instant};
 use comm_core::lane::Ticket;
 use comm_core::{CommError, Completer, DType, HostBuffer, Rank};
 
-use crate::raw;
-use crate::raw::{Comm, Polled, Request};
+use crate::raw::{self, Comm, Polled, Request};
 
 use super::group::{bury, Group};
 use super::op::Post;

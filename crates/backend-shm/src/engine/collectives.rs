@@ -1,7 +1,6 @@
 //! Collectives as sequences of steps.
 
-use comm_core::ops::slice_of;
-use comm_core::ops::{AllGather, AllToAll, Gather, ReduceScatter, Scatter};
+use comm_core::ops::{slice_of, AllGather, AllToAll, Gather, ReduceScatter, Scatter};
 use comm_core::{CommError, HostBuffer, InOut, OpKind, Rank, ReduceOp};
 use comm_kernels::{self as kernels, Src};
 
