@@ -32,8 +32,12 @@ pub trait Plan: Op + Sized {
     fn inline(&self, p: &Parts) -> bool {
         p.inline_max > 0 && self.bytes() <= p.inline_max
     }
+    /// Runs the op through its phases, waiting for each.
+    fn run(self, p: &Parts) -> Result<Self::Output, CommError>;
     /// Runs (or issues) the op; called on the lane.
-    fn issue(self, p: &Parts) -> Issued<Self::Output>;
+    fn issue(self, p: &Parts) -> Issued<Self::Output> {
+        Issued::Done(self.run(p))
+    }
 }
 
 /// One of the groups the phases run on.
@@ -136,128 +140,116 @@ fn all_reduce(p: &Parts, buf: HostBuffer, op: ReduceOp) -> Result<HostBuffer, Co
 }
 
 impl Plan for AllReduce {
-    fn issue(self, p: &Parts) -> Issued<HostBuffer> {
-        Issued::Done(all_reduce(p, self.buf, self.op))
+    fn run(self, p: &Parts) -> Result<HostBuffer, CommError> {
+        all_reduce(p, self.buf, self.op)
     }
 }
 
 impl Plan for Reduce {
-    fn issue(self, p: &Parts) -> Issued<HostBuffer> {
+    fn run(self, p: &Parts) -> Result<HostBuffer, CommError> {
         // Non-roots hand back their input unchanged.
-        let root = self.root == p.layout.rank();
-        let mine = if root { None } else { Some(self.buf.clone()) };
-        let r = all_reduce(p, self.buf, self.op);
-        Issued::Done(match mine {
-            None => r,
-            Some(input) => r.map(|_| input),
-        })
+        let mine = (self.root != p.layout.rank()).then(|| self.buf.clone());
+        let r = all_reduce(p, self.buf, self.op)?;
+        Ok(mine.unwrap_or(r))
     }
 }
 
 impl Plan for ReduceScatter {
-    fn issue(self, p: &Parts) -> Issued<InOut> {
+    fn run(self, p: &Parts) -> Result<InOut, CommError> {
         let ReduceScatter { input, op, output } = self;
         let n = p.layout.world_size() as usize;
         let (dtype, k) = (input.dtype(), input.len() / n);
         let me = p.layout.rank() as usize;
-        Issued::Done((|| {
-            let full = all_reduce(p, input.clone(), op)?;
-            let mut out = match output {
-                Some(o) => o,
-                None => HostBuffer::try_zeroed(dtype, k)?,
-            };
-            copy(dtype, &full, me * k, &mut out, 0, k);
-            Ok(InOut { input, output: out })
-        })())
+        let full = all_reduce(p, input.clone(), op)?;
+        let mut out = match output {
+            Some(o) => o,
+            None => HostBuffer::try_zeroed(dtype, k)?,
+        };
+        copy(dtype, &full, me * k, &mut out, 0, k);
+        Ok(InOut { input, output: out })
     }
 }
 
 impl Plan for Broadcast {
-    fn issue(self, p: &Parts) -> Issued<HostBuffer> {
-        Issued::Done((|| {
-            let l = &p.layout;
-            let Broadcast { mut buf, root } = self;
-            let root_host = l.host_of(root).expect("root validated");
-            let local_n = l.local_size();
-            if l.host() == root_host && local_n > 1 {
-                let local_root = l.hosts()[root_host].iter().position(|&r| r == root).expect("root on its host");
-                buf = wait(&p.local, Broadcast { buf, root: local_root as u32 })?;
-            }
-            if let Some(leaders) = &p.leaders {
-                // Leaders' ranks are host indices.
-                buf = wait(leaders, Broadcast { buf, root: root_host as u32 })?;
-            }
-            if l.host() != root_host && local_n > 1 {
-                buf = wait(&p.local, Broadcast { buf, root: 0 })?;
-            }
-            Ok(buf)
-        })())
+    fn run(self, p: &Parts) -> Result<HostBuffer, CommError> {
+        let l = &p.layout;
+        let Broadcast { mut buf, root } = self;
+        let root_host = l.host_of(root).expect("root validated");
+        let local_n = l.local_size();
+        if l.host() == root_host && local_n > 1 {
+            let local_root = l.hosts()[root_host].iter().position(|&r| r == root).expect("root on its host");
+            buf = wait(&p.local, Broadcast { buf, root: local_root as u32 })?;
+        }
+        if let Some(leaders) = &p.leaders {
+            // Leaders' ranks are host indices.
+            buf = wait(leaders, Broadcast { buf, root: root_host as u32 })?;
+        }
+        if l.host() != root_host && local_n > 1 {
+            buf = wait(&p.local, Broadcast { buf, root: 0 })?;
+        }
+        Ok(buf)
     }
 }
 
 impl Plan for AllGather {
-    fn issue(self, p: &Parts) -> Issued<InOut> {
-        Issued::Done((|| {
-            let l = &p.layout;
-            let AllGather { input, output } = self;
-            if l.hosts().len() == 1 {
-                // One host holds every rank, in rank order.
-                return wait(&p.local, AllGather { input, output });
-            }
-            let (dtype, len) = (input.dtype(), input.len());
-            let (local_n, max_local) = (l.local_size(), l.max_local());
-            let total = len * l.world_size() as usize;
-            let mut out = match output {
-                Some(o) => o,
-                None => HostBuffer::try_zeroed(dtype, total)?,
-            };
-            let (input, mine) = if local_n > 1 {
-                let io = wait(&p.local, AllGather { input, output: None })?;
-                (io.input, io.output)
+    fn run(self, p: &Parts) -> Result<InOut, CommError> {
+        let l = &p.layout;
+        let AllGather { input, output } = self;
+        if l.hosts().len() == 1 {
+            // One host holds every rank, in rank order.
+            return wait(&p.local, AllGather { input, output });
+        }
+        let (dtype, len) = (input.dtype(), input.len());
+        let (local_n, max_local) = (l.local_size(), l.max_local());
+        let total = len * l.world_size() as usize;
+        let mut out = match output {
+            Some(o) => o,
+            None => HostBuffer::try_zeroed(dtype, total)?,
+        };
+        let (input, mine) = if local_n > 1 {
+            let io = wait(&p.local, AllGather { input, output: None })?;
+            (io.input, io.output)
+        } else {
+            (input.clone(), input)
+        };
+        if let Some(leaders) = &p.leaders {
+            // Every host's block padded to the largest host, then each rank's piece put
+            // at its rank.
+            let block = if local_n == max_local {
+                mine
             } else {
-                (input.clone(), input)
+                let mut b = HostBuffer::try_zeroed(dtype, max_local * len)?;
+                copy(dtype, &mine, 0, &mut b, 0, local_n * len);
+                b
             };
-            if let Some(leaders) = &p.leaders {
-                // Every host's block padded to the largest host, then each rank's piece put
-                // at its rank.
-                let block = if local_n == max_local {
-                    mine
-                } else {
-                    let mut b = HostBuffer::try_zeroed(dtype, max_local * len)?;
-                    copy(dtype, &mine, 0, &mut b, 0, local_n * len);
-                    b
-                };
-                let all = wait(leaders, AllGather { input: block, output: None })?.output;
-                for (h, ranks) in l.hosts().iter().enumerate() {
-                    for (i, &r) in ranks.iter().enumerate() {
-                        copy(dtype, &all, (h * max_local + i) * len, &mut out, r as usize * len, len);
-                    }
+            let all = wait(leaders, AllGather { input: block, output: None })?.output;
+            for (h, ranks) in l.hosts().iter().enumerate() {
+                for (i, &r) in ranks.iter().enumerate() {
+                    copy(dtype, &all, (h * max_local + i) * len, &mut out, r as usize * len, len);
                 }
             }
-            if local_n > 1 {
-                out = wait(&p.local, Broadcast { buf: out, root: 0 })?;
-            }
-            Ok(InOut { input, output: out })
-        })())
+        }
+        if local_n > 1 {
+            out = wait(&p.local, Broadcast { buf: out, root: 0 })?;
+        }
+        Ok(InOut { input, output: out })
     }
 }
 
 impl Plan for Barrier {
-    fn issue(self, p: &Parts) -> Issued<()> {
-        Issued::Done((|| {
-            // In, among leaders, out: nobody leaves before every host has entered.
-            let local = p.layout.local_size() > 1;
-            if local {
-                wait(&p.local, Barrier)?;
-            }
-            if let Some(leaders) = &p.leaders {
-                wait(leaders, Barrier)?;
-            }
-            if local && p.layout.hosts().len() > 1 {
-                wait(&p.local, Barrier)?;
-            }
-            Ok(())
-        })())
+    fn run(self, p: &Parts) -> Result<(), CommError> {
+        // In, among leaders, out: nobody leaves before every host has entered.
+        let local = p.layout.local_size() > 1;
+        if local {
+            wait(&p.local, Barrier)?;
+        }
+        if let Some(leaders) = &p.leaders {
+            wait(leaders, Barrier)?;
+        }
+        if local && p.layout.hosts().len() > 1 {
+            wait(&p.local, Barrier)?;
+        }
+        Ok(())
     }
 }
 
@@ -267,6 +259,9 @@ macro_rules! straight {
         impl Plan for $op {
             fn inline(&self, _: &Parts) -> bool {
                 true
+            }
+            fn run(self, p: &Parts) -> Result<<$op as Op>::Output, CommError> {
+                Collective::<$op>::submit(&*p.world, self).wait()
             }
             fn issue(self, p: &Parts) -> Issued<<$op as Op>::Output> {
                 Issued::Straight(Collective::<$op>::submit(&*p.world, self))
