@@ -47,11 +47,7 @@ fn read_cache(dir: &str, want: u32) -> Option<usize> {
 }
 
 fn pow2_floor(x: usize) -> usize {
-    if x == 0 {
-        0
-    } else {
-        1 << (usize::BITS - 1 - x.leading_zeros())
-    }
+    x.checked_ilog2().map_or(0, |b| 1 << b)
 }
 
 /// The collective window: a core's L2 (64 KiB..1 MiB). Every step of a large op pays a fixed

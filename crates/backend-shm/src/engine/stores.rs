@@ -119,11 +119,6 @@ impl Stores {
             self.until_try = self.interval;
         }
     }
-
-    #[cfg(test)]
-    fn streaming(&self) -> bool {
-        self.streaming
-    }
 }
 
 /// A copy into our window, with streaming stores or plain ones.
@@ -156,14 +151,14 @@ mod tests {
         let mut s = Stores::new(None);
         // Cores that share a cache: plain stores, streaming tried ever more rarely.
         let tried = run(&mut s, 2000, 40, 35);
-        assert!(!s.streaming() && (3..=8).contains(&tried), "{tried} tries of streaming stores");
+        assert!(!s.streaming && (3..=8).contains(&tried), "{tried} tries of streaming stores");
         // The vCPUs move apart: plain stores take 10× longer: streaming at once, plain stores
         // tried now and then, less often each time.
         let plain = 500 - run(&mut s, 500, 400, 35);
-        assert!(s.streaming() && (5..=10).contains(&plain), "{plain} plain steps");
+        assert!(s.streaming && (5..=10).contains(&plain), "{plain} plain steps");
         // Back together: plain stores win their next try.
         run(&mut s, 1100, 40, 35);
-        assert!(!s.streaming());
+        assert!(!s.streaming);
         // Small copies never stream and do not count.
         assert_eq!(s.start(MIN - 1), (false, None));
         // A kind set by the user stays, at any size, untimed.
@@ -177,13 +172,13 @@ mod tests {
         // A shared cache: plain copies a little slower than streaming ones (the reads are not
         // seen): stay plain.
         let tried = run(&mut s, 2000, 60, 35);
-        assert!(!s.streaming() && (3..=8).contains(&tried), "{tried} tries of streaming stores");
+        assert!(!s.streaming && (3..=8).contains(&tried), "{tried} tries of streaming stores");
         // Apart: plain copies ~10× slower: stream.
         run(&mut s, 500, 400, 35);
-        assert!(s.streaming());
+        assert!(s.streaming);
         // Back together.
         run(&mut s, 1100, 40, 35);
-        assert!(!s.streaming());
+        assert!(!s.streaming);
     }
 
     #[test]
@@ -194,16 +189,16 @@ mod tests {
             rec(&mut s, false, 40);
         }
         rec(&mut s, true, 35); // a try of streaming stores, which loses
-        assert!(!s.streaming());
+        assert!(!s.streaming);
         // Slow steps between fast ones (preempted, say) are not enough ...
         for us in [400, 40, 400, 400, 400, 40, 400] {
             rec(&mut s, false, us);
         }
-        assert!(!s.streaming());
+        assert!(!s.streaming);
         // ... four in a row are.
         for us in [400, 400, 400] {
             rec(&mut s, false, us);
         }
-        assert!(s.streaming());
+        assert!(s.streaming);
     }
 }
