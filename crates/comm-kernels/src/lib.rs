@@ -37,6 +37,13 @@ pub(crate) struct Dst<'a> {
     pub(crate) stream: bool,
 }
 
+impl<'a> Dst<'a> {
+    /// `out` alone, written with plain stores.
+    fn plain(out: &'a mut [u8]) -> Self {
+        Dst { out, copy: None, stream: false }
+    }
+}
+
 const BLOCK: usize = 1024;
 /// Block size for buffers of at most `BLOCK` elements; also the size up to which f16/bf16
 /// skip the fused kernels.
@@ -71,7 +78,7 @@ pub fn reduce(dtype: DType, op: ReduceOp, inputs: &[&[u8]], out: &mut [u8]) {
 /// # Panics
 /// When an input is shorter than `out`.
 pub fn reduce_leading(dtype: DType, op: ReduceOp, inputs: &[&[u8]], own: Option<usize>, out: &mut [u8]) {
-    leading(dtype, op, inputs, own, Dst { out, copy: None, stream: false })
+    leading(dtype, op, inputs, own, Dst::plain(out))
 }
 
 /// [`reduce`] into an output larger than the caches, which nothing reads soon: two inputs of
@@ -218,7 +225,7 @@ mod tests {
     fn red_generic(op: ReduceOp, ins: &[HostBuffer]) -> HostBuffer {
         let mut out = HostBuffer::zeroed(ins[0].dtype(), ins[0].len());
         let views: Vec<Src<'_>> = ins.iter().map(|b| Src::Buf(b.as_bytes())).collect();
-        reduce_generic(ins[0].dtype(), op, &views, Dst { out: out.as_bytes_mut(), copy: None, stream: false });
+        reduce_generic(ins[0].dtype(), op, &views, Dst::plain(out.as_bytes_mut()));
         out
     }
 
@@ -346,14 +353,7 @@ mod tests {
                             let mut out = HostBuffer::zeroed(dtype, len);
                             let views: Vec<Src<'_>> = ins.iter().map(|b| Src::Buf(b.as_bytes())).collect();
                             // SAFETY: AVX2 was detected just above.
-                            unsafe {
-                                avx2::reduce(
-                                    dtype,
-                                    op,
-                                    &views,
-                                    Dst { out: out.as_bytes_mut(), copy: None, stream: false },
-                                )
-                            };
+                            unsafe { avx2::reduce(dtype, op, &views, Dst::plain(out.as_bytes_mut())) };
                             assert_eq!(out.as_bytes(), want.as_bytes(), "avx2 {dtype} {op} len {len}");
                         }
                         // Every position of the own input (first, middle, last), with and
@@ -403,9 +403,7 @@ mod tests {
                     let mut out = HostBuffer::zeroed(dtype, ins[0].len());
                     let views: Vec<Src<'_>> = ins.iter().map(|b| Src::Buf(b.as_bytes())).collect();
                     // SAFETY: AVX2 was detected just above.
-                    unsafe {
-                        avx2::reduce(dtype, op, &views, Dst { out: out.as_bytes_mut(), copy: None, stream: false })
-                    };
+                    unsafe { avx2::reduce(dtype, op, &views, Dst::plain(out.as_bytes_mut())) };
                     got.push(("avx2", out));
                 }
                 #[cfg(target_arch = "x86_64")]
@@ -416,9 +414,7 @@ mod tests {
                     let mut out = HostBuffer::zeroed(dtype, ins[0].len());
                     let views: Vec<Src<'_>> = ins.iter().map(|b| Src::Buf(b.as_bytes())).collect();
                     // SAFETY: AVX-512 F/BW/VL were detected just above.
-                    unsafe {
-                        avx512::reduce(dtype, op, &views, Dst { out: out.as_bytes_mut(), copy: None, stream: false })
-                    };
+                    unsafe { avx512::reduce(dtype, op, &views, Dst::plain(out.as_bytes_mut())) };
                     got.push(("avx512", out));
                 }
                 let want: &[u16] = bytemuck::cast_slice(want.as_bytes());
