@@ -21,8 +21,8 @@ pub struct Limits {
     /// Largest one-step all_reduce/reduce (bytes; at most `window`).
     pub(crate) small_max: usize,
     /// The smallest op that reads its peers' buffers in place (`Params::zc_min`): all_reduce,
-    /// all_gather, reduce_scatter and broadcast of that much take that path even when they fit
-    /// one step, as it saves a copy.
+    /// all_gather, reduce_scatter, all_to_all and broadcast of that much take that path even
+    /// when they fit one step, as it saves a copy.
     pub(crate) zc_min: usize,
 }
 
@@ -190,7 +190,8 @@ impl Plan for AllToAll {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
         let n = l.world as usize;
         let peers_bytes = self.input.byte_len() / n * (n - 1);
-        if self.input_splits.is_some() || self.output_splits.is_some() || peers_bytes > l.window {
+        let uneven = self.input_splits.is_some() || self.output_splits.is_some();
+        if uneven || peers_bytes > l.window || self.input.byte_len() >= l.zc_min {
             return Err(self);
         }
         let out = self.output.unwrap_or_else(|| HostBuffer::for_overwrite(self.input.dtype(), self.input.len()));

@@ -440,6 +440,22 @@ async fn arena_body(off: Option<u32>) -> Result<(), String> {
             "reduce_scatter",
             rank,
         )?;
+        let got = pg.all_to_all_single(slices[rank as usize].clone()).await.map_err(e)?;
+        reference::compare(&got, &reference::all_to_all_equal(&srefs)[rank as usize], "all_to_all", rank)?;
+        // Uneven: rank i sends rank j (i + 2j + 1) shares of its input, the last taking the rest.
+        let splits: Vec<Vec<usize>> = (0..n as usize)
+            .map(|i| {
+                let (shares, unit) = ((0..n as usize).map(|j| i + 2 * j + 1).sum::<usize>(), len / 4);
+                let mut s: Vec<usize> = (0..n as usize).map(|j| unit * (i + 2 * j + 1) / shares).collect();
+                s[n as usize - 1] += len - s.iter().sum::<usize>();
+                s
+            })
+            .collect();
+        let want = reference::all_to_all(&refs, &splits)[rank as usize].clone();
+        let outs: Vec<usize> = splits.iter().map(|s| s[rank as usize]).collect();
+        let input = inputs[rank as usize].clone();
+        let got = pg.all_to_all_single_uneven(input, splits[rank as usize].clone(), outs).await.map_err(e)?;
+        reference::compare(&got, &want, "uneven all_to_all", rank)?;
         for root in 0..n {
             let got = pg.broadcast(inputs[rank as usize].clone(), root).await.map_err(e)?;
             reference::compare(&got, &inputs[root as usize], "broadcast", rank)?;

@@ -57,7 +57,7 @@ impl Engine {
         hdr: &StepHeader,
         mine: Option<Place>,
         read: impl Fn(usize) -> bool,
-        bytes: usize,
+        bytes: impl Fn(usize) -> usize,
     ) -> Result<Option<Mapped>> {
         let (n, me) = (self.world, self.rank);
         let can_open = (0..n).all(|p| p == me || self.procs[p].is_some());
@@ -80,7 +80,7 @@ impl Engine {
         let mut mapped: Mapped = vec![None; n];
         for p in (0..n).filter(|&p| p != me && read(p)) {
             let place = said[p].0.expect("checked above");
-            mapped[p] = Some((self.map_zero_copy(p, place, bytes)?, place.off));
+            mapped[p] = Some((self.map_zero_copy(p, place, bytes(p))?, place.off));
         }
         Ok(Some(mapped))
     }
@@ -113,7 +113,7 @@ impl Engine {
                 *buf = moved;
             }
         }
-        let r = self.zc_where(hdr, place_of(buf), |_| true, count * es).and_then(|peers| match peers {
+        let r = self.zc_where(hdr, place_of(buf), |_| true, |_| count * es).and_then(|peers| match peers {
             Some(peers) => self.zc_reduce_in_place(buf, op, hdr, &peers).map(|()| true),
             None => Ok(false),
         });
@@ -177,7 +177,7 @@ impl Engine {
     /// each rank copies every peer's input straight into its output (one copy instead of two).
     pub(super) fn zc_all_gather(&mut self, r: &AllGather, out: &mut HostBuffer, hdr: &StepHeader) -> Result<bool> {
         let (bytes, me) = (r.input.byte_len(), self.rank);
-        let Some(peers) = self.zc_where(hdr, place_of(&r.input), |_| true, bytes)? else { return Ok(false) };
+        let Some(peers) = self.zc_where(hdr, place_of(&r.input), |_| true, |_| bytes)? else { return Ok(false) };
         let stream = tuning::past_l3((out.byte_len() + bytes).saturating_mul(self.world));
         let dst = out.as_bytes_mut();
         for (p, mapped) in peers.iter().enumerate() {
@@ -202,7 +202,7 @@ impl Engine {
     ) -> Result<bool> {
         let (n, me) = (self.world, self.rank);
         let block = out.byte_len();
-        let Some(peers) = self.zc_where(hdr, place_of(&r.input), |_| true, block * n)? else { return Ok(false) };
+        let Some(peers) = self.zc_where(hdr, place_of(&r.input), |_| true, |_| block * n)? else { return Ok(false) };
         let at = me * block;
         let ins: Vec<&[u8]> = peers
             .iter()
@@ -220,12 +220,53 @@ impl Engine {
         self.zc_done(hdr)
     }
 
+    /// all_to_all whose inputs average at least `zc_min` bytes, when every rank's input is in
+    /// an arena: each rank copies its block of every peer's input straight into its output.
+    /// `matrix[p * n + j]`: the elements rank p sends rank j (every rank has the same).
+    pub(super) fn zc_all_to_all(
+        &mut self,
+        input: &HostBuffer,
+        matrix: &[u64],
+        out: &mut HostBuffer,
+        hdr: &StepHeader,
+    ) -> Result<bool> {
+        let (n, me, es) = (self.world, self.rank, input.dtype().size());
+        // Bytes of `row` (a peer's: checked) from its start to its column `j`.
+        let upto = |p: usize, j: usize| -> Option<usize> {
+            let elems = matrix[p * n..p * n + j].iter().try_fold(0u64, |a, &x| a.checked_add(x))?;
+            usize::try_from(elems).ok()?.checked_mul(es)
+        };
+        let mut sizes = Vec::with_capacity(n);
+        for p in 0..n {
+            let (Some(from), Some(to), Some(len)) = (upto(p, me), upto(p, me + 1), upto(p, n)) else {
+                return Err(CommError::mismatch("all_to_all", format!("rank {p}'s splits overflow")));
+            };
+            sizes.push((from, to - from, len));
+        }
+        let Some(peers) = self.zc_where(hdr, place_of(input), |_| true, |p| sizes[p].2)? else { return Ok(false) };
+        let moved = sizes.iter().map(|s| s.2).fold(0usize, usize::saturating_add);
+        let stream = tuning::past_l3(moved.saturating_mul(2));
+        let dst = out.as_bytes_mut();
+        let mut at = 0;
+        for (p, mapped) in peers.iter().enumerate() {
+            let (from, len, _) = sizes[p];
+            let src = match mapped {
+                // SAFETY: peer `p`'s input is in its op until the last step; nobody writes it.
+                Some((seg, base)) => unsafe { seg.bytes(base + from, len) },
+                None => &input.as_bytes()[from..from + len],
+            };
+            to_window(stream, &mut dst[at..at + len], src);
+            at += len;
+        }
+        self.zc_done(hdr)
+    }
+
     /// broadcast of at least `zc_min` bytes from a buffer in the root's arena: every other rank
     /// copies it straight into its buffer (one copy instead of two).
     pub(super) fn zc_broadcast(&mut self, buf: &mut HostBuffer, root: usize, hdr: &StepHeader) -> Result<bool> {
         let (bytes, me) = (buf.byte_len(), self.rank);
         let mine = if me == root { place_of(buf) } else { None };
-        let Some(peers) = self.zc_where(hdr, mine, |p| p == root, bytes)? else { return Ok(false) };
+        let Some(peers) = self.zc_where(hdr, mine, |p| p == root, |_| bytes)? else { return Ok(false) };
         if let Some((seg, base)) = &peers[root] {
             let stream = tuning::past_l3(bytes.saturating_mul(self.world));
             // SAFETY: the root's buffer is in its op until the last step; nobody writes it.
