@@ -21,8 +21,8 @@ pub struct Limits {
     /// Largest one-step all_reduce/reduce (bytes; at most `window`).
     pub(crate) small_max: usize,
     /// The smallest op that reads its peers' buffers in place (`Params::zc_min`): all_reduce,
-    /// all_gather, reduce_scatter, all_to_all and broadcast of that much take that path even
-    /// when they fit one step, as it saves a copy.
+    /// reduce, all_gather, reduce_scatter, all_to_all and broadcast of that much take that path
+    /// even when they fit one step, as it saves a copy.
     pub(crate) zc_min: usize,
 }
 
@@ -132,7 +132,7 @@ impl Plan for AllReduce {
 
 impl Plan for Reduce {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if self.buf.byte_len() > l.small_max {
+        if !l.one_step(self.buf.byte_len(), l.small_max) {
             return Err(self);
         }
         Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: Some(self.root) })

@@ -419,6 +419,12 @@ async fn arena_body(off: Option<u32>) -> Result<(), String> {
             again = pg.all_reduce(again, ReduceOp::Max).await.map_err(e)?;
         }
         reference::compare(&again, &want, "repeated all_reduce(max)", rank)?;
+        // A reduce writes the root's buffer alone; the others get their inputs back.
+        for root in 0..n {
+            let got = pg.reduce(inputs[rank as usize].clone(), ReduceOp::Sum, root).await.map_err(e)?.into_buffer();
+            let want = &reference::reduce_to_root(&refs, ReduceOp::Sum, root)[rank as usize];
+            reference::compare(&got, want, &format!("reduce to {root}"), rank)?;
+        }
         // The other ops read the peers' inputs in place (or all copy, with a rank without).
         let got = pg.all_gather(inputs[rank as usize].clone()).await.map_err(e)?;
         reference::compare(&got, &reference::all_gather(&refs)[rank as usize], "all_gather", rank)?;

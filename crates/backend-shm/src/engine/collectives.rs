@@ -16,7 +16,7 @@ impl Engine {
         let (dtype, count, es, n) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world);
         let code = if root.is_some() { OpKind::Reduce } else { OpKind::AllReduce };
         let hdr = self.header(code, dtype, count, root.unwrap_or(0), Some(op));
-        if root.is_none() && buf.byte_len() >= self.params.zc_min && self.zc_all_reduce(buf, op, &hdr)? {
+        if buf.byte_len() >= self.params.zc_min && self.zc_all_reduce(buf, op, root, &hdr)? {
             return Ok(());
         }
         let me = self.rank;

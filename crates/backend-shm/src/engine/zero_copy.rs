@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use comm_core::ops::{slice_of, AllGather, ReduceScatter};
-use comm_core::{CommError, HostBuffer, ReduceOp};
+use comm_core::{CommError, HostBuffer, Rank, ReduceOp};
 use comm_kernels::{self as kernels, Src};
 
 use crate::arena::{self, Block, Place};
@@ -103,8 +103,15 @@ impl Engine {
     /// Returns `false` when the op must copy through the window instead ([`Self::zc_where`]).
     ///
     /// A buffer of plain memory goes into the arena first (the one copy it costs), and comes
-    /// back in it, so a loop of ops copies once.
-    pub(super) fn zc_all_reduce(&mut self, buf: &mut HostBuffer, op: ReduceOp, hdr: &StepHeader) -> Result<bool> {
+    /// back in it, so a loop of ops copies once. A reduce (`root`) writes the root's buffer
+    /// alone: the others hand back their inputs.
+    pub(super) fn zc_all_reduce(
+        &mut self,
+        buf: &mut HostBuffer,
+        op: ReduceOp,
+        root: Option<Rank>,
+        hdr: &StepHeader,
+    ) -> Result<bool> {
         let (dtype, count, es) = (buf.dtype(), buf.len(), buf.dtype().size());
         if place_of(buf).is_none() {
             if let Some(b) = arena::get().and_then(|a| a.block(buf.byte_len(), false)) {
@@ -114,7 +121,11 @@ impl Engine {
             }
         }
         let r = self.zc_where(hdr, place_of(buf), |_| true, |_| count * es).and_then(|peers| match peers {
-            Some(peers) => self.zc_reduce_in_place(buf, op, hdr, &peers).map(|()| true),
+            Some(peers) => match root {
+                None => self.zc_reduce_in_place(buf, op, hdr, &peers),
+                Some(root) => self.zc_reduce_to_root(buf, op, root as usize, hdr, &peers),
+            }
+            .map(|()| true),
             None => Ok(false),
         });
         if r.is_err() && place_of(buf).is_some() {
@@ -170,6 +181,39 @@ impl Engine {
             }
         }
         // Every slice of every buffer is written; the buffers can go back to their owners.
+        self.zc_done(hdr).map(drop)
+    }
+
+    /// The reduction of a reduce in place: as [`zc_reduce_in_place`](Self::zc_reduce_in_place),
+    /// but slice r of the result goes into the root's buffer alone.
+    fn zc_reduce_to_root(
+        &mut self,
+        buf: &mut HostBuffer,
+        op: ReduceOp,
+        root: usize,
+        hdr: &StepHeader,
+        peers: &Mapped,
+    ) -> Result<()> {
+        let (dtype, count, es, n, me) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world, self.rank);
+        let std::ops::Range { start: lo, end: hi } = slice_of(count, n, me);
+        let (at, bytes) = (lo * es, (hi - lo) * es);
+        let mine = &mut buf.as_bytes_mut()[at..at + bytes];
+        // Every peer published step 1, so its buffer holds its input, and until step 2 only we
+        // touch slice `me` of any buffer: the root's is borrowed once, exclusively, below.
+        let (out, own) = match &peers[root] {
+            // SAFETY: slice `me` of the root's buffer is ours (above).
+            Some((seg, base)) => (unsafe { seg.bytes_mut(base + at, bytes) }, Src::Buf(&*mine)),
+            None => (mine, Src::Out),
+        };
+        let srcs: Vec<Src<'_>> = (0..n)
+            .map(|p| match &peers[p] {
+                _ if p == root => Src::Out,
+                // SAFETY: slice `me` of peer `p`'s buffer is ours (above); only read.
+                Some((seg, base)) => Src::Buf(unsafe { seg.bytes(base + at, bytes) }),
+                None => own,
+            })
+            .collect();
+        kernels::reduce_to(dtype, op, &srcs, out, None);
         self.zc_done(hdr).map(drop)
     }
 
