@@ -21,8 +21,8 @@ pub struct Limits {
     /// Largest one-step all_reduce/reduce (bytes; at most `window`).
     pub(crate) small_max: usize,
     /// The smallest op that reads its peers' buffers in place (`Params::zc_min`): all_reduce,
-    /// reduce, all_gather, reduce_scatter, all_to_all and broadcast of that much take that path
-    /// even when they fit one step, as it saves a copy.
+    /// reduce, all_gather, reduce_scatter, all_to_all, broadcast and scatter of that much take
+    /// that path even when they fit one step, as it saves a copy (gather only past one step).
     pub(crate) zc_min: usize,
 }
 
@@ -215,7 +215,7 @@ impl Plan for Barrier {
 impl Plan for Scatter {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
         let n = l.world as usize;
-        if self.output.byte_len().saturating_mul(n - 1) > l.window {
+        if !l.one_step(self.output.byte_len(), l.window / (n - 1).max(1)) {
             return Err(self);
         }
         Ok(OneShot::Scatter { input: self.input, out: self.output, root: self.root, n })

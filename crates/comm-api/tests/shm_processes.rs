@@ -462,9 +462,19 @@ async fn arena_body(off: Option<u32>) -> Result<(), String> {
         let input = inputs[rank as usize].clone();
         let got = pg.all_to_all_single_uneven(input, splits[rank as usize].clone(), outs).await.map_err(e)?;
         reference::compare(&got, &want, "uneven all_to_all", rank)?;
+        let all = reference::concat(&refs);
         for root in 0..n {
             let got = pg.broadcast(inputs[rank as usize].clone(), root).await.map_err(e)?;
             reference::compare(&got, &inputs[root as usize], "broadcast", rank)?;
+            let input = (rank == root).then(|| all.clone());
+            let got = pg.scatter(HostBuffer::zeroed(dtype, len), input, root).await.map_err(e)?.output;
+            reference::compare(&got, &inputs[rank as usize], &format!("scatter from {root}"), rank)?;
+            // Into zeros: an output the op allocates may hold the last all_gather's (equal) bytes.
+            let out = HostBuffer::zeroed(dtype, if rank == root { all.len() } else { 0 });
+            let got = pg.gather_into(inputs[rank as usize].clone(), out, root).await.map_err(e)?;
+            if rank == root {
+                reference::compare(&got.output, &all, &format!("gather to {root}"), rank)?;
+            }
         }
         // A ring of large messages, sent in place from the arena, received into arena and
         // heap buffers alike.

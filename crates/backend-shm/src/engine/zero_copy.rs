@@ -305,6 +305,53 @@ impl Engine {
         self.zc_done(hdr)
     }
 
+    /// scatter of blocks of at least `zc_min` bytes from an input in the root's arena: every
+    /// rank copies its block straight into its output. `input`: the root's.
+    pub(super) fn zc_scatter(
+        &mut self,
+        input: Option<&HostBuffer>,
+        out: &mut HostBuffer,
+        root: usize,
+        hdr: &StepHeader,
+    ) -> Result<bool> {
+        let (block, n, me) = (out.byte_len(), self.world, self.rank);
+        let Some(peers) = self.zc_where(hdr, input.and_then(place_of), |p| p == root, |_| block * n)? else {
+            return Ok(false);
+        };
+        let src = match (&peers[root], input) {
+            // SAFETY: the root's input is in its op until the last step; nobody writes it.
+            (Some((seg, base)), _) => unsafe { seg.bytes(base + me * block, block) },
+            (None, Some(input)) => &input.as_bytes()[me * block..(me + 1) * block],
+            (None, None) => unreachable!("zc_where maps the root's input"),
+        };
+        to_window(tuning::past_l3(block.saturating_mul(2 * n)), out.as_bytes_mut(), src);
+        self.zc_done(hdr)
+    }
+
+    /// gather of inputs of at least `zc_min` bytes, when every rank's input is in an arena: the
+    /// root copies every peer's input straight into its output (`out`, the root's alone).
+    pub(super) fn zc_gather(
+        &mut self,
+        input: &HostBuffer,
+        out: Option<&mut HostBuffer>,
+        hdr: &StepHeader,
+    ) -> Result<bool> {
+        let (bytes, n) = (input.byte_len(), self.world);
+        let Some(peers) = self.zc_where(hdr, place_of(input), |_| true, |_| bytes)? else { return Ok(false) };
+        if let Some(out) = out {
+            let stream = tuning::past_l3(bytes.saturating_mul(2 * n));
+            for (p, mapped) in peers.iter().enumerate() {
+                let to = &mut out.as_bytes_mut()[p * bytes..(p + 1) * bytes];
+                match mapped {
+                    // SAFETY: peer `p`'s input is in its op until the last step; nobody writes it.
+                    Some((seg, base)) => to_window(stream, to, unsafe { seg.bytes(*base, bytes) }),
+                    None => to_window(stream, to, input.as_bytes()),
+                }
+            }
+        }
+        self.zc_done(hdr)
+    }
+
     /// broadcast of at least `zc_min` bytes from a buffer in the root's arena: every other rank
     /// copies it straight into its buffer (one copy instead of two).
     pub(super) fn zc_broadcast(&mut self, buf: &mut HostBuffer, root: usize, hdr: &StepHeader) -> Result<bool> {
