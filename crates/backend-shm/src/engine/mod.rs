@@ -126,9 +126,9 @@ pub(crate) struct Params {
     /// [`crate::ShmOptions::stream`] (this rank's own; ranks may differ).
     pub(crate) stream: Option<bool>,
     /// all_reduce, reduce, all_gather, reduce_scatter, all_to_all (its inputs' average),
-    /// broadcast, scatter and gather (past one step) of at least this many bytes first learn where every rank's buffer is and read them in
-    /// place when all are in arenas (rank 0's [`crate::ShmOptions::arena_min`]; `usize::MAX`:
-    /// never, as when some rank has no arena).
+    /// broadcast, scatter and gather (past one step) of at least this many bytes first learn
+    /// where every rank's buffer is and read them in place when all are in arenas (rank 0's
+    /// [`crate::ShmOptions::arena_min`]; `usize::MAX`: never, as when some rank has no arena).
     pub(crate) zc_min: usize,
     /// Sends of at least this many bytes from the arena go in place: `zc_min`, but above the
     /// one-step size (smaller ones were not measured faster than the mailbox).
