@@ -328,8 +328,9 @@ impl Engine {
         self.zc_done(hdr)
     }
 
-    /// gather of inputs of at least `zc_min` bytes, when every rank's input is in an arena: the
-    /// root copies every peer's input straight into its output (`out`, the root's alone).
+    /// gather of inputs past one step (and of at least `zc_min` bytes), when every rank's input
+    /// is in an arena: the root copies every peer's input straight into its output (`out`, the
+    /// root's alone).
     pub(super) fn zc_gather(
         &mut self,
         input: &HostBuffer,
