@@ -1,7 +1,5 @@
 //! Which ranks share a host: found once at start-up with one all_gather over the world group.
 
-use std::fmt::Write as _;
-
 use comm_core::cpus::CpuSet;
 use comm_core::ops::AllGather;
 use comm_core::{Backend, CommError, HostBuffer, Rank};
@@ -149,14 +147,9 @@ impl Layout {
 
     /// One line: the hosts with their ranks.
     pub fn describe(&self) -> String {
-        let mut s = format!("{} host(s):", self.hosts.len());
-        for (h, ranks) in self.hosts.iter().enumerate() {
-            let _ = write!(s, " {} {:?}", self.host_name(h), ranks);
-            if h + 1 < self.hosts.len() {
-                s.push(',');
-            }
-        }
-        s
+        let hosts: Vec<String> =
+            self.hosts.iter().enumerate().map(|(h, r)| format!("{} {r:?}", self.host_name(h))).collect();
+        format!("{} host(s): {}", self.hosts.len(), hosts.join(", "))
     }
 }
 

@@ -235,10 +235,7 @@ impl Group for HierBackend {
                 let mut first = Ok(());
                 let inner = [Some(&p.local), p.rail.as_ref(), p.leaders.as_ref()];
                 for g in inner.into_iter().flatten().map(|i| &i.group).chain([&p.world]) {
-                    let r = g.shutdown().await;
-                    if first.is_ok() {
-                        first = r;
-                    }
+                    first = first.and(g.shutdown().await);
                 }
                 first
             }))

@@ -161,10 +161,7 @@ impl Plan for ReduceScatter {
         let (dtype, k) = (input.dtype(), input.len() / n);
         let me = p.layout.rank() as usize;
         let full = all_reduce(p, input.clone(), op)?;
-        let mut out = match output {
-            Some(o) => o,
-            None => HostBuffer::try_zeroed(dtype, k)?,
-        };
+        let mut out = output.map_or_else(|| HostBuffer::try_zeroed(dtype, k), Ok)?;
         copy(dtype, &full, me * k, &mut out, 0, k);
         Ok(InOut { input, output: out })
     }
@@ -202,15 +199,11 @@ impl Plan for AllGather {
         let (dtype, len) = (input.dtype(), input.len());
         let (local_n, max_local) = (l.local_size(), l.max_local());
         let total = len * l.world_size() as usize;
-        let mut out = match output {
-            Some(o) => o,
-            None => HostBuffer::try_zeroed(dtype, total)?,
-        };
-        let (input, mine) = if local_n > 1 {
-            let io = wait(&p.local, AllGather { input, output: None })?;
-            (io.input, io.output)
+        let mut out = output.map_or_else(|| HostBuffer::try_zeroed(dtype, total), Ok)?;
+        let InOut { input, output: mine } = if local_n > 1 {
+            wait(&p.local, AllGather { input, output: None })?
         } else {
-            (input.clone(), input)
+            InOut { output: input.clone(), input }
         };
         if let Some(leaders) = &p.leaders {
             // Every host's block padded to the largest host, then each rank's piece put

@@ -55,7 +55,7 @@ pub(super) fn exchange(
         w => (None, w),
     };
     let cont: Cont = Box::new(move |env: &Env<'_>, bufs: Bufs| {
-        env.recycle(bufs.send);
+        env.pool.recycle(bufs.send);
         let mut ex = Exchange { all: take(bufs.recv)?, slot, bulk: None, input };
         if let Err(e) = verify(&ex, env.size, &header, env.rank, what) {
             return drain(env, &ex, sends, e);
@@ -63,20 +63,20 @@ pub(super) fn exchange(
         let may_block = ex.all_alone(env.size);
         let Some(sends) = sends else {
             let step = start(&Env { may_block, ..*env }, inline.then_some(&mut ex));
-            env.recycle(Some(ex.all));
+            env.pool.recycle(Some(ex.all));
             return step;
         };
         let len = bulk_len(&header, env.size).ok_or_else(|| internal("an all_reduce sent a part it has not"))?;
         let parts: Vec<_> = (0..env.size).filter(|&p| p != env.rank).map(|p| (p, p * len, len)).collect();
-        let recvs = raw::irecv_parts(env.comm, env.buffer(DType::U8, len * env.size), &parts, raw::bulk_tag())?;
+        let recvs = raw::irecv_parts(env.comm, env.pool.buffer(DType::U8, len * env.size), &parts, raw::bulk_tag())?;
         Ok(wait(recvs, move |_, b| {
             let peers = take(b.recv)?;
             Ok(wait(sends, move |env, b| {
                 ex.input = b.send;
                 ex.bulk = Some(Bulk { peers, len });
                 let step = start(&Env { may_block, ..*env }, Some(&mut ex));
-                env.recycle(Some(ex.all));
-                env.recycle(ex.bulk.map(|b| b.peers));
+                env.pool.recycle(Some(ex.all));
+                env.pool.recycle(ex.bulk.map(|b| b.peers));
                 step
             }))
         }))
@@ -315,7 +315,7 @@ impl OpLabel {
         if err.is_truncation() {
             CommError::mismatch(self.name, format!("{self}: ranks passed different sizes ({err})"))
         } else {
-            err.into_comm()
+            err.into()
         }
     }
 }
@@ -364,24 +364,18 @@ pub(super) fn start_collective(
 pub(super) fn verify(ex: &Exchange, n: usize, mine: &Header, me: usize, what: OpLabel) -> Result<(), CommError> {
     let (op, first) = (op_name(mine.op), ex.header(0));
     for p in 0..n {
-        let (Some(h), Some(first)) = (ex.header(p), first) else {
-            return Err(CommError::mismatch(
-                op,
-                format!(
-                    "{what}: rank {p} sent a header this version does not understand (another program or version?)"
-                ),
-            ));
+        let why = match (ex.header(p), first) {
+            (Some(h), Some(f)) if h == f => continue,
+            (Some(h), Some(f)) => format!(
+                "rank {p} called {} but rank 0 called {} (seen by rank {me} at its {what})",
+                h.describe(),
+                f.describe()
+            ),
+            _ => {
+                format!("{what}: rank {p} sent a header this version does not understand (another program or version?)")
+            }
         };
-        if h != first {
-            return Err(CommError::mismatch(
-                op,
-                format!(
-                    "rank {p} called {} but rank 0 called {} (seen by rank {me} at its {what})",
-                    h.describe(),
-                    first.describe()
-                ),
-            ));
-        }
+        return Err(CommError::mismatch(op, why));
     }
     Ok(())
 }

@@ -68,7 +68,7 @@ fn reduce_rate() -> f64 {
 /// The largest of every rank's `mine`, by `MPI_Iallreduce` polled until done or `deadline`.
 fn allreduce_max(comm: &Comm, mine: i64, deadline: Instant, timeout: Duration) -> Result<i64, CommError> {
     let op = raw::builtin_op(ReduceOp::Max).ok_or_else(|| internal("MPI_MAX is missing"))?;
-    let mut req = raw::iallreduce_in_place(comm, HostBuffer::from_slice(&[mine]), op)?;
+    let mut req = raw::iallreduce_in_place(comm, HostBuffer::from_slice(&[mine]), op, false)?;
     loop {
         match req.test() {
             Polled::Done(_) => break,
@@ -80,7 +80,7 @@ fn allreduce_max(comm: &Comm, mine: i64, deadline: Instant, timeout: Duration) -
                     "a rank stopped answering while the world group was measured",
                 ))
             }
-            Polled::Failed { err, .. } => return Err(err.into_comm()),
+            Polled::Failed { err, .. } => return Err(err.into()),
         }
     }
     let got = req.into_bufs()?.recv.ok_or_else(|| internal("a finished all_reduce lost its buffer"))?;

@@ -315,9 +315,9 @@ impl Engine {
                     return done.complete(Err(CommError::Config(why.clone())));
                 }
                 if params.reduction == Reduction::Native && self.half.is_none() {
-                    match raw::HalfOps::create() {
+                    match raw::HalfOps::new() {
                         Ok(h) => self.half = Some(h),
-                        Err(e) => return done.complete(Err(e.into_comm())),
+                        Err(e) => return done.complete(Err(e)),
                     }
                 }
                 match PendingDup::world() {
@@ -325,7 +325,7 @@ impl Engine {
                         let deadline = Instant::now() + params.timeout;
                         self.dups.push((p, params, done, deadline));
                     }
-                    Err(e) => done.complete(Err(e.into_comm())),
+                    Err(e) => done.complete(Err(e.into())),
                 }
             }
             Command::Shutdown(gid, done) => match self.groups.get_mut(&gid) {
@@ -438,49 +438,45 @@ impl Engine {
         let mut any = false;
         let mut i = 0;
         while i < self.dups.len() {
-            let (p, _, _, deadline) = &mut self.dups[i];
-            let deadline = *deadline;
-            match p.test() {
-                Ok(None) if Instant::now() < deadline => {
-                    i += 1;
-                    continue;
-                }
-                Ok(None) => {
-                    let (p, params, done, _) = self.dups.swap_remove(i);
-                    std::mem::forget(p);
-                    done.complete(Err(CommError::timeout(
-                        "mpi init (MPI_Comm_idup of MPI_COMM_WORLD)",
-                        params.timeout,
-                        "not every rank of MPI_COMM_WORLD called init",
-                    )));
-                }
-                Ok(Some(comm)) => {
-                    let (_, mut params, done, _) = self.dups.swap_remove(i);
-                    let measured = if params.measure && comm.size() > 1 {
-                        measure::gather_threshold(&comm, params.timeout).map(Some)
-                    } else {
-                        Ok(None)
-                    };
-                    match measured {
-                        Ok(t) => {
-                            params.small_max = t.unwrap_or(params.small_max);
-                            let info = self.register(comm, params, true);
-                            done.complete(Ok(info));
-                        }
-                        Err(e) => {
-                            // A rank may still be in the measurement: keep the communicator.
-                            std::mem::forget(comm);
-                            done.complete(Err(e));
-                        }
-                    }
-                }
-                Err(e) => {
-                    let (p, _, done, _) = self.dups.swap_remove(i);
-                    std::mem::forget(p);
-                    done.complete(Err(e.into_comm()));
-                }
+            let polled = self.dups[i].0.test();
+            if matches!(polled, Ok(None)) && Instant::now() < self.dups[i].3 {
+                i += 1;
+                continue;
             }
             any = true;
+            let (p, mut params, done, _) = self.dups.swap_remove(i);
+            let comm = match polled {
+                Ok(Some(comm)) => comm,
+                failed => {
+                    std::mem::forget(p);
+                    done.complete(Err(failed.err().map_or_else(
+                        || {
+                            CommError::timeout(
+                                "mpi init (MPI_Comm_idup of MPI_COMM_WORLD)",
+                                params.timeout,
+                                "not every rank of MPI_COMM_WORLD called init",
+                            )
+                        },
+                        CommError::from,
+                    )));
+                    continue;
+                }
+            };
+            let measured = (params.measure && comm.size() > 1)
+                .then(|| measure::gather_threshold(&comm, params.timeout))
+                .transpose();
+            match measured {
+                Ok(t) => {
+                    params.small_max = t.unwrap_or(params.small_max);
+                    let info = self.register(comm, params, true);
+                    done.complete(Ok(info));
+                }
+                Err(e) => {
+                    // A rank may still be in the measurement: keep the communicator.
+                    std::mem::forget(comm);
+                    done.complete(Err(e));
+                }
+            }
         }
         any
     }
@@ -611,19 +607,15 @@ fn refuse(m: Command, e: &dyn Fn() -> CommError) {
 /// Why world groups cannot be created when the launcher's environment says the job has another
 /// number of ranks than MPI_COMM_WORLD (the binary is linked against another MPI).
 fn launcher_disagrees(size: i32) -> Option<String> {
-    for var in ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"] {
-        if let Some(v) = std::env::var(var).ok().and_then(|v| v.trim().parse::<i32>().ok()) {
-            if v != size {
-                return Some(format!(
-                    "the launcher says the job has {v} ranks ({var}={v}) but MPI_COMM_WORLD has {size}: \
-                     the program is linked against a different MPI than the launcher that started it \
-                     (e.g. an Open MPI build under MPICH's mpiexec runs every rank as a singleton); \
-                     launch it with the mpirun of the MPI it was built with"
-                ));
-            }
-        }
-    }
-    None
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"].into_iter().find_map(|var| {
+        let v = std::env::var(var).ok()?.trim().parse::<i32>().ok().filter(|&v| v != size)?;
+        Some(format!(
+            "the launcher says the job has {v} ranks ({var}={v}) but MPI_COMM_WORLD has {size}: \
+             the program is linked against a different MPI than the launcher that started it \
+             (e.g. an Open MPI build under MPICH's mpiexec runs every rank as a singleton); \
+             launch it with the mpirun of the MPI it was built with"
+        ))
+    })
 }
 
 #[cfg(test)]

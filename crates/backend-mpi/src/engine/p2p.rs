@@ -123,41 +123,24 @@ pub(super) fn poll(
             Err(e) => return Some(Err(e)),
         }
     }
+    let (peer, tag, dtype, len) = (p.peer, p.tag, p.dtype, p.len);
+    let mismatch = |why: String| Err(CommError::mismatch("recv", why));
     let req = p.req.as_mut()?;
     Some(match req.test() {
         Polled::Pending if now < p.deadline => return None,
         Polled::Pending => Err(p2p_timeout(p, comm, timeout)),
-        Polled::Done(_) if p.too_long.is_some() => Err(CommError::mismatch(
-            "recv",
-            format!(
-                "rank {} sent {} elements of {}, more than the {} elements rank {me} posted a recv for (tag {})",
-                p.peer,
-                p.too_long.unwrap_or(0),
-                p.dtype,
-                p.len,
-                p.tag
-            ),
+        Polled::Done(_) if p.too_long.is_some() => mismatch(format!(
+            "rank {peer} sent {} elements of {dtype}, more than the {len} elements rank {me} posted a recv for (tag {tag})",
+            p.too_long.unwrap_or(0)
         )),
-        Polled::Done(count) if p.recv && count.is_some_and(|n| n != p.len) => Err(CommError::mismatch(
-            "recv",
-            format!(
-                "rank {} sent {} elements of {} with tag {}, but rank {me} posted a recv of {} elements",
-                p.peer,
-                count.unwrap_or(0),
-                p.dtype,
-                p.tag,
-                p.len
-            ),
+        Polled::Done(Some(n)) if p.recv && n != len => mismatch(format!(
+            "rank {peer} sent {n} elements of {dtype} with tag {tag}, but rank {me} posted a recv of {len} elements"
         )),
         Polled::Done(_) => Ok(()),
-        Polled::Failed { err, .. } if p.recv && err.is_truncation() => Err(CommError::mismatch(
-            "recv",
-            format!(
-                "rank {} sent more than the {} elements of {} rank {me} posted a recv for (tag {})",
-                p.peer, p.len, p.dtype, p.tag
-            ),
+        Polled::Failed { err, .. } if p.recv && err.is_truncation() => mismatch(format!(
+            "rank {peer} sent more than the {len} elements of {dtype} rank {me} posted a recv for (tag {tag})"
         )),
-        Polled::Failed { err, .. } => Err(err.into_comm()),
+        Polled::Failed { err, .. } => Err(err.into()),
     })
 }
 
@@ -185,30 +168,22 @@ pub(super) fn finish(mut p: P2p, result: Result<(), CommError>, graveyard: &mut 
 /// The error of a point-to-point op that ran out of time: a mismatch when a message from the
 /// peer is waiting with another tag or dtype, else a timeout.
 pub(super) fn p2p_timeout(p: &P2p, comm: &Comm, after: Duration) -> CommError {
-    if p.recv {
-        // A header exchange's message (the peer is in a collective already) says nothing here.
-        if let Some((t, bytes)) = raw::probe(comm, p.peer as i32).filter(|(t, _)| *t < raw::exchange_tag()) {
-            let (tag, code) = ((t as u32) >> 3, (t as u32 & 7) as u8);
-            if let Some(d) = DType::from_code(code) {
-                return CommError::mismatch("recv", format!(
-                        "rank {} sent {} elements of {d} with tag {tag}, but this rank waited {after:?} in a recv of {} elements of {} with tag {}",
-                        p.peer,
-                        bytes / d.size(),
-                        p.len,
-                        p.dtype,
-                        p.tag
-                    ));
-            }
+    let P2p { recv, peer, tag, dtype, len, .. } = *p;
+    // A header exchange's message (the peer is in a collective already) says nothing here.
+    let waiting = recv.then(|| raw::probe(comm, peer as i32)).flatten().filter(|(t, _)| *t < raw::exchange_tag());
+    if let Some((t, bytes)) = waiting {
+        if let Some(d) = DType::from_code((t as u32 & 7) as u8) {
+            return CommError::mismatch("recv", format!(
+                "rank {peer} sent {} elements of {d} with tag {}, but this rank waited {after:?} in a recv of {len} elements of {dtype} with tag {tag}",
+                bytes / d.size(),
+                (t as u32) >> 3
+            ));
         }
     }
-    let dir = if p.recv { "recv from" } else { "send to" };
+    let (dir, other) = if recv { ("recv from", "send") } else { ("send to", "recv") };
     CommError::timeout(
-        format!("{dir} rank {} (tag {}, {} × {})", p.peer, p.tag, p.dtype, p.len),
+        format!("{dir} rank {peer} (tag {tag}, {dtype} × {len})"),
         after,
-        format!(
-            "rank {} never posted the matching {} (set COMM_TIMEOUT to wait longer)",
-            p.peer,
-            if p.recv { "send" } else { "recv" }
-        ),
+        format!("rank {peer} never posted the matching {other} (set COMM_TIMEOUT to wait longer)"),
     )
 }

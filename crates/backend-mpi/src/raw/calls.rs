@@ -1,14 +1,14 @@
 //! The collective calls, each moving its buffers into a [`Request`] (nonblocking, or blocking
-//! where the caller says `blocking`); and blocking calls on borrowed buffers.
+//! where the caller says `blocking`).
 
-use std::ffi::{c_int, c_void};
+use std::ffi::c_int;
 use std::ops::Range;
 
 use comm_core::{CommError, DType, HostBuffer};
 use mpi::ffi;
 
 use super::request::{count, counts, recv_ptr, send_ptr, Bufs, Request};
-use super::{check, datatype, in_place, tag_ub, Comm, MpiError};
+use super::{check, datatype, in_place, tag_ub, Comm};
 
 /// A collective's nonblocking call given a request slot, else its blocking form (see
 /// [`Request::start_or_call`]).
@@ -140,33 +140,22 @@ fn imessages(
     let (s, r) = (send_ptr(&bufs.send), recv_ptr(&mut bufs.recv));
     let mut req = Request::unissued(bufs, Vec::new(), dt);
     req.many = vec![req.raw; from.len() + to.len()];
-    for (i, (&(p, at, _), &n)) in from.iter().zip(&n_recv).enumerate() {
-        // SAFETY: `len` writable bytes at `at` of the owned receive buffer (checked above).
+    // Receives first, then the sends.
+    let recvs = from.iter().zip(n_recv).map(|(&(p, at, _), n)| (true, p, at, n));
+    for (i, (recv, p, at, n)) in recvs.chain(to.iter().map(|&p| (false, p, skip, n_send))).enumerate() {
+        let slot = &mut req.many[i];
+        // SAFETY: a receive's `n` bytes at `at` lie in the owned receive buffer, a send's `n`
+        // bytes from `skip` in the owned send buffer (both checked above).
         let rc = unsafe {
-            ffi::MPI_Irecv(r.cast::<u8>().add(at).cast(), n, dt, p as c_int, tag, comm.raw, &mut req.many[i])
+            match recv {
+                true => ffi::MPI_Irecv(r.cast::<u8>().add(at).cast(), n, dt, p as c_int, tag, comm.raw, slot),
+                false => ffi::MPI_Isend(s.cast::<u8>().add(at).cast(), n, dt, p as c_int, tag, comm.raw, slot),
+            }
         };
-        if let Err(e) = check("MPI_Irecv", rc) {
+        if let Err(e) = check(if recv { "MPI_Irecv" } else { "MPI_Isend" }, rc) {
             // Calls already issued may still use the buffers: keep (leak) them.
             std::mem::forget(req);
-            return Err(e.into_comm());
-        }
-    }
-    for (i, &p) in to.iter().enumerate() {
-        // SAFETY: the owned send buffer holds `n_send` readable bytes from `skip` (checked).
-        let rc = unsafe {
-            ffi::MPI_Isend(
-                s.cast::<u8>().add(skip).cast(),
-                n_send,
-                dt,
-                p as c_int,
-                tag,
-                comm.raw,
-                &mut req.many[from.len() + i],
-            )
-        };
-        if let Err(e) = check("MPI_Isend", rc) {
-            std::mem::forget(req);
-            return Err(e.into_comm());
+            return Err(e.into());
         }
     }
     Ok(req)
@@ -182,20 +171,24 @@ fn parts_arrays(op: &'static str, parts: &[(usize, usize)], len: usize) -> Resul
     Ok([counts_of(|p| p.1)?, counts_of(|p| p.0)?])
 }
 
-/// `MPI_Iallgatherv`: rank `j`'s `send` (`counts[j]` elements) lands at `displs[j]` of `recv`.
+/// `MPI_Iallgatherv` (`MPI_Allgatherv`): rank `j`'s `send` lands at `parts[j]` of `recv`; with
+/// no `send`, this rank's part is already in place there (`MPI_IN_PLACE`).
 pub(crate) fn iallgatherv(
     comm: &Comm,
-    send: HostBuffer,
+    send: Option<HostBuffer>,
     recv: HostBuffer,
     parts: &[(usize, usize)],
+    blocking: bool,
 ) -> Result<Request, CommError> {
-    let dt = datatype(send.dtype());
-    let n = count("all_reduce", send.len())?;
+    let dt = datatype(recv.dtype());
+    let (n, own) = (count("all_reduce", send.as_ref().map_or(0, HostBuffer::len))?, send.is_none());
     let [c, d] = parts_arrays("all_reduce", parts, recv.len())?;
-    Request::start("MPI_Iallgatherv", dt, Bufs { send: Some(send), recv: Some(recv) }, vec![c, d], |s, r, a, req| {
-        // SAFETY: `s` holds `n` elements; every (displacement, count) lies inside `r` (checked
-        // above); the arrays live in the request (rule 2).
-        unsafe { ffi::MPI_Iallgatherv(s, n, dt, r, a[0].as_ptr(), a[1].as_ptr(), dt, comm.raw, req) }
+    let bufs = Bufs { send, recv: Some(recv) };
+    Request::start_or_call(blocking, "MPI_Iallgatherv", dt, bufs, vec![c, d], |s, r, a, req| {
+        let s = if own { in_place() } else { s };
+        // SAFETY: `s` holds `n` elements (or is MPI_IN_PLACE); every (displacement, count) lies
+        // inside `r` (checked above); the arrays live in the request (rule 2).
+        unsafe { call!(req, MPI_Iallgatherv / MPI_Allgatherv(s, n, dt, r, a[0].as_ptr(), a[1].as_ptr(), dt, comm.raw)) }
     })
 }
 
@@ -218,22 +211,30 @@ pub(crate) fn igather(
     })
 }
 
-/// `MPI_Igatherv` to `root`: rank `j`'s `send` lands at `parts[j]` of the root's `recv`.
+/// `MPI_Igatherv` (`MPI_Gatherv`) to `root`: rank `j`'s `send` lands at `parts[j]` of the root's
+/// `recv`; a root with no `send` has its part already in place there (`MPI_IN_PLACE`).
 pub(crate) fn igatherv(
     comm: &Comm,
-    send: HostBuffer,
+    send: Option<HostBuffer>,
     recv: Option<HostBuffer>,
     parts: &[(usize, usize)],
     root: i32,
+    blocking: bool,
 ) -> Result<Request, CommError> {
-    let dt = datatype(send.dtype());
-    let n = count("reduce", send.len())?;
+    let Some(dt) = send.as_ref().or(recv.as_ref()).map(|b| datatype(b.dtype())) else {
+        return Err(CommError::invalid("reduce", "a gather with no buffers"));
+    };
+    let (n, own) = (count("reduce", send.as_ref().map_or(0, HostBuffer::len))?, send.is_none());
+    if own && (recv.is_none() || comm.rank != root) {
+        return Err(CommError::invalid("reduce", "only the root gathers in place"));
+    }
     // Off the root MPI reads no receive parts: only their counts must fit an int.
     let [c, d] = parts_arrays("reduce", parts, recv.as_ref().map_or(usize::MAX, HostBuffer::len))?;
-    Request::start("MPI_Igatherv", dt, Bufs { send: Some(send), recv }, vec![c, d], |s, r, a, req| {
-        // SAFETY: `s` holds `n` elements; on the root every part lies inside `r` (checked
-        // above); the arrays live in the request (rule 2).
-        unsafe { ffi::MPI_Igatherv(s, n, dt, r, a[0].as_ptr(), a[1].as_ptr(), dt, root, comm.raw, req) }
+    Request::start_or_call(blocking, "MPI_Igatherv", dt, Bufs { send, recv }, vec![c, d], |s, r, a, req| {
+        let s = if own { in_place() } else { s };
+        // SAFETY: `s` holds `n` elements (or is MPI_IN_PLACE on the root); on the root every part
+        // lies inside `r` (checked above); the arrays live in the request (rule 2).
+        unsafe { call!(req, MPI_Igatherv / MPI_Gatherv(s, n, dt, r, a[0].as_ptr(), a[1].as_ptr(), dt, root, comm.raw)) }
     })
 }
 
@@ -277,26 +278,25 @@ pub(crate) fn ialltoallv(
     })
 }
 
-/// `MPI_Iallreduce` of `buf` in place (`MPI_IN_PLACE`: no copy of the input first).
-pub(crate) fn iallreduce_in_place(comm: &Comm, buf: HostBuffer, op: ffi::MPI_Op) -> Result<Request, CommError> {
-    let dt = datatype(buf.dtype());
-    let n = count("all_reduce", buf.len())?;
-    Request::start("MPI_Iallreduce", dt, Bufs { send: None, recv: Some(buf) }, vec![], |_, r, _, req| {
-        // SAFETY: `r` holds `n` elements (rule 2); MPI_IN_PLACE makes it the input too.
-        unsafe { ffi::MPI_Iallreduce(in_place(), r, n, dt, op, comm.raw, req) }
-    })
-}
-
-/// `MPI_Allreduce` of `buf` in place (`MPI_IN_PLACE`), blocking: only where every rank is
-/// known to be in this same call (after the header exchange), as for [`Comm::split`].
-pub(crate) fn allreduce_in_place(comm: &Comm, buf: &mut HostBuffer, op: ffi::MPI_Op) -> Result<(), CommError> {
-    let dt = datatype(buf.dtype());
-    let n = count("all_reduce", buf.len())?;
-    let r = buf.as_bytes_mut().as_mut_ptr().cast::<c_void>();
-    // SAFETY: `r` holds `n` elements of `dt` and outlives the (blocking) call; MPI_IN_PLACE
-    // makes it the input too.
-    check("MPI_Allreduce", unsafe { ffi::MPI_Allreduce(in_place(), r, n, dt, op, comm.raw) })
-        .map_err(MpiError::into_comm)
+/// `MPI_Iallreduce` (`MPI_Allreduce`) of `buf` in place (`MPI_IN_PLACE`: no copy of the input).
+pub(crate) fn iallreduce_in_place(
+    comm: &Comm,
+    buf: HostBuffer,
+    op: ffi::MPI_Op,
+    blocking: bool,
+) -> Result<Request, CommError> {
+    let (dt, n) = (datatype(buf.dtype()), count("all_reduce", buf.len())?);
+    Request::start_or_call(
+        blocking,
+        "MPI_Iallreduce",
+        dt,
+        Bufs { send: None, recv: Some(buf) },
+        vec![],
+        |_, r, _, req| {
+            // SAFETY: `r` holds `n` elements (rule 2); MPI_IN_PLACE makes it the input too.
+            unsafe { call!(req, MPI_Iallreduce / MPI_Allreduce(in_place(), r, n, dt, op, comm.raw)) }
+        },
+    )
 }
 
 /// `MPI_Ireduce` (`MPI_Reduce`) of `send` into the root's `recv` with `op`.
@@ -334,70 +334,4 @@ pub(crate) fn ireduce_scatter_block(
         // SAFETY: `s` holds `size × n` elements and `r` holds `n` (rule 2).
         unsafe { call!(req, MPI_Ireduce_scatter_block / MPI_Reduce_scatter_block(s, r, n, dt, op, comm.raw)) }
     })
-}
-
-/// `MPI_Alltoallv`, blocking (see [`allreduce_in_place`]): [`ialltoallv`] on borrowed buffers.
-pub(crate) fn alltoallv(
-    comm: &Comm,
-    send: &HostBuffer,
-    send_parts: &[(usize, usize)],
-    recv: &mut HostBuffer,
-    recv_parts: &[(usize, usize)],
-) -> Result<(), CommError> {
-    let dt = datatype(send.dtype());
-    let [sc, sd] = parts_arrays("all_to_all", send_parts, send.len())?;
-    let [rc, rd] = parts_arrays("all_to_all", recv_parts, recv.len())?;
-    let (s, r) = (send.as_bytes().as_ptr().cast::<c_void>(), recv.as_bytes_mut().as_mut_ptr().cast::<c_void>());
-    // SAFETY: every (displacement, count) lies inside its buffer (checked above); buffers and
-    // arrays outlive the blocking call.
-    check("MPI_Alltoallv", unsafe {
-        ffi::MPI_Alltoallv(s, sc.as_ptr(), sd.as_ptr(), dt, r, rc.as_ptr(), rd.as_ptr(), dt, comm.raw)
-    })
-    .map_err(MpiError::into_comm)
-}
-
-/// `MPI_Allgatherv` in place, blocking (see [`allreduce_in_place`]): rank `j`'s part
-/// `parts[j]` of `buf`, already in place on rank `j`, lands at the same place on every rank.
-pub(crate) fn allgatherv_in_place(
-    comm: &Comm,
-    buf: &mut HostBuffer,
-    parts: &[(usize, usize)],
-) -> Result<(), CommError> {
-    let dt = datatype(buf.dtype());
-    let [c, d] = parts_arrays("all_reduce", parts, buf.len())?;
-    let r = buf.as_bytes_mut().as_mut_ptr().cast::<c_void>();
-    // SAFETY: every (displacement, count) lies inside `buf` (checked above); MPI_IN_PLACE
-    // takes this rank's part from it; buffer and arrays outlive the blocking call.
-    check("MPI_Allgatherv", unsafe { ffi::MPI_Allgatherv(in_place(), 0, dt, r, c.as_ptr(), d.as_ptr(), dt, comm.raw) })
-        .map_err(MpiError::into_comm)
-}
-
-/// `MPI_Gatherv` to `root`, blocking (see [`allreduce_in_place`]): rank `j`'s part `parts[j]`
-/// lands at the same place of the root's `buf`. A non-root sends `send` (`parts[rank]` long);
-/// the root passes `None`, its own part already in place (`MPI_IN_PLACE`).
-pub(crate) fn gatherv(
-    comm: &Comm,
-    send: Option<&HostBuffer>,
-    buf: &mut HostBuffer,
-    parts: &[(usize, usize)],
-    root: i32,
-) -> Result<(), CommError> {
-    let dt = datatype(buf.dtype());
-    let [c, d] = parts_arrays("reduce", parts, buf.len())?;
-    let rc = match send {
-        Some(s) => {
-            let n = count("reduce", s.len())?;
-            let p = s.as_bytes().as_ptr().cast::<c_void>();
-            // SAFETY: `p` holds `n` elements; off the root MPI ignores the receive arguments;
-            // buffers and arrays outlive the blocking call.
-            unsafe { ffi::MPI_Gatherv(p, n, dt, std::ptr::null_mut(), c.as_ptr(), d.as_ptr(), dt, root, comm.raw) }
-        }
-        None => {
-            let r = buf.as_bytes_mut().as_mut_ptr().cast::<c_void>();
-            // SAFETY: every (displacement, count) lies inside `buf` (checked above); MPI_IN_PLACE
-            // takes the root's part from it; buffer and arrays outlive the blocking call.
-            unsafe { ffi::MPI_Gatherv(in_place(), 0, dt, r, c.as_ptr(), d.as_ptr(), dt, root, comm.raw) }
-        }
-    };
-    check("MPI_Gatherv", rc).map_err(MpiError::into_comm)
 }

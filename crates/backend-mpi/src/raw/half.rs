@@ -6,7 +6,7 @@ use std::mem::MaybeUninit;
 use comm_core::{bf16, f16, CommError, DType, ReduceOp};
 use mpi::ffi;
 
-use super::{check, MpiError};
+use super::check;
 
 /// MPI ops combining f16/bf16 elements (carried as `uint16_t`) through f32: Sum, Prod, Min,
 /// Max. Each step rounds to 16 bits, so results depend on MPI's reduction order.
@@ -51,13 +51,8 @@ half_op!(bf16_max, bf16, |a, b| if a > b { a } else { b });
 type UserFn = unsafe extern "C" fn(*mut c_void, *mut c_void, *mut c_int, *mut ffi::MPI_Datatype);
 
 impl HalfOps {
-    /// [`HalfOps::create`] for users outside this crate (MPI must be initialised).
+    /// Registers the eight ops with MPI (`MPI_Op_create`, commutative); MPI must be initialised.
     pub fn new() -> Result<HalfOps, CommError> {
-        Self::create().map_err(MpiError::into_comm)
-    }
-
-    /// Registers the eight ops with MPI (`MPI_Op_create`, commutative).
-    pub(crate) fn create() -> Result<HalfOps, MpiError> {
         let fns: [UserFn; 8] = [f16_sum, f16_prod, f16_min, f16_max, bf16_sum, bf16_prod, bf16_min, bf16_max];
         let mut made = HalfOps { ops: Vec::with_capacity(8) };
         for f in fns {

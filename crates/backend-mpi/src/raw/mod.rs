@@ -38,7 +38,8 @@ pub use half::HalfOps;
 pub(crate) use request::*;
 
 /// An MPI call that returned an error code.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{call} failed: {text} (MPI error class {class})")]
 pub(crate) struct MpiError {
     /// The MPI function.
     pub(crate) call: &'static str,
@@ -48,14 +49,6 @@ pub(crate) struct MpiError {
     pub(crate) text: String,
 }
 
-impl std::fmt::Display for MpiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} failed: {} (MPI error class {})", self.call, self.text, self.class)
-    }
-}
-
-impl std::error::Error for MpiError {}
-
 impl MpiError {
     /// The message was longer than the posted receive buffer (for several requests tested
     /// at once, `MPI_ERR_IN_STATUS`: their statuses are not kept, and of the errors one
@@ -63,9 +56,11 @@ impl MpiError {
     pub(crate) fn is_truncation(&self) -> bool {
         self.class == ffi::MPI_ERR_TRUNCATE as c_int || self.class == ffi::MPI_ERR_IN_STATUS as c_int
     }
+}
 
-    pub(crate) fn into_comm(self) -> CommError {
-        CommError::Backend { backend: "mpi", source: Box::new(self) }
+impl From<MpiError> for CommError {
+    fn from(e: MpiError) -> CommError {
+        CommError::Backend { backend: "mpi", source: Box::new(e) }
     }
 }
 
@@ -254,6 +249,11 @@ impl Comm {
         Ok(Comm { raw, rank, size })
     }
 
+    /// A handle for direct calls from callers' threads (see [`SharedComm`]).
+    pub(crate) fn share(&self) -> SharedComm {
+        SharedComm(std::mem::ManuallyDrop::new(Comm { raw: self.raw, rank: self.rank, size: self.size }))
+    }
+
     /// This process's rank in the communicator.
     pub(crate) fn rank(&self) -> i32 {
         self.rank
@@ -293,13 +293,6 @@ pub(crate) struct SharedComm(std::mem::ManuallyDrop<Comm>);
 unsafe impl Send for SharedComm {}
 // SAFETY: as above; it is only ever used through the lane lock.
 unsafe impl Sync for SharedComm {}
-
-impl Comm {
-    /// A handle for direct calls from callers' threads (see [`SharedComm`]).
-    pub(crate) fn share(&self) -> SharedComm {
-        SharedComm(std::mem::ManuallyDrop::new(Comm { raw: self.raw, rank: self.rank, size: self.size }))
-    }
-}
 
 impl SharedComm {
     /// Runs `f` with the communicator as a [`Comm`] that is not freed afterwards.

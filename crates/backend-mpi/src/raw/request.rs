@@ -92,7 +92,7 @@ impl Request {
         if let Err(e) = check(call, rc) {
             // MPI's state after a failed issue is undefined: keep (leak) what it was given.
             std::mem::forget(req);
-            return Err(e.into_comm());
+            return Err(e.into());
         }
         Ok(req)
     }
@@ -117,7 +117,7 @@ impl Request {
         let rc = issue(s, r, &req._arrays, None);
         // The call returned: MPI no longer uses the buffers, whatever it reports.
         req.done = true;
-        check(call, rc).map_err(MpiError::into_comm)?;
+        check(call, rc)?;
         Ok(req)
     }
 
@@ -255,14 +255,14 @@ pub(crate) fn improbe(comm: &Comm, src: i32, tag: i32) -> Result<Option<Matched>
     let mut message = unsafe { ffi::RSMPI_MESSAGE_NULL };
     // SAFETY: out-parameters to locals; `status` is read only when a message was matched.
     let rc = unsafe { ffi::MPI_Improbe(src, tag, comm.raw, &mut flag, &mut message, status.as_mut_ptr()) };
-    check("MPI_Improbe", rc).map_err(MpiError::into_comm)?;
+    check("MPI_Improbe", rc)?;
     if flag == 0 {
         return Ok(None);
     }
     let mut n: c_int = -1;
     // SAFETY: `status` was filled by the successful MPI_Improbe above.
     let rc = unsafe { ffi::MPI_Get_count(status.as_ptr(), ffi::RSMPI_UINT8_T, &mut n) };
-    check("MPI_Get_count", rc).map_err(MpiError::into_comm)?;
+    check("MPI_Get_count", rc)?;
     // SAFETY: `status` was filled by the successful MPI_Improbe.
     let source = unsafe { status.assume_init() }.MPI_SOURCE;
     Ok(Some(Matched { message, bytes: n.max(0) as usize, source }))
@@ -299,7 +299,7 @@ pub(crate) fn take_notice(comm: &Comm) -> Result<Option<(i32, String)>, CommErro
         let buf = text.as_mut_ptr().cast();
         ffi::MPI_Mrecv(buf, NOTICE_MAX as c_int, ffi::RSMPI_UINT8_T, &mut m.message, ffi::RSMPI_STATUS_IGNORE)
     };
-    check("MPI_Mrecv", rc).map_err(MpiError::into_comm)?;
+    check("MPI_Mrecv", rc)?;
     text.truncate(m.bytes.min(NOTICE_MAX));
     Ok(Some((m.source, String::from_utf8_lossy(&text).into_owned())))
 }

@@ -67,7 +67,7 @@ impl Plan for AllToAll {
                 v.iter().scan(0, |at, &c| Some((std::mem::replace(at, *at + c), c))).collect()
             };
             let (send_parts, recv_parts) = (offsets(&ins), offsets(&outs));
-            let mut out = output.unwrap_or_else(|| env.buffer(dtype, outs.iter().sum()));
+            let mut out = output.unwrap_or_else(|| env.pool.buffer(dtype, outs.iter().sum()));
             if !env.params.check || n == 1 {
                 return ialltoallv(env, input, &send_parts, out, &recv_parts);
             }
@@ -142,7 +142,7 @@ impl Plan for AllGather {
         let header = Header::new(Self::KIND, Some(dtype), len, None, None);
         let payload = (input.byte_len() <= inline_max(n)).then(|| input.as_bytes().to_vec());
         let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
-            let mut out = output.unwrap_or_else(|| env.buffer(dtype, len * env.size));
+            let mut out = output.unwrap_or_else(|| env.pool.buffer(dtype, len * env.size));
             if let Some(ex) = ex {
                 let b = input.byte_len();
                 for p in 0..env.size {
@@ -212,7 +212,7 @@ impl Plan for Gather {
             let is_root = env.rank == root as usize;
             // Off the root MPI fills no output: one passed anyway comes back as it is.
             let (out, spare) = match is_root {
-                true => (Some(output.unwrap_or_else(|| env.buffer(dtype, len * env.size))), None),
+                true => (Some(output.unwrap_or_else(|| env.pool.buffer(dtype, len * env.size))), None),
                 false => (None, output),
             };
             if let Some(ex) = ex {

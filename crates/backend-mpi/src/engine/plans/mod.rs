@@ -61,18 +61,11 @@ impl Pool {
         }
         HostBuffer::zeroed(dtype, len)
     }
-}
 
-impl Env<'_> {
-    /// A buffer of `len` elements whose contents will all be overwritten.
-    pub(super) fn buffer(&self, dtype: DType, len: usize) -> HostBuffer {
-        self.pool.buffer(dtype, len)
-    }
-
-    /// Keeps a buffer nobody uses any more for [`Env::buffer`].
+    /// Keeps a buffer nobody uses any more for [`Pool::buffer`].
     pub(super) fn recycle(&self, b: Option<HostBuffer>) {
         let Some(b) = b.filter(|b| b.byte_len() >= Pool::MIN) else { return };
-        let mut spare = self.pool.spare.borrow_mut();
+        let mut spare = self.spare.borrow_mut();
         spare.push(b);
         while spare.len() > 4 || spare.iter().map(HostBuffer::byte_len).sum::<usize>() > Pool::MAX_BYTES {
             spare.remove(0);
@@ -266,47 +259,35 @@ impl Plan for NewGroup {
         let start = move |env: &Env<'_>, _: Option<&mut Exchange>| -> Result<Step, CommError> {
             // Every rank passed the header exchange: the blocking split cannot hang on a missing one.
             let key = ranks.iter().position(|&r| r as usize == env.rank).map(|p| p as i32);
-            let comm = env.comm.split(key).map_err(raw::MpiError::into_comm)?;
+            let comm = env.comm.split(key)?;
             Ok(Step::Done(Out::Comm(comm)))
         };
         Job::Collective(Steps::new(Self::NAME, header, None, start, Reply::Group(d)))
     }
 }
 
-/// A user tag must leave MPI's tag room for the dtype bits.
-fn check_tag(op: &'static str, tag: u32, info: &GroupInfo) -> Result<(), CommError> {
-    if tag > info.tag_max {
-        return Err(CommError::invalid(
-            op,
-            format!(
-                "tag {tag} is above this MPI's limit of {} ((MPI_TAG_UB >> 3) - 1: 3 bits carry the dtype, the top tags are the backend's)",
-                info.tag_max
-            ),
-        ));
-    }
-    Ok(())
+/// Sends and receives; a user tag must leave MPI's tag room for the dtype bits.
+macro_rules! p2p_plan {
+    ($op:ty, $recv:literal, $peer:ident) => {
+        impl Plan for $op {
+            const P2P: bool = true;
+
+            fn check(&self, info: &GroupInfo) -> Result<(), CommError> {
+                if self.tag <= info.tag_max {
+                    return Ok(());
+                }
+                Err(CommError::invalid(Self::NAME, format!(
+                    "tag {} is above this MPI's limit of {} ((MPI_TAG_UB >> 3) - 1: 3 bits carry the dtype, the top tags are the backend's)",
+                    self.tag, info.tag_max
+                )))
+            }
+
+            fn job(self, done: Completer<HostBuffer>, _: &Params, _: usize) -> Job {
+                Job::P2p(Post { recv: $recv, buf: self.buf, peer: self.$peer, tag: self.tag, done })
+            }
+        }
+    };
 }
 
-impl Plan for SendTo {
-    const P2P: bool = true;
-
-    fn check(&self, info: &GroupInfo) -> Result<(), CommError> {
-        check_tag(Self::NAME, self.tag, info)
-    }
-
-    fn job(self, done: Completer<HostBuffer>, _: &Params, _: usize) -> Job {
-        Job::P2p(Post { recv: false, buf: self.buf, peer: self.dst, tag: self.tag, done })
-    }
-}
-
-impl Plan for RecvFrom {
-    const P2P: bool = true;
-
-    fn check(&self, info: &GroupInfo) -> Result<(), CommError> {
-        check_tag(Self::NAME, self.tag, info)
-    }
-
-    fn job(self, done: Completer<HostBuffer>, _: &Params, _: usize) -> Job {
-        Job::P2p(Post { recv: true, buf: self.buf, peer: self.src, tag: self.tag, done })
-    }
-}
+p2p_plan!(SendTo, false, dst);
+p2p_plan!(RecvFrom, true, src);

@@ -53,30 +53,27 @@ pub(super) fn plan_reduce(
             return done(buf);
         }
         let buf = input.ok_or_else(|| internal("an all_reduce's input went beside an exchange that did not happen"))?;
-        if root.is_none() && env.may_block && !local_reduction(env.params, dtype) {
-            // Every rank is in this all_reduce (the exchange completed), so MPI's blocking call
-            // cannot wait on a missing one; on every thread alike, as MPI does not match a
-            // blocking collective with a nonblocking one.
-            let mut buf = buf;
-            raw::allreduce_in_place(env.comm, &mut buf, mpi_op(env, dtype, op)?)?;
-            if op == ReduceOp::Avg {
-                kernels::divide(&mut buf, n);
-            }
-            return done(buf);
-        }
         if !local_reduction(env.params, dtype) {
+            // Where `may_block`, every rank is in this op (the exchange completed), so MPI's
+            // blocking call cannot wait on a missing one; on every rank alike, as MPI does not
+            // match a blocking collective with a nonblocking one.
             let mpi = mpi_op(env, dtype, op)?;
             let req = match root {
-                None => raw::iallreduce_in_place(env.comm, buf, mpi)?,
-                Some(r) => {
-                    raw::ireduce(env.comm, buf, keep.then(|| env.buffer(dtype, len)), mpi, r as i32, env.may_block)?
-                }
+                None => raw::iallreduce_in_place(env.comm, buf, mpi, env.may_block)?,
+                Some(r) => raw::ireduce(
+                    env.comm,
+                    buf,
+                    keep.then(|| env.pool.buffer(dtype, len)),
+                    mpi,
+                    r as i32,
+                    env.may_block,
+                )?,
             };
             return Ok(wait(req, move |env, b| {
                 if !keep {
                     return done(take(b.send)?);
                 }
-                env.recycle(b.send);
+                env.pool.recycle(b.send);
                 let mut out = take(b.recv)?;
                 if op == ReduceOp::Avg {
                     kernels::divide(&mut out, n);
@@ -87,7 +84,7 @@ pub(super) fn plan_reduce(
         let es = dtype.size();
         if len * es * (n - 1) <= env.params.small_max {
             // Small: gather every input, reduce them in rank order.
-            let all = keep.then(|| env.buffer(dtype, n * len));
+            let all = keep.then(|| env.pool.buffer(dtype, n * len));
             let req = match root {
                 None => raw::iallgather(env.comm, buf, take(all)?, env.may_block)?,
                 Some(r) => raw::igather(env.comm, buf, all, r as i32, env.may_block)?,
@@ -97,7 +94,7 @@ pub(super) fn plan_reduce(
                 if keep {
                     let all = take(b.recv)?;
                     kernels::reduce(dtype, op, &blocks(&all, n, len), buf.as_bytes_mut());
-                    env.recycle(Some(all));
+                    env.pool.recycle(Some(all));
                 }
                 done(buf)
             }));
@@ -107,9 +104,7 @@ pub(super) fn plan_reduce(
         let chunks = Chunks { dtype, op, len, root, per };
         if env.may_block {
             // After a completed exchange: MPI's blocking calls (see the native case).
-            let mut buf = buf;
-            reduce_blocking(env, &mut buf, chunks)?;
-            return done(buf);
+            return done(reduce_blocking(env, buf, chunks)?);
         }
         large_reduce(env, buf, 0, chunks)
     };
@@ -156,7 +151,7 @@ fn reduce_slice(c: &Chunks, (me, n): (usize, usize), slices: &HostBuffer, own: k
 
 /// [`large_reduce`] with MPI's blocking calls: each reduced slice is gathered in place (a
 /// non-root keeps its input and sends its slice from a scratch buffer).
-fn reduce_blocking(env: &Env<'_>, buf: &mut HostBuffer, c: Chunks) -> Result<(), CommError> {
+fn reduce_blocking(env: &Env<'_>, mut buf: HostBuffer, c: Chunks) -> Result<HostBuffer, CommError> {
     let (me, n, dtype, es) = (env.rank, env.size, c.dtype, c.dtype.size());
     let mut off = 0;
     while off < c.len {
@@ -164,30 +159,33 @@ fn reduce_blocking(env: &Env<'_>, buf: &mut HostBuffer, c: Chunks) -> Result<(),
         let parts = chunk_parts(off, clen, n);
         let (at, mine) = parts[me];
         let (send_parts, recv_parts) = peer_parts(&parts, me);
-        let mut slices = env.buffer(dtype, n * mine);
-        raw::alltoallv(env.comm, buf, &send_parts, &mut slices, &recv_parts)?;
+        let slices = env.pool.buffer(dtype, n * mine);
+        let b = raw::ialltoallv(env.comm, buf, &send_parts, slices, &recv_parts, true)?.into_bufs()?;
+        let slices = take(b.recv)?;
+        buf = take(b.send)?;
         match c.root {
             Some(r) if r != me => {
-                let mut reduced = env.buffer(dtype, mine);
+                let mut reduced = env.pool.buffer(dtype, mine);
                 let own = kernels::Src::Buf(&buf.as_bytes()[at * es..(at + mine) * es]);
                 reduce_slice(&c, (me, n), &slices, own, reduced.as_bytes_mut());
-                raw::gatherv(env.comm, Some(&reduced), buf, &parts, r as i32)?;
-                env.recycle(Some(reduced));
+                let req = raw::igatherv(env.comm, Some(reduced), None, &parts, r as i32, true)?;
+                env.pool.recycle(req.into_bufs()?.send);
             }
             root => {
                 // The call returned, so our slice of `buf` was sent: it may take the result.
                 let out = &mut buf.as_bytes_mut()[at * es..(at + mine) * es];
                 reduce_slice(&c, (me, n), &slices, kernels::Src::Out, out);
-                match root {
-                    None => raw::allgatherv_in_place(env.comm, buf, &parts)?,
-                    Some(r) => raw::gatherv(env.comm, None, buf, &parts, r as i32)?,
-                }
+                let req = match root {
+                    None => raw::iallgatherv(env.comm, None, buf, &parts, true)?,
+                    Some(r) => raw::igatherv(env.comm, None, Some(buf), &parts, r as i32, true)?,
+                };
+                buf = take(req.into_bufs()?.recv)?;
             }
         }
-        env.recycle(Some(slices));
+        env.pool.recycle(Some(slices));
         off += clen;
     }
-    Ok(())
+    Ok(buf)
 }
 
 /// Chunk `[off, off + per)` of a large exact reduction, then the next one.
@@ -197,14 +195,14 @@ pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks
     let parts = chunk_parts(off, clen, n);
     let (at, mine) = parts[me];
     let (send_parts, recv_parts) = peer_parts(&parts, me);
-    let req = raw::ialltoallv(env.comm, buf, &send_parts, env.buffer(dtype, n * mine), &recv_parts, false)?;
+    let req = raw::ialltoallv(env.comm, buf, &send_parts, env.pool.buffer(dtype, n * mine), &recv_parts, false)?;
     Ok(wait(req, move |env, b| {
         let (buf, slices) = (take(b.send)?, take(b.recv)?);
-        let mut reduced = env.buffer(dtype, mine);
+        let mut reduced = env.pool.buffer(dtype, mine);
         let es = dtype.size();
         let own = kernels::Src::Buf(&buf.as_bytes()[at * es..(at + mine) * es]);
         reduce_slice(&c, (me, n), &slices, own, reduced.as_bytes_mut());
-        env.recycle(Some(slices));
+        env.pool.recycle(Some(slices));
         let next = move |env: &Env<'_>, buf: HostBuffer| {
             if off + clen < c.len {
                 large_reduce(env, buf, off + clen, c)
@@ -213,13 +211,13 @@ pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks
             }
         };
         let (req, kept) = match c.root {
-            None => (raw::iallgatherv(env.comm, reduced, buf, &parts)?, None),
-            Some(r) if r == me => (raw::igatherv(env.comm, reduced, Some(buf), &parts, r as i32)?, None),
+            None => (raw::iallgatherv(env.comm, Some(reduced), buf, &parts, false)?, None),
+            Some(r) if r == me => (raw::igatherv(env.comm, Some(reduced), Some(buf), &parts, r as i32, false)?, None),
             // Non-roots keep their input: send the slice, keep `buf` as it is.
-            Some(r) => (raw::igatherv(env.comm, reduced, None, &parts, r as i32)?, Some(buf)),
+            Some(r) => (raw::igatherv(env.comm, Some(reduced), None, &parts, r as i32, false)?, Some(buf)),
         };
         Ok(wait(req, move |env, b| {
-            env.recycle(b.send);
+            env.pool.recycle(b.send);
             next(env, kept.map_or_else(|| take(b.recv), Ok)?)
         }))
     }))
@@ -237,13 +235,13 @@ pub(super) fn scatter_reduce(
     let clen = c.per.min(c.len - off);
     let parts: Vec<Part> = (0..n).map(|j| (j * c.len + off, clen)).collect();
     let (send_parts, recv_parts) = peer_parts(&parts, me);
-    let req = raw::ialltoallv(env.comm, input, &send_parts, env.buffer(dtype, n * clen), &recv_parts, false)?;
+    let req = raw::ialltoallv(env.comm, input, &send_parts, env.pool.buffer(dtype, n * clen), &recv_parts, false)?;
     Ok(wait(req, move |env, b| {
         let (input, mine) = (take(b.send)?, take(b.recv)?);
         let mut out = out;
         let own = kernels::Src::Buf(&input.as_bytes()[(me * c.len + off) * es..(me * c.len + off + clen) * es]);
         reduce_slice(&c, (me, n), &mine, own, &mut out.as_bytes_mut()[off * es..(off + clen) * es]);
-        env.recycle(Some(mine));
+        env.pool.recycle(Some(mine));
         if off + clen < c.len {
             return scatter_reduce(env, input, out, off + clen, c);
         }
@@ -289,7 +287,7 @@ impl Plan for ReduceScatter {
         let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
             let n = env.size;
             let block = len / n;
-            let mut out = output.unwrap_or_else(|| env.buffer(dtype, block));
+            let mut out = output.unwrap_or_else(|| env.pool.buffer(dtype, block));
             if let Some(ex) = ex {
                 // Every input came with the headers: reduce this rank's block of each, in rank order.
                 let (b, all) = (block * dtype.size(), len * dtype.size());
