@@ -63,19 +63,12 @@ struct State {
 
 static ARENA: OnceLock<Arena> = OnceLock::new();
 
-/// The process's arena, installed as the large-buffer provider the first time a group is
-/// made; `None` when `COMM_SHM_ARENA_MIN=off`.
-pub(crate) fn install(limits: Limits) -> Option<&'static Arena> {
-    limits.min?;
-    let mut fresh = false;
-    let arena = ARENA.get_or_init(|| {
-        fresh = true;
-        Arena { limits, state: Mutex::default() }
-    });
-    if fresh {
-        comm_core::set_large_buffers(Some(Arc::new(Installed(arena))));
+/// Installs the process's arena as the large-buffer provider the first time a group is made
+/// (not when `COMM_SHM_ARENA_MIN=off`).
+pub(crate) fn install(limits: Limits) {
+    if limits.min.is_some() && ARENA.set(Arena { limits, state: Mutex::default() }).is_ok() {
+        comm_core::set_large_buffers(Some(Arc::new(Installed(ARENA.get().expect("just set")))));
     }
-    Some(arena)
 }
 
 /// The arena, if a group installed it.
@@ -142,11 +135,6 @@ impl Arena {
         }
         None
     }
-
-    fn give_back(&self, chunk: Arc<Segment>, off: usize, size: usize) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        st.free.entry(size).or_default().push((chunk, off));
-    }
 }
 
 /// The block for `need` bytes: up to a chunk, `need` rounded up to a quarter of its power of
@@ -209,7 +197,8 @@ impl ExternalStorage for Block {
 
 impl Drop for Block {
     fn drop(&mut self) {
-        self.arena.give_back(self.chunk.clone(), self.off, self.size);
+        let mut st = self.arena.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.free.entry(self.size).or_default().push((self.chunk.clone(), self.off));
     }
 }
 

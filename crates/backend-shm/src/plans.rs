@@ -27,10 +27,14 @@ pub struct Limits {
 }
 
 impl Limits {
-    /// Whether an op that reads peers' buffers in place from `zc_min` runs `bytes` in one step,
-    /// one step taking at most `most`.
-    fn one_step(&self, bytes: usize, most: usize) -> bool {
-        bytes <= most && bytes < self.zc_min
+    /// `r` in one step (`f`) when an op that reads peers' buffers in place from `zc_min` runs
+    /// `bytes` in one, one step taking at most `most`; else `r` back.
+    fn fit<R>(&self, bytes: usize, most: usize, r: R, f: impl FnOnce(R) -> OneShot) -> Result<OneShot, R> {
+        if bytes <= most && bytes < self.zc_min {
+            Ok(f(r))
+        } else {
+            Err(r)
+        }
     }
 }
 
@@ -119,70 +123,58 @@ impl OneShotOutput for () {
 
 impl Plan for AllReduce {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if !l.one_step(self.buf.byte_len(), l.small_max) {
-            return Err(self);
-        }
-        Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: None })
+        l.fit(self.buf.byte_len(), l.small_max, self, |r| OneShot::AllReduce { buf: r.buf, op: r.op, root: None })
     }
     fn run(mut self, e: &mut Engine) -> Result<HostBuffer> {
-        e.all_reduce(&mut self.buf, self.op, None)?;
-        Ok(self.buf)
+        e.all_reduce(&mut self.buf, self.op, None).map(|()| self.buf)
     }
 }
 
 impl Plan for Reduce {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if !l.one_step(self.buf.byte_len(), l.small_max) {
-            return Err(self);
-        }
-        Ok(OneShot::AllReduce { buf: self.buf, op: self.op, root: Some(self.root) })
+        l.fit(self.buf.byte_len(), l.small_max, self, |r| OneShot::AllReduce {
+            buf: r.buf,
+            op: r.op,
+            root: Some(r.root),
+        })
     }
     fn run(mut self, e: &mut Engine) -> Result<HostBuffer> {
-        e.all_reduce(&mut self.buf, self.op, Some(self.root))?;
-        Ok(self.buf)
+        e.all_reduce(&mut self.buf, self.op, Some(self.root)).map(|()| self.buf)
     }
 }
 
 impl Plan for Broadcast {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if !l.one_step(self.buf.byte_len(), l.window) {
-            return Err(self);
-        }
-        Ok(OneShot::Broadcast { buf: self.buf, root: self.root })
+        l.fit(self.buf.byte_len(), l.window, self, |r| OneShot::Broadcast { buf: r.buf, root: r.root })
     }
     fn run(mut self, e: &mut Engine) -> Result<HostBuffer> {
-        e.broadcast(&mut self.buf, self.root)?;
-        Ok(self.buf)
+        e.broadcast(&mut self.buf, self.root).map(|()| self.buf)
     }
 }
 
 impl Plan for AllGather {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if !l.one_step(self.input.byte_len(), l.window) {
-            return Err(self);
-        }
-        let n = self.input.len() * l.world as usize;
-        let out = self.output.unwrap_or_else(|| HostBuffer::for_overwrite(self.input.dtype(), n));
-        Ok(OneShot::AllGather { input: self.input, out })
+        l.fit(self.input.byte_len(), l.window, self, |r| {
+            let n = r.input.len() * l.world as usize;
+            let out = r.output.unwrap_or_else(|| HostBuffer::for_overwrite(r.input.dtype(), n));
+            OneShot::AllGather { input: r.input, out }
+        })
     }
     fn run(mut self, e: &mut Engine) -> Result<InOut> {
-        let output = e.all_gather(&mut self)?;
-        Ok(InOut { input: self.input, output })
+        e.all_gather(&mut self).map(|output| InOut { input: self.input, output })
     }
 }
 
 impl Plan for ReduceScatter {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
-        if !l.one_step(self.input.byte_len(), l.window) {
-            return Err(self);
-        }
-        let block = self.input.len() / l.world as usize;
-        let out = self.output.unwrap_or_else(|| HostBuffer::for_overwrite(self.input.dtype(), block));
-        Ok(OneShot::ReduceScatter { input: self.input, out, op: self.op })
+        l.fit(self.input.byte_len(), l.window, self, |r| {
+            let block = r.input.len() / l.world as usize;
+            let out = r.output.unwrap_or_else(|| HostBuffer::for_overwrite(r.input.dtype(), block));
+            OneShot::ReduceScatter { input: r.input, out, op: r.op }
+        })
     }
     fn run(mut self, e: &mut Engine) -> Result<InOut> {
-        let output = e.reduce_scatter(&mut self)?;
-        Ok(InOut { input: self.input, output })
+        e.reduce_scatter(&mut self).map(|output| InOut { input: self.input, output })
     }
 }
 
@@ -198,8 +190,7 @@ impl Plan for AllToAll {
         Ok(OneShot::AllToAll { input: self.input, out, n })
     }
     fn run(mut self, e: &mut Engine) -> Result<InOut> {
-        let output = e.all_to_all(&mut self)?;
-        Ok(InOut { input: self.input, output })
+        e.all_to_all(&mut self).map(|output| InOut { input: self.input, output })
     }
 }
 
@@ -215,10 +206,12 @@ impl Plan for Barrier {
 impl Plan for Scatter {
     fn one_shot(self, l: &Limits) -> Result<OneShot, Self> {
         let n = l.world as usize;
-        if !l.one_step(self.output.byte_len(), l.window / (n - 1).max(1)) {
-            return Err(self);
-        }
-        Ok(OneShot::Scatter { input: self.input, out: self.output, root: self.root, n })
+        l.fit(self.output.byte_len(), l.window / (n - 1).max(1), self, |r| OneShot::Scatter {
+            input: r.input,
+            out: r.output,
+            root: r.root,
+            n,
+        })
     }
     fn run(self, e: &mut Engine) -> Result<InOut> {
         e.scatter(self)

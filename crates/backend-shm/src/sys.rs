@@ -1,4 +1,4 @@
-//! Small OS helpers: futex sleep/wake on shared words, process liveness, host identity.
+//! Small OS helpers: futex sleep/wake on shared words, process liveness.
 
 use std::sync::atomic::AtomicU32;
 use std::time::Duration;
@@ -29,7 +29,8 @@ impl ProcId {
     /// This process.
     pub(crate) fn current() -> ProcId {
         let pid = std::process::id();
-        ProcId { pid, start: start_time(pid).unwrap_or(0) }
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+        ProcId { pid, start: stat.and_then(|s| parse_stat(&s)).map_or(0, |(_, s)| s) }
     }
 
     /// `Some(false)` when the process is gone (exited, zombie, or its pid was reused);
@@ -55,10 +56,6 @@ fn parse_stat(stat: &str) -> Option<(char, u64)> {
     // After the state come fields 4.. of proc(5); starttime is field 22, i.e. 19 further on.
     let start = fields.nth(18)?.parse().ok()?;
     Some((state, start))
-}
-
-fn start_time(pid: u32) -> Option<u64> {
-    parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?).map(|(_, s)| s)
 }
 
 #[cfg(test)]

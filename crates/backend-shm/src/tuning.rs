@@ -16,17 +16,13 @@ pub(crate) fn l2_bytes() -> usize {
     *L2.get_or_init(|| read_cache("/sys/devices/system/cpu/cpu0/cache", 2).unwrap_or(FALLBACK_L2))
 }
 
-/// Whether an op whose ranks together touch `bytes` (every input and output) overflows the L3:
-/// then its outputs will not stay in cache, so copies into them stream (they skip reading
-/// each line before writing it; all_gather and broadcast at 16-64 MiB, 2 ranks: 1.5-1.7x).
+/// Whether an op whose ranks together touch `bytes` (every input and output) overflows the L3
+/// of CPU 0 (8 MiB where sysfs does not say): then its outputs will not stay in cache, so
+/// copies into them stream (they skip reading each line before writing it; all_gather and
+/// broadcast at 16-64 MiB, 2 ranks: 1.5-1.7x).
 pub(crate) fn past_l3(bytes: usize) -> bool {
-    bytes >= l3_bytes()
-}
-
-/// The L3 of CPU 0 in bytes (8 MiB where sysfs does not say).
-fn l3_bytes() -> usize {
     static L3: OnceLock<usize> = OnceLock::new();
-    *L3.get_or_init(|| read_cache("/sys/devices/system/cpu/cpu0/cache", 3).unwrap_or(8 << 20))
+    bytes >= *L3.get_or_init(|| read_cache("/sys/devices/system/cpu/cpu0/cache", 3).unwrap_or(8 << 20))
 }
 
 fn read_cache(dir: &str, want: u32) -> Option<usize> {

@@ -96,27 +96,43 @@ impl Engine {
 
     /// Fills `r`'s output (taken from it, or allocated); `r.input` stays.
     pub(crate) fn all_gather(&mut self, r: &mut AllGather) -> Result<HostBuffer> {
-        let (dtype, count, es, n, me) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, self.rank);
+        let (dtype, count, es, n) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world);
         let mut out = r.output.take().unwrap_or_else(|| HostBuffer::for_overwrite(dtype, count * n));
         let hdr = self.header(OpKind::AllGather, dtype, count, 0, None);
         if r.input.byte_len() >= self.params.zc_min && self.zc_all_gather(r, &mut out, &hdr)? {
             return Ok(out);
         }
-        let input = r.input.as_bytes();
-        let dst = out.as_bytes_mut();
+        self.concat(&hdr, r.input.as_bytes(), Some(out.as_bytes_mut()), es, true, Choice::Timed)?;
+        Ok(out)
+    }
+
+    /// Every rank's `input` (`es`-byte elements) into `dst` in rank order, a window's piece per
+    /// step; ours is written to the window where `write`. A rank without `dst` only writes.
+    fn concat(
+        &mut self,
+        hdr: &StepHeader,
+        input: &[u8],
+        mut dst: Option<&mut [u8]>,
+        es: usize,
+        write: bool,
+        choice: Choice,
+    ) -> Result<()> {
+        let (count, me) = (input.len() / es, self.rank);
         for (off, len) in pieces(count, self.lay.window / es) {
-            let src = &input[off * es..(off + len) * es];
-            self.step(&hdr, src.len(), Choice::Timed, |io, stream| match io {
-                Io::Write(w) => to_window(stream, &mut w[..src.len()], src),
+            let piece = &input[off * es..(off + len) * es];
+            self.step(hdr, piece.len(), choice, |io, stream| match io {
+                Io::Write(w) if write => to_window(stream, &mut w[..piece.len()], piece),
+                Io::Write(_) => {}
                 Io::Read(views, _) => {
+                    let Some(dst) = dst.as_deref_mut() else { return };
                     for (p, v) in views.iter().enumerate() {
                         let at = (p * count + off) * es;
-                        dst[at..at + src.len()].copy_from_slice(if p == me { src } else { &v[..src.len()] });
+                        dst[at..at + piece.len()].copy_from_slice(if p == me { piece } else { &v[..piece.len()] });
                     }
                 }
             })?;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Fills `r`'s output (taken from it, or allocated); `r.input` stays.
@@ -299,28 +315,10 @@ impl Engine {
         if input.byte_len() >= zc_min && self.zc_gather(&input, out.as_mut(), &hdr)? {
             return Ok(done(out, input));
         }
-        {
-            let src = input.as_bytes();
-            let mut dst = out.as_mut().map(HostBuffer::as_bytes_mut);
-            for (off, len) in pieces(count, self.lay.window / es) {
-                let piece = &src[off * es..(off + len) * es];
-                let choice = if is_root { Choice::Plain } else { Choice::Writes };
-                self.step(&hdr, piece.len(), choice, |io, stream| match io {
-                    // The root takes its own piece from its input.
-                    Io::Write(w) if !is_root => to_window(stream, &mut w[..piece.len()], piece),
-                    Io::Write(_) => {}
-                    Io::Read(views, _) => {
-                        if let Some(dst) = dst.as_deref_mut() {
-                            for (p, v) in views.iter().enumerate() {
-                                let at = (p * count + off) * es;
-                                let from = if p == root { piece } else { &v[..piece.len()] };
-                                dst[at..at + piece.len()].copy_from_slice(from);
-                            }
-                        }
-                    }
-                })?;
-            }
-        }
+        // The root takes its own piece from its input.
+        let (dst, choice) =
+            (out.as_mut().map(HostBuffer::as_bytes_mut), if is_root { Choice::Plain } else { Choice::Writes });
+        self.concat(&hdr, input.as_bytes(), dst, es, !is_root, choice)?;
         Ok(done(out, input))
     }
 }

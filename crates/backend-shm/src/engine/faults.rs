@@ -109,13 +109,19 @@ impl Engine {
         }
     }
 
+    /// An op ended in `e`: its step is over; a lost peer, a mismatch or a timeout poisons.
+    pub(super) fn failed(&mut self, e: &CommError) {
+        self.phase = Phase::Idle;
+        if e.poisons_group() {
+            self.poison_with(e);
+        }
+    }
+
     /// Fails every send to and receive from `peer` with `e`.
     pub(super) fn fail_p2p(&mut self, peer: usize, e: &CommError) {
-        for op in self.sends[peer].drain(..) {
-            op.done.complete(Err(e.duplicate()));
-        }
-        for op in self.recvs[peer].drain(..) {
-            op.done.complete(Err(e.duplicate()));
+        let recvs = self.recvs[peer].drain(..).map(|op| op.done);
+        for done in self.sends[peer].drain(..).map(|op| op.done).chain(recvs) {
+            done.complete(Err(e.duplicate()));
         }
     }
 
@@ -140,30 +146,18 @@ impl Engine {
     /// `Err` when `peer` can no longer make progress: it aborted, shut down, or died (its
     /// process is looked at every 50 ms at most).
     pub(super) fn check_peer(&mut self, peer: usize) -> Result<()> {
-        match self.segs[peer].u32_at(OFF_STATE).load(Acquire) {
-            STATE_ABORTED => {
-                return Err(CommError::peer_lost(
-                    peer as Rank,
-                    format!("it aborted the group: {}", self.peer_reason(peer)),
-                ))
+        let why = match self.segs[peer].u32_at(OFF_STATE).load(Acquire) {
+            STATE_ABORTED => format!("it aborted the group: {}", self.peer_reason(peer)),
+            STATE_CLOSED => "it shut its process group down (or exited) without joining this op".to_owned(),
+            _ if self.last_liveness.elapsed() < Duration::from_millis(50) => return Ok(()),
+            _ => {
+                self.last_liveness = Instant::now();
+                match self.procs[peer].filter(|p| p.alive() == Some(false)) {
+                    Some(p) => format!("its process {} exited", p.pid),
+                    None => return Ok(()),
+                }
             }
-            STATE_CLOSED => {
-                return Err(CommError::peer_lost(
-                    peer as Rank,
-                    "it shut its process group down (or exited) without joining this op",
-                ))
-            }
-            _ => {}
-        }
-        if self.last_liveness.elapsed() < Duration::from_millis(50) {
-            return Ok(());
-        }
-        self.last_liveness = Instant::now();
-        if let Some(p) = self.procs[peer] {
-            if p.alive() == Some(false) {
-                return Err(CommError::peer_lost(peer as Rank, format!("its process {} exited", p.pid)));
-            }
-        }
-        Ok(())
+        };
+        Err(CommError::peer_lost(peer as Rank, why))
     }
 }

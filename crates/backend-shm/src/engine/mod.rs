@@ -415,11 +415,7 @@ impl Engine {
                 self.closing = true;
                 self.shutdown_waiters.push(d);
             }
-            Command::OneShot(op, d) => {
-                let name = op.name();
-                let r = self.run_op(name, |e| e.oneshot(op));
-                self.finished = Some((d, r));
-            }
+            Command::OneShot(op, d) => self.finished = Some((d, self.run_op(op.name(), |e| e.oneshot(op)))),
             // Taken at once by `accept`, never queued.
             Command::Abort(cause) => self.poison_with(&CommError::Poisoned { cause }),
         }
@@ -430,12 +426,7 @@ impl Engine {
         config::injected_panic(self.params.panic_at, name, self.rank);
         let res = f(self);
         self.phase = Phase::Idle;
-        if let Err(e) = &res {
-            if e.poisons_group() {
-                self.poison_with(e);
-            }
-        }
-        res
+        res.inspect_err(|e| self.failed(e))
     }
 }
 

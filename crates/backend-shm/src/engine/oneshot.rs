@@ -164,31 +164,24 @@ impl OneShot {
 
     /// The op's part of a phase; `stream`: whether its copies into our window stream.
     pub(super) fn io(&mut self, me: usize, io: Io<'_>, stream: bool) {
+        let writes = self.writes(me);
         match (self, io) {
-            (OneShot::AllReduce { buf, .. }, Io::Write(w)) => {
-                to_window(stream, &mut w[..buf.byte_len()], buf.as_bytes())
-            }
+            (
+                OneShot::AllReduce { buf, .. }
+                | OneShot::Broadcast { buf, .. }
+                | OneShot::AllGather { input: buf, .. }
+                | OneShot::Gather { input: buf, .. },
+                Io::Write(w),
+            ) if writes => to_window(stream, &mut w[..buf.byte_len()], buf.as_bytes()),
             (OneShot::AllReduce { buf, op, root }, Io::Read(views, _)) if root.is_none_or(|r| r as usize == me) => {
                 // Our own input is the buffer itself (see `reduce_leading`).
                 kernels::reduce_leading(buf.dtype(), *op, views, Some(me), buf.as_bytes_mut());
-            }
-            (OneShot::Broadcast { buf, root }, Io::Write(w)) if *root as usize == me => {
-                to_window(stream, &mut w[..buf.byte_len()], buf.as_bytes())
             }
             (OneShot::Broadcast { buf, root }, Io::Read(views, _)) if *root as usize != me => {
                 let n = buf.byte_len();
                 buf.as_bytes_mut().copy_from_slice(&views[*root as usize][..n]);
             }
-            (OneShot::AllGather { input, .. }, Io::Write(w)) => {
-                to_window(stream, &mut w[..input.byte_len()], input.as_bytes())
-            }
-            (OneShot::AllGather { input, out }, Io::Read(views, _)) => {
-                let b = input.byte_len();
-                for (p, v) in views.iter().enumerate() {
-                    let src = if p == me { input.as_bytes() } else { &v[..b] };
-                    out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(src);
-                }
-            }
+            (OneShot::AllGather { input, out }, Io::Read(views, _)) => concat(views, me, input, out),
             // The input but our own block: block j (for rank j) at offset j * b, as in one
             // round of `Engine::reduce_scatter`.
             (OneShot::ReduceScatter { input, out, .. }, Io::Write(w)) => {
@@ -239,17 +232,9 @@ impl OneShot {
                 let at = (me - usize::from(me > root)) * b;
                 out.as_bytes_mut().copy_from_slice(&views[root][at..at + b]);
             }
-            (OneShot::Gather { input, root, .. }, Io::Write(w)) if *root as usize != me => {
-                to_window(stream, &mut w[..input.byte_len()], input.as_bytes())
-            }
             (OneShot::Gather { input, out, root }, Io::Read(views, _)) if *root as usize == me => {
-                let b = input.byte_len();
-                let out =
-                    out.get_or_insert_with(|| HostBuffer::for_overwrite(input.dtype(), input.len() * views.len()));
-                for (p, v) in views.iter().enumerate() {
-                    let src = if p == me { input.as_bytes() } else { &v[..b] };
-                    out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(src);
-                }
+                let n = input.len() * views.len();
+                concat(views, me, input, out.get_or_insert_with(|| HostBuffer::for_overwrite(input.dtype(), n)))
             }
             _ => {}
         }
@@ -380,14 +365,9 @@ impl Engine {
 
     pub(super) fn resume(&mut self, mut p: Parked) {
         self.op = p.op.name();
-        let r = self.wait_all(p.k).and_then(|()| self.read_step(&mut p.op, p.k, &p.hdr));
-        if let Err(e) = &r {
-            // As for ops run by the worker (`run_op`): a lost peer or a timeout poisons.
-            self.phase = Phase::Idle;
-            if e.poisons_group() {
-                self.poison_with(e);
-            }
-        }
+        // As for ops run by the worker (`run_op`): a lost peer or a timeout poisons.
+        let r =
+            self.wait_all(p.k).and_then(|()| self.read_step(&mut p.op, p.k, &p.hdr)).inspect_err(|e| self.failed(e));
         match (p.then, r) {
             (Some(Then::Done(done)), r) => self.finished = Some((done, r.map(|()| p.op))),
             (Some(Then::Run(op)), Ok(())) => op.run(self, true),
@@ -398,11 +378,7 @@ impl Engine {
 
     /// Checks the headers of published step `k` and runs the op's read phase.
     pub(super) fn read_step(&mut self, op: &mut OneShot, k: u64, hdr: &StepHeader) -> Result<()> {
-        if let Err(e) = self.check_headers(k, hdr) {
-            self.phase = Phase::Idle;
-            self.poison_with(&e);
-            return Err(e);
-        }
+        self.check_headers(k, hdr).inspect_err(|e| self.failed(e))?;
         self.read_phase(op, k);
         Ok(())
     }
@@ -474,5 +450,15 @@ impl Engine {
         self.publish(k, &hdr)?;
         self.read_phase(&mut op, k);
         Ok(op)
+    }
+}
+
+/// Every rank's block of `input`'s size into `out` in rank order: ours from `input`, the others'
+/// from their windows.
+fn concat(views: &[&[u8]], me: usize, input: &HostBuffer, out: &mut HostBuffer) {
+    let b = input.byte_len();
+    for (p, v) in views.iter().enumerate() {
+        let src = if p == me { input.as_bytes() } else { &v[..b] };
+        out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(src);
     }
 }

@@ -92,37 +92,25 @@ impl Engine {
         let place = (op.offset == 0 && total >= self.params.send_in_place_min && self.procs[peer].is_some())
             .then(|| place_of(&op.req.buf))
             .flatten();
+        let hdr =
+            MsgHeader { total: total as u64, tag: op.req.tag, dtype: op.req.buf.dtype().code(), ..Default::default() };
+        let in_place = place.is_some();
         if let Some(place) = place {
-            let hdr = MsgHeader {
-                total: total as u64,
-                len: CARRIED as u64,
-                tag: op.req.tag,
-                dtype: op.req.buf.dtype().code(),
-                flags: IN_PLACE,
-                ..MsgHeader::default()
-            };
+            let hdr = MsgHeader { len: CARRIED as u64, flags: IN_PLACE, ..hdr };
             write_chunk(me, &self.lay, peer, chunk, hdr, &encode(Some(place), true), false);
-            self.sent[peer] = chunk + 1;
             op.offset = total;
-            self.ring(peer);
-            return Ok(true);
+        } else {
+            let len = (total - op.offset).min(self.lay.slot);
+            let hdr = MsgHeader { offset: op.offset as u64, len: len as u64, ..hdr };
+            let stores = &mut self.write_stores[usize::from(OpKind::Send.code())];
+            let (stream, start) = stores.start(len);
+            write_chunk(me, &self.lay, peer, chunk, hdr, &op.req.buf.as_bytes()[op.offset..op.offset + len], stream);
+            stores.finish(len, stream, start);
+            op.offset += len;
         }
-        let len = (total - op.offset).min(self.lay.slot);
-        let hdr = MsgHeader {
-            total: total as u64,
-            offset: op.offset as u64,
-            len: len as u64,
-            tag: op.req.tag,
-            dtype: op.req.buf.dtype().code(),
-            ..MsgHeader::default()
-        };
-        let stores = &mut self.write_stores[usize::from(OpKind::Send.code())];
-        let (stream, start) = stores.start(len);
-        write_chunk(me, &self.lay, peer, chunk, hdr, &op.req.buf.as_bytes()[op.offset..op.offset + len], stream);
-        stores.finish(len, stream, start);
         self.sent[peer] = chunk + 1;
-        op.offset += len;
-        let finished = op.offset == total;
+        // A send in place completes once the peer acknowledges it (above).
+        let finished = !in_place && op.offset == total;
         self.ring(peer);
         if finished {
             let op = self.sends[peer].pop_front().expect("front exists");
@@ -206,13 +194,8 @@ impl Engine {
 
     pub(super) fn check_p2p_deadlines(&mut self) -> Result<()> {
         for peer in 0..self.world {
-            let oldest = self.sends[peer]
-                .front()
-                .map(|o| o.started)
-                .into_iter()
-                .chain(self.recvs[peer].front().map(|o| o.started))
-                .min();
-            let Some(started) = oldest else { continue };
+            let fronts = [self.sends[peer].front().map(|o| o.started), self.recvs[peer].front().map(|o| o.started)];
+            let Some(started) = fronts.into_iter().flatten().min() else { continue };
             let timeout = self.params.timeout;
             let r = self.check_peer(peer).and_then(|()| match started.elapsed() >= timeout {
                 true => Err(CommError::timeout(

@@ -19,6 +19,15 @@ use super::{Engine, Phase, Result, AUX_ZERO_COPY, ZC_CACHE};
 /// Peers' buffers mapped here for one op (index: rank; ours `None`): chunk and offset.
 type Mapped = Vec<Option<(Arc<Segment>, usize)>>;
 
+/// `len` bytes at `off` of a peer's input mapped for the op, or of this rank's `own` input.
+fn peer_or_own<'a>(mapped: &'a Option<(Arc<Segment>, usize)>, own: &'a [u8], off: usize, len: usize) -> &'a [u8] {
+    match mapped {
+        // SAFETY: a peer's input is in its op until the last step; nobody writes it.
+        Some((seg, base)) => unsafe { seg.bytes(base + off, len) },
+        None => &own[off..off + len],
+    }
+}
+
 /// What a rank says in the header of the first step: where its buffer is (fd + 1, 0: not in
 /// an arena), whether it can open every peer's memory, the chunk's length, the offset.
 pub(super) fn encode(place: Option<Place>, can_open: bool) -> [u8; CARRIED] {
@@ -248,14 +257,7 @@ impl Engine {
         let block = out.byte_len();
         let Some(peers) = self.zc_where(hdr, place_of(&r.input), |_| true, |_| block * n)? else { return Ok(false) };
         let at = me * block;
-        let ins: Vec<&[u8]> = peers
-            .iter()
-            .map(|mapped| match mapped {
-                // SAFETY: peer `p`'s input is in its op until the last step; nobody writes it.
-                Some((seg, base)) => unsafe { seg.bytes(base + at, block) },
-                None => &r.input.as_bytes()[at..at + block],
-            })
-            .collect();
+        let ins: Vec<&[u8]> = peers.iter().map(|m| peer_or_own(m, r.input.as_bytes(), at, block)).collect();
         if tuning::past_l3((block * n + block).saturating_mul(n)) {
             kernels::reduce_streaming(out.dtype(), r.op, &ins, out.as_bytes_mut());
         } else {
@@ -294,12 +296,7 @@ impl Engine {
         let mut at = 0;
         for (p, mapped) in peers.iter().enumerate() {
             let (from, len, _) = sizes[p];
-            let src = match mapped {
-                // SAFETY: peer `p`'s input is in its op until the last step; nobody writes it.
-                Some((seg, base)) => unsafe { seg.bytes(base + from, len) },
-                None => &input.as_bytes()[from..from + len],
-            };
-            to_window(stream, &mut dst[at..at + len], src);
+            to_window(stream, &mut dst[at..at + len], peer_or_own(mapped, input.as_bytes(), from, len));
             at += len;
         }
         self.zc_done(hdr)
@@ -343,11 +340,7 @@ impl Engine {
             let stream = tuning::past_l3(bytes.saturating_mul(2 * n));
             for (p, mapped) in peers.iter().enumerate() {
                 let to = &mut out.as_bytes_mut()[p * bytes..(p + 1) * bytes];
-                match mapped {
-                    // SAFETY: peer `p`'s input is in its op until the last step; nobody writes it.
-                    Some((seg, base)) => to_window(stream, to, unsafe { seg.bytes(*base, bytes) }),
-                    None => to_window(stream, to, input.as_bytes()),
-                }
+                to_window(stream, to, peer_or_own(mapped, input.as_bytes(), 0, bytes));
             }
         }
         self.zc_done(hdr)
