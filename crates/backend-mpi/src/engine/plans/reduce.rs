@@ -101,12 +101,8 @@ pub(super) fn plan_reduce(
         }
         // Large: per chunk, rank j reduces slice j of every input, then the slices are gathered.
         let per = (env.params.chunk / es).max(16 * n);
-        let chunks = Chunks { dtype, op, len, root, per };
-        if env.may_block {
-            // After a completed exchange: MPI's blocking calls (see the native case).
-            return done(reduce_blocking(env, buf, chunks)?);
-        }
-        large_reduce(env, buf, 0, chunks)
+        // After a completed exchange, where `may_block`: MPI's blocking calls (see the native case).
+        large_reduce(env, buf, 0, Chunks { dtype, op, len, root, per }, env.may_block)
     };
     Steps { name, header, payload, whole, start: Box::new(start), reply }
 }
@@ -149,76 +145,48 @@ fn reduce_slice(c: &Chunks, (me, n): (usize, usize), slices: &HostBuffer, own: k
     kernels::reduce_to(c.dtype, c.op, &ins, out, None);
 }
 
-/// [`large_reduce`] with MPI's blocking calls: each reduced slice is gathered in place (a
-/// non-root keeps its input and sends its slice from a scratch buffer).
-fn reduce_blocking(env: &Env<'_>, mut buf: HostBuffer, c: Chunks) -> Result<HostBuffer, CommError> {
+/// Chunk `[off, off + per)` of a large exact reduction, then the next one; with MPI's blocking
+/// calls where `block` (each completes at once, so the chunks run back to back).
+pub(super) fn large_reduce(
+    env: &Env<'_>,
+    buf: HostBuffer,
+    off: usize,
+    c: Chunks,
+    block: bool,
+) -> Result<Step, CommError> {
     let (me, n, dtype, es) = (env.rank, env.size, c.dtype, c.dtype.size());
-    let mut off = 0;
-    while off < c.len {
-        let clen = c.per.min(c.len - off);
-        let parts = chunk_parts(off, clen, n);
-        let (at, mine) = parts[me];
-        let (send_parts, recv_parts) = peer_parts(&parts, me);
-        let slices = env.pool.buffer(dtype, n * mine);
-        let b = raw::ialltoallv(env.comm, buf, &send_parts, slices, &recv_parts, true)?.into_bufs()?;
-        let slices = take(b.recv)?;
-        buf = take(b.send)?;
-        match c.root {
-            Some(r) if r != me => {
-                let mut reduced = env.pool.buffer(dtype, mine);
-                let own = kernels::Src::Buf(&buf.as_bytes()[at * es..(at + mine) * es]);
-                reduce_slice(&c, (me, n), &slices, own, reduced.as_bytes_mut());
-                let req = raw::igatherv(env.comm, Some(reduced), None, &parts, r as i32, true)?;
-                env.pool.recycle(req.into_bufs()?.send);
-            }
-            root => {
-                // The call returned, so our slice of `buf` was sent: it may take the result.
-                let out = &mut buf.as_bytes_mut()[at * es..(at + mine) * es];
-                reduce_slice(&c, (me, n), &slices, kernels::Src::Out, out);
-                let req = match root {
-                    None => raw::iallgatherv(env.comm, None, buf, &parts, true)?,
-                    Some(r) => raw::igatherv(env.comm, None, Some(buf), &parts, r as i32, true)?,
-                };
-                buf = take(req.into_bufs()?.recv)?;
-            }
-        }
-        env.pool.recycle(Some(slices));
-        off += clen;
-    }
-    Ok(buf)
-}
-
-/// Chunk `[off, off + per)` of a large exact reduction, then the next one.
-pub(super) fn large_reduce(env: &Env<'_>, buf: HostBuffer, off: usize, c: Chunks) -> Result<Step, CommError> {
-    let (me, n, dtype) = (env.rank, env.size, c.dtype);
     let clen = c.per.min(c.len - off);
     let parts = chunk_parts(off, clen, n);
     let (at, mine) = parts[me];
     let (send_parts, recv_parts) = peer_parts(&parts, me);
-    let req = raw::ialltoallv(env.comm, buf, &send_parts, env.pool.buffer(dtype, n * mine), &recv_parts, false)?;
+    let req = raw::ialltoallv(env.comm, buf, &send_parts, env.pool.buffer(dtype, n * mine), &recv_parts, block)?;
     Ok(wait(req, move |env, b| {
-        let (buf, slices) = (take(b.send)?, take(b.recv)?);
-        let mut reduced = env.pool.buffer(dtype, mine);
-        let es = dtype.size();
-        let own = kernels::Src::Buf(&buf.as_bytes()[at * es..(at + mine) * es]);
-        reduce_slice(&c, (me, n), &slices, own, reduced.as_bytes_mut());
-        env.pool.recycle(Some(slices));
-        let next = move |env: &Env<'_>, buf: HostBuffer| {
-            if off + clen < c.len {
-                large_reduce(env, buf, off + clen, c)
-            } else {
-                done(buf)
+        let (mut buf, slices) = (take(b.send)?, take(b.recv)?);
+        let slice = at * es..(at + mine) * es;
+        // A rank that keeps the result reduces into its slice of `buf`, which the alltoallv has
+        // sent, and gathers it from there (`MPI_IN_PLACE`); the others keep their input.
+        let (req, kept) = match c.root {
+            Some(r) if r != me => {
+                let mut reduced = env.pool.buffer(dtype, mine);
+                reduce_slice(&c, (me, n), &slices, kernels::Src::Buf(&buf.as_bytes()[slice]), reduced.as_bytes_mut());
+                (raw::igatherv(env.comm, Some(reduced), None, &parts, r as i32, block)?, Some(buf))
+            }
+            root => {
+                reduce_slice(&c, (me, n), &slices, kernels::Src::Out, &mut buf.as_bytes_mut()[slice]);
+                match root {
+                    None => (raw::iallgatherv(env.comm, None, buf, &parts, block)?, None),
+                    Some(r) => (raw::igatherv(env.comm, None, Some(buf), &parts, r as i32, block)?, None),
+                }
             }
         };
-        let (req, kept) = match c.root {
-            None => (raw::iallgatherv(env.comm, Some(reduced), buf, &parts, false)?, None),
-            Some(r) if r == me => (raw::igatherv(env.comm, Some(reduced), Some(buf), &parts, r as i32, false)?, None),
-            // Non-roots keep their input: send the slice, keep `buf` as it is.
-            Some(r) => (raw::igatherv(env.comm, Some(reduced), None, &parts, r as i32, false)?, Some(buf)),
-        };
+        env.pool.recycle(Some(slices));
         Ok(wait(req, move |env, b| {
             env.pool.recycle(b.send);
-            next(env, kept.map_or_else(|| take(b.recv), Ok)?)
+            let buf = kept.map_or_else(|| take(b.recv), Ok)?;
+            match off + clen < c.len {
+                true => large_reduce(env, buf, off + clen, c, block),
+                false => done(buf),
+            }
         }))
     }))
 }
