@@ -205,10 +205,7 @@ const _: () = assert!(std::mem::offset_of!(MsgHeader, data) == CARRIED_AT);
 
 /// A header's bytes after its first word (which is written separately, atomically, last).
 pub(crate) fn body<H: Pod>(h: &H) -> [u64; HDR / 8 - 1] {
-    let all: [u64; HDR / 8] = bytemuck::cast(*h);
-    let mut body = [0; HDR / 8 - 1];
-    body.copy_from_slice(&all[1..]);
-    body
+    bytemuck::cast::<H, [u64; HDR / 8]>(*h)[1..].try_into().expect("a header is HDR bytes")
 }
 
 #[cfg(test)]

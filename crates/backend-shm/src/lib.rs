@@ -172,7 +172,7 @@ impl std::fmt::Debug for ShmBackend {
     }
 }
 
-/// The value rank `r` publishes under `key`, waited for until `deadline` in slices: if its
+/// The value rank `r` publishes under `key` (as text), waited for until `deadline` in slices: if its
 /// process (`known[r]`) exits first, or a rank gives up the rendezvous of group `abort`, the
 /// wait fails at once instead of at the deadline.
 async fn get_from(
@@ -182,14 +182,14 @@ async fn get_from(
     known: &[Option<ProcId>],
     deadline: std::time::Instant,
     abort: Option<&str>,
-) -> Result<Vec<u8>, CommError> {
+) -> Result<String, CommError> {
     let known = known.get(r as usize).copied().flatten();
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         let slice = if known.is_some() || abort.is_some() { left.min(Duration::from_millis(20)) } else { left };
         match store.get(key, slice).await {
             Err(CommError::Timeout { .. }) if !left.is_zero() && slice < left => {}
-            other => return other,
+            other => return other.map(|v| String::from_utf8_lossy(&v).into_owned()),
         }
         if let Some(e) = match abort {
             Some(prefix) => ShmBackend::gave_up(store, prefix).await,
@@ -259,7 +259,6 @@ impl ShmBackend {
         }
         let deadline = std::time::Instant::now() + to;
         let params = get_from(&*store, &format!("{prefix}/params"), 0, known, deadline, None).await?;
-        let params = String::from_utf8_lossy(&params).into_owned();
         let nums: Vec<usize> = params.split(' ').filter_map(|x| x.parse().ok()).collect();
         let [window, slot, small_max, zc_min] = nums[..] else {
             return Err(CommError::Store(format!("malformed shm parameters `{params}` in the store")));
@@ -267,7 +266,6 @@ impl ShmBackend {
         let mut sets = Vec::with_capacity(world as usize);
         for r in 0..world {
             let value = get_from(&*store, &format!("{prefix}/host/{r}"), r, known, deadline, None).await?;
-            let value = String::from_utf8_lossy(&value);
             let (theirs, their_cpus) = CpuSet::split_id(&value);
             if theirs != host {
                 return Err(CommError::Unavailable {
@@ -406,7 +404,6 @@ impl ShmBackend {
                 continue;
             }
             let raw = get_from(store, &format!("{prefix}/seg/{r}"), r, known, start + to, Some(prefix)).await?;
-            let raw = String::from_utf8_lossy(&raw).into_owned();
             let mut it = raw.split(' ');
             let (Some(name), Some(pid), Some(start), Some(arena)) = (it.next(), it.next(), it.next(), it.next()) else {
                 return Err(CommError::Store(format!("malformed segment record `{raw}` for rank {r}")));
@@ -608,13 +605,10 @@ fn reap_stale_segments() {
     let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
     for entry in dir.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("commshm-")).and_then(|r| r.split('-').next()) else {
-            continue;
-        };
-        if let Ok(pid) = pid.parse::<u32>() {
-            if (ProcId { pid, start: 0 }).alive() == Some(false) {
-                let _ = rustix::shm::unlink(format!("/{}", name.to_string_lossy()).as_str());
-            }
+        let pid = name.to_str().and_then(|n| n.strip_prefix("commshm-")).and_then(|r| r.split('-').next());
+        let Some(pid) = pid.and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if (ProcId { pid, start: 0 }).alive() == Some(false) {
+            let _ = rustix::shm::unlink(format!("/{}", name.to_string_lossy()).as_str());
         }
     }
 }

@@ -49,13 +49,10 @@ impl Segment {
             }
             return Err(e);
         }
-        match Self::map(&fd, len) {
-            Ok(base) => Ok(Segment { base, len, name: name.to_owned(), fd: None }),
-            Err(e) => {
-                let _ = shm::unlink(name);
-                Err(e)
-            }
-        }
+        let base = Self::map(&fd, len).inspect_err(|_| {
+            let _ = shm::unlink(name);
+        })?;
+        Ok(Segment { base, len, name: name.to_owned(), fd: None })
     }
 
     /// Opens and maps an existing segment that must be at least `len` bytes long.

@@ -81,20 +81,13 @@ impl Request {
     pub(super) fn start(
         call: &'static str,
         datatype: ffi::MPI_Datatype,
-        mut bufs: Bufs,
+        bufs: Bufs,
         arrays: Vec<Vec<c_int>>,
         issue: impl FnOnce(*const c_void, *mut c_void, &[Vec<c_int>], *mut ffi::MPI_Request) -> c_int,
     ) -> Result<Request, CommError> {
-        let s = send_ptr(&bufs.send);
-        let r = recv_ptr(&mut bufs.recv);
-        let mut req = Request::unissued(bufs, arrays, datatype);
-        let rc = issue(s, r, &req._arrays, &mut req.raw);
-        if let Err(e) = check(call, rc) {
-            // MPI's state after a failed issue is undefined: keep (leak) what it was given.
-            std::mem::forget(req);
-            return Err(e.into());
-        }
-        Ok(req)
+        Self::start_or_call(false, call, datatype, bufs, arrays, |s, r, a, req| {
+            issue(s, r, a, req.expect("a nonblocking call has a request"))
+        })
     }
 
     /// [`start`](Self::start), or where `blocking` MPI's blocking form (`issue` gets `None`),
@@ -108,16 +101,19 @@ impl Request {
         arrays: Vec<Vec<c_int>>,
         issue: impl FnOnce(*const c_void, *mut c_void, &[Vec<c_int>], Option<*mut ffi::MPI_Request>) -> c_int,
     ) -> Result<Request, CommError> {
-        if !blocking {
-            return Self::start(call, datatype, bufs, arrays, |s, r, a, req| issue(s, r, a, Some(req)));
-        }
         let mut req = Request::unissued(bufs, arrays, datatype);
         let s = send_ptr(&req.bufs.send);
         let r = recv_ptr(&mut req.bufs.recv);
-        let rc = issue(s, r, &req._arrays, None);
-        // The call returned: MPI no longer uses the buffers, whatever it reports.
-        req.done = true;
-        check(call, rc)?;
+        let rc = issue(s, r, &req._arrays, (!blocking).then_some(&mut req.raw as *mut _));
+        // A blocking call returned: MPI no longer uses the buffers, whatever it reports.
+        req.done = blocking;
+        if let Err(e) = check(call, rc) {
+            // MPI's state after a failed issue is undefined: keep (leak) what it was given.
+            if !blocking {
+                std::mem::forget(req);
+            }
+            return Err(e.into());
+        }
         Ok(req)
     }
 

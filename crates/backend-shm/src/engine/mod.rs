@@ -312,16 +312,14 @@ impl Engine {
             self.execute(cmd);
             return Flow::Busy;
         }
-        match self.pump() {
-            Ok(true) => return Flow::Busy,
-            Ok(false) => {}
-            Err(e) => {
-                self.poison_with(&e);
-                return Flow::Busy;
-            }
+        let turn = match self.pump() {
+            Ok(false) => self.check_p2p_deadlines().map(|()| false),
+            pumped => pumped,
+        };
+        if let Err(e) = &turn {
+            self.poison_with(e);
         }
-        if let Err(e) = self.check_p2p_deadlines() {
-            self.poison_with(&e);
+        if !matches!(turn, Ok(false)) {
             return Flow::Busy;
         }
         if !self.p2p_idle() {

@@ -300,10 +300,9 @@ pub(super) fn write_reason(me: &Segment, cause: &str) {
     }
 }
 
-/// Writes chunk `hdr.chunk` of a message to `peer` into our mailbox slot for it, with
-/// streaming stores if `stream`. Call only when the peer has acknowledged chunk
-/// `hdr.chunk - SLOTS` (the slot's previous use).
-/// Writes chunk `chunk` for `peer` (its data in the header when it fits) and publishes it.
+/// Writes chunk `chunk` of a message to `peer` into our mailbox slot for it (its data in the
+/// header when it fits, else with streaming stores if `stream`) and publishes it. Call only
+/// when the peer has acknowledged chunk `chunk - SLOTS` (the slot's previous use).
 pub(super) fn write_chunk(
     me: &Segment,
     lay: &Layout,
