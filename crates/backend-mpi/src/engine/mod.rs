@@ -449,16 +449,15 @@ impl Engine {
                 Ok(Some(comm)) => comm,
                 failed => {
                     std::mem::forget(p);
-                    done.complete(Err(failed.err().map_or_else(
-                        || {
-                            CommError::timeout(
-                                "mpi init (MPI_Comm_idup of MPI_COMM_WORLD)",
-                                params.timeout,
-                                "not every rank of MPI_COMM_WORLD called init",
-                            )
-                        },
-                        CommError::from,
-                    )));
+                    let e = match failed {
+                        Err(e) => e.into(),
+                        _ => CommError::timeout(
+                            "mpi init (MPI_Comm_idup of MPI_COMM_WORLD)",
+                            params.timeout,
+                            "not every rank of MPI_COMM_WORLD called init",
+                        ),
+                    };
+                    done.complete(Err(e));
                     continue;
                 }
             };

@@ -286,17 +286,11 @@ pub(crate) fn iallreduce_in_place(
     blocking: bool,
 ) -> Result<Request, CommError> {
     let (dt, n) = (datatype(buf.dtype()), count("all_reduce", buf.len())?);
-    Request::start_or_call(
-        blocking,
-        "MPI_Iallreduce",
-        dt,
-        Bufs { send: None, recv: Some(buf) },
-        vec![],
-        |_, r, _, req| {
-            // SAFETY: `r` holds `n` elements (rule 2); MPI_IN_PLACE makes it the input too.
-            unsafe { call!(req, MPI_Iallreduce / MPI_Allreduce(in_place(), r, n, dt, op, comm.raw)) }
-        },
-    )
+    let bufs = Bufs { send: None, recv: Some(buf) };
+    Request::start_or_call(blocking, "MPI_Iallreduce", dt, bufs, vec![], |_, r, _, req| {
+        // SAFETY: `r` holds `n` elements (rule 2); MPI_IN_PLACE makes it the input too.
+        unsafe { call!(req, MPI_Iallreduce / MPI_Allreduce(in_place(), r, n, dt, op, comm.raw)) }
+    })
 }
 
 /// `MPI_Ireduce` (`MPI_Reduce`) of `send` into the root's `recv` with `op`.

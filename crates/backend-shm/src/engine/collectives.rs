@@ -6,6 +6,7 @@ use comm_kernels::{self as kernels, Src};
 
 use crate::layout::StepHeader;
 
+use super::oneshot::concat;
 use super::stores::to_window;
 use super::{pieces, Choice, Engine, Io, Result};
 
@@ -124,10 +125,8 @@ impl Engine {
                 Io::Write(w) if write => to_window(stream, &mut w[..piece.len()], piece),
                 Io::Write(_) => {}
                 Io::Read(views, _) => {
-                    let Some(dst) = dst.as_deref_mut() else { return };
-                    for (p, v) in views.iter().enumerate() {
-                        let at = (p * count + off) * es;
-                        dst[at..at + piece.len()].copy_from_slice(if p == me { piece } else { &v[..piece.len()] });
+                    if let Some(dst) = dst.as_deref_mut() {
+                        concat(views, me, piece, dst, count * es, off * es);
                     }
                 }
             })?;

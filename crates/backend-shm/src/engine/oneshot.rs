@@ -181,7 +181,9 @@ impl OneShot {
                 let n = buf.byte_len();
                 buf.as_bytes_mut().copy_from_slice(&views[*root as usize][..n]);
             }
-            (OneShot::AllGather { input, out }, Io::Read(views, _)) => concat(views, me, input, out),
+            (OneShot::AllGather { input, out }, Io::Read(views, _)) => {
+                concat(views, me, input.as_bytes(), out.as_bytes_mut(), input.byte_len(), 0)
+            }
             // The input but our own block: block j (for rank j) at offset j * b, as in one
             // round of `Engine::reduce_scatter`.
             (OneShot::ReduceScatter { input, out, .. }, Io::Write(w)) => {
@@ -234,7 +236,8 @@ impl OneShot {
             }
             (OneShot::Gather { input, out, root }, Io::Read(views, _)) if *root as usize == me => {
                 let n = input.len() * views.len();
-                concat(views, me, input, out.get_or_insert_with(|| HostBuffer::for_overwrite(input.dtype(), n)))
+                let out = out.get_or_insert_with(|| HostBuffer::for_overwrite(input.dtype(), n));
+                concat(views, me, input.as_bytes(), out.as_bytes_mut(), input.byte_len(), 0)
             }
             _ => {}
         }
@@ -453,12 +456,11 @@ impl Engine {
     }
 }
 
-/// Every rank's block of `input`'s size into `out` in rank order: ours from `input`, the others'
-/// from their windows.
-fn concat(views: &[&[u8]], me: usize, input: &HostBuffer, out: &mut HostBuffer) {
-    let b = input.byte_len();
+/// Every rank's piece of `own`'s size into `dst` in rank order, rank p's at `p × stride + at`:
+/// ours from `own`, the others' from their windows.
+pub(super) fn concat(views: &[&[u8]], me: usize, own: &[u8], dst: &mut [u8], stride: usize, at: usize) {
     for (p, v) in views.iter().enumerate() {
-        let src = if p == me { input.as_bytes() } else { &v[..b] };
-        out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(src);
+        let to = p * stride + at;
+        dst[to..to + own.len()].copy_from_slice(if p == me { own } else { &v[..own.len()] });
     }
 }
