@@ -74,23 +74,14 @@ impl HierBackend {
         opts: HierOptions,
     ) -> Result<HierBackend, CommError> {
         let bad = |why: String| Err(CommError::invalid("hier init", why));
-        if (world.rank(), world.world_size()) != (layout.rank(), layout.world_size()) {
-            return bad(format!(
-                "the world group is rank {} of {}, the layout rank {} of {}",
-                world.rank(),
-                world.world_size(),
-                layout.rank(),
-                layout.world_size()
-            ));
+        let (r, n, lr, ln) = (world.rank(), world.world_size(), layout.rank(), layout.world_size());
+        if (r, n) != (lr, ln) {
+            return bad(format!("the world group is rank {r} of {n}, the layout rank {lr} of {ln}"));
         }
-        if (local.rank() as usize, local.world_size() as usize) != (layout.local_index(), layout.local_size()) {
-            return bad(format!(
-                "the local group is rank {} of {}, the layout says local index {} of {}",
-                local.rank(),
-                local.world_size(),
-                layout.local_index(),
-                layout.local_size()
-            ));
+        let (r, n, i, k) =
+            (local.rank() as usize, local.world_size() as usize, layout.local_index(), layout.local_size());
+        if (r, n) != (i, k) {
+            return bad(format!("the local group is rank {r} of {n}, the layout says local index {i} of {k}"));
         }
         let hosts = layout.hosts().to_vec();
         let mut rail = None;
@@ -116,10 +107,7 @@ impl HierBackend {
         let poison = Poison::new();
         let lane = Lane::start(format!("comm-hier-r{}", layout.rank()), poison.clone())?;
         let admission = Admission::new(layout.rank(), layout.world_size(), poison);
-        let rail_min = match opts.rail_min {
-            Some(min) => min,
-            None => default_rail_min(&*world, &layout).await?,
-        };
+        let rail_min = if let Some(min) = opts.rail_min { min } else { default_rail_min(&*world, &layout).await? };
         let parts = Parts { world, local, rail, leaders, layout, inline_max: opts.inline_max, rail_min };
         Ok(HierBackend { parts: Arc::new(parts), lane: Arc::new(lane), admission })
     }
@@ -132,17 +120,11 @@ impl HierBackend {
     /// A few words on the hosts, the rails and the leaders, for `describe()`.
     pub fn describe(&self) -> String {
         let l = &self.parts.layout;
+        let (n, hosts, min) = (l.local_size(), l.hosts().len(), self.parts.rail_min);
         let rails = match &self.parts.rail {
-            Some(_) if self.parts.rail_min == usize::MAX => {
-                format!("{} rails, unused (a machine has fewer cores than ranks)", l.local_size())
-            }
-            Some(_) => format!(
-                "{} rails of {} ranks (one per local index) from {} B",
-                l.local_size(),
-                l.hosts().len(),
-                self.parts.rail_min
-            ),
-            None if l.hosts().len() > 1 && l.max_local() > 1 => "no rails (hosts differ in rank count)".into(),
+            Some(_) if min == usize::MAX => format!("{n} rails, unused (a machine has fewer cores than ranks)"),
+            Some(_) => format!("{n} rails of {hosts} ranks (one per local index) from {min} B"),
+            None if hosts > 1 && l.max_local() > 1 => "no rails (hosts differ in rank count)".into(),
             None => "no rails".into(),
         };
         let leaders: Vec<Rank> = l.hosts().iter().map(|h| h[0]).collect();

@@ -47,8 +47,10 @@ pub trait Plan: Op<Output: OneShotOutput> + Sized {
     fn one_shot(self, _: &Limits) -> Result<OneShot, Self> {
         Err(self)
     }
-    /// Runs the op on the worker in its turn.
-    fn run(self, e: &mut Engine) -> Result<Self::Output>;
+    /// Runs the op on the worker in its turn (point-to-point ops never do).
+    fn run(self, _: &mut Engine) -> Result<Self::Output> {
+        Err(CommError::Backend { backend: "shm", source: format!("a {} ran as a collective", Self::NAME).into() })
+    }
     /// Where the op waits for its turn: collectives in submission order.
     fn accept(p: Box<Pending<Self>>, e: &mut Engine) {
         e.queue_collective(p);
@@ -233,22 +235,14 @@ impl Plan for Gather {
 /// Point-to-point ops wait in their peer's mailbox queue, not in the collective order.
 impl Plan for SendTo {
     const P2P: bool = true;
-    fn run(self, _: &mut Engine) -> Result<HostBuffer> {
-        Err(CommError::Backend { backend: "shm", source: "a send ran as a collective".into() })
-    }
     fn accept(p: Box<Pending<Self>>, e: &mut Engine) {
-        let Pending { req, done } = *p;
-        e.queue_send(req, done);
+        e.queue_send(p.req, p.done);
     }
 }
 
 impl Plan for RecvFrom {
     const P2P: bool = true;
-    fn run(self, _: &mut Engine) -> Result<HostBuffer> {
-        Err(CommError::Backend { backend: "shm", source: "a recv ran as a collective".into() })
-    }
     fn accept(p: Box<Pending<Self>>, e: &mut Engine) {
-        let Pending { req, done } = *p;
-        e.queue_recv(req, done);
+        e.queue_recv(p.req, p.done);
     }
 }

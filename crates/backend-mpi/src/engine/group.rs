@@ -8,8 +8,9 @@ use comm_core::{CommError, Completer, DType, HostBuffer, Rank};
 
 use crate::raw::{self, Comm, Request};
 
+use super::header::OpLabel;
 use super::p2p::P2p;
-use super::plans::{Active, Born, Env, Out, Pool, Reply, Steps};
+use super::plans::{Active, Born, Env, Pool, Reply, Step, Steps};
 use super::{GroupInfo, Params};
 
 pub(super) struct Group {
@@ -113,20 +114,24 @@ impl Group {
         }
     }
 
-    /// Ends a collective with `r`, its lane ticket dropped first: else the caller's next op,
-    /// submitted at once, would find the worker busy and queue behind nothing.
-    pub(super) fn end(
+    /// Goes on with a collective's step `r`: its request becomes the active one, or the op ends,
+    /// its lane ticket dropped first (else the caller's next op, submitted at once, would find
+    /// the worker busy and queue behind nothing).
+    pub(super) fn next(
         &mut self,
-        ticket: Option<Ticket>,
-        reply: Reply,
-        r: Result<Out, CommError>,
+        (ticket, what, started, reply): (Option<Ticket>, OpLabel, Instant, Reply),
+        r: Result<Step, CommError>,
         graveyard: &mut Vec<Request>,
         born: &mut Born,
     ) {
-        drop(ticket);
         match r {
-            Ok(out) => born.extend(reply.complete(out).map(|(c, d)| (self.info.gid, c, d))),
+            Ok(Step::Wait(req, cont)) => self.active = Some(Active { ticket, what, started, req, cont, reply }),
+            Ok(Step::Done(out)) => {
+                drop(ticket);
+                born.extend(reply.complete(out).map(|(c, d)| (self.info.gid, c, d)));
+            }
             Err(e) => {
+                drop(ticket);
                 if e.poisons_group() {
                     self.poison(&e, graveyard);
                 }

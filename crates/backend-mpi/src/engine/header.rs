@@ -10,7 +10,7 @@ use crate::raw::{self, Bufs, Request};
 
 use super::group::Group;
 use super::held;
-use super::plans::{internal, take, wait, Active, Born, Cont, Env, Pool, Start, Step, Steps};
+use super::plans::{internal, take, wait, Born, Cont, Env, Pool, Start, Step, Steps};
 
 /// Issues the exchange before a collective (a long all_reduce input's start beside it,
 /// [`beside_len`]); the continuation checks the headers and starts the op, on any thread.
@@ -351,13 +351,7 @@ pub(super) fn start_collective(
     } else {
         start(&env, None)
     };
-    match first {
-        Ok(Step::Wait(req, cont)) => {
-            g.active = Some(Active { ticket, what, started: Instant::now(), req, cont, reply })
-        }
-        Ok(Step::Done(out)) => g.end(ticket, reply, Ok(out), graveyard, born),
-        Err(e) => g.end(ticket, reply, Err(e), graveyard, born),
-    }
+    g.next((ticket, what, Instant::now(), reply), first, graveyard, born);
 }
 
 /// Compares every rank's header with rank 0's (so every rank reaches the same verdict).

@@ -8,12 +8,12 @@ use comm_core::handle::Poison;
 use comm_core::lane::{self as shared, Class, LaneState, Queued, Ran, Ticket};
 use comm_core::{CommError, Completer, HostBuffer};
 
-use crate::raw::{self, Comm, Polled, Request};
+use crate::raw::{self, Polled, Request};
 
-use super::header::{exchange, Header, OpLabel};
+use super::header::{exchange, OpLabel};
 use super::op::{Job, Pending, Plan, Post};
 use super::p2p::P2p;
-use super::plans::{Active, Cont, Env, Out, Pool, Reply, Start, Step, Steps};
+use super::plans::{Active, Cont, Env, Out, Pool, Reply, Step, Steps};
 use super::{p2p, reject_with, Command, GroupInfo, Params};
 
 /// A group's lane, shared by its handles and the worker: a caller runs an op itself when the
@@ -103,13 +103,16 @@ fn collective_direct<R: Plan>(
 ) -> Finished {
     st.seq += 1;
     let what = OpLabel { name: R::NAME, seq: st.seq, direct: true };
-    let Some(comm) = &st.comm else { unreachable!("checked by the lane") };
-    let Job::Collective(Steps { header, payload, whole, start, reply, .. }) =
-        op.req.job(op.done, &lane.params, info.size as usize)
+    let Some(comm) = st.comm.as_deref() else { unreachable!("checked by the lane") };
+    let (size, rank) = (info.size as usize, info.rank as usize);
+    let Job::Collective(Steps { header, payload, whole, start, reply, .. }) = op.req.job(op.done, &lane.params, size)
     else {
         unreachable!("point-to-point ops are posted")
     };
-    let r = match comm.with(|comm| exchange_direct(comm, &st.pool, lane, info, header, payload, whole, start, what)) {
+    let env =
+        Env { comm, gid: info.gid, rank, size, params: &lane.params, half: None, pool: &st.pool, may_block: false };
+    let first = exchange(&env, header, payload, whole, start, what);
+    let r = match first.and_then(|(req, cont)| exchange_direct(&env, lane.lane.spin(), req, cont, what)) {
         Ok(Direct::Done(out)) => Ok(out),
         Err(e) => Err(e),
         Ok(Direct::Waiting(req, cont, started)) => {
@@ -141,19 +144,15 @@ fn p2p_direct(
     post: Post,
 ) -> Finished {
     let timeout = lane.params.timeout;
-    let Some(comm) = &st.comm else { unreachable!("checked by the lane") };
-    let polled = comm.with(|comm| {
-        let mut p = P2p::start(post, comm, timeout, None).map_err(Finished::Refused)?;
-        let spin = lane.lane.spin();
-        match spin_poll(Instant::now(), spin, || p2p::poll(&mut p, comm, info.rank, Instant::now(), timeout)) {
-            Some(result) => Err(Finished::Done(Box::new(p), result)),
-            None => Ok(p),
-        }
-    });
-    let mut p = match polled {
-        Ok(in_flight) => in_flight,
-        Err(finished) => return finished,
+    let Some(comm) = st.comm.as_deref() else { unreachable!("checked by the lane") };
+    let mut p = match P2p::start(post, comm, timeout, None) {
+        Ok(p) => p,
+        Err(refused) => return Finished::Refused(refused),
     };
+    let poll = || p2p::poll(&mut p, comm, Instant::now(), timeout);
+    if let Some(result) = spin_poll(Instant::now(), lane.lane.spin(), poll) {
+        return Finished::Done(Box::new(p), result);
+    }
     p.ticket = Some(lane.lane.queued().ticket(Class::P2p));
     tx.send(Command::AdoptP2p(info.gid, Box::new(p))).map_or_else(|e| Finished::Gone(e.0), |()| Finished::Nothing)
 }
@@ -235,24 +234,17 @@ fn spin_poll<T>(started: Instant, spin: Duration, mut poll: impl FnMut() -> Opti
     }
 }
 
-/// A direct op's exchange, polled on this thread for a while, then the rest of the op.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn exchange_direct(
-    comm: &Comm,
-    pool: &Pool,
-    lane: &Lane,
-    info: &GroupInfo,
-    header: Header,
-    payload: Option<Vec<u8>>,
-    whole: Option<HostBuffer>,
-    start: Start,
+/// A direct op's exchange `req`, polled on this thread for a while, then the rest of the op.
+fn exchange_direct(
+    env: &Env<'_>,
+    spin: Duration,
+    mut req: Request,
+    finish: Cont,
     what: OpLabel,
 ) -> Result<Direct, CommError> {
-    let (size, rank) = (info.size as usize, info.rank as usize);
-    let env = Env { comm, gid: info.gid, rank, size, params: &lane.params, half: None, pool, may_block: false };
-    let (mut req, finish) = exchange(&env, header, payload, whole, start, what)?;
+    let (size, timeout) = (env.size, env.params.timeout);
     let started = Instant::now();
-    let polled = spin_poll(started, lane.lane.spin(), || match req.test() {
+    let polled = spin_poll(started, spin, || match req.test() {
         Polled::Pending => None,
         Polled::Done(_) => Some(Ok(())),
         Polled::Failed { err, .. } => Some(Err(what.failed(err))),
@@ -262,7 +254,7 @@ pub(super) fn exchange_direct(
         None => return Ok(Direct::Waiting(req, finish, started)),
     };
     // Every rank is in the op now: its further steps (a large exact reduction) run here too.
-    let mut step = finish(&env, bufs)?;
+    let mut step = finish(env, bufs)?;
     loop {
         let (mut req, cont) = match step {
             Step::Done(out) => return Ok(Direct::Done(out)),
@@ -272,11 +264,11 @@ pub(super) fn exchange_direct(
             match req.test() {
                 Polled::Done(_) => break req.into_bufs()?,
                 Polled::Failed { err, .. } => return Err(what.failed(err)),
-                Polled::Pending if started.elapsed() >= lane.params.timeout => {
+                Polled::Pending if started.elapsed() >= timeout => {
                     // The request stays with MPI: dropping it leaks its buffers (raw rule 3).
                     return Err(CommError::timeout(
                         what.to_string(),
-                        lane.params.timeout,
+                        timeout,
                         format!("a rank of the group of {size} stopped in the middle of it (died, or hangs)"),
                     ));
                 }
@@ -284,6 +276,6 @@ pub(super) fn exchange_direct(
                 Polled::Pending => std::thread::yield_now(),
             }
         };
-        step = cont(&env, bufs)?;
+        step = cont(env, bufs)?;
     }
 }

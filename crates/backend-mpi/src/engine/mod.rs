@@ -32,7 +32,7 @@ use op::{Job, Post, Queued};
 pub(crate) use op::{NewGroup, Pending, Plan};
 use p2p::{progress_p2p, P2p};
 pub(crate) use plans::Active;
-use plans::{internal, Born, Pool, Step};
+use plans::{internal, Born, Pool};
 
 /// Identifies a group (communicator) inside the worker.
 pub(crate) type Gid = u64;
@@ -404,13 +404,8 @@ impl Engine {
                         any = true;
                         let Active { ticket, what, started, req, cont, reply } =
                             g.active.take().expect("active checked above");
-                        match req.into_bufs().and_then(|bufs| cont(&g.env(half, pool), bufs)) {
-                            Ok(Step::Wait(req, cont)) => {
-                                g.active = Some(Active { ticket, what, started, req, cont, reply })
-                            }
-                            Ok(Step::Done(out)) => g.end(ticket, reply, Ok(out), &mut self.graveyard, &mut born),
-                            Err(e) => g.end(ticket, reply, Err(e), &mut self.graveyard, &mut born),
-                        }
+                        let next = req.into_bufs().and_then(|bufs| cont(&g.env(half, pool), bufs));
+                        g.next((ticket, what, started, reply), next, &mut self.graveyard, &mut born);
                         continue;
                     }
                 };

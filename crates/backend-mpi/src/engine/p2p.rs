@@ -16,6 +16,9 @@ pub(super) fn mpi_tag(tag: u32, dtype: DType) -> i32 {
     ((tag << 3) | u32::from(dtype.code())) as i32
 }
 
+/// A send MPI refused: its completer and the error.
+pub(super) type Refused = (Completer<HostBuffer>, CommError);
+
 pub(crate) struct P2p {
     pub(super) recv: bool,
     pub(super) peer: Rank,
@@ -39,12 +42,7 @@ pub(crate) struct P2p {
 impl P2p {
     /// Posts a send (a receive is posted once its message is matched, see [`poll`]). A send
     /// MPI refuses comes back with its completer and the error.
-    pub(super) fn start(
-        post: Post,
-        comm: &Comm,
-        timeout: Duration,
-        ticket: Option<Ticket>,
-    ) -> Result<P2p, (Completer<HostBuffer>, CommError)> {
+    pub(super) fn start(post: Post, comm: &Comm, timeout: Duration, ticket: Option<Ticket>) -> Result<P2p, Refused> {
         let Post { recv, buf, peer, tag, done } = post;
         let (dtype, len) = (buf.dtype(), buf.len());
         let deadline = Instant::now() + timeout;
@@ -88,7 +86,7 @@ pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Ins
             i += 1;
             continue;
         }
-        let Some(result) = poll(p, &g.comm, g.info.rank, now, g.params.timeout) else {
+        let Some(result) = poll(p, &g.comm, now, g.params.timeout) else {
             if unmatched && g.p2p[i].req.is_none() {
                 waiting.push(key);
             }
@@ -108,13 +106,7 @@ pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Ins
 
 /// Polls `p` once (matching a receive's message first): `None` while it is in flight within
 /// its deadline, else how it ended. `me`: this rank, for messages.
-pub(super) fn poll(
-    p: &mut P2p,
-    comm: &Comm,
-    me: Rank,
-    now: Instant,
-    timeout: Duration,
-) -> Option<Result<(), CommError>> {
+pub(super) fn poll(p: &mut P2p, comm: &Comm, now: Instant, timeout: Duration) -> Option<Result<(), CommError>> {
     if p.req.is_none() {
         match match_recv(p, comm) {
             Ok(true) => {}
@@ -123,7 +115,7 @@ pub(super) fn poll(
             Err(e) => return Some(Err(e)),
         }
     }
-    let (peer, tag, dtype, len) = (p.peer, p.tag, p.dtype, p.len);
+    let (peer, tag, dtype, len, me) = (p.peer, p.tag, p.dtype, p.len, comm.rank());
     let mismatch = |why: String| Err(CommError::mismatch("recv", why));
     let req = p.req.as_mut()?;
     Some(match req.test() {

@@ -7,49 +7,43 @@ use std::ops::Range;
 use comm_core::{CommError, DType, HostBuffer};
 use mpi::ffi;
 
-use super::request::{count, counts, recv_ptr, send_ptr, Bufs, Request};
+use super::request::{count, counts, recv_ptr, send_ptr, Bufs, Issued, Request};
 use super::{check, datatype, in_place, tag_ub, Comm};
 
-/// A collective's nonblocking call given a request slot, else its blocking form (see
-/// [`Request::start_or_call`]).
+/// A collective's nonblocking call given a request slot, else (null) its blocking form (see
+/// [`Request::start`]).
 macro_rules! call {
     ($req:expr, $nonblocking:ident / $blocking:ident($($arg:expr),*)) => {
-        match $req {
-            Some(req) => ffi::$nonblocking($($arg),*, req),
-            None => ffi::$blocking($($arg),*),
+        match $req.is_null() {
+            false => ffi::$nonblocking($($arg),*, $req),
+            true => ffi::$blocking($($arg),*),
         }
     };
 }
 
 /// `MPI_Ibarrier`.
-pub(crate) fn ibarrier(comm: &Comm) -> Result<Request, CommError> {
-    Request::start("MPI_Ibarrier", datatype(DType::U8), Bufs::default(), vec![], |_, _, _, req| {
-        // SAFETY: no buffers.
+pub(crate) fn ibarrier(comm: &Comm) -> Issued {
+    Request::start(false, "MPI_Ibarrier", datatype(DType::U8), Bufs::default(), vec![], |_, _, _, req| {
+        // SAFETY: no buffers; `req` is the request's slot (not blocking).
         unsafe { ffi::MPI_Ibarrier(comm.raw, req) }
     })
 }
 
 /// `MPI_Ibcast` of `buf` in place from `root` (`MPI_Bcast` where `blocking`, as below).
-pub(crate) fn ibcast(comm: &Comm, buf: HostBuffer, root: i32, blocking: bool) -> Result<Request, CommError> {
+pub(crate) fn ibcast(comm: &Comm, buf: HostBuffer, root: i32, blocking: bool) -> Issued {
     let (dt, n) = (datatype(buf.dtype()), count("broadcast", buf.len())?);
-    Request::start_or_call(blocking, "MPI_Ibcast", dt, Bufs { send: None, recv: Some(buf) }, vec![], |_, r, _, req| {
+    Request::start(blocking, "MPI_Ibcast", dt, Bufs { send: None, recv: Some(buf) }, vec![], |_, r, _, req| {
         // SAFETY: `r` points to `n` elements of the owned buffer (rule 2).
         unsafe { call!(req, MPI_Ibcast / MPI_Bcast(r, n, dt, root, comm.raw)) }
     })
 }
 
 /// `MPI_Iallgather` (`MPI_Allgather`): every rank's `send` concatenated into `recv`.
-pub(crate) fn iallgather(
-    comm: &Comm,
-    send: HostBuffer,
-    recv: HostBuffer,
-    blocking: bool,
-) -> Result<Request, CommError> {
-    let dt = datatype(send.dtype());
-    let n = count("all_gather", send.len())?;
+pub(crate) fn iallgather(comm: &Comm, send: HostBuffer, recv: HostBuffer, blocking: bool) -> Issued {
+    let (dt, n) = (datatype(send.dtype()), count("all_gather", send.len())?);
     debug_assert_eq!(recv.len(), send.len() * comm.size as usize);
     let bufs = Bufs { send: Some(send), recv: Some(recv) };
-    Request::start_or_call(blocking, "MPI_Iallgather", dt, bufs, vec![], |s, r, _, req| {
+    Request::start(blocking, "MPI_Iallgather", dt, bufs, vec![], |s, r, _, req| {
         // SAFETY: `s` holds `n` elements and `r` holds `size × n` (rule 2).
         unsafe { call!(req, MPI_Iallgather / MPI_Allgather(s, n, dt, r, n, dt, comm.raw)) }
     })
@@ -75,13 +69,7 @@ pub(crate) fn notice_tag() -> i32 {
 /// An all-gather of small slots by point-to-point messages (cheaper than `MPI_Iallgather`):
 /// `send` (at most `slot` bytes) goes to every other rank, and rank `p`'s lands at `p × slot`
 /// of `recv` (`size × slot` bytes; the first `own` bytes of ours are copied there).
-pub(crate) fn iexchange(
-    comm: &Comm,
-    send: HostBuffer,
-    slot: usize,
-    own: usize,
-    mut recv: HostBuffer,
-) -> Result<Request, CommError> {
+pub(crate) fn iexchange(comm: &Comm, send: HostBuffer, slot: usize, own: usize, mut recv: HostBuffer) -> Issued {
     let (me, size) = (comm.rank as usize, comm.size as usize);
     let bytes = send.byte_len();
     if bytes > slot || own > bytes || recv.byte_len() != slot * size {
@@ -100,17 +88,12 @@ fn peers(comm: &Comm) -> impl Iterator<Item = usize> + Clone {
 }
 
 /// Bytes `bytes` of `send` to every other rank on `tag`.
-pub(crate) fn isend_all(comm: &Comm, send: HostBuffer, bytes: Range<usize>, tag: i32) -> Result<Request, CommError> {
+pub(crate) fn isend_all(comm: &Comm, send: HostBuffer, bytes: Range<usize>, tag: i32) -> Issued {
     imessages(comm, tag, Some((send, bytes)), None, &[])
 }
 
 /// For each `(peer, at, len)`: `len` bytes from `peer` on `tag` into `recv` at byte `at`.
-pub(crate) fn irecv_parts(
-    comm: &Comm,
-    recv: HostBuffer,
-    parts: &[(usize, usize, usize)],
-    tag: i32,
-) -> Result<Request, CommError> {
+pub(crate) fn irecv_parts(comm: &Comm, recv: HostBuffer, parts: &[(usize, usize, usize)], tag: i32) -> Issued {
     imessages(comm, tag, None, Some(recv), parts)
 }
 
@@ -122,7 +105,7 @@ fn imessages(
     send: Option<(HostBuffer, Range<usize>)>,
     recv: Option<HostBuffer>,
     from: &[(usize, usize, usize)],
-) -> Result<Request, CommError> {
+) -> Issued {
     let room = recv.as_ref().map_or(0, HostBuffer::byte_len);
     if from.iter().any(|&(p, at, len)| p >= comm.size as usize || at.checked_add(len).is_none_or(|end| end > room)) {
         return Err(CommError::invalid("mpi messages", "a receive lies outside its buffer"));
@@ -179,12 +162,12 @@ pub(crate) fn iallgatherv(
     recv: HostBuffer,
     parts: &[(usize, usize)],
     blocking: bool,
-) -> Result<Request, CommError> {
+) -> Issued {
     let dt = datatype(recv.dtype());
     let (n, own) = (count("all_reduce", send.as_ref().map_or(0, HostBuffer::len))?, send.is_none());
     let [c, d] = parts_arrays("all_reduce", parts, recv.len())?;
     let bufs = Bufs { send, recv: Some(recv) };
-    Request::start_or_call(blocking, "MPI_Iallgatherv", dt, bufs, vec![c, d], |s, r, a, req| {
+    Request::start(blocking, "MPI_Iallgatherv", dt, bufs, vec![c, d], |s, r, a, req| {
         let s = if own { in_place() } else { s };
         // SAFETY: `s` holds `n` elements (or is MPI_IN_PLACE); every (displacement, count) lies
         // inside `r` (checked above); the arrays live in the request (rule 2).
@@ -193,18 +176,11 @@ pub(crate) fn iallgatherv(
 }
 
 /// `MPI_Igather` (`MPI_Gather`) to `root`; `recv` (`size × send.len()`) only on the root.
-pub(crate) fn igather(
-    comm: &Comm,
-    send: HostBuffer,
-    recv: Option<HostBuffer>,
-    root: i32,
-    blocking: bool,
-) -> Result<Request, CommError> {
-    let dt = datatype(send.dtype());
-    let n = count("gather", send.len())?;
+pub(crate) fn igather(comm: &Comm, send: HostBuffer, recv: Option<HostBuffer>, root: i32, blocking: bool) -> Issued {
+    let (dt, n) = (datatype(send.dtype()), count("gather", send.len())?);
     debug_assert!(recv.as_ref().is_none_or(|r| r.len() == send.len() * comm.size as usize));
     debug_assert_eq!(recv.is_some(), comm.rank == root);
-    Request::start_or_call(blocking, "MPI_Igather", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
+    Request::start(blocking, "MPI_Igather", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
         // SAFETY: `s` holds `n` elements; on the root `r` holds `size × n` (rule 2); elsewhere
         // the receive arguments are ignored by MPI.
         unsafe { call!(req, MPI_Igather / MPI_Gather(s, n, dt, r, n, dt, root, comm.raw)) }
@@ -220,7 +196,7 @@ pub(crate) fn igatherv(
     parts: &[(usize, usize)],
     root: i32,
     blocking: bool,
-) -> Result<Request, CommError> {
+) -> Issued {
     let Some(dt) = send.as_ref().or(recv.as_ref()).map(|b| datatype(b.dtype())) else {
         return Err(CommError::invalid("reduce", "a gather with no buffers"));
     };
@@ -230,7 +206,7 @@ pub(crate) fn igatherv(
     }
     // Off the root MPI reads no receive parts: only their counts must fit an int.
     let [c, d] = parts_arrays("reduce", parts, recv.as_ref().map_or(usize::MAX, HostBuffer::len))?;
-    Request::start_or_call(blocking, "MPI_Igatherv", dt, Bufs { send, recv }, vec![c, d], |s, r, a, req| {
+    Request::start(blocking, "MPI_Igatherv", dt, Bufs { send, recv }, vec![c, d], |s, r, a, req| {
         let s = if own { in_place() } else { s };
         // SAFETY: `s` holds `n` elements (or is MPI_IN_PLACE on the root); on the root every part
         // lies inside `r` (checked above); the arrays live in the request (rule 2).
@@ -239,17 +215,10 @@ pub(crate) fn igatherv(
 }
 
 /// `MPI_Iscatter` (`MPI_Scatter`): block `j` of the root's `send` to rank `j`'s `recv`.
-pub(crate) fn iscatter(
-    comm: &Comm,
-    send: Option<HostBuffer>,
-    recv: HostBuffer,
-    root: i32,
-    blocking: bool,
-) -> Result<Request, CommError> {
-    let dt = datatype(recv.dtype());
-    let n = count("scatter", recv.len())?;
+pub(crate) fn iscatter(comm: &Comm, send: Option<HostBuffer>, recv: HostBuffer, root: i32, blocking: bool) -> Issued {
+    let (dt, n) = (datatype(recv.dtype()), count("scatter", recv.len())?);
     debug_assert!(send.as_ref().is_none_or(|s| s.len() == recv.len() * comm.size as usize));
-    Request::start_or_call(blocking, "MPI_Iscatter", dt, Bufs { send, recv: Some(recv) }, vec![], |s, r, _, req| {
+    Request::start(blocking, "MPI_Iscatter", dt, Bufs { send, recv: Some(recv) }, vec![], |s, r, _, req| {
         // SAFETY: on the root `s` holds `size × n` elements (ignored elsewhere); `r` holds `n`.
         unsafe { call!(req, MPI_Iscatter / MPI_Scatter(s, n, dt, r, n, dt, root, comm.raw)) }
     })
@@ -264,13 +233,13 @@ pub(crate) fn ialltoallv(
     recv: HostBuffer,
     recv_parts: &[(usize, usize)],
     blocking: bool,
-) -> Result<Request, CommError> {
+) -> Issued {
     let dt = datatype(send.dtype());
     let [sc, sd] = parts_arrays("all_to_all", send_parts, send.len())?;
     let [rc, rd] = parts_arrays("all_to_all", recv_parts, recv.len())?;
     let arrays = vec![sc, sd, rc, rd];
     let bufs = Bufs { send: Some(send), recv: Some(recv) };
-    Request::start_or_call(blocking, "MPI_Ialltoallv", dt, bufs, arrays, |s, r, a, req| {
+    Request::start(blocking, "MPI_Ialltoallv", dt, bufs, arrays, |s, r, a, req| {
         let (sc, sd, rc, rd) = (a[0].as_ptr(), a[1].as_ptr(), a[2].as_ptr(), a[3].as_ptr());
         // SAFETY: every (displacement, count) lies inside its buffer (checked above); the arrays
         // live in the request (rule 2).
@@ -279,15 +248,10 @@ pub(crate) fn ialltoallv(
 }
 
 /// `MPI_Iallreduce` (`MPI_Allreduce`) of `buf` in place (`MPI_IN_PLACE`: no copy of the input).
-pub(crate) fn iallreduce_in_place(
-    comm: &Comm,
-    buf: HostBuffer,
-    op: ffi::MPI_Op,
-    blocking: bool,
-) -> Result<Request, CommError> {
+pub(crate) fn iallreduce_in_place(comm: &Comm, buf: HostBuffer, op: ffi::MPI_Op, blocking: bool) -> Issued {
     let (dt, n) = (datatype(buf.dtype()), count("all_reduce", buf.len())?);
     let bufs = Bufs { send: None, recv: Some(buf) };
-    Request::start_or_call(blocking, "MPI_Iallreduce", dt, bufs, vec![], |_, r, _, req| {
+    Request::start(blocking, "MPI_Iallreduce", dt, bufs, vec![], |_, r, _, req| {
         // SAFETY: `r` holds `n` elements (rule 2); MPI_IN_PLACE makes it the input too.
         unsafe { call!(req, MPI_Iallreduce / MPI_Allreduce(in_place(), r, n, dt, op, comm.raw)) }
     })
@@ -301,11 +265,10 @@ pub(crate) fn ireduce(
     op: ffi::MPI_Op,
     root: i32,
     blocking: bool,
-) -> Result<Request, CommError> {
-    let dt = datatype(send.dtype());
-    let n = count("reduce", send.len())?;
+) -> Issued {
+    let (dt, n) = (datatype(send.dtype()), count("reduce", send.len())?);
     debug_assert!(recv.as_ref().is_none_or(|r| r.len() == send.len()));
-    Request::start_or_call(blocking, "MPI_Ireduce", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
+    Request::start(blocking, "MPI_Ireduce", dt, Bufs { send: Some(send), recv }, vec![], |s, r, _, req| {
         // SAFETY: `s` holds `n` elements, and so does `r` on the root (ignored elsewhere).
         unsafe { call!(req, MPI_Ireduce / MPI_Reduce(s, r, n, dt, op, root, comm.raw)) }
     })
@@ -319,12 +282,11 @@ pub(crate) fn ireduce_scatter_block(
     recv: HostBuffer,
     op: ffi::MPI_Op,
     blocking: bool,
-) -> Result<Request, CommError> {
-    let dt = datatype(send.dtype());
-    let n = count("reduce_scatter", recv.len())?;
+) -> Issued {
+    let (dt, n) = (datatype(send.dtype()), count("reduce_scatter", recv.len())?);
     debug_assert_eq!(send.len(), recv.len() * comm.size as usize);
     let bufs = Bufs { send: Some(send), recv: Some(recv) };
-    Request::start_or_call(blocking, "MPI_Ireduce_scatter_block", dt, bufs, vec![], |s, r, _, req| {
+    Request::start(blocking, "MPI_Ireduce_scatter_block", dt, bufs, vec![], |s, r, _, req| {
         // SAFETY: `s` holds `size × n` elements and `r` holds `n` (rule 2).
         unsafe { call!(req, MPI_Ireduce_scatter_block / MPI_Reduce_scatter_block(s, r, n, dt, op, comm.raw)) }
     })

@@ -136,11 +136,17 @@ pub(crate) fn world_errors_return() -> Result<(), MpiError> {
 
 /// `(rank, size)` of `MPI_COMM_WORLD`.
 pub(crate) fn world_rank_size() -> Result<(i32, i32), MpiError> {
+    // SAFETY: reading a constant initialised at load time.
+    rank_size(unsafe { ffi::RSMPI_COMM_WORLD })
+}
+
+/// `(rank, size)` of a valid communicator (MPI is initialised).
+fn rank_size(comm: ffi::MPI_Comm) -> Result<(i32, i32), MpiError> {
     let (mut rank, mut size) = (0, 0);
-    // SAFETY: MPI is initialised; out-pointers to locals.
+    // SAFETY: `comm` is valid; out-pointers to locals.
     unsafe {
-        check("MPI_Comm_rank", ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank))?;
-        check("MPI_Comm_size", ffi::MPI_Comm_size(ffi::RSMPI_COMM_WORLD, &mut size))?;
+        check("MPI_Comm_rank", ffi::MPI_Comm_rank(comm, &mut rank))?;
+        check("MPI_Comm_size", ffi::MPI_Comm_size(comm, &mut size))?;
     }
     Ok((rank, size))
 }
@@ -166,18 +172,13 @@ pub(crate) fn node_rank_size(cpus: &mut [u64]) -> Result<(i32, i32), MpiError> {
             ),
         )?;
         let mut node = node.assume_init();
-        let (mut rank, mut size) = (0, 0);
-        let r = check("MPI_Comm_rank", ffi::MPI_Comm_rank(node, &mut rank))
-            .and_then(|()| check("MPI_Comm_size", ffi::MPI_Comm_size(node, &mut size)))
-            .and_then(|()| {
-                let buf = cpus.as_mut_ptr().cast::<c_void>();
-                check(
-                    "MPI_Allreduce",
-                    ffi::MPI_Allreduce(in_place(), buf, n, ffi::RSMPI_UINT64_T, ffi::RSMPI_BOR, node),
-                )
-            });
+        let r = rank_size(node).and_then(|rs| {
+            let buf = cpus.as_mut_ptr().cast::<c_void>();
+            let rc = ffi::MPI_Allreduce(in_place(), buf, n, ffi::RSMPI_UINT64_T, ffi::RSMPI_BOR, node);
+            check("MPI_Allreduce", rc).map(|()| rs)
+        });
         ffi::MPI_Comm_free(&mut node);
-        r.map(|()| (rank, size))
+        r
     }
 }
 
@@ -239,13 +240,9 @@ pub(crate) struct Comm {
 
 impl Comm {
     fn adopt(raw: ffi::MPI_Comm) -> Result<Comm, MpiError> {
-        let (mut rank, mut size) = (0, 0);
         // SAFETY: `raw` is a valid communicator that we own (fresh from dup/split).
-        unsafe {
-            check("MPI_Comm_set_errhandler", ffi::MPI_Comm_set_errhandler(raw, ffi::RSMPI_ERRORS_RETURN))?;
-            check("MPI_Comm_rank", ffi::MPI_Comm_rank(raw, &mut rank))?;
-            check("MPI_Comm_size", ffi::MPI_Comm_size(raw, &mut size))?;
-        }
+        check("MPI_Comm_set_errhandler", unsafe { ffi::MPI_Comm_set_errhandler(raw, ffi::RSMPI_ERRORS_RETURN) })?;
+        let (rank, size) = rank_size(raw)?;
         Ok(Comm { raw, rank, size })
     }
 
@@ -294,10 +291,11 @@ unsafe impl Send for SharedComm {}
 // SAFETY: as above; it is only ever used through the lane lock.
 unsafe impl Sync for SharedComm {}
 
-impl SharedComm {
-    /// Runs `f` with the communicator as a [`Comm`] that is not freed afterwards.
-    pub(crate) fn with<R>(&self, f: impl FnOnce(&Comm) -> R) -> R {
-        f(&self.0)
+impl std::ops::Deref for SharedComm {
+    /// The communicator as a [`Comm`] that is never freed through it.
+    type Target = Comm;
+    fn deref(&self) -> &Comm {
+        &self.0
     }
 }
 

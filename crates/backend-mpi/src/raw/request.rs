@@ -49,6 +49,9 @@ pub(crate) struct Request {
 // and MPI request handles are then valid on any thread; its buffers are owned (rule 2).
 unsafe impl Send for Request {}
 
+/// What issuing a call gives: its request, or why MPI refused it.
+pub(crate) type Issued = Result<Request, CommError>;
+
 /// A buffer's length as an MPI count.
 pub(crate) fn count(op: &'static str, n: usize) -> Result<c_int, CommError> {
     c_int::try_from(n).map_err(|_| CommError::InvalidArgument {
@@ -77,34 +80,22 @@ impl Request {
         Request { raw, many: Vec::new(), bufs, _arrays: arrays, datatype, done: false }
     }
 
-    /// Moves `bufs` and `arrays` into a new request and issues it with `issue`.
-    pub(super) fn start(
-        call: &'static str,
-        datatype: ffi::MPI_Datatype,
-        bufs: Bufs,
-        arrays: Vec<Vec<c_int>>,
-        issue: impl FnOnce(*const c_void, *mut c_void, &[Vec<c_int>], *mut ffi::MPI_Request) -> c_int,
-    ) -> Result<Request, CommError> {
-        Self::start_or_call(false, call, datatype, bufs, arrays, |s, r, a, req| {
-            issue(s, r, a, req.expect("a nonblocking call has a request"))
-        })
-    }
-
-    /// [`start`](Self::start), or where `blocking` MPI's blocking form (`issue` gets `None`),
+    /// Moves `bufs` and `arrays` into a new request and issues it with `issue`, which gets the
+    /// request's slot; or where `blocking`, MPI's blocking form (`issue` gets a null slot),
     /// returned completed: only where every rank makes the same call and no blocked threads can
-    /// form a cycle (the worker's `held`).
-    pub(super) fn start_or_call(
+    /// form a cycle (the worker's `held`). Calls with no blocking form pass `false`.
+    pub(super) fn start(
         blocking: bool,
         call: &'static str,
         datatype: ffi::MPI_Datatype,
         bufs: Bufs,
         arrays: Vec<Vec<c_int>>,
-        issue: impl FnOnce(*const c_void, *mut c_void, &[Vec<c_int>], Option<*mut ffi::MPI_Request>) -> c_int,
-    ) -> Result<Request, CommError> {
+        issue: impl FnOnce(*const c_void, *mut c_void, &[Vec<c_int>], *mut ffi::MPI_Request) -> c_int,
+    ) -> Issued {
         let mut req = Request::unissued(bufs, arrays, datatype);
         let s = send_ptr(&req.bufs.send);
         let r = recv_ptr(&mut req.bufs.recv);
-        let rc = issue(s, r, &req._arrays, (!blocking).then_some(&mut req.raw as *mut _));
+        let rc = issue(s, r, &req._arrays, if blocking { std::ptr::null_mut() } else { &mut req.raw });
         // A blocking call returned: MPI no longer uses the buffers, whatever it reports.
         req.done = blocking;
         if let Err(e) = check(call, rc) {
@@ -176,14 +167,8 @@ impl Request {
         if self.done {
             return;
         }
-        if self.many.is_empty() {
-            // SAFETY: `self.raw` is our live request.
-            unsafe {
-                ffi::MPI_Cancel(&mut self.raw);
-            }
-            return;
-        }
-        for r in self.many.iter_mut() {
+        let reqs = if self.many.is_empty() { std::slice::from_mut(&mut self.raw) } else { &mut self.many[..] };
+        for r in reqs {
             // SAFETY: reading a constant initialised at load time; a request MPI completed is
             // null and is skipped, the others are our live requests.
             unsafe {
@@ -221,11 +206,12 @@ impl Drop for Request {
 }
 
 /// `MPI_Isend` of the whole buffer.
-pub(crate) fn isend(comm: &Comm, buf: HostBuffer, dst: i32, tag: i32) -> Result<Request, CommError> {
+pub(crate) fn isend(comm: &Comm, buf: HostBuffer, dst: i32, tag: i32) -> Issued {
     let (dt, n) = (datatype(buf.dtype()), count("send", buf.len())?);
     let bufs = Bufs { send: Some(buf), recv: None };
-    Request::start("MPI_Isend", dt, bufs, vec![], |s, _, _, req| {
-        // SAFETY: `s` points to `n` elements of the owned send buffer (rule 2).
+    Request::start(false, "MPI_Isend", dt, bufs, vec![], |s, _, _, req| {
+        // SAFETY: `s` points to `n` elements of the owned send buffer (rule 2); `req` is the
+        // request's slot (not blocking).
         unsafe { ffi::MPI_Isend(s, n, dt, dst, tag, comm.raw, req) }
     })
 }
@@ -265,17 +251,17 @@ pub(crate) fn improbe(comm: &Comm, src: i32, tag: i32) -> Result<Option<Matched>
 }
 
 /// `MPI_Imrecv` of a matched message into `buf`, which must hold all of it.
-pub(crate) fn imrecv(m: Matched, buf: HostBuffer) -> Result<Request, CommError> {
+pub(crate) fn imrecv(m: Matched, buf: HostBuffer) -> Issued {
     if m.bytes > buf.byte_len() {
         return Err(CommError::invalid("recv", format!("{} bytes do not fit {} bytes", m.bytes, buf.byte_len())));
     }
     let (dt, n) = (datatype(buf.dtype()), count("recv", buf.len())?);
     let mut message = m.message;
     let bufs = Bufs { send: None, recv: Some(buf) };
-    Request::start("MPI_Imrecv", dt, bufs, vec![], |_, r, _, req| {
+    Request::start(false, "MPI_Imrecv", dt, bufs, vec![], |_, r, _, req| {
         // SAFETY: `r` points to `n` writable elements of the owned receive buffer (rule 2),
         // at least the message's length (checked above); `message` was matched by
-        // `improbe` and is received once (MPI sets it to null).
+        // `improbe` and is received once (MPI sets it to null); `req` is the request's slot.
         unsafe { ffi::MPI_Imrecv(r, n, dt, &mut message, req) }
     })
 }

@@ -77,7 +77,7 @@ impl Engine {
     pub(crate) fn broadcast(&mut self, buf: &mut HostBuffer, root: Rank) -> Result<()> {
         let (es, root) = (buf.dtype().size(), root as usize);
         let hdr = self.header(OpKind::Broadcast, buf.dtype(), buf.len(), root as Rank, None);
-        if buf.byte_len() >= self.params.zc_min && self.zc_broadcast(buf, root, &hdr)? {
+        if buf.byte_len() >= self.params.zc_min && self.zc_from_root(&hdr, root, None, buf, false)? {
             return Ok(());
         }
         let is_root = self.rank == root;
@@ -100,7 +100,8 @@ impl Engine {
         let (dtype, count, es, n) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world);
         let mut out = r.output.take().unwrap_or_else(|| HostBuffer::for_overwrite(dtype, count * n));
         let hdr = self.header(OpKind::AllGather, dtype, count, 0, None);
-        if r.input.byte_len() >= self.params.zc_min && self.zc_all_gather(r, &mut out, &hdr)? {
+        let moved = (out.byte_len() + r.input.byte_len()).saturating_mul(n);
+        if r.input.byte_len() >= self.params.zc_min && self.zc_gather(&r.input, moved, Some(&mut out), &hdr)? {
             return Ok(out);
         }
         self.concat(&hdr, r.input.as_bytes(), Some(out.as_bytes_mut()), es, true, Choice::Timed)?;
@@ -255,14 +256,12 @@ impl Engine {
     }
 
     pub(crate) fn scatter(&mut self, r: Scatter) -> Result<InOut> {
-        let (dtype, es, n, me, root) =
-            (r.output.dtype(), r.output.dtype().size(), self.world, self.rank, r.root as usize);
-        let block = r.output.len();
-        let mut out = r.output;
+        let Scatter { output: mut out, input, root } = r;
+        let (dtype, block, n, me, root) = (out.dtype(), out.len(), self.world, self.rank, root as usize);
+        let es = dtype.size();
         let hdr = self.header(OpKind::Scatter, dtype, block, root as Rank, None);
-        let input = r.input;
         let mine = input.as_ref().filter(|_| me == root);
-        if out.byte_len() >= self.params.zc_min && self.zc_scatter(mine, &mut out, root, &hdr)? {
+        if out.byte_len() >= self.params.zc_min && self.zc_from_root(&hdr, root, mine, &mut out, true)? {
             return Ok(InOut { input: input.unwrap_or_else(|| HostBuffer::zeroed(dtype, 0)), output: out });
         }
         let src = mine.map(HostBuffer::as_bytes);
@@ -294,15 +293,14 @@ impl Engine {
     /// The root's output is the concatenation; elsewhere the output passed (or an empty one)
     /// comes back as it is.
     pub(crate) fn gather(&mut self, r: Gather) -> Result<InOut> {
-        let (dtype, count, es, n, root) =
-            (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world, r.root as usize);
+        let Gather { input, output, root } = r;
+        let (dtype, count, es, n, root) = (input.dtype(), input.len(), input.dtype().size(), self.world, root as usize);
         let hdr = self.header(OpKind::Gather, dtype, count, root as Rank, None);
         let is_root = self.rank == root;
         let (mut out, spare) = match is_root {
-            true => (Some(r.output.unwrap_or_else(|| HostBuffer::for_overwrite(dtype, count * n))), None),
-            false => (None, r.output),
+            true => (Some(output.unwrap_or_else(|| HostBuffer::for_overwrite(dtype, count * n))), None),
+            false => (None, output),
         };
-        let input = r.input;
         let done = |out: Option<HostBuffer>, input| {
             let output = out.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
             InOut { input, output }
@@ -311,7 +309,8 @@ impl Engine {
         // root's reads, where in place the root alone copies while the others wait for it
         // (512 KiB-2 MiB at 2 ranks: 1.2-1.8x the time of one step).
         let zc_min = self.params.zc_min.max(self.lay.window.saturating_add(1));
-        if input.byte_len() >= zc_min && self.zc_gather(&input, out.as_mut(), &hdr)? {
+        let moved = input.byte_len().saturating_mul(2 * n);
+        if input.byte_len() >= zc_min && self.zc_gather(&input, moved, out.as_mut(), &hdr)? {
             return Ok(done(out, input));
         }
         // The root takes its own piece from its input.

@@ -82,22 +82,19 @@ impl OneShot {
 
     /// Input and output of an op that reads one buffer and fills another.
     pub(crate) fn into_in_out(self) -> InOut {
+        let empty = |d: DType| HostBuffer::zeroed(d, 0);
         match self {
             OneShot::AllGather { input, out }
             | OneShot::ReduceScatter { input, out, .. }
             | OneShot::AllToAll { input, out, .. } => InOut { input, output: out },
             OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => {
-                InOut { output: HostBuffer::zeroed(buf.dtype(), 0), input: buf }
+                InOut { output: empty(buf.dtype()), input: buf }
             }
             OneShot::Scatter { input, out, .. } => {
-                InOut { input: input.unwrap_or_else(|| HostBuffer::zeroed(out.dtype(), 0)), output: out }
+                InOut { input: input.unwrap_or_else(|| empty(out.dtype())), output: out }
             }
-            OneShot::Gather { input, out, .. } => {
-                InOut { output: out.unwrap_or_else(|| HostBuffer::zeroed(input.dtype(), 0)), input }
-            }
-            OneShot::Barrier | OneShot::Arrive { .. } => {
-                InOut { input: HostBuffer::zeroed(DType::U8, 0), output: HostBuffer::zeroed(DType::U8, 0) }
-            }
+            OneShot::Gather { input, out, .. } => InOut { output: out.unwrap_or_else(|| empty(input.dtype())), input },
+            OneShot::Barrier | OneShot::Arrive { .. } => InOut { input: empty(DType::U8), output: empty(DType::U8) },
         }
     }
 
@@ -122,15 +119,6 @@ impl OneShot {
 
     pub(super) fn name(&self) -> &'static str {
         self.signature().0.name()
-    }
-
-    pub(super) fn header(&self, e: &Engine) -> StepHeader {
-        let (kind, dtype, count, root, op) = self.signature();
-        let h = e.header(kind, dtype, count, root, op);
-        match self {
-            OneShot::Arrive { .. } => StepHeader { aux: AUX_ARRIVE, ..h },
-            _ => h,
-        }
     }
 
     /// Whether rank `me` writes into its window (a broadcast's non-roots and a barrier do
@@ -435,7 +423,9 @@ impl Engine {
 
     /// The op's step header, with its data when the header carries it.
     fn oneshot_header(&self, op: &mut OneShot) -> StepHeader {
-        let mut hdr = op.header(self);
+        let (kind, dtype, count, root, redop) = op.signature();
+        let aux = if matches!(op, OneShot::Arrive { .. }) { AUX_ARRIVE } else { 0 };
+        let mut hdr = StepHeader { aux, ..self.header(kind, dtype, count, root, redop) };
         if op.carried() {
             op.io(self.rank, Io::Write(&mut hdr.data), false);
         }

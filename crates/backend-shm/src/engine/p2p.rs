@@ -141,28 +141,25 @@ impl Engine {
         let h: MsgHeader = src.read(at);
         let want_total = op.req.buf.byte_len() as u64;
         let want_dtype = op.req.buf.dtype();
+        let bad = |detail: String| Err(CommError::mismatch("recv", detail));
         if h.offset != op.offset as u64 {
-            return Err(CommError::mismatch(
-                "recv",
-                format!(
-                    "mailbox from rank {peer} is out of order (chunk {chunk} at offset {}, expected offset {})",
-                    h.offset, op.offset
-                ),
+            let (at, want) = (h.offset, op.offset);
+            return bad(format!(
+                "mailbox from rank {peer} is out of order (chunk {chunk} at offset {at}, expected offset {want})"
             ));
         }
         if h.tag != op.req.tag || h.total != want_total || h.dtype != want_dtype.code() {
             let their_dtype = DType::from_code(h.dtype).map_or("?", DType::name);
-            return Err(CommError::mismatch("recv", format!(
+            return bad(format!(
                     "rank {peer} sent {} bytes of {their_dtype} with tag {} but rank {} posted a recv of {want_total} bytes of {want_dtype} with tag {} (messages between two ranks match in order)",
                     h.total, h.tag, self.rank, op.req.tag
-                )));
+                ));
         }
         let len = h.len as usize;
         if h.flags == IN_PLACE && h.offset == 0 && len == CARRIED {
             let data = read_chunk(src, &self.lay, self.rank, chunk, len).try_into().expect("CARRIED bytes");
             let Some(place) = decode(&data).0 else {
-                let detail = format!("rank {peer} sent a message in place but did not say where");
-                return Err(CommError::mismatch("recv", detail));
+                return bad(format!("rank {peer} sent a message in place but did not say where"));
             };
             let total = op.req.buf.byte_len();
             let seg = self.map_zero_copy(peer, place, total)?;
@@ -171,10 +168,7 @@ impl Engine {
             self.still_held(peer)?;
             self.recvs[peer].front_mut().expect("front exists").offset = total;
         } else if op.offset + len > op.req.buf.byte_len() || len > self.lay.slot || h.flags != 0 {
-            return Err(CommError::mismatch(
-                "recv",
-                format!("rank {peer} sent a chunk of {len} bytes past the message end"),
-            ));
+            return bad(format!("rank {peer} sent a chunk of {len} bytes past the message end"));
         } else {
             let data = read_chunk(src, &self.lay, self.rank, chunk, len);
             op.req.buf.as_bytes_mut()[op.offset..op.offset + len].copy_from_slice(data);
@@ -197,12 +191,9 @@ impl Engine {
             let fronts = [self.sends[peer].front().map(|o| o.started), self.recvs[peer].front().map(|o| o.started)];
             let Some(started) = fronts.into_iter().flatten().min() else { continue };
             let timeout = self.params.timeout;
+            let why = || format!("rank {peer} never posted the matching operation");
             let r = self.check_peer(peer).and_then(|()| match started.elapsed() >= timeout {
-                true => Err(CommError::timeout(
-                    "send/recv",
-                    timeout,
-                    format!("rank {peer} never posted the matching operation"),
-                )),
+                true => Err(CommError::timeout("send/recv", timeout, why())),
                 false => Ok(()),
             });
             if let Err(e) = r {

@@ -334,16 +334,11 @@ pub(super) fn write_chunk(
 /// from `at` (the data is in it up to [`CARRIED`] bytes). Call only after reading its
 /// `published` word (acquire), and drop the slice before acknowledging.
 pub(super) fn read_chunk<'a>(src: &'a Segment, lay: &Layout, me: usize, chunk: u64, len: usize) -> &'a [u8] {
-    let at = lay.msg_header(me, chunk);
+    let at = if len <= CARRIED { lay.msg_header(me, chunk) + CARRIED_AT } else { lay.msg_data(me, chunk, len) };
     // SAFETY: the sender published this chunk after writing its header and slot (the caller
     // checked) and will not rewrite them until we acknowledge it, which the caller does after
     // this borrow ends.
-    unsafe {
-        match len <= CARRIED {
-            true => src.bytes(at + CARRIED_AT, len),
-            false => src.bytes(lay.msg_data(me, chunk, len), len),
-        }
-    }
+    unsafe { src.bytes(at, len) }
 }
 
 /// Every rank's window of a step: on the stack up to 16 ranks (a small op's step is a few

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use comm_core::ops::{slice_of, AllGather, ReduceScatter};
+use comm_core::ops::{slice_of, ReduceScatter};
 use comm_core::{CommError, HostBuffer, Rank, ReduceOp};
 use comm_kernels::{self as kernels, Src};
 
@@ -130,11 +130,7 @@ impl Engine {
             }
         }
         let r = self.zc_where(hdr, place_of(buf), |_| true, |_| count * es).and_then(|peers| match peers {
-            Some(peers) => match root {
-                None => self.zc_reduce_in_place(buf, op, hdr, &peers),
-                Some(root) => self.zc_reduce_to_root(buf, op, root as usize, hdr, &peers),
-            }
-            .map(|()| true),
+            Some(peers) => self.zc_reduce(buf, op, root, hdr, &peers),
             None => Ok(false),
         });
         if r.is_err() && place_of(buf).is_some() {
@@ -145,27 +141,49 @@ impl Engine {
         r
     }
 
-    /// The reduction of [`zc_all_reduce`](Self::zc_all_reduce) once every buffer is mapped.
-    fn zc_reduce_in_place(
+    /// The reduction of [`zc_all_reduce`](Self::zc_all_reduce) once every buffer is mapped. A
+    /// reduce writes slice r of the result into the root's buffer alone.
+    fn zc_reduce(
         &mut self,
         buf: &mut HostBuffer,
         op: ReduceOp,
+        root: Option<Rank>,
         hdr: &StepHeader,
         peers: &Mapped,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let (dtype, count, es, n, me) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world, self.rank);
         let std::ops::Range { start: lo, end: hi } = slice_of(count, n, me);
         let (off, len) = (lo * es, (hi - lo) * es);
+        // Every peer published step 1, so its buffer holds its input, and until step 2 only we
+        // touch slice `me` of any buffer.
+        if let Some(root) = root.map(|r| r as usize) {
+            let mine = &mut buf.as_bytes_mut()[off..off + len];
+            // The root's slice is borrowed once, exclusively, here.
+            let (out, own) = match &peers[root] {
+                // SAFETY: slice `me` of the root's buffer is ours (above).
+                Some((seg, base)) => (unsafe { seg.bytes_mut(base + off, len) }, Src::Buf(&*mine)),
+                None => (mine, Src::Out),
+            };
+            let srcs: Vec<Src<'_>> = (0..n)
+                .map(|p| match &peers[p] {
+                    _ if p == root => Src::Out,
+                    // SAFETY: slice `me` of peer `p`'s buffer is ours (above); only read.
+                    Some((seg, base)) => Src::Buf(unsafe { seg.bytes(base + off, len) }),
+                    None => own,
+                })
+                .collect();
+            kernels::reduce_to(dtype, op, &srcs, out, None);
+            return self.zc_done(hdr);
+        }
         // The first peer's slice is read and written through `copy` (`Src::Copy`); the
         // others' are read here and written after each piece.
         let first = (0..n).find(|&p| p != me);
         // Window-sized pieces, so the copies into the other peers' buffers read the result
         // from cache.
         let piece = (self.lay.window / es).max(1) * es;
-        // Every peer published step 1, so its buffer holds its input, and until step 2 only we
-        // touch slice `me` of any buffer: each piece of it is borrowed once below, shared
-        // (peers after the first, while reducing) or exclusive (the first's; the others' for
-        // the copy, after the shared borrows are gone).
+        // Each piece of slice `me` is borrowed once below, shared (peers after the first, while
+        // reducing) or exclusive (the first's; the others' for the copy, after the shared
+        // borrows are gone).
         for start in (0..len).step_by(piece) {
             let end = (start + piece).min(len);
             let (at, bytes) = (off + start, end - start);
@@ -190,58 +208,6 @@ impl Engine {
             }
         }
         // Every slice of every buffer is written; the buffers can go back to their owners.
-        self.zc_done(hdr).map(drop)
-    }
-
-    /// The reduction of a reduce in place: as [`zc_reduce_in_place`](Self::zc_reduce_in_place),
-    /// but slice r of the result goes into the root's buffer alone.
-    fn zc_reduce_to_root(
-        &mut self,
-        buf: &mut HostBuffer,
-        op: ReduceOp,
-        root: usize,
-        hdr: &StepHeader,
-        peers: &Mapped,
-    ) -> Result<()> {
-        let (dtype, count, es, n, me) = (buf.dtype(), buf.len(), buf.dtype().size(), self.world, self.rank);
-        let std::ops::Range { start: lo, end: hi } = slice_of(count, n, me);
-        let (at, bytes) = (lo * es, (hi - lo) * es);
-        let mine = &mut buf.as_bytes_mut()[at..at + bytes];
-        // Every peer published step 1, so its buffer holds its input, and until step 2 only we
-        // touch slice `me` of any buffer: the root's is borrowed once, exclusively, below.
-        let (out, own) = match &peers[root] {
-            // SAFETY: slice `me` of the root's buffer is ours (above).
-            Some((seg, base)) => (unsafe { seg.bytes_mut(base + at, bytes) }, Src::Buf(&*mine)),
-            None => (mine, Src::Out),
-        };
-        let srcs: Vec<Src<'_>> = (0..n)
-            .map(|p| match &peers[p] {
-                _ if p == root => Src::Out,
-                // SAFETY: slice `me` of peer `p`'s buffer is ours (above); only read.
-                Some((seg, base)) => Src::Buf(unsafe { seg.bytes(base + at, bytes) }),
-                None => own,
-            })
-            .collect();
-        kernels::reduce_to(dtype, op, &srcs, out, None);
-        self.zc_done(hdr).map(drop)
-    }
-
-    /// all_gather of inputs of at least `zc_min` bytes, when every rank's input is in an arena:
-    /// each rank copies every peer's input straight into its output (one copy instead of two).
-    pub(super) fn zc_all_gather(&mut self, r: &AllGather, out: &mut HostBuffer, hdr: &StepHeader) -> Result<bool> {
-        let (bytes, me) = (r.input.byte_len(), self.rank);
-        let Some(peers) = self.zc_where(hdr, place_of(&r.input), |_| true, |_| bytes)? else { return Ok(false) };
-        let stream = tuning::past_l3((out.byte_len() + bytes).saturating_mul(self.world));
-        let dst = out.as_bytes_mut();
-        for (p, mapped) in peers.iter().enumerate() {
-            let to = &mut dst[p * bytes..(p + 1) * bytes];
-            match mapped {
-                // SAFETY: peer `p`'s input is in its op until the last step; nobody writes it.
-                Some((seg, base)) => to_window(stream, to, unsafe { seg.bytes(*base, bytes) }),
-                None if p == me => to_window(stream, to, r.input.as_bytes()),
-                None => unreachable!("zc_where maps every peer"),
-            }
-        }
         self.zc_done(hdr)
     }
 
@@ -302,61 +268,54 @@ impl Engine {
         self.zc_done(hdr)
     }
 
-    /// scatter of blocks of at least `zc_min` bytes from an input in the root's arena: every
-    /// rank copies its block straight into its output. `input`: the root's.
-    pub(super) fn zc_scatter(
-        &mut self,
-        input: Option<&HostBuffer>,
-        out: &mut HostBuffer,
-        root: usize,
-        hdr: &StepHeader,
-    ) -> Result<bool> {
-        let (block, n, me) = (out.byte_len(), self.world, self.rank);
-        let Some(peers) = self.zc_where(hdr, input.and_then(place_of), |p| p == root, |_| block * n)? else {
-            return Ok(false);
-        };
-        let src = match (&peers[root], input) {
-            // SAFETY: the root's input is in its op until the last step; nobody writes it.
-            (Some((seg, base)), _) => unsafe { seg.bytes(base + me * block, block) },
-            (None, Some(input)) => &input.as_bytes()[me * block..(me + 1) * block],
-            (None, None) => unreachable!("zc_where maps the root's input"),
-        };
-        to_window(tuning::past_l3(block.saturating_mul(2 * n)), out.as_bytes_mut(), src);
-        self.zc_done(hdr)
-    }
-
-    /// gather of inputs past one step (and of at least `zc_min` bytes), when every rank's input
-    /// is in an arena: the root copies every peer's input straight into its output (`out`, the
-    /// root's alone).
+    /// all_gather (`out` on every rank), or gather past one step (`out` the root's alone), of
+    /// inputs of at least `zc_min` bytes, when every rank's input is in an arena: a rank with
+    /// `out` copies every input straight into it (one copy instead of two). `moved`: the bytes
+    /// the ranks touch together (`tuning::past_l3`).
     pub(super) fn zc_gather(
         &mut self,
         input: &HostBuffer,
+        moved: usize,
         out: Option<&mut HostBuffer>,
         hdr: &StepHeader,
     ) -> Result<bool> {
-        let (bytes, n) = (input.byte_len(), self.world);
+        let bytes = input.byte_len();
         let Some(peers) = self.zc_where(hdr, place_of(input), |_| true, |_| bytes)? else { return Ok(false) };
         if let Some(out) = out {
-            let stream = tuning::past_l3(bytes.saturating_mul(2 * n));
+            let (stream, dst) = (tuning::past_l3(moved), out.as_bytes_mut());
             for (p, mapped) in peers.iter().enumerate() {
-                let to = &mut out.as_bytes_mut()[p * bytes..(p + 1) * bytes];
-                to_window(stream, to, peer_or_own(mapped, input.as_bytes(), 0, bytes));
+                to_window(
+                    stream,
+                    &mut dst[p * bytes..(p + 1) * bytes],
+                    peer_or_own(mapped, input.as_bytes(), 0, bytes),
+                );
             }
         }
         self.zc_done(hdr)
     }
 
-    /// broadcast of at least `zc_min` bytes from a buffer in the root's arena: every other rank
-    /// copies it straight into its buffer (one copy instead of two).
-    pub(super) fn zc_broadcast(&mut self, buf: &mut HostBuffer, root: usize, hdr: &StepHeader) -> Result<bool> {
-        let (bytes, me) = (buf.byte_len(), self.rank);
-        let mine = if me == root { place_of(buf) } else { None };
-        let Some(peers) = self.zc_where(hdr, mine, |p| p == root, |_| bytes)? else { return Ok(false) };
-        if let Some((seg, base)) = &peers[root] {
-            let stream = tuning::past_l3(bytes.saturating_mul(self.world));
-            // SAFETY: the root's buffer is in its op until the last step; nobody writes it.
-            to_window(stream, buf.as_bytes_mut(), unsafe { seg.bytes(*base, bytes) });
-        }
+    /// broadcast, or scatter (`scatter`: each rank's block), of at least `zc_min` bytes from an
+    /// input in the root's arena: every rank but the root copies its part straight into `out`
+    /// (one copy instead of two); a scatter's root copies its own block from `own`, its input.
+    pub(super) fn zc_from_root(
+        &mut self,
+        hdr: &StepHeader,
+        root: usize,
+        own: Option<&HostBuffer>,
+        out: &mut HostBuffer,
+        scatter: bool,
+    ) -> Result<bool> {
+        let (len, n, me) = (out.byte_len(), self.world, self.rank);
+        let place = own.or((!scatter && me == root).then_some(&*out)).and_then(place_of);
+        let (at, total, moved) = if scatter { (me * len, len * n, 2 * n) } else { (0, len, n) };
+        let Some(peers) = self.zc_where(hdr, place, |p| p == root, |_| total)? else { return Ok(false) };
+        let src = match (&peers[root], own) {
+            // SAFETY: the root's input is in its op until the last step; nobody writes it.
+            (Some((seg, base)), _) => unsafe { seg.bytes(base + at, len) },
+            (None, Some(own)) => &own.as_bytes()[at..at + len],
+            (None, None) => return self.zc_done(hdr), // a broadcast's root
+        };
+        to_window(tuning::past_l3(len.saturating_mul(moved)), out.as_bytes_mut(), src);
         self.zc_done(hdr)
     }
 

@@ -1,7 +1,7 @@
 //! Data movement: broadcast, all_gather, all_to_all, scatter and gather.
 
 use comm_core::ops::{AllGather, AllToAll, Broadcast, Gather, Op, Scatter};
-use comm_core::{CommError, Completer, DType, HostBuffer, InOut};
+use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank};
 
 use crate::engine::header::{inline_max, Exchange, Header, INLINE_ANY};
 use crate::engine::op::{Job, Plan};
@@ -11,14 +11,8 @@ use crate::raw;
 use super::{done, done_io, take, wait, Env, Part, Reply, Step, Steps, DIRECT_MAX};
 
 /// The transfer of an all_to_all.
-fn ialltoallv(
-    env: &Env<'_>,
-    input: HostBuffer,
-    send_parts: &[Part],
-    out: HostBuffer,
-    recv_parts: &[Part],
-) -> Result<Step, CommError> {
-    let req = raw::ialltoallv(env.comm, input, send_parts, out, recv_parts, env.may_block)?;
+fn ialltoallv(env: &Env<'_>, input: HostBuffer, out: HostBuffer, parts: &[Vec<Part>; 2]) -> Result<Step, CommError> {
+    let req = raw::ialltoallv(env.comm, input, &parts[0], out, &parts[1], env.may_block)?;
     Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
 }
 
@@ -66,10 +60,10 @@ impl Plan for AllToAll {
             let offsets = |v: &[usize]| -> Vec<(usize, usize)> {
                 v.iter().scan(0, |at, &c| Some((std::mem::replace(at, *at + c), c))).collect()
             };
-            let (send_parts, recv_parts) = (offsets(&ins), offsets(&outs));
+            let parts = [offsets(&ins), offsets(&outs)];
             let mut out = output.unwrap_or_else(|| env.pool.buffer(dtype, outs.iter().sum()));
             if !env.params.check || n == 1 {
-                return ialltoallv(env, input, &send_parts, out, &recv_parts);
+                return ialltoallv(env, input, out, &parts);
             }
             if let Some(ex) = ex {
                 let head = |p: usize| bytemuck::pod_collect_to_vec::<u8, i64>(ex.data(p, 8 + 16 * n));
@@ -77,7 +71,7 @@ impl Plan for AllToAll {
                 let rows: Vec<i64> = heads.iter().flat_map(|h| h[1..].iter().copied()).collect();
                 check_splits(&rows, n)?;
                 if heads.iter().any(|h| h[0] == 0) {
-                    return ialltoallv(env, input, &send_parts, out, &recv_parts);
+                    return ialltoallv(env, input, out, &parts);
                 }
                 // Every input came with the headers: take our block of each.
                 let me = env.rank;
@@ -86,21 +80,17 @@ impl Plan for AllToAll {
                     let at = sent[..me].iter().sum::<i64>() as usize * es;
                     let len = sent[me] as usize * es;
                     let data = &ex.data(p, 8 + 16 * n + at + len)[8 + 16 * n + at..];
-                    let (o, l) = recv_parts[p];
+                    let (o, l) = parts[1][p];
                     out.as_bytes_mut()[o * es..(o + l) * es].copy_from_slice(data);
                 }
                 return done_io(input, out);
             }
             // A group too large for the rows in its slots: gather them in a round of their own.
-            let req = raw::iallgather(
-                env.comm,
-                HostBuffer::from_slice(&row),
-                HostBuffer::zeroed(DType::I64, 2 * n * n),
-                env.may_block,
-            )?;
+            let all = HostBuffer::zeroed(DType::I64, 2 * n * n);
+            let req = raw::iallgather(env.comm, HostBuffer::from_slice(&row), all, env.may_block)?;
             Ok(wait(req, move |env, b| {
                 check_splits(take(b.recv)?.as_slice::<i64>()?, n)?;
-                ialltoallv(env, input, &send_parts, out, &recv_parts)
+                ialltoallv(env, input, out, &parts)
             }))
         };
         Job::Collective(Steps::new(Self::NAME, header, payload, start, Reply::Io(d)))
@@ -137,23 +127,7 @@ impl Plan for AllGather {
     }
 
     fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
-        let AllGather { input, output } = self;
-        let (dtype, len) = (input.dtype(), input.len());
-        let header = Header::new(Self::KIND, Some(dtype), len, None, None);
-        let payload = (input.byte_len() <= inline_max(n)).then(|| input.as_bytes().to_vec());
-        let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
-            let mut out = output.unwrap_or_else(|| env.pool.buffer(dtype, len * env.size));
-            if let Some(ex) = ex {
-                let b = input.byte_len();
-                for p in 0..env.size {
-                    out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(ex.data(p, b));
-                }
-                return done_io(input, out);
-            }
-            let req = raw::iallgather(env.comm, input, out, env.may_block)?;
-            Ok(wait(req, |_, b| done_io(take(b.send)?, take(b.recv)?)))
-        };
-        Job::Collective(Steps::new(Self::NAME, header, payload, start, Reply::Io(d)))
+        plan_gather(self, None, d, n)
     }
 }
 
@@ -204,37 +178,44 @@ impl Plan for Gather {
     }
 
     fn job(self, d: Completer<InOut>, _: &Params, n: usize) -> Job {
-        let Gather { input, output, root } = self;
-        let (dtype, len) = (input.dtype(), input.len());
-        let header = Header::new(Self::KIND, Some(dtype), len, Some(root), None);
-        let payload = (input.byte_len() <= inline_max(n)).then(|| input.as_bytes().to_vec());
-        let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
-            let is_root = env.rank == root as usize;
-            // Off the root MPI fills no output: one passed anyway comes back as it is.
-            let (out, spare) = match is_root {
-                true => (Some(output.unwrap_or_else(|| env.pool.buffer(dtype, len * env.size))), None),
-                false => (None, output),
-            };
-            if let Some(ex) = ex {
-                // Every rank's input came with the headers.
-                let b = input.byte_len();
-                let output = match out {
-                    Some(mut out) => {
-                        for p in 0..env.size {
-                            out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(ex.data(p, b));
-                        }
-                        out
-                    }
-                    None => spare.unwrap_or_else(|| HostBuffer::zeroed(dtype, 0)),
-                };
-                return done_io(input, output);
-            }
-            let req = raw::igather(env.comm, input, out, root as i32, env.may_block)?;
-            Ok(wait(req, move |_, b| {
-                let output = b.recv.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
-                done_io(take(b.send)?, output)
-            }))
-        };
-        Job::Collective(Steps::new(Self::NAME, header, payload, start, Reply::Io(d)))
+        plan_gather(AllGather { input: self.input, output: self.output }, Some(self.root), d, n)
     }
+}
+
+/// all_gather (`root == None`) or gather to `root` in a group of `n`; off the root, an output
+/// passed anyway comes back as it is.
+fn plan_gather(AllGather { input, output }: AllGather, root: Option<Rank>, d: Completer<InOut>, n: usize) -> Job {
+    let kind = if root.is_some() { OpKind::Gather } else { OpKind::AllGather };
+    let (dtype, len) = (input.dtype(), input.len());
+    let header = Header::new(kind, Some(dtype), len, root, None);
+    let payload = (input.byte_len() <= inline_max(n)).then(|| input.as_bytes().to_vec());
+    let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
+        let (out, spare) = match root.is_none_or(|r| env.rank == r as usize) {
+            true => (Some(output.unwrap_or_else(|| env.pool.buffer(dtype, len * env.size))), None),
+            false => (None, output),
+        };
+        if let Some(ex) = ex {
+            // Every rank's input came with the headers.
+            let b = input.byte_len();
+            let output = match out {
+                Some(mut out) => {
+                    for p in 0..env.size {
+                        out.as_bytes_mut()[p * b..(p + 1) * b].copy_from_slice(ex.data(p, b));
+                    }
+                    out
+                }
+                None => spare.unwrap_or_else(|| HostBuffer::zeroed(dtype, 0)),
+            };
+            return done_io(input, output);
+        }
+        let req = match root {
+            None => raw::iallgather(env.comm, input, take(out)?, env.may_block)?,
+            Some(r) => raw::igather(env.comm, input, out, r as i32, env.may_block)?,
+        };
+        Ok(wait(req, move |_, b| {
+            let output = b.recv.or(spare).unwrap_or_else(|| HostBuffer::zeroed(dtype, 0));
+            done_io(take(b.send)?, output)
+        }))
+    };
+    Job::Collective(Steps::new(kind.name(), header, payload, start, Reply::Io(d)))
 }

@@ -241,13 +241,8 @@ impl Plan for Barrier {
             }
             Ok(wait(raw::ibarrier(env.comm)?, |_, _| Ok(Step::Done(Out::Unit))))
         };
-        Job::Collective(Steps::new(
-            Self::NAME,
-            Header::new(Self::KIND, None, 0, None, None),
-            None,
-            start,
-            Reply::Unit(d),
-        ))
+        let header = Header::new(Self::KIND, None, 0, None, None);
+        Job::Collective(Steps::new(Self::NAME, header, None, start, Reply::Unit(d)))
     }
 }
 

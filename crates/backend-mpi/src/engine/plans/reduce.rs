@@ -36,7 +36,7 @@ pub(super) fn plan_reduce(
         ((bytes <= inline_max(n)).then(|| buf.as_bytes().to_vec()), None, Some(buf))
     };
     let start = move |env: &Env<'_>, ex: Option<&mut Exchange>| -> Result<Step, CommError> {
-        let (me, n) = (env.rank, env.size);
+        let (me, n, comm, block) = (env.rank, env.size, env.comm, env.may_block);
         let root = root.map(|r| r as usize);
         let keep = root.is_none_or(|r| r == me);
         if let Some(ex) = ex {
@@ -59,15 +59,8 @@ pub(super) fn plan_reduce(
             // match a blocking collective with a nonblocking one.
             let mpi = mpi_op(env, dtype, op)?;
             let req = match root {
-                None => raw::iallreduce_in_place(env.comm, buf, mpi, env.may_block)?,
-                Some(r) => raw::ireduce(
-                    env.comm,
-                    buf,
-                    keep.then(|| env.pool.buffer(dtype, len)),
-                    mpi,
-                    r as i32,
-                    env.may_block,
-                )?,
+                None => raw::iallreduce_in_place(comm, buf, mpi, block)?,
+                Some(r) => raw::ireduce(comm, buf, keep.then(|| env.pool.buffer(dtype, len)), mpi, r as i32, block)?,
             };
             return Ok(wait(req, move |env, b| {
                 if !keep {
@@ -117,16 +110,6 @@ pub(super) struct Chunks {
     pub(super) per: usize,
 }
 
-/// The slices of a chunk of `clen` elements at `off`: rank `j` reduces part `j`.
-fn chunk_parts(off: usize, clen: usize, n: usize) -> Vec<Part> {
-    (0..n)
-        .map(|j| {
-            let r = slice_of(clen, n, j);
-            (off + r.start, r.len())
-        })
-        .collect()
-}
-
 /// The send and receive parts of a chunk's alltoallv without our own slice, which the
 /// reduction reads where it is (a copy would add a pass over memory).
 fn peer_parts(parts: &[Part], me: usize) -> (Vec<Part>, Vec<Part>) {
@@ -156,7 +139,8 @@ pub(super) fn large_reduce(
 ) -> Result<Step, CommError> {
     let (me, n, dtype, es) = (env.rank, env.size, c.dtype, c.dtype.size());
     let clen = c.per.min(c.len - off);
-    let parts = chunk_parts(off, clen, n);
+    // Rank `j` reduces part `j` of the chunk.
+    let parts: Vec<Part> = (0..n).map(|j| slice_of(clen, n, j)).map(|r| (off + r.start, r.len())).collect();
     let (at, mine) = parts[me];
     let (send_parts, recv_parts) = peer_parts(&parts, me);
     let req = raw::ialltoallv(env.comm, buf, &send_parts, env.pool.buffer(dtype, n * mine), &recv_parts, block)?;
