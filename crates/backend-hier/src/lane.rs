@@ -8,7 +8,7 @@
 //! own ops, so a straight op in flight never holds up the lane.
 
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use comm_core::handle::Poison;
 use comm_core::lane::{self, Class, LaneState, Queued, Ran};
@@ -41,7 +41,7 @@ impl LaneState for Order {
 
 /// See the module docs.
 pub(crate) struct Lane {
-    tx: Mutex<Sender<Job>>,
+    tx: Sender<Job>,
     lane: Arc<lane::Lane<Order>>,
 }
 
@@ -63,7 +63,7 @@ impl Lane {
                 }
             })
             .map_err(|e| CommError::io("starting the hier lane thread", e))?;
-        Ok(Lane { tx: Mutex::new(tx), lane })
+        Ok(Lane { tx, lane })
     }
 
     /// Runs `op` on the lane in program order: on this thread if `inline` allows and the lane
@@ -86,7 +86,7 @@ impl Lane {
         let job: Job = Box::new(move || {
             issued(lane.run_locked(|_| op())).forward(done);
         });
-        if self.tx.lock().unwrap_or_else(|p| p.into_inner()).send(job).is_err() {
+        if self.tx.send(job).is_err() {
             // The thread is gone: the job (and its completer) is dropped, the work says so.
             self.lane.queued().done(Class::Collective);
         }
@@ -106,6 +106,7 @@ fn issued<T: Send + 'static>(out: Result<Issued<T>, CommError>) -> Work<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
     use std::time::Duration;
 
     #[test]

@@ -120,10 +120,6 @@ impl Layout {
 
     /// Ranks that run on this machine's cores: this host's, and those of hosts with the same
     /// boot id (containers or namespaces of one machine, such as simulated hosts).
-    pub fn ranks_on_this_machine(&self) -> usize {
-        self.machine_ranks().count()
-    }
-
     fn machine_ranks(&self) -> impl Iterator<Item = Rank> + '_ {
         let boot = |id: &str| id.split_once('@').map(|(b, _)| b.to_owned());
         let mine = boot(&self.names[self.host]);
@@ -136,19 +132,14 @@ impl Layout {
     /// core each see one CPU apiece but are not crowded.
     pub fn is_crowded(&self) -> bool {
         let all = CpuSet::union_of(self.machine_ranks().map(|r| self.cpus[r as usize].as_ref()));
-        self.ranks_on_this_machine() > CpuSet::runnable_of(all.as_ref())
+        self.machine_ranks().count() > CpuSet::runnable_of(all.as_ref())
     }
 
-    /// A host's name for people: the host name part of its identity.
-    pub fn host_name(&self, h: usize) -> &str {
-        let id = &self.names[h];
-        id.rsplit_once('@').map_or(id.as_str(), |(_, name)| name)
-    }
-
-    /// One line: the hosts with their ranks.
+    /// One line: the hosts (the host name part of their identities) with their ranks.
     pub fn describe(&self) -> String {
+        let name = |id: &str| id.rsplit_once('@').map_or(id, |(_, name)| name).to_owned();
         let hosts: Vec<String> =
-            self.hosts.iter().enumerate().map(|(h, r)| format!("{} {r:?}", self.host_name(h))).collect();
+            self.hosts.iter().zip(&self.names).map(|(r, id)| format!("{} {r:?}", name(id))).collect();
         format!("{} host(s): {}", self.hosts.len(), hosts.join(", "))
     }
 }
@@ -193,9 +184,9 @@ mod tests {
         assert_eq!(l.host_of(2), Some(0));
         assert_eq!(l.describe(), "2 host(s): b [0, 2], a [1, 3]");
         // One boot id: two containers of one machine share its cores.
-        assert_eq!(l.ranks_on_this_machine(), 4);
+        assert_eq!(l.machine_ranks().count(), 4);
         let other_machine = vec!["m1@a".to_owned(), "m2@b".to_owned(), "m1@a".to_owned()];
-        assert_eq!(Layout::from_ids(&other_machine, 0).unwrap().ranks_on_this_machine(), 2);
+        assert_eq!(Layout::from_ids(&other_machine, 0).unwrap().machine_ranks().count(), 2);
     }
 
     #[test]

@@ -145,27 +145,6 @@ async fn default_rail_min(world: &dyn Backend, layout: &Layout) -> Result<usize,
     Ok(if any.as_slice::<i32>()?[0] == 0 { 16 << 10 } else { usize::MAX })
 }
 
-/// Runs `op` on `lane`: fails it fast if the group is poisoned, and poisons the group when a
-/// phase fails (the inner groups may be left mid-op).
-fn on_lane<R: Plan>(lane: &Lane, parts: &Arc<Parts>, poison: &Poison, req: R) -> Work<R::Output> {
-    let (parts, poison) = (parts.clone(), poison.clone());
-    let inline = req.inline(&parts);
-    lane.run(inline, move || {
-        if let Err(e) = poison.check() {
-            return Issued::Done(Err(e));
-        }
-        let issued = req.issue(&parts);
-        if let Issued::Done(Err(e)) = &issued {
-            let cause = format!("{} failed: {e}", R::NAME);
-            poison.set(cause.clone());
-            // The inner groups may be left mid-op, with ranks of other hosts waiting in them:
-            // fail them too, so those ranks learn now rather than at their timeout.
-            parts.abort(&cause);
-        }
-        issued
-    })
-}
-
 #[async_trait]
 impl Group for HierBackend {
     fn rank(&self) -> Rank {
@@ -215,8 +194,7 @@ impl Group for HierBackend {
         let done = self.lane.run(false, move || {
             Issued::Done(futures::executor::block_on(async {
                 let mut first = Ok(());
-                let inner = [Some(&p.local), p.rail.as_ref(), p.leaders.as_ref()];
-                for g in inner.into_iter().flatten().map(|i| &i.group).chain([&p.world]) {
+                for g in p.groups() {
                     first = first.and(g.shutdown().await);
                 }
                 first
@@ -231,7 +209,23 @@ impl<R: Plan> Collective<R> for HierBackend {
         if let Err(e) = self.admission.admit(&req) {
             return Work::ready(Err(e));
         }
-        on_lane(&self.lane, &self.parts, self.admission.poison(), req)
+        // On the lane: fails fast if the group is poisoned, and poisons the group when a phase
+        // fails (the inner groups may be left mid-op).
+        let (parts, poison) = (self.parts.clone(), self.admission.poison().clone());
+        self.lane.run(req.inline(&parts), move || {
+            if let Err(e) = poison.check() {
+                return Issued::Done(Err(e));
+            }
+            let issued = req.issue(&parts);
+            if let Issued::Done(Err(e)) = &issued {
+                let cause = format!("{} failed: {e}", R::NAME);
+                poison.set(cause.clone());
+                // The inner groups may be left mid-op, with ranks of other hosts waiting in them:
+                // fail them too, so those ranks learn now rather than at their timeout.
+                parts.groups().for_each(|g| g.abort(&cause));
+            }
+            issued
+        })
     }
 }
 

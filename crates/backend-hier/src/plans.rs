@@ -40,17 +40,15 @@ pub trait Plan: Op + Sized {
     }
 }
 
-/// One of the groups the phases run on.
 impl Parts {
-    /// Aborts every inner group ([`Group::abort`]).
-    pub(crate) fn abort(&self, cause: &str) {
-        self.world.abort(cause);
-        for inner in [Some(&self.local), self.rail.as_ref(), self.leaders.as_ref()].into_iter().flatten() {
-            inner.group.abort(cause);
-        }
+    /// Every group it runs on: the inner groups, then the world.
+    pub(crate) fn groups(&self) -> impl Iterator<Item = &Arc<dyn Backend>> {
+        let inner = [Some(&self.local), self.rail.as_ref(), self.leaders.as_ref()];
+        inner.into_iter().flatten().map(|i| &i.group).chain([&self.world])
     }
 }
 
+/// One of the groups the phases run on.
 pub(crate) struct Inner {
     pub(crate) group: Arc<dyn Backend>,
     /// The world rank of each of its ranks.

@@ -149,8 +149,6 @@ mod global {
     static STATE: Mutex<State> = Mutex::new(State::Idle);
     /// MPI is initialised and not being finalised: the panic hook may call MPI_Abort.
     static LIVE: AtomicBool = AtomicBool::new(false);
-    /// The worker finished (MPI finalised or abandoned).
-    static ENDED: AtomicBool = AtomicBool::new(false);
     pub(crate) static ABORT_ON_PANIC: AtomicBool = AtomicBool::new(true);
     static WORLD_RANK: AtomicI32 = AtomicI32::new(-1);
     static HOOKS: Once = Once::new();
@@ -190,7 +188,6 @@ mod global {
     /// Called by the worker when it is done; later `init` calls fail with `why`.
     pub(crate) fn mpi_ended(why: &str) {
         *state() = State::Ended(why.to_owned());
-        ENDED.store(true, SeqCst);
     }
 
     /// At process exit: ask the worker to finish and finalise, and wait for it (bounded).
@@ -202,9 +199,9 @@ mod global {
         if tx.send(Command::Exit).is_err() {
             return;
         }
-        // Polling a flag (not a channel): thread-locals may already be gone at this point.
+        // Polling the state (not a channel): thread-locals may already be gone at this point.
         let deadline = Instant::now() + engine::EXIT_GRACE + Duration::from_secs(5);
-        while !ENDED.load(SeqCst) && Instant::now() < deadline {
+        while !matches!(*state(), State::Ended(_)) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }
     }

@@ -29,15 +29,6 @@ const SKEW: usize = 1088;
 /// time at 64-256 KiB).
 pub(crate) const DEFAULT_MIN: usize = 64 << 10;
 
-/// The arena's settings ([`crate::ShmOptions::arena_min`] and `arena_max`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Limits {
-    /// The smallest buffer made here; `None`: no arena.
-    pub(crate) min: Option<usize>,
-    /// Bytes of blocks at most.
-    pub(crate) max: usize,
-}
-
 /// Free bytes of /dev/shm: the default bound of the arena (a host whose /dev/shm is small,
 /// like a container's 64 MiB, has little shared memory to spare).
 pub(crate) fn shm_free() -> usize {
@@ -45,7 +36,10 @@ pub(crate) fn shm_free() -> usize {
 }
 
 pub(crate) struct Arena {
-    limits: Limits,
+    /// The smallest buffer made here ([`crate::ShmOptions::arena_min`]).
+    min: usize,
+    /// Bytes of blocks at most ([`crate::ShmOptions::arena_max`]).
+    max: usize,
     state: Mutex<State>,
 }
 
@@ -65,8 +59,8 @@ static ARENA: OnceLock<Arena> = OnceLock::new();
 
 /// Installs the process's arena as the large-buffer provider the first time a group is made
 /// (not when `COMM_SHM_ARENA_MIN=off`).
-pub(crate) fn install(limits: Limits) {
-    if limits.min.is_some() && ARENA.set(Arena { limits, state: Mutex::default() }).is_ok() {
+pub(crate) fn install(min: Option<usize>, max: usize) {
+    if min.is_some_and(|min| ARENA.set(Arena { min, max, state: Mutex::default() }).is_ok()) {
         comm_core::set_large_buffers(Some(Arc::new(Installed(ARENA.get().expect("just set")))));
     }
 }
@@ -80,7 +74,7 @@ struct Installed(&'static Arena);
 
 impl LargeBuffers for Installed {
     fn min_bytes(&self) -> usize {
-        self.0.limits.min.unwrap_or(usize::MAX)
+        self.0.min
     }
     fn alloc(&self, bytes: usize, zeroed: bool) -> Option<Box<dyn ExternalStorage>> {
         self.0.block(bytes, zeroed).map(|b| Box::new(b) as Box<dyn ExternalStorage>)
@@ -103,7 +97,7 @@ impl Arena {
         }
         // A fresh block is zeroed: chunks start zeroed and blocks are carved once. Its memory
         // is taken (and counted against the bound) as it is carved.
-        if st.made.checked_add(size).is_none_or(|m| m > self.limits.max) {
+        if st.made.checked_add(size).is_none_or(|m| m > self.max) {
             return self.full(&mut st, len, None);
         }
         let fits = |c: &(Arc<Segment>, usize)| size <= CHUNK && c.1 + size <= CHUNK;
@@ -126,8 +120,7 @@ impl Arena {
 
     fn full(&self, st: &mut State, len: usize, err: Option<std::io::Error>) -> Option<Block> {
         if !std::mem::replace(&mut st.warned, true) {
-            let why =
-                err.map_or_else(|| format!("COMM_SHM_ARENA_MAX={} bytes reached", self.limits.max), |e| e.to_string());
+            let why = err.map_or_else(|| format!("COMM_SHM_ARENA_MAX={} bytes reached", self.max), |e| e.to_string());
             tracing::warn!(
                 "comm shm: no room in the shared-memory arena for a buffer of {len} bytes ({why}); large buffers are plain \
                  memory from now on, and ops on them copy"
@@ -207,7 +200,7 @@ mod tests {
     use super::*;
 
     fn arena(max: usize) -> &'static Arena {
-        Box::leak(Box::new(Arena { limits: Limits { min: Some(PAGE), max }, state: Mutex::default() }))
+        Box::leak(Box::new(Arena { min: PAGE, max, state: Mutex::default() }))
     }
 
     #[test]

@@ -17,14 +17,14 @@ mod sys;
 mod tuning;
 
 use std::sync::atomic::Ordering::SeqCst;
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::cpus::CpuSet;
 use comm_core::elastic::{self, Elastic, Shrunk};
-use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
+use comm_core::handle::{self, shutdown_done, Admission, Subgroups};
 use comm_core::lane::{Class, Lane, Ran};
 use comm_core::{config, Backend, Collective, CommError, DType, Group, HostBuffer, OpKind, Rank, Store, Work};
 
@@ -277,7 +277,7 @@ impl ShmBackend {
             }
             sets.push(their_cpus);
         }
-        let all_cpus = CpuSet::union_of(sets.iter().map(Option::as_ref));
+        let runnable = CpuSet::runnable_of(CpuSet::union_of(sets.iter().map(Option::as_ref)).as_ref());
         let worker_cpu = inherited_cpu.unwrap_or_else(|| {
             tuning::worker_cpu(rank, &sets, opts.pin, |s| tuning::cores_of(s, "/sys/devices/system/cpu"))
         });
@@ -307,7 +307,7 @@ impl ShmBackend {
         me.u64_at(OFF_MAGIC).store(MAGIC, SeqCst);
 
         let faults = config::fault_injection()?;
-        arena::install(arena::Limits { min: opts.arena_min, max: opts.arena_max });
+        arena::install(opts.arena_min, opts.arena_max);
         let joined = Self::join_peers(&*store, &prefix, rank, world, &lay, &me, me_id, to, faults, known).await;
         if let Err(e) = &joined {
             // Tell the others why this rank gives up before its segment goes away.
@@ -325,22 +325,15 @@ impl ShmBackend {
         let params = Params {
             panic_at: faults.panic_at,
             timeout: to,
-            spin: opts
-                .spin
-                .unwrap_or_else(|| handle::default_spin(world as usize, CpuSet::runnable_of(all_cpus.as_ref()))),
-            cpus: (CpuSet::runnable_of(all_cpus.as_ref()) / world as usize).max(1),
+            spin: opts.spin.unwrap_or_else(|| handle::default_spin(world as usize, runnable)),
+            cpus: (runnable / world as usize).max(1),
             stream: opts.stream,
             // With a rank that has no arena every large op would learn so in an extra step and
             // copy anyway: they copy at once.
             zc_min: if all_arenas { zc_min } else { usize::MAX },
             send_in_place_min: if all_arenas { zc_min.max(small_max + 1) } else { usize::MAX },
         };
-        let (tx, rx) = channel();
-        let poison = Poison::new();
-        let queued = Arc::default();
-        let engine =
-            Engine::new(rank as usize, lay, segs, procs.clone(), params, rx, Arc::clone(&queued), poison.clone());
-        let lane = Arc::new(Lane::new(engine, queued, poison.clone(), params.spin));
+        let (lane, tx) = Engine::start(rank as usize, lay, segs, procs.clone(), params);
         let (worker_lane, worker_me, spin) = (lane.clone(), me.clone(), params.spin);
         std::thread::Builder::new()
             .name(format!("comm-shm-r{rank}"))
@@ -356,7 +349,7 @@ impl ShmBackend {
             .map_err(|e| CommError::io("starting the shm worker thread", e))?;
         Ok(ShmBackend {
             inner: Arc::new(Inner {
-                admission: Admission::new(rank, world, poison),
+                admission: Admission::new(rank, world, lane.poison().clone()),
                 tx,
                 lane,
                 limits: match world {
@@ -484,12 +477,9 @@ impl ShmBackend {
         if let Err(e) = self.inner.admission.admit(&req) {
             return Work::ready(Err(e));
         }
-        let req = match self.direct(req) {
-            Ok(work) => return work,
-            Err(req) => req,
-        };
         match req.one_shot(&self.inner.limits) {
             Ok(op) => self.one_step(op),
+            Err(req) if R::P2P => self.direct(req),
             Err(req) => self.queued(req),
         }
     }
@@ -578,11 +568,8 @@ impl ShmBackend {
     /// thread for up to the inline budget, when nothing submitted earlier is still on its way
     /// to the worker (it could be a message to the same peer, which must go first). A small
     /// message then needs no hand-off to the worker and no wake-up on either side; what is
-    /// not finished by then the worker goes on with. Other ops come back.
-    fn direct<R: Plan>(&self, req: R) -> Result<Work<R::Output>, R> {
-        if !R::P2P {
-            return Err(req);
-        }
+    /// not finished by then the worker goes on with. Else the op is queued.
+    fn direct<R: Plan>(&self, req: R) -> Work<R::Output> {
         let ran = self.inline(Class::P2p, req, |engine, req, spin| {
             let (done, work) = Work::pending();
             R::accept(Box::new(Pending { req, done }), engine);
@@ -593,9 +580,9 @@ impl ShmBackend {
             let budget = if R::KIND == OpKind::Send { None } else { Some(spin) };
             engine.progress_inline(budget, || work.is_completed());
             work
-        })?;
+        });
         // A panic reached the op's completer, which reports it.
-        Ok(ran.unwrap_or_else(|e| Work::ready(Err(e))))
+        ran.unwrap_or_else(|req| Ok(self.queued(req))).unwrap_or_else(|e| Work::ready(Err(e)))
     }
 }
 

@@ -99,8 +99,12 @@ pub trait OneShotOutput: Sized {
 }
 
 impl OneShotOutput for HostBuffer {
+    /// The result buffer (the barrier's is empty).
     fn from_one_shot(op: OneShot) -> Self {
-        op.into_buffer()
+        match op {
+            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf,
+            other => InOut::from_one_shot(other).output,
+        }
     }
     fn done(c: Completer<Self>) -> Done {
         Done::Buf(c)
@@ -108,8 +112,22 @@ impl OneShotOutput for HostBuffer {
 }
 
 impl OneShotOutput for InOut {
+    /// Input and output of an op that reads one buffer and fills another.
     fn from_one_shot(op: OneShot) -> Self {
-        op.into_in_out()
+        let empty = |d: DType| HostBuffer::zeroed(d, 0);
+        match op {
+            OneShot::AllGather { input, out }
+            | OneShot::ReduceScatter { input, out, .. }
+            | OneShot::AllToAll { input, out, .. } => InOut { input, output: out },
+            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => {
+                InOut { output: empty(buf.dtype()), input: buf }
+            }
+            OneShot::Scatter { input, out, .. } => {
+                InOut { input: input.unwrap_or_else(|| empty(out.dtype())), output: out }
+            }
+            OneShot::Gather { input, out, .. } => InOut { output: out.unwrap_or_else(|| empty(input.dtype())), input },
+            OneShot::Barrier | OneShot::Arrive { .. } => InOut { input: empty(DType::U8), output: empty(DType::U8) },
+        }
     }
     fn done(c: Completer<Self>) -> Done {
         Done::Io(c)

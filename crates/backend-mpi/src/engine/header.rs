@@ -51,7 +51,7 @@ pub(super) fn exchange(
     // The start is sent now, so its transfer overlaps the headers' round trip; received once
     // the headers agree (its length follows from theirs: `header.extra`).
     let (sends, input) = match whole {
-        Some(w) if beside > 0 => (Some(raw::isend_all(comm, w, 0..beside, raw::bulk_tag())?), None),
+        Some(w) if beside > 0 => (Some(raw::imessages(comm, raw::bulk_tag(), Some((w, 0..beside)), None, &[])?), None),
         w => (None, w),
     };
     let cont: Cont = Box::new(move |env: &Env<'_>, bufs: Bufs| {
@@ -68,7 +68,8 @@ pub(super) fn exchange(
         };
         let len = bulk_len(&header, env.size).ok_or_else(|| internal("an all_reduce sent a part it has not"))?;
         let parts: Vec<_> = (0..env.size).filter(|&p| p != env.rank).map(|p| (p, p * len, len)).collect();
-        let recvs = raw::irecv_parts(env.comm, env.pool.buffer(DType::U8, len * env.size), &parts, raw::bulk_tag())?;
+        let recvs =
+            raw::imessages(env.comm, raw::bulk_tag(), None, Some(env.pool.buffer(DType::U8, len * env.size)), &parts)?;
         Ok(wait(recvs, move |_, b| {
             let peers = take(b.recv)?;
             Ok(wait(sends, move |env, b| {
@@ -104,7 +105,7 @@ fn drain(env: &Env<'_>, ex: &Exchange, sends: Option<Request>, e: CommError) -> 
         return then(env, Bufs::default());
     }
     // Lengths from the peers' headers: an allocation that fails is an error, not an abort.
-    let recvs = raw::irecv_parts(env.comm, HostBuffer::try_zeroed(DType::U8, at)?, &parts, raw::bulk_tag())?;
+    let recvs = raw::imessages(env.comm, raw::bulk_tag(), None, Some(HostBuffer::try_zeroed(DType::U8, at)?), &parts)?;
     Ok(wait(recvs, then))
 }
 
@@ -284,11 +285,7 @@ impl Exchange {
 
     /// Whether every rank of a group of `n` sent its header [`ALONE`].
     pub(super) fn all_alone(&self, n: usize) -> bool {
-        (0..n).all(|p| {
-            let at = p * self.slot;
-            let w: &[u64] = bytemuck::cast_slice(&self.all.as_bytes()[at..at + 16]);
-            w[1] & ALONE != 0
-        })
+        (0..n).all(|p| bytemuck::cast_slice::<u8, u64>(&self.all.as_bytes()[p * self.slot..][..16])[1] & ALONE != 0)
     }
 
     /// Rank `p`'s header.

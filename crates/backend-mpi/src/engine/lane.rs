@@ -8,12 +8,12 @@ use comm_core::handle::Poison;
 use comm_core::lane::{self as shared, Class, LaneState, Queued, Ran, Ticket};
 use comm_core::{CommError, Completer, HostBuffer};
 
-use crate::raw::{self, Polled, Request};
+use crate::raw::{self, Polled};
 
 use super::header::{exchange, OpLabel};
 use super::op::{Job, Pending, Plan, Post};
 use super::p2p::P2p;
-use super::plans::{Active, Cont, Env, Out, Pool, Reply, Step, Steps};
+use super::plans::{Active, Env, Out, Pool, Reply, Step, Steps};
 use super::{p2p, reject_with, Command, GroupInfo, Params};
 
 /// A group's lane, shared by its handles and the worker: a caller runs an op itself when the
@@ -44,12 +44,6 @@ impl LaneState for Caller {
     }
 }
 
-impl std::fmt::Debug for Lane {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Lane").finish_non_exhaustive()
-    }
-}
-
 impl Lane {
     pub(super) fn new(comm: raw::SharedComm, params: Params, poison: Poison, spin: Duration) -> Lane {
         let caller = Caller { comm: Some(comm), seq: 0, pool: Pool::default(), poison: poison.clone() };
@@ -72,14 +66,9 @@ pub(crate) fn submit_direct<R: Plan>(
         false => op.req.direct(&lane.params, size) && lane.params.check && size >= 2,
     };
     let ran = match direct {
-        true => lane.lane.try_inline(class, op, |st, op, _| {
-            if R::P2P {
-                let Job::P2p(post) = op.req.job(op.done, &lane.params, size) else {
-                    unreachable!("a point-to-point op is posted")
-                };
-                return p2p_direct(lane, st, info, tx, post);
-            }
-            collective_direct(lane, st, info, tx, op)
+        true => lane.lane.try_inline(class, op, |st, op, _| match op.req.job(op.done, &lane.params, size) {
+            Job::P2p(post) => p2p_direct(lane, st, info, tx, post),
+            Job::Collective(steps) => collective_direct(lane, st, info, tx, steps),
         }),
         false => Err(op),
     };
@@ -94,35 +83,40 @@ pub(crate) fn submit_direct<R: Plan>(
 }
 
 /// Runs a collective on the caller's thread, or hands it to the worker if peers are late.
-fn collective_direct<R: Plan>(
+fn collective_direct(
     lane: &Arc<Lane>,
     st: &mut Caller,
     info: &GroupInfo,
     tx: &std::sync::mpsc::Sender<Command>,
-    op: Pending<R>,
+    steps: Steps,
 ) -> Finished {
     st.seq += 1;
-    let what = OpLabel { name: R::NAME, seq: st.seq, direct: true };
+    let Steps { name, header, payload, whole, start, reply } = steps;
+    let what = OpLabel { name, seq: st.seq, direct: true };
     let Some(comm) = st.comm.as_deref() else { unreachable!("checked by the lane") };
     let (size, rank) = (info.size as usize, info.rank as usize);
-    let Job::Collective(Steps { header, payload, whole, start, reply, .. }) = op.req.job(op.done, &lane.params, size)
-    else {
-        unreachable!("point-to-point ops are posted")
-    };
     let env =
         Env { comm, gid: info.gid, rank, size, params: &lane.params, half: None, pool: &st.pool, may_block: false };
-    let first = exchange(&env, header, payload, whole, start, what);
-    let r = match first.and_then(|(req, cont)| exchange_direct(&env, lane.lane.spin(), req, cont, what)) {
-        Ok(Direct::Done(out)) => Ok(out),
+    let r = match exchange(&env, header, payload, whole, start, what) {
         Err(e) => Err(e),
-        Ok(Direct::Waiting(req, cont, started)) => {
-            // Peers are late: the worker polls it (a task this thread would run may be what they
-            // wait for); counted in the lane and sent under the lock, so it runs first.
-            let ticket = lane.lane.queued().ticket(Class::Collective);
-            let active = Active { ticket: Some(ticket), what, started, req, cont, reply };
-            return tx
-                .send(Command::Adopt(info.gid, Box::new(active)))
-                .map_or_else(|e| Finished::Gone(e.0), |()| Finished::Nothing);
+        Ok((mut req, cont)) => {
+            let started = Instant::now();
+            let polled = spin_poll(started, lane.lane.spin(), || match req.test() {
+                Polled::Pending => None,
+                Polled::Done(_) => Some(Ok(())),
+                Polled::Failed { err, .. } => Some(Err(what.failed(err))),
+            });
+            let Some(polled) = polled else {
+                // Peers are late: the worker polls it (a task this thread would run may be what they
+                // wait for); counted in the lane and sent under the lock, so it runs first.
+                let ticket = lane.lane.queued().ticket(Class::Collective);
+                let active = Active { ticket: Some(ticket), what, started, req, cont, reply };
+                return tx
+                    .send(Command::Adopt(info.gid, Box::new(active)))
+                    .map_or_else(|e| Finished::Gone(e.0), |()| Finished::Nothing);
+            };
+            // Every rank is in the op now: its further steps (a large exact reduction) run here too.
+            polled.and_then(|()| req.into_bufs()).and_then(|bufs| steps_direct(&env, cont(&env, bufs)?, started, what))
         }
     };
     if let Err(e) = &r {
@@ -202,13 +196,6 @@ impl Finished {
 /// no wait for the receiver's answer.
 const P2P_DIRECT_MAX: usize = 2 << 10;
 
-/// How far a direct op got on the caller's thread.
-pub(super) enum Direct {
-    Done(Out),
-    /// The exchange is still in flight after the wait budget: its request and what follows.
-    Waiting(Request, Cont, Instant),
-}
-
 /// Yields a direct op's caller makes after its spin budget before handing the op to the worker.
 const DIRECT_YIELDS: u32 = 16;
 
@@ -234,30 +221,12 @@ fn spin_poll<T>(started: Instant, spin: Duration, mut poll: impl FnMut() -> Opti
     }
 }
 
-/// A direct op's exchange `req`, polled on this thread for a while, then the rest of the op.
-fn exchange_direct(
-    env: &Env<'_>,
-    spin: Duration,
-    mut req: Request,
-    finish: Cont,
-    what: OpLabel,
-) -> Result<Direct, CommError> {
+/// A direct op's steps after its exchange, each request polled on this thread to its end.
+fn steps_direct(env: &Env<'_>, mut step: Step, started: Instant, what: OpLabel) -> Result<Out, CommError> {
     let (size, timeout) = (env.size, env.params.timeout);
-    let started = Instant::now();
-    let polled = spin_poll(started, spin, || match req.test() {
-        Polled::Pending => None,
-        Polled::Done(_) => Some(Ok(())),
-        Polled::Failed { err, .. } => Some(Err(what.failed(err))),
-    });
-    let bufs = match polled {
-        Some(done) => done.and_then(|()| req.into_bufs())?,
-        None => return Ok(Direct::Waiting(req, finish, started)),
-    };
-    // Every rank is in the op now: its further steps (a large exact reduction) run here too.
-    let mut step = finish(env, bufs)?;
     loop {
         let (mut req, cont) = match step {
-            Step::Done(out) => return Ok(Direct::Done(out)),
+            Step::Done(out) => return Ok(out),
             Step::Wait(req, cont) => (req, cont),
         };
         let bufs = loop {

@@ -28,7 +28,7 @@ use header::start_collective;
 pub(crate) use held::Held;
 pub(crate) use lane::{submit_direct, Lane};
 pub(crate) use measure::GATHER_MIN;
-use op::{Job, Post, Queued};
+use op::{Job, Queued};
 pub(crate) use op::{NewGroup, Pending, Plan};
 use p2p::{progress_p2p, P2p};
 pub(crate) use plans::Active;
@@ -53,7 +53,7 @@ pub struct Params {
 }
 
 /// What a handle needs to know about its group.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct GroupInfo {
     pub(crate) gid: Gid,
     pub(crate) rank: Rank,
@@ -209,7 +209,11 @@ impl Engine {
 
     /// One turn of the loop; whether the worker is done.
     fn turn(&mut self) -> bool {
-        let mut progressed = self.drain();
+        let mut progressed = false;
+        while let Ok(m) = self.rx.try_recv() {
+            progressed = true;
+            self.accept(m);
+        }
         progressed |= self.progress();
         self.reap();
         if self.ending.as_ref().is_some_and(|e| {
@@ -233,15 +237,6 @@ impl Engine {
         for g in self.groups.values_mut() {
             g.poison(&e, &mut self.graveyard);
         }
-    }
-
-    fn drain(&mut self) -> bool {
-        let mut any = false;
-        while let Ok(m) = self.rx.try_recv() {
-            any = true;
-            self.accept(m);
-        }
-        any
     }
 
     /// Nothing progressed: spin, then yield between polls while a collective (or, for a
@@ -285,7 +280,15 @@ impl Engine {
                     return cmd.fail(e);
                 }
                 match cmd.job(&g.params, g.info.size as usize) {
-                    Job::P2p(post) => self.start_p2p(gid, post, ticket),
+                    Job::P2p(post) => match P2p::start(post, &g.comm, g.params.timeout, ticket) {
+                        Ok(p) => g.p2p.push(p),
+                        Err((done, e)) => {
+                            if e.poisons_group() {
+                                g.poison(&e, &mut self.graveyard);
+                            }
+                            done.complete(Err(e));
+                        }
+                    },
                     Job::Collective(steps) => g.queue.push_back((steps, ticket)),
                 }
             }
@@ -355,19 +358,6 @@ impl Engine {
         e.waiters.extend(waiter);
         for g in self.groups.values_mut() {
             g.closing = true;
-        }
-    }
-
-    fn start_p2p(&mut self, gid: Gid, post: Post, ticket: Option<Ticket>) {
-        let Some(g) = self.groups.get_mut(&gid) else { return };
-        match P2p::start(post, &g.comm, g.params.timeout, ticket) {
-            Ok(p) => g.p2p.push(p),
-            Err((done, e)) => {
-                if e.poisons_group() {
-                    g.poison(&e, &mut self.graveyard);
-                }
-                done.complete(Err(e));
-            }
         }
     }
 

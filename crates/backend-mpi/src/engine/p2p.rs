@@ -105,7 +105,7 @@ pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Ins
 }
 
 /// Polls `p` once (matching a receive's message first): `None` while it is in flight within
-/// its deadline, else how it ended. `me`: this rank, for messages.
+/// its deadline, else how it ended.
 pub(super) fn poll(p: &mut P2p, comm: &Comm, now: Instant, timeout: Duration) -> Option<Result<(), CommError>> {
     if p.req.is_none() {
         match match_recv(p, comm) {

@@ -55,7 +55,7 @@ pub(crate) fn exchange_tag() -> i32 {
     (tag_ub() >> 3) << 3
 }
 
-/// The tag of an all_reduce input sent beside the exchange ([`isend_all`]): the next in the
+/// The tag of an all_reduce input sent beside the exchange ([`imessages`]): the next in the
 /// reserved block (of 8, as `MPI_TAG_UB` is `2^k - 1`: the worker checks it).
 pub(crate) fn bulk_tag() -> i32 {
     exchange_tag() + 1
@@ -87,19 +87,9 @@ fn peers(comm: &Comm) -> impl Iterator<Item = usize> + Clone {
     (0..comm.size as usize).filter(move |&p| p != me)
 }
 
-/// Bytes `bytes` of `send` to every other rank on `tag`.
-pub(crate) fn isend_all(comm: &Comm, send: HostBuffer, bytes: Range<usize>, tag: i32) -> Issued {
-    imessages(comm, tag, Some((send, bytes)), None, &[])
-}
-
-/// For each `(peer, at, len)`: `len` bytes from `peer` on `tag` into `recv` at byte `at`.
-pub(crate) fn irecv_parts(comm: &Comm, recv: HostBuffer, parts: &[(usize, usize, usize)], tag: i32) -> Issued {
-    imessages(comm, tag, None, Some(recv), parts)
-}
-
 /// Point-to-point messages on one tag that complete together: the given bytes of `send` to every
 /// other rank, and for each `(peer, at, len)` of `from`, `len` bytes into `recv` at byte `at`.
-fn imessages(
+pub(crate) fn imessages(
     comm: &Comm,
     tag: i32,
     send: Option<(HostBuffer, Range<usize>)>,

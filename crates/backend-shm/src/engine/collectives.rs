@@ -97,33 +97,25 @@ impl Engine {
 
     /// Fills `r`'s output (taken from it, or allocated); `r.input` stays.
     pub(crate) fn all_gather(&mut self, r: &mut AllGather) -> Result<HostBuffer> {
-        let (dtype, count, es, n) = (r.input.dtype(), r.input.len(), r.input.dtype().size(), self.world);
+        let (dtype, count, n) = (r.input.dtype(), r.input.len(), self.world);
         let mut out = r.output.take().unwrap_or_else(|| HostBuffer::for_overwrite(dtype, count * n));
         let hdr = self.header(OpKind::AllGather, dtype, count, 0, None);
         let moved = (out.byte_len() + r.input.byte_len()).saturating_mul(n);
         if r.input.byte_len() >= self.params.zc_min && self.zc_gather(&r.input, moved, Some(&mut out), &hdr)? {
             return Ok(out);
         }
-        self.concat(&hdr, r.input.as_bytes(), Some(out.as_bytes_mut()), es, true, Choice::Timed)?;
+        self.concat(&hdr, &r.input, Some(out.as_bytes_mut()), Choice::Timed)?;
         Ok(out)
     }
 
-    /// Every rank's `input` (`es`-byte elements) into `dst` in rank order, a window's piece per
-    /// step; ours is written to the window where `write`. A rank without `dst` only writes.
-    fn concat(
-        &mut self,
-        hdr: &StepHeader,
-        input: &[u8],
-        mut dst: Option<&mut [u8]>,
-        es: usize,
-        write: bool,
-        choice: Choice,
-    ) -> Result<()> {
-        let (count, me) = (input.len() / es, self.rank);
+    /// Every rank's input (ours: `src`) into `dst` in rank order, a window's piece per step;
+    /// ours is written to the window unless `choice` is `Plain`. A rank without `dst` only writes.
+    fn concat(&mut self, hdr: &StepHeader, src: &HostBuffer, mut dst: Option<&mut [u8]>, choice: Choice) -> Result<()> {
+        let (es, count, me) = (src.dtype().size(), src.len(), self.rank);
         for (off, len) in pieces(count, self.lay.window / es) {
-            let piece = &input[off * es..(off + len) * es];
+            let piece = &src.as_bytes()[off * es..(off + len) * es];
             self.step(hdr, piece.len(), choice, |io, stream| match io {
-                Io::Write(w) if write => to_window(stream, &mut w[..piece.len()], piece),
+                Io::Write(w) if !matches!(choice, Choice::Plain) => to_window(stream, &mut w[..piece.len()], piece),
                 Io::Write(_) => {}
                 Io::Read(views, _) => {
                     if let Some(dst) = dst.as_deref_mut() {
@@ -294,7 +286,7 @@ impl Engine {
     /// comes back as it is.
     pub(crate) fn gather(&mut self, r: Gather) -> Result<InOut> {
         let Gather { input, output, root } = r;
-        let (dtype, count, es, n, root) = (input.dtype(), input.len(), input.dtype().size(), self.world, root as usize);
+        let (dtype, count, n, root) = (input.dtype(), input.len(), self.world, root as usize);
         let hdr = self.header(OpKind::Gather, dtype, count, root as Rank, None);
         let is_root = self.rank == root;
         let (mut out, spare) = match is_root {
@@ -314,9 +306,8 @@ impl Engine {
             return Ok(done(out, input));
         }
         // The root takes its own piece from its input.
-        let (dst, choice) =
-            (out.as_mut().map(HostBuffer::as_bytes_mut), if is_root { Choice::Plain } else { Choice::Writes });
-        self.concat(&hdr, input.as_bytes(), dst, es, !is_root, choice)?;
+        let choice = if is_root { Choice::Plain } else { Choice::Writes };
+        self.concat(&hdr, &input, out.as_mut().map(HostBuffer::as_bytes_mut), choice)?;
         Ok(done(out, input))
     }
 }

@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::SeqCst;
-use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,7 @@ use comm_core::ops::{RecvFrom, SendTo};
 use comm_core::{config, CommError, Completer, DType, HostBuffer, InOut, OpKind, ReduceOp};
 
 use crate::layout::*;
+use crate::plans::OneShotOutput;
 use crate::segment::Segment;
 use crate::sys::{futex_wait, ProcId};
 
@@ -55,8 +56,8 @@ pub enum Done {
 impl Done {
     fn complete(self, r: Result<OneShot>) {
         match self {
-            Done::Buf(c) => c.complete(r.map(OneShot::into_buffer)),
-            Done::Io(c) => c.complete(r.map(OneShot::into_in_out)),
+            Done::Buf(c) => c.complete(r.map(HostBuffer::from_one_shot)),
+            Done::Io(c) => c.complete(r.map(InOut::from_one_shot)),
             Done::Unit(c) => c.complete(r.map(drop)),
         }
     }
@@ -243,19 +244,17 @@ const ZC_CACHE: usize = 256;
 type Result<T, E = CommError> = std::result::Result<T, E>;
 
 impl Engine {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
+    /// The engine of rank `rank`, in the lane its worker and inline callers share, and the
+    /// sender of the worker's commands.
+    pub(crate) fn start(
         rank: usize,
         lay: Layout,
         segs: Vec<Arc<Segment>>,
         procs: Vec<Option<ProcId>>,
         params: Params,
-        rx: Receiver<Command>,
-        pending: Arc<lane::Queued>,
-        poison: Poison,
-    ) -> Engine {
-        let world = lay.world;
-        Engine {
+    ) -> (Arc<Lane<Engine>>, Sender<Command>) {
+        let (world, (tx, rx), pending, poison) = (lay.world, channel(), Arc::<lane::Queued>::default(), Poison::new());
+        let engine = Engine {
             rank,
             world,
             lay,
@@ -263,9 +262,9 @@ impl Engine {
             procs,
             params,
             rx,
-            pending,
+            pending: pending.clone(),
             parked: None,
-            poison,
+            poison: poison.clone(),
             poisoned: None,
             step: 0,
             all_at: 0,
@@ -289,7 +288,8 @@ impl Engine {
             oneshot_stores: stores::Stores::new(params.stream),
             write_stores: (0..16).map(|_| stores::Stores::writes(params.stream)).collect(),
             oneshot_timed: None,
-        }
+        };
+        (Arc::new(Lane::new(engine, pending, poison, params.spin)), tx)
     }
 
     fn p2p_idle(&self) -> bool {

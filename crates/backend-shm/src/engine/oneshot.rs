@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use comm_core::lane::SpinSlot;
-use comm_core::{config, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
+use comm_core::{config, DType, HostBuffer, OpKind, Rank, ReduceOp};
 use comm_kernels as kernels;
 
 use crate::layout::{StepHeader, CARRIED};
@@ -72,32 +72,6 @@ pub enum OneShot {
 }
 
 impl OneShot {
-    /// The result buffer (the barrier's is empty).
-    pub(crate) fn into_buffer(self) -> HostBuffer {
-        match self {
-            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf,
-            other => other.into_in_out().output,
-        }
-    }
-
-    /// Input and output of an op that reads one buffer and fills another.
-    pub(crate) fn into_in_out(self) -> InOut {
-        let empty = |d: DType| HostBuffer::zeroed(d, 0);
-        match self {
-            OneShot::AllGather { input, out }
-            | OneShot::ReduceScatter { input, out, .. }
-            | OneShot::AllToAll { input, out, .. } => InOut { input, output: out },
-            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => {
-                InOut { output: empty(buf.dtype()), input: buf }
-            }
-            OneShot::Scatter { input, out, .. } => {
-                InOut { input: input.unwrap_or_else(|| empty(out.dtype())), output: out }
-            }
-            OneShot::Gather { input, out, .. } => InOut { output: out.unwrap_or_else(|| empty(input.dtype())), input },
-            OneShot::Barrier | OneShot::Arrive { .. } => InOut { input: empty(DType::U8), output: empty(DType::U8) },
-        }
-    }
-
     /// What its step header says: kind, dtype, count, root, reduce op (as the queued forms of
     /// the ops say it, so both forms check against each other; all_to_all's aux 0: equal splits).
     fn signature(&self) -> (OpKind, DType, usize, Rank, Option<ReduceOp>) {

@@ -74,21 +74,14 @@ impl Engine {
         }
     }
 
-    pub(super) fn header(
-        &self,
-        op: OpKind,
-        dtype: DType,
-        count: usize,
-        root: Rank,
-        redop: Option<ReduceOp>,
-    ) -> StepHeader {
+    pub(super) fn header(&self, op: OpKind, dtype: DType, n: usize, root: Rank, red: Option<ReduceOp>) -> StepHeader {
         StepHeader {
             seq: self.seq,
-            count: count as u64,
+            count: n as u64,
             root,
             op: op.code(),
             dtype: dtype.code(),
-            redop: redop.map_or(u8::MAX, ReduceOp::code),
+            redop: red.map_or(u8::MAX, ReduceOp::code),
             ..StepHeader::default()
         }
     }
