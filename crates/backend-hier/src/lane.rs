@@ -1,11 +1,7 @@
 //! The one lane every op of a hierarchical group (and of its sub-groups) goes through, so that
-//! every rank hands its inner groups their ops in one order.
-//!
-//! An op either runs *through the hierarchy* (its phases are inner ops issued and waited for
-//! one after another) or goes *straight* to an inner group (issued, not waited for). Ops take
-//! the lane in program order: on the caller's thread when the lane is idle (small ops and
-//! straight ops: no hand-off), else queued for the lane's thread. Inner groups progress their
-//! own ops, so a straight op in flight never holds up the lane.
+//! every rank hands its inner groups their ops in one order: ARCHITECTURE.md, "Several hosts
+//! (hier)", 1. and "Ordering". Inner groups progress their own ops, so a straight op in flight
+//! never holds up the lane.
 
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! handed, and derives the rails and the leaders' group from the world with `new_group`.
 //! Every op of the group and its sub-groups takes one lane (`lane`), so every rank issues its
 //! inner groups' ops in one order. The phases of each op and the fixed reduction order (host
-//! by host, in rank order): ARCHITECTURE.md, "hier backend".
+//! by host, in rank order): ARCHITECTURE.md, "Several hosts (hier)".
 
 #![forbid(unsafe_code)]
 

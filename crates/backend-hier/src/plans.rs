@@ -24,9 +24,8 @@ pub struct Parts {
     pub(crate) rail_min: usize,
 }
 
-/// One op's plan. Public only in name (this module is private), as are the types in its
-/// signatures: it bounds the backend's one `Collective` impl, and a crate-private bound there
-/// would be a `private_bounds` warning.
+/// One op's plan. `pub` in name only: it bounds the generic `Collective` impl (a crate-private
+/// bound would warn, `private_bounds`).
 pub trait Plan: Op + Sized {
     /// Whether it may run on the caller's thread when the lane is idle, given its size.
     fn inline(&self, p: &Parts) -> bool {

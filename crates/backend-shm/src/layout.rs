@@ -26,18 +26,14 @@ pub(crate) const OFF_STATE: usize = 20;
 pub(crate) const OFF_WINDOW: usize = 24;
 pub(crate) const OFF_STEP: usize = 64;
 pub(crate) const OFF_DOORBELL: usize = 128;
-/// Who sleeps on the doorbell, and for what: flags, 0 when nobody does. The worker between
-/// turns sets [`SLEEP_PEERS`] or [`SLEEP_LOCAL`]; whoever runs the engine (the worker, or a
-/// caller running an op inline) sets [`SLEEP_ENGINE`] while a wait for peers sleeps. Each
-/// sets and clears only its own flag, so neither hides the other's sleep.
+/// Who sleeps on the doorbell: flags, each set and cleared by its owner (ARCHITECTURE.md,
+/// "Sleeping flags"); 0 when nobody does.
 pub(crate) const OFF_SLEEPING: usize = 132;
 /// Waiting for peers (a collective's step, a point-to-point slot): every peer that publishes
 /// progress rings.
 pub(crate) const SLEEP_PEERS: u32 = 1;
-/// Nothing in flight: only this rank's own submissions (and a peer closing or failing) ring.
-/// A peer's steps cannot concern it, and waking it for each would put an idle thread on the
-/// cores of callers running small ops inline (a context switch per op and engine-lock
-/// contention).
+/// Nothing in flight: only this rank's own submissions (and a peer closing or failing) ring
+/// (ARCHITECTURE.md, "Idle workers sleep through peers' steps").
 pub(crate) const SLEEP_LOCAL: u32 = 2;
 /// The engine's holder waits for a peer's step or slot: every peer that publishes progress
 /// rings, as for [`SLEEP_PEERS`].
@@ -112,13 +108,9 @@ impl Layout {
         self.step_header(k) + HDR
     }
 
-    /// Where in the buffer of step `k` a step that moves `bytes` per rank puts them (the
-    /// same on every rank). Steps of a page or more move through the buffer: the `k / 2`-th
-    /// step on it takes the next line-aligned slot of its size, wrapping at the window's end,
-    /// so in a run of such steps a line is rewritten only after a window's worth of others.
-    /// Rewriting lines a peer read moments ago first takes each back from the peer's cache,
-    /// which for many lines costs more than the copy; a smaller step is a few lines and
-    /// latency-bound, where lines still in our own L1 are the quickest to take back.
+    /// Where in the buffer of step `k` a step that moves `bytes` per rank puts them (the same on
+    /// every rank): from a page, the `k / 2`-th step on it takes the next line-aligned slot of
+    /// its size, wrapping (ARCHITECTURE.md, "Where a step's data goes in the window").
     pub(crate) fn rotation(&self, k: u64, bytes: usize) -> usize {
         place(k / 2, bytes, self.window, ROTATE_MIN)
     }

@@ -2,7 +2,8 @@
 //! every rank mapped it), one worker thread per group, ops in submission order. Results are
 //! reduced in rank order (bit-identical on every rank); disagreeing ranks get
 //! [`CommError::Mismatch`], lost ones [`CommError::PeerLost`], absent ones
-//! [`CommError::Timeout`]. ARCHITECTURE.md ("shm backend") has the path of one op.
+//! [`CommError::Timeout`]. The path of one op: ARCHITECTURE.md, "The path of one all_reduce
+//! (shm)".
 
 #![deny(unsafe_code)]
 
@@ -469,10 +470,8 @@ impl ShmBackend {
         }
     }
 
-    /// Issues `req`. When the group is idle the caller's thread runs it: a one-step op
-    /// whole, a larger one (up to [`ShmOptions::inline_max`]) from its arrival step on; no
-    /// hand-off to the worker, no wake-up. If peers are late the op is parked and the worker
-    /// finishes it. Everything else is queued for the worker.
+    /// Issues `req`: on the caller's thread when the group is idle, else on the worker
+    /// (ARCHITECTURE.md, "The path of one all_reduce (shm)", 2.).
     fn submit<R: Plan>(&self, req: R) -> Work<R::Output> {
         if let Err(e) = self.inner.admission.admit(&req) {
             return Work::ready(Err(e));
@@ -504,11 +503,8 @@ impl ShmBackend {
         work
     }
 
-    /// An op of several steps (or without a one-step form). Inline, the caller runs its
-    /// arrival step like a one-step op; once that completed every peer has begun the op, so
-    /// the caller runs the rest; if peers are late, the worker finishes the arrival and runs
-    /// the op. Larger ops go to the worker, so that a caller that overlaps work with them is
-    /// not held for long.
+    /// An op of several steps (or without a one-step form): ARCHITECTURE.md, "Inline ops of
+    /// several steps".
     fn queued<R: Plan>(&self, req: R) -> Work<R::Output> {
         let inner = &*self.inner;
         let world = inner.limits.world as usize;
@@ -564,19 +560,14 @@ impl ShmBackend {
         Ok(out)
     }
 
-    /// A send or receive queued straight into the engine and progressed on the caller's
-    /// thread for up to the inline budget, when nothing submitted earlier is still on its way
-    /// to the worker (it could be a message to the same peer, which must go first). A small
-    /// message then needs no hand-off to the worker and no wake-up on either side; what is
-    /// not finished by then the worker goes on with. Else the op is queued.
+    /// A send or receive queued straight into the engine and progressed on the caller's thread
+    /// (ARCHITECTURE.md, "Direct point-to-point"); else queued.
     fn direct<R: Plan>(&self, req: R) -> Work<R::Output> {
         let ran = self.inline(Class::P2p, req, |engine, req, spin| {
             let (done, work) = Work::pending();
             R::accept(Box::new(Pending { req, done }), engine);
-            // A send that cannot finish at once waits for the peer's receive, which the peer
-            // may post only after its own send: it writes what the free slots take and leaves
-            // the rest (the worker, or this thread's next receive, goes on with it). A receive
-            // waits a moment for its message.
+            // A send writes what the free slots take and leaves the rest (to the worker, or this
+            // thread's next receive); a receive waits a moment for its message.
             let budget = if R::KIND == OpKind::Send { None } else { Some(spin) };
             engine.progress_inline(budget, || work.is_completed());
             work

@@ -38,9 +38,8 @@ impl Limits {
     }
 }
 
-/// How the shm backend runs one kind of op. `pub` (with the types it names) only so that
-/// the backend's generic `Collective` impl may name it: the modules are private, so it
-/// stays crate-internal.
+/// How the shm backend runs one kind of op. `pub` in name only: it bounds the generic
+/// `Collective` impl (a crate-private bound would warn, `private_bounds`).
 pub trait Plan: Op<Output: OneShotOutput> + Sized {
     /// The one-step form, when the op fits one step (it may then run inline); else the
     /// request back.

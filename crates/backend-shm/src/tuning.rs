@@ -17,9 +17,7 @@ pub(crate) fn l2_bytes() -> usize {
 }
 
 /// Whether an op whose ranks together touch `bytes` (every input and output) overflows the L3
-/// of CPU 0 (8 MiB where sysfs does not say): then its outputs will not stay in cache, so
-/// copies into them stream (they skip reading each line before writing it; all_gather and
-/// broadcast at 16-64 MiB, 2 ranks: 1.5-1.7x).
+/// of CPU 0 (8 MiB where sysfs does not say): then copies into its outputs stream.
 pub(crate) fn past_l3(bytes: usize) -> bool {
     static L3: OnceLock<usize> = OnceLock::new();
     bytes >= *L3.get_or_init(|| read_cache("/sys/devices/system/cpu/cpu0/cache", 3).unwrap_or(8 << 20))
@@ -46,11 +44,7 @@ fn pow2_floor(x: usize) -> usize {
     x.checked_ilog2().map_or(0, |b| 1 << b)
 }
 
-/// The collective window: a core's L2 (64 KiB..1 MiB). Every step of a large op pays a fixed
-/// cost (the synchronisation, and the slower rank's delay on a shared or virtualised machine),
-/// so steps should be long; what a rank reads in a step was just written by its peers and
-/// crosses cores through L3 at any window size. Beyond L2 a step's copies start to evict the
-/// user data the step reads next.
+/// The collective window: a core's L2 (64 KiB..1 MiB).
 pub(crate) fn window(l2: usize) -> usize {
     pow2_floor(l2).clamp(64 << 10, 1 << 20)
 }
@@ -67,11 +61,8 @@ pub(crate) fn slot(window: usize, world: u32) -> usize {
     pow2_floor(window.min(fit)).clamp(64 << 10, 1 << 20)
 }
 
-/// The largest one-step all_reduce (16 KiB..1 MiB). A one-step op of `size` bytes touches
-/// `(world + 1) × size` bytes per rank (its buffer, in and out; its window copy; the peers'
-/// copies), which must stay in a core's L2, and it moves `(world − 1) × size` bytes across
-/// cores where two steps move `2 (world − 1) / world × size`: `world / 2` times as many, so
-/// beyond two ranks the limit shrinks by that factor too.
+/// The largest one-step all_reduce: the largest power of two with
+/// `(world + 1) × size ≤ L2 × 2 / world` (16 KiB..1 MiB).
 pub(crate) fn small_max(l2: usize, world: u32) -> usize {
     let n = world.max(2) as usize;
     pow2_floor(l2 * 2 / n.saturating_mul(n + 1)).clamp(16 << 10, 1 << 20)

@@ -26,10 +26,8 @@ impl Engine {
         for (off, len) in pieces(count, self.lay.window / es) {
             let chunk = &mut user[off * es..(off + len) * es];
             let bytes = chunk.len();
-            // Reduce-scatter, then all-gather the reduced slices. Our own slice of our input
-            // is read straight from the user's buffer (peers never read it, so it is not
-            // copied in), and its result is written in place and into our next buffer for
-            // the peers in the same pass.
+            // Reduce-scatter, then all-gather the reduced slices; our own slice straight from
+            // and to the user's buffer (ARCHITECTURE.md, "One step vs two").
             let std::ops::Range { start: lo, end: hi } = slice_of(len, n, me);
             let own = lo * es..hi * es;
             // all_reduce's and reduce's pieces choose their stores and are timed whole (see

@@ -12,11 +12,9 @@ use super::steps::write_reason;
 use super::{Command, Engine, Flow, Parked, Phase, Result, Then};
 
 impl Engine {
-    /// After a panic on the worker or an inline caller: the op that panicked is gone (its
-    /// completer reported `Poisoned` while unwinding); poison the group with the panic's
-    /// message so peers learn it at once, and fail everything else that is pending. Returns
-    /// whether the engine may keep running (false after a second panic: then only
-    /// [`drain_after_panic`](Self::drain_after_panic) runs).
+    /// After a panic on the worker or an inline caller (ARCHITECTURE.md, end of "The path of one
+    /// all_reduce (shm)"): whether the engine may keep running (false after a second panic: then
+    /// only [`drain_after_panic`](Self::drain_after_panic) runs).
     pub(crate) fn on_panic(&mut self, message: &str) -> bool {
         self.panics += 1;
         let e = CommError::Backend {

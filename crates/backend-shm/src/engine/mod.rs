@@ -1,13 +1,5 @@
-//! The worker: one thread per group that owns the mapped segments and runs every op.
-//!
-//! Collectives run one at a time in submission order as a sequence of *steps*. In step `k`
-//! every rank (1) waits until all peers have published step `k-1` — so nobody still reads the
-//! buffer `k % 2` it is about to overwrite —, (2) writes its step header and its data into its
-//! own buffer `k % 2`, (3) publishes `k` with a release store of its step counter, (4) waits
-//! until all peers published `k` (acquire) and checks their headers against its own, (5) reads
-//! any peer's buffer `k % 2`. It publishes `k + 1` only after those reads, which is what makes
-//! (1) sufficient. Point-to-point messages use per-pair mailboxes with sent/acked counters
-//! and progress independently of collectives, so an isend never blocks a collective.
+//! The worker: one thread per group that owns the mapped segments and runs every op. Steps and
+//! mailboxes: ARCHITECTURE.md, "The path of one all_reduce (shm)" (3., 4.) and "Point-to-point".
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::SeqCst;
@@ -453,10 +445,8 @@ impl LaneState for Engine {
 pub(crate) fn worker(engine: Arc<Lane<Engine>>, me: Arc<Segment>, spin: Duration) {
     let lock = || engine.lock();
     let mut broken = false;
-    // One turn under the lock; `None` when `wait` is false and a caller holds the engine.
-    // A small op's caller is woken only once the lock is released: woken under it, the caller
-    // would find the engine busy and queue its next op for the worker too, and the ranks would
-    // keep handing small ops to their workers (a thread hop each) instead of running them inline.
+    // One turn under the lock; `None` when `wait` is false and a caller holds the engine. Callers
+    // are woken after the unlock (ARCHITECTURE.md, "Waking callers unlocked").
     let mut work = |wait: bool| {
         let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut engine = match engine.try_lock() {
@@ -479,11 +469,8 @@ pub(crate) fn worker(engine: Arc<Lane<Engine>>, me: Arc<Segment>, spin: Duration
             Some(Flow::Busy)
         })
     };
-    // The doorbell's value when a turn last found nothing to do. Until it rings again, a
-    // caller holding the engine lock means the caller is running a small op inline, and the
-    // worker's periodic turn is skipped rather than waited for: a worker blocked on the lock
-    // would be woken by every unlock, lose the lock to the caller's next op, and sleep again,
-    // over and over, each time on the core where a peer's caller spins (16 µs stalls).
+    // The doorbell's value when a turn last found nothing to do: until it rings again, a turn
+    // only tries the lock (16 µs stalls otherwise: ARCHITECTURE.md, "Callers own the lock...").
     let mut quiet_at = None;
     // Since when turns have found point-to-point traffic in flight and nothing to do.
     let mut idle_since = None;
@@ -499,9 +486,7 @@ pub(crate) fn worker(engine: Arc<Lane<Engine>>, me: Arc<Segment>, spin: Duration
             }
             Some(Flow::Idle) => {
                 quiet_at = None;
-                // A message's next chunk or acknowledgement usually follows within
-                // microseconds; poll for it as a collective's wait does before sleeping
-                // (every chunk would otherwise cost a futex wake-up on each side).
+                // Poll for the next chunk or acknowledgement first (ARCHITECTURE.md, shm step 3).
                 if idle_since.get_or_insert_with(Instant::now).elapsed() < spin {
                     std::thread::yield_now();
                     continue;

@@ -25,14 +25,10 @@ impl Engine {
         Ok(any)
     }
 
-    /// Progresses point-to-point traffic on a caller's thread until `done()` (`budget`
-    /// `None`: one pass), as an inline collective waits for its peers: spinning for `budget`,
-    /// then yielding for [`INLINE_YIELD`]. A peer that lost its core for a moment is waited
-    /// for rather than handed to the worker, which would cost two wake-ups and make this rank
-    /// late for the peer's next message in turn; but not a peer that waits in a receive
-    /// itself (`OFF_RECEIVING`): ranks that each post a receive before their send (a ring of
-    /// `irecv` then `isend`) wait for each other, and only the worker gets them out. An error
-    /// poisons the group, as on the worker, and ends the wait.
+    /// Progresses point-to-point traffic on a caller's thread until `done()` (`budget` `None`:
+    /// one pass): spinning for `budget`, then yielding for [`INLINE_YIELD`] unless the awaited
+    /// peer waits in a receive itself (`OFF_RECEIVING`; why: ARCHITECTURE.md, "Direct
+    /// point-to-point"). An error poisons the group, as on the worker, and ends the wait.
     pub(crate) fn progress_inline(&mut self, budget: Option<Duration>, done: impl Fn() -> bool) {
         let start = Instant::now();
         if budget.is_some() {

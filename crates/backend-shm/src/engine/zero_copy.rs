@@ -104,16 +104,9 @@ impl Engine {
         Ok(true)
     }
 
-    /// all_reduce of at least `zc_min` bytes, when every rank's buffer is in an arena: rank r
-    /// reduces slice r of *every* rank's buffer reading them directly and writes the result
-    /// into all of them in the same pass (the lines it writes in a peer's buffer are the ones
-    /// it just read, so they are in cache). Nobody else reads or writes slice r, so the last
-    /// step only tells every slice is written: no window traffic, no copy-in or copy-out pass.
+    /// all_reduce (a reduce: `root`) of at least `zc_min` bytes in the ranks' arenas: rank r
+    /// reduces slice r of every buffer in place (ARCHITECTURE.md, "Zero copy, by default").
     /// Returns `false` when the op must copy through the window instead ([`Self::zc_where`]).
-    ///
-    /// A buffer of plain memory goes into the arena first (the one copy it costs), and comes
-    /// back in it, so a loop of ops copies once. A reduce (`root`) writes the root's buffer
-    /// alone: the others hand back their inputs.
     pub(super) fn zc_all_reduce(
         &mut self,
         buf: &mut HostBuffer,
