@@ -10,13 +10,13 @@ use mpi::ffi;
 use super::request::{count, counts, recv_ptr, send_ptr, Bufs, Issued, Request};
 use super::{check, datatype, in_place, tag_ub, Comm};
 
-/// A collective's nonblocking call given a request slot, else (null) its blocking form (see
+/// A collective's nonblocking call given a request slot, else its blocking form (see
 /// [`Request::start`]).
 macro_rules! call {
     ($req:expr, $nonblocking:ident / $blocking:ident($($arg:expr),*)) => {
-        match $req.is_null() {
-            false => ffi::$nonblocking($($arg),*, $req),
-            true => ffi::$blocking($($arg),*),
+        match $req {
+            Some(req) => ffi::$nonblocking($($arg),*, req),
+            None => ffi::$blocking($($arg),*),
         }
     };
 }
@@ -24,8 +24,8 @@ macro_rules! call {
 /// `MPI_Ibarrier`.
 pub(crate) fn ibarrier(comm: &Comm) -> Issued {
     Request::start(false, "MPI_Ibarrier", datatype(DType::U8), Bufs::default(), vec![], |_, _, _, req| {
-        // SAFETY: no buffers; `req` is the request's slot (not blocking).
-        unsafe { ffi::MPI_Ibarrier(comm.raw, req) }
+        // SAFETY: no buffers; `req` is the request's slot or none (`MPI_Barrier`).
+        unsafe { call!(req, MPI_Ibarrier / MPI_Barrier(comm.raw)) }
     })
 }
 

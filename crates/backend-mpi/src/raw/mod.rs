@@ -136,14 +136,18 @@ pub(crate) fn world_errors_return() -> Result<(), MpiError> {
 
 /// `(rank, size)` of `MPI_COMM_WORLD`.
 pub(crate) fn world_rank_size() -> Result<(i32, i32), MpiError> {
-    // SAFETY: reading a constant initialised at load time.
-    rank_size(unsafe { ffi::RSMPI_COMM_WORLD })
+    // SAFETY: reading a constant initialised at load time; MPI is initialised (the worker
+    // calls this after MPI_Init).
+    unsafe { rank_size(ffi::RSMPI_COMM_WORLD) }
 }
 
-/// `(rank, size)` of a valid communicator (MPI is initialised).
-fn rank_size(comm: ffi::MPI_Comm) -> Result<(i32, i32), MpiError> {
+/// `(rank, size)` of `comm`.
+///
+/// # Safety
+/// MPI is initialised and `comm` is a valid communicator.
+unsafe fn rank_size(comm: ffi::MPI_Comm) -> Result<(i32, i32), MpiError> {
     let (mut rank, mut size) = (0, 0);
-    // SAFETY: `comm` is valid; out-pointers to locals.
+    // SAFETY: as the caller promises; out-pointers to locals.
     unsafe {
         check("MPI_Comm_rank", ffi::MPI_Comm_rank(comm, &mut rank))?;
         check("MPI_Comm_size", ffi::MPI_Comm_size(comm, &mut size))?;
@@ -241,8 +245,10 @@ pub(crate) struct Comm {
 impl Comm {
     fn adopt(raw: ffi::MPI_Comm) -> Result<Comm, MpiError> {
         // SAFETY: `raw` is a valid communicator that we own (fresh from dup/split).
-        check("MPI_Comm_set_errhandler", unsafe { ffi::MPI_Comm_set_errhandler(raw, ffi::RSMPI_ERRORS_RETURN) })?;
-        let (rank, size) = rank_size(raw)?;
+        let (rank, size) = unsafe {
+            check("MPI_Comm_set_errhandler", ffi::MPI_Comm_set_errhandler(raw, ffi::RSMPI_ERRORS_RETURN))?;
+            rank_size(raw)?
+        };
         Ok(Comm { raw, rank, size })
     }
 

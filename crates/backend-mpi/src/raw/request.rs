@@ -81,21 +81,21 @@ impl Request {
     }
 
     /// Moves `bufs` and `arrays` into a new request and issues it with `issue`, which gets the
-    /// request's slot; or where `blocking`, MPI's blocking form (`issue` gets a null slot),
-    /// returned completed: only where every rank makes the same call and no blocked threads can
-    /// form a cycle (the worker's `held`). Calls with no blocking form pass `false`.
+    /// request's slot; or where `blocking`, MPI's blocking form (`issue` gets `None`), returned
+    /// completed: only where every rank makes the same call and no blocked threads can form a
+    /// cycle (the worker's `held`). Calls with no blocking form pass `false`.
     pub(super) fn start(
         blocking: bool,
         call: &'static str,
         datatype: ffi::MPI_Datatype,
         bufs: Bufs,
         arrays: Vec<Vec<c_int>>,
-        issue: impl FnOnce(*const c_void, *mut c_void, &[Vec<c_int>], *mut ffi::MPI_Request) -> c_int,
+        issue: impl FnOnce(*const c_void, *mut c_void, &[Vec<c_int>], Option<*mut ffi::MPI_Request>) -> c_int,
     ) -> Issued {
         let mut req = Request::unissued(bufs, arrays, datatype);
         let s = send_ptr(&req.bufs.send);
         let r = recv_ptr(&mut req.bufs.recv);
-        let rc = issue(s, r, &req._arrays, if blocking { std::ptr::null_mut() } else { &mut req.raw });
+        let rc = issue(s, r, &req._arrays, (!blocking).then_some(&mut req.raw as *mut _));
         // A blocking call returned: MPI no longer uses the buffers, whatever it reports.
         req.done = blocking;
         if let Err(e) = check(call, rc) {
@@ -210,8 +210,9 @@ pub(crate) fn isend(comm: &Comm, buf: HostBuffer, dst: i32, tag: i32) -> Issued 
     let (dt, n) = (datatype(buf.dtype()), count("send", buf.len())?);
     let bufs = Bufs { send: Some(buf), recv: None };
     Request::start(false, "MPI_Isend", dt, bufs, vec![], |s, _, _, req| {
+        let req = req.expect("a nonblocking call has a request");
         // SAFETY: `s` points to `n` elements of the owned send buffer (rule 2); `req` is the
-        // request's slot (not blocking).
+        // request's slot.
         unsafe { ffi::MPI_Isend(s, n, dt, dst, tag, comm.raw, req) }
     })
 }
@@ -259,6 +260,7 @@ pub(crate) fn imrecv(m: Matched, buf: HostBuffer) -> Issued {
     let mut message = m.message;
     let bufs = Bufs { send: None, recv: Some(buf) };
     Request::start(false, "MPI_Imrecv", dt, bufs, vec![], |_, r, _, req| {
+        let req = req.expect("a nonblocking call has a request");
         // SAFETY: `r` points to `n` writable elements of the owned receive buffer (rule 2),
         // at least the message's length (checked above); `message` was matched by
         // `improbe` and is received once (MPI sets it to null); `req` is the request's slot.
