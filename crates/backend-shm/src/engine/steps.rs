@@ -26,6 +26,16 @@ impl Engine {
         (0..self.world).all(|p| p == self.rank || self.peer_step(p) >= target)
     }
 
+    /// `Err` when `peer`, late for step `target` a moment ago, can no longer reach it. A peer
+    /// publishes a step before it closes or exits, so one seen gone that has reached the step
+    /// joined it (it published between the look that found it late and this one).
+    fn check_late(&mut self, peer: usize, target: u64) -> Result<()> {
+        match self.check_peer(peer) {
+            Err(_) if self.peer_step(peer) >= target => Ok(()),
+            r => r,
+        }
+    }
+
     /// Waits until every peer published step `target`, progressing p2p meanwhile.
     pub(super) fn wait_all(&mut self, target: u64) -> Result<()> {
         if self.all_at >= target {
@@ -60,7 +70,9 @@ impl Engine {
             }
             let late: Vec<usize> = (0..self.world).filter(|&p| p != self.rank && self.peer_step(p) < target).collect();
             for &p in &late {
-                self.check_peer(p)?;
+                // A peer publishes a step before it closes or exits: one seen gone after it
+                // reached the step has joined it (it was only late when `late` was read).
+                self.check_late(p, target)?;
             }
             if start.elapsed() >= self.params.timeout {
                 let who: Vec<String> = late.iter().map(|p| format!("rank {p}")).collect();
@@ -337,3 +349,41 @@ pub(super) fn read_chunk<'a>(src: &'a Segment, lay: &Layout, me: usize, chunk: u
 /// Every rank's window of a step: on the stack up to 16 ranks (a small op's step is a few
 /// hundred nanoseconds, an allocation a noticeable part of it).
 pub(super) type Views<'a> = smallvec::SmallVec<[&'a [u8]; 16]>;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::engine::Params;
+    use crate::layout::{OFF_STATE, STATE_CLOSED, STATE_READY};
+
+    #[test]
+    fn a_peer_gone_after_reaching_the_step_joined_it() {
+        let lay = Layout::new(2, 64 << 10, 16 << 10).expect("a small layout");
+        let segs: Vec<Arc<Segment>> =
+            (0..2).map(|r| Arc::new(Segment::anonymous(&format!("test-{r}"), lay.total).expect("memfd"))).collect();
+        for (r, seg) in segs.iter().enumerate() {
+            init_segment(seg, 2, r as u32, lay.window);
+            seg.u32_at(OFF_STATE).store(STATE_READY, SeqCst);
+        }
+        let peer = segs[1].clone();
+        let params = Params {
+            timeout: Duration::from_secs(5),
+            spin: Duration::ZERO,
+            cpus: 1,
+            panic_at: None,
+            stream: None,
+            zc_min: usize::MAX,
+            send_in_place_min: usize::MAX,
+        };
+        let (lane, _tx) = Engine::start(0, lay, segs, vec![None, None], params);
+        let mut e = lane.lock();
+        peer.u32_at(OFF_STATE).store(STATE_CLOSED, SeqCst);
+        // Closed after publishing step 3: it joined step 3, but cannot reach step 4.
+        peer.u64_at(OFF_STEP).store(3, SeqCst);
+        assert!(e.check_late(1, 3).is_ok());
+        let lost = e.check_late(1, 4).expect_err("a closed peer short of the step is lost");
+        assert!(matches!(lost, CommError::PeerLost { rank: 1, .. }), "{lost}");
+    }
+}
