@@ -26,7 +26,7 @@ pub struct ProcessGroup {
     _server: Option<Arc<discovery::StoreServer>>,
     /// Why this backend was chosen (for [`ProcessGroup::describe`]).
     chosen: Arc<str>,
-    /// Who has ops in flight on this group (or stream): the check that one task issues them.
+    /// The turns of the tasks issuing this group's (or stream's) collectives: the issuer check.
     issuers: Arc<Issuers>,
     /// `COMM_TIMEOUT`: bounds a stream's wait for its peers' ops.
     timeout: Duration,
@@ -150,11 +150,12 @@ impl ProcessGroup {
     where
         dyn Backend: Collective<R>,
     {
-        let entered = match self.issuers.enter(R::NAME) {
-            Ok(entered) => entered,
-            Err(e) => return Work::ready(Err(e)),
-        };
-        entered.until(Collective::<R>::submit(&*self.backend, req))
+        // Messages pair per peer and tag, not in the group's order: the issuer check
+        // (`issuers`) is for collectives.
+        if !R::KIND.is_collective() || !crate::issuers::enabled() {
+            return Collective::<R>::submit(&*self.backend, req);
+        }
+        self.issuers.submit(&self.backend, req)
     }
 
     /// This process's rank in the group.

@@ -1,20 +1,38 @@
-//! The check that one task issues a group's ops: ops of one group (or stream) are matched
-//! across ranks by their order, and two tasks issuing at once interleave differently on each
-//! rank, so same-shaped ops pair with the wrong ones and nothing can tell. The facade sees it
-//! happen: an op is issued while another task's op on the same group is still in flight.
+//! The issuer check: collectives of one group (or stream) pair across ranks by the order they
+//! are issued in, so two tasks issuing on one group pair wrongly as soon as they interleave
+//! differently on two ranks — even one at a time, behind a lock, which orders them on a rank
+//! but not across ranks. Ranks cannot know which ops a user meant to pair; they can compare
+//! where each rank's group changed hands.
+//!
+//! A group's *turn* changes when a collective comes from another issuer (a tokio task, or a
+//! thread outside tokio) than the group's previous collective. The first op of a new turn is
+//! preceded by a small all_gather, the *turn check*, whose length says how the new issuer
+//! relates to the previous one (task or thread; of two tasks or two threads, made later or
+//! earlier: ids count up in spawn order). A rank whose group changed hands where a peer's did
+//! not, or differently, issues a check where the peer issued something else: the backend's
+//! cross-rank op check fails both with `Mismatch` and poisons the group (or the stream) on
+//! every rank, so ops issued after it fail too. ARCHITECTURE.md says what this cannot see.
+//! Within a turn the check costs a task-id read and one load.
 
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use comm_core::{CommError, Work};
+use comm_core::ops::AllGather;
+use comm_core::{Backend, Collective, CommError, DType, HostBuffer, Op, Work};
 
-/// Bits of [`Issuers::state`] that count the ops in flight; the rest name their issuer.
-const COUNT_BITS: u32 = 20;
-const COUNT: u64 = (1 << COUNT_BITS) - 1;
+/// What a turn check carries first, so that a check paired with a user's all_gather of the
+/// same shape still fails.
+const MAGIC: [u8; 8] = *b"commturn";
+/// The shortest turn check (magic and turn number), in bytes.
+const CHECK_LEN: usize = 16;
+/// [`Issuers::last`] once a misuse was seen: no issuer has this number, so every op takes the
+/// slow path and fails there.
+const FAILED: u64 = u64::MAX;
 
-/// Who issues an op: the tokio task, or the thread outside tokio, as a number (a task's id
-/// or a thread's, times two, plus one for a thread), cut to the bits above the count.
+/// Who issues an op: the tokio task, or the thread outside tokio, as a number (a task's id or
+/// a thread's, times two, plus one for a thread; never 0). Both ids count up in the order
+/// tasks are spawned and threads made.
 fn current() -> u64 {
     /// Keeps the `u64` that `Id` and `ThreadId` hash as (their only field).
     struct Capture(u64);
@@ -40,92 +58,190 @@ fn current() -> u64 {
             1
         }
     };
-    ((h.0 << 1) | thread) & (u64::MAX >> COUNT_BITS)
+    ((h.0 << 1) | thread).max(2) & (FAILED - 1)
 }
 
 fn describe(issuer: u64) -> String {
-    match issuer & 1 {
-        0 => format!("tokio task {}", issuer >> 1),
+    match issuer {
+        0 => "nobody".into(),
+        _ if issuer & 1 == 0 => format!("tokio task {}", issuer >> 1),
         _ => format!("thread {}", issuer >> 1),
     }
 }
 
-/// Whether a second issuer is an error (`COMM_STRICT=1`; the default in debug builds) or one
-/// warning per group.
-pub(crate) fn strict() -> bool {
-    static STRICT: OnceLock<bool> = OnceLock::new();
-    *STRICT.get_or_init(|| match comm_core::config::env_var("COMM_STRICT") {
+/// Whether the check runs (`COMM_ISSUER_CHECK`, default on in every build).
+pub(crate) fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| match comm_core::config::env_var("COMM_ISSUER_CHECK") {
         Some(v) => comm_core::config::parse_bool(&v).unwrap_or_else(|why| {
-            tracing::warn!(target: "comm", "COMM_STRICT={v:?}: {why}; using the default");
-            cfg!(debug_assertions)
+            eprintln!("comm: COMM_ISSUER_CHECK={v:?}: {why}; the check stays on");
+            true
         }),
-        None => cfg!(debug_assertions),
+        None => true,
     })
 }
 
-/// The issuer of the ops in flight on one group (or stream), shared by its clones.
+/// The turns of one group (or stream), shared by its handles' clones.
 #[derive(Debug, Default)]
 pub(crate) struct Issuers {
-    /// The issuer (high bits) and how many of its ops are in flight, from issue to
-    /// completion (low [`COUNT_BITS`]): one word, so the check costs one compare-and-swap.
-    state: AtomicU64,
-    warned: AtomicBool,
+    /// The issuer of the group's last collective (0 before the first), or [`FAILED`].
+    last: AtomicU64,
+    /// Whether the group ever changed hands (then errors name its issuers).
+    changed: AtomicBool,
+    turns: Mutex<Turns>,
+}
+
+#[derive(Debug, Default)]
+struct Turns {
+    /// How many times the group changed hands.
+    count: u64,
+    /// The issuer before the current one.
+    previous: u64,
+    /// Why the group failed its check, once it did.
+    failed: Option<String>,
 }
 
 impl Issuers {
-    /// Counts an op of the current issuer in flight, or refuses it (strict mode) when another
-    /// issuer's op is.
-    pub(crate) fn enter(self: &Arc<Self>, op: &'static str) -> Result<Entered, CommError> {
+    /// Submits the collective `req` on `backend`, with a turn check first when it begins a
+    /// turn; a failed check fails the op, and a `Mismatch` (or the poison it leaves) names the
+    /// group's issuers.
+    pub(crate) fn submit<R: Op>(self: &Arc<Self>, backend: &Arc<dyn Backend>, req: R) -> Work<R::Output>
+    where
+        dyn Backend: Collective<R>,
+    {
         let me = current();
-        let mut now = self.state.load(Relaxed);
-        loop {
-            let (who, n) = (now >> COUNT_BITS, now & COUNT);
-            let next = match n {
-                0 => (me << COUNT_BITS) | 1,
-                // Past a million ops in flight, the rest go uncounted.
-                COUNT if who == me => return Ok(Entered(None)),
-                _ if who == me => now + 1,
-                _ => return self.refuse(op, me, who),
-            };
-            match self.state.compare_exchange_weak(now, next, Relaxed, Relaxed) {
-                Ok(_) => return Ok(Entered(Some(self.clone()))),
-                Err(seen) => now = seen,
+        let last = self.last.load(Relaxed);
+        if last == me {
+            return self.explain(Collective::<R>::submit(&**backend, req));
+        }
+        let mut turns = self.turns();
+        if let Some(why) = &turns.failed {
+            return Work::ready(Err(CommError::mismatch(R::NAME, why.clone())));
+        }
+        let last = self.last.load(Relaxed);
+        if last == 0 || last == me {
+            self.last.store(me, Relaxed);
+            drop(turns);
+            return self.explain(Collective::<R>::submit(&**backend, req));
+        }
+        turns.count += 1;
+        turns.previous = last;
+        self.changed.store(true, Relaxed);
+        let check = Check::new(turns.count, me, last);
+        let world = backend.world_size() as usize;
+        let gathered = Collective::<AllGather>::submit(&**backend, AllGather { input: check.buffer(), output: None });
+        let (this, group) = (self.clone(), backend.clone());
+        let check = gathered.and_then(move |io| this.verify(R::NAME, &io.output, world, &*group));
+        self.last.store(me, Relaxed);
+        let op = Collective::<R>::submit(&**backend, req);
+        drop(turns);
+        self.explain(op.after(check))
+    }
+
+    /// Checks that every rank's block is a turn check: one paired with a user's all_gather
+    /// of the same shape (a rank that changed hands where its peers issued that) fails the
+    /// group on every rank, through the backend, like any mismatch.
+    fn verify(&self, op: &'static str, all: &HostBuffer, world: usize, group: &dyn Backend) -> Result<(), CommError> {
+        let len = all.len() / world.max(1);
+        let odd = (0..world).find(|&r| all.as_bytes().get(r * len..r * len + MAGIC.len()) != Some(&MAGIC[..]));
+        let Some(rank) = odd else { return Ok(()) };
+        let why = format!(
+            "rank {rank} issued an all_gather where this rank's group changed hands ({}). {ADVICE}",
+            self.history()
+        );
+        group.abort(&why);
+        self.turns().failed.get_or_insert(why.clone());
+        self.last.store(FAILED, Relaxed);
+        Err(CommError::mismatch(op, why))
+    }
+
+    fn turns(&self) -> MutexGuard<'_, Turns> {
+        self.turns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The group's issuers, for messages: "tokio task 7, after tokio task 5 (3 changes)".
+    fn history(&self) -> String {
+        let turns = self.turns();
+        let last = self.last.load(Relaxed);
+        let now = if last == FAILED { "its last issuer".to_owned() } else { describe(last) };
+        match turns.count {
+            0 => format!("{now}, the group's only issuer on this rank"),
+            n => format!(
+                "{now}, after {} ({n} change{} of task)",
+                describe(turns.previous),
+                if n == 1 { "" } else { "s" }
+            ),
+        }
+    }
+
+    /// Adds the group's issuers to a `Mismatch` or to the poison one left, once the group has
+    /// changed hands (an op of a group with one issuer has nothing to add).
+    fn explain<T: Send + 'static>(self: &Arc<Self>, work: Work<T>) -> Work<T> {
+        if !self.changed.load(Relaxed) {
+            return work;
+        }
+        match work.inline_completion() {
+            Some(c) if c.error.is_none() => work,
+            Some(_) => {
+                let hint = self.hint();
+                work.map_err(move |e| add_hint(e, &hint))
+            }
+            None => {
+                let this = self.clone();
+                work.map_err(move |e| add_hint(e, &this.hint()))
             }
         }
     }
 
-    fn refuse(&self, op: &'static str, me: u64, other: u64) -> Result<Entered, CommError> {
-        let reason = format!(
-            "{} issued {op} on a group (or stream) while {} had an op in flight on it: ops of one group \
-             are matched across ranks by their order, which two tasks issuing at once make differ between \
-             ranks (ops then pair with the wrong ones). Give each task its own stream \
-             (`pg.streams().await?.stream(key)`), or order the ops yourself",
-            describe(me),
-            describe(other)
-        );
-        if strict() {
-            return Err(CommError::InvalidArgument { op, reason: reason + " (COMM_STRICT=1)" });
-        }
-        if !self.warned.swap(true, Relaxed) {
-            tracing::warn!(target: "comm", "{reason} (COMM_STRICT=1 makes this an error; warned once per group)");
-        }
-        Ok(Entered(None))
-    }
-
-    fn leave(&self) {
-        self.state.fetch_sub(1, Relaxed);
+    fn hint(&self) -> String {
+        format!(
+            "this rank's collectives on the group came from more than one task ({}; the all_gather of {CHECK_LEN} to \
+             {} u8 a rank issues where its group changes hands is the issuer check). {ADVICE}",
+            self.history(),
+            CHECK_LEN + 7
+        )
     }
 }
 
-/// An op counted in flight until its work completes.
-pub(crate) struct Entered(Option<Arc<Issuers>>);
+const ADVICE: &str = "Collectives of one group (or stream) pair across ranks by the order they are issued in, which \
+    two tasks make differ between ranks, also one at a time behind a lock: give each task its own stream \
+    (`pg.streams().await?.stream(key)`), or issue from one task (COMM_ISSUER_CHECK=0 turns this check off)";
 
-impl Entered {
-    pub(crate) fn until<T: Send + 'static>(self, work: Work<T>) -> Work<T> {
-        match self.0 {
-            Some(issuers) => work.on_complete(move |_| issuers.leave()),
-            None => work,
+fn add_hint(e: CommError, hint: &str) -> CommError {
+    match e {
+        CommError::Mismatch { op, detail } if !detail.contains(ADVICE) => {
+            CommError::Mismatch { op, detail: format!("{detail}; {hint}") }
         }
+        CommError::Poisoned { cause } if !cause.contains(ADVICE) => {
+            CommError::Poisoned { cause: format!("{cause}; {hint}") }
+        }
+        e => e,
+    }
+}
+
+/// A turn check: an all_gather of `u8`s whose length says how the turn's issuer relates to
+/// the previous one (task or thread each; of two tasks or two threads, whether it was made
+/// later), so ranks whose groups changed hands differently issue different shapes, which every
+/// backend's cross-rank check refuses as it refuses any mismatch; it carries the magic and the
+/// turn's number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Check {
+    turn: u64,
+    how: u8,
+}
+
+impl Check {
+    fn new(turn: u64, me: u64, previous: u64) -> Check {
+        let (me_thread, prev_thread) = (me & 1 == 1, previous & 1 == 1);
+        let later = me_thread == prev_thread && me > previous;
+        Check { turn, how: u8::from(me_thread) | u8::from(prev_thread) << 1 | u8::from(later) << 2 }
+    }
+
+    fn buffer(self) -> HostBuffer {
+        let mut b = HostBuffer::zeroed(DType::U8, CHECK_LEN + usize::from(self.how));
+        b.as_bytes_mut()[..8].copy_from_slice(&MAGIC);
+        b.as_bytes_mut()[8..16].copy_from_slice(&self.turn.to_le_bytes());
+        b
     }
 }
 
@@ -134,25 +250,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn one_thread_may_have_many_ops_in_flight_and_another_is_refused() {
-        let issuers = Arc::new(Issuers::default());
-        let (a, wa) = Work::<u8>::pending();
-        let (b, wb) = Work::<u8>::pending();
-        let wa = issuers.enter("x").unwrap().until(wa);
-        let wb = issuers.enter("x").unwrap().until(wb);
-        let other = || {
-            let issuers = issuers.clone();
-            let done = move || issuers.enter("all_reduce").map(|e| drop(e.until(Work::ready(Ok(0u8)))));
-            std::thread::spawn(done).join().unwrap()
-        };
-        if strict() {
-            let e = other().unwrap_err().to_string();
-            assert!(e.contains("all_reduce") && e.contains("stream") && e.contains("in flight"), "{e}");
-        }
-        a.complete(Ok(1));
-        assert!(other().is_err() || !strict(), "b still in flight");
-        b.complete(Ok(2));
-        assert_eq!((wa.wait().unwrap(), wb.wait().unwrap()), (1, 2));
-        other().expect("nothing in flight: any issuer may go on");
+    fn checks_differ_by_how_the_issuer_changed() {
+        let (task5, task7, thread1) = (10, 14, 3);
+        let len = |c: Check| c.buffer().len();
+        assert_ne!(len(Check::new(1, task7, task5)), len(Check::new(1, task5, task7)), "later or earlier task");
+        assert_eq!(Check::new(1, task7, task5), Check::new(1, 22, 20), "only the order of the two tasks counts");
+        assert_ne!(len(Check::new(1, task5, thread1)), len(Check::new(1, thread1, task5)), "task to thread or back");
+        assert_eq!(len(Check::new(1, task7, task5)), len(Check::new(9, task7, task5)), "the turn is data");
+        let b = Check::new(3, thread1, task5).buffer();
+        assert_eq!((&b.as_bytes()[..8], b.as_bytes()[8]), (&MAGIC[..], 3));
     }
 }

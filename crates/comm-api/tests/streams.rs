@@ -1,11 +1,13 @@
 //! Several tokio tasks per rank sharing one group: on streams of their own every result is
-//! right; on one shared group the race is reported (strict mode, on in debug builds).
+//! right; on one shared group (or stream) the issuer check stops every task that would see a
+//! wrong result, and deterministic hand-overs are never flagged.
 //! Real processes, shm (the streams layer is the same over every backend).
 
 use std::time::Duration;
 
 use comm_api::{init, CommError, Config, HostBuffer, ProcessGroup, ReduceOp, StreamsOptions};
 use comm_test::multiprocess;
+use streams_body::Sharing;
 
 const T: Duration = Duration::from_secs(120);
 
@@ -31,60 +33,71 @@ fn tasks_on_their_own_streams_world_4() {
     multiprocess::run(4, "tasks_on_their_own_streams_world_4", T, || tasks_on_streams(2, 1000));
 }
 
-/// The issue's scenario on one shared group: two tasks, same-shaped all_reduces. Strict mode
-/// (debug builds) reports the race on some rank instead of returning wrong sums.
-#[test]
-fn two_tasks_on_one_group_are_reported() {
+/// A misuse scenario on a group (`key` None) or one stream, with a short timeout: the
+/// issuer check must stop every task that would see a wrong sum.
+fn misuse(world: u32, name: &str, key: Option<u64>, sharing: Sharing, tasks: u64) {
     multiprocess::run_with_env(
-        2,
-        "two_tasks_on_one_group_are_reported",
+        world,
+        name,
         T,
-        |_| vec![("COMM_TIMEOUT".into(), "3".into()), ("COMM_STRICT".into(), "1".into())],
-        || async {
+        |_| vec![("COMM_TIMEOUT".into(), "20".into())],
+        move || async move {
             let pg = init(Config::from_env().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
-            let run = |task: u64| {
-                let pg = pg.clone();
-                tokio::spawn(async move {
-                    for i in 0..300u64 {
-                        let mine = if task == 0 { 1.0f32 } else { 100.0 };
-                        let out = pg.all_reduce(HostBuffer::from_slice(&[mine; 1024]), ReduceOp::Sum).await?;
-                        if i % 16 == 0 {
-                            tokio::time::sleep(Duration::from_micros(50)).await;
-                        }
-                        drop(out);
+            let summary = match key {
+                None => streams_body::misuse(&pg, sharing, tasks, 300).await?,
+                Some(key) => {
+                    let streams = pg.streams().await.map_err(|e| e.to_string())?;
+                    let summary = streams_body::misuse(&streams.stream(key), sharing, tasks, 300).await?;
+                    // The other streams go on.
+                    let other = streams.stream(key + 1);
+                    let got = other.all_reduce(HostBuffer::from_slice(&[1i64]), ReduceOp::Sum).await;
+                    if !matches!(got.as_ref().map(|b| b.to_vec::<i64>().unwrap()), Ok(v) if v == [world as i64]) {
+                        return Err(format!("stream {} after the misuse: {got:?}", key + 1));
                     }
-                    Ok::<(), CommError>(())
-                })
+                    summary
+                }
             };
-            let (a, b) = (run(0), run(1));
-            let results = [a.await.map_err(|e| e.to_string())?, b.await.map_err(|e| e.to_string())?];
-            let reported = results
-                .iter()
-                .any(|r| matches!(r, Err(CommError::InvalidArgument { reason, .. }) if reason.contains("stream")));
-            // A rank that did not see it meets a peer that stopped: its op times out, or the
-            // peer's exit is noticed first.
-            let other = results.iter().all(|r| {
-                r.is_ok()
-                    || matches!(
-                        r,
-                        Err(CommError::Timeout { .. }
-                            | CommError::Poisoned { .. }
-                            | CommError::PeerLost { .. }
-                            | CommError::InvalidArgument { .. }
-                            | CommError::Mismatch { .. })
-                    )
-            });
-            if !other {
-                return Err(format!("unexpected results: {results:?}"));
-            }
-            // No rank goes on as if nothing happened: it saw the race, or what it left behind.
-            if results.iter().all(Result::is_ok) {
-                return Err("both tasks finished on a shared group and nothing was reported".into());
-            }
-            println!("rank {}: reported here: {reported}; {results:?}", pg.rank());
+            println!("rank {}: {summary}", pg.rank());
             Ok(())
         },
     );
+}
+
+/// The README's misuse: tasks issuing on clones of one group.
+#[test]
+fn tasks_on_clones_of_one_group_are_stopped() {
+    misuse(2, "tasks_on_clones_of_one_group_are_stopped", None, Sharing::Clones, 2);
+}
+
+/// Tasks taking turns behind a Mutex: one op in flight at a time, so only the order tells.
+#[test]
+fn tasks_behind_a_mutex_are_stopped() {
+    misuse(3, "tasks_behind_a_mutex_are_stopped", None, Sharing::Mutex, 3);
+}
+
+/// The same on one direct stream (a group of its own)...
+#[test]
+fn tasks_sharing_a_direct_stream_are_stopped() {
+    misuse(2, "tasks_sharing_a_direct_stream_are_stopped", Some(0), Sharing::Mutex, 4);
+}
+
+/// ... and on one arbitrated stream.
+#[test]
+fn tasks_sharing_an_arbitrated_stream_are_stopped() {
+    misuse(3, "tasks_sharing_an_arbitrated_stream_are_stopped", Some(5), Sharing::Clones, 2);
+}
+
+/// Deterministic hand-overs (the main task, a spawned one, handlers in turn, a thread) are
+/// never flagged.
+#[test]
+fn handing_a_group_over_is_not_flagged() {
+    multiprocess::run(3, "handing_a_group_over_is_not_flagged", T, || async {
+        let pg = init(Config::from_env().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
+        streams_body::handed_over(&pg).await?;
+        let streams = pg.streams().await.map_err(|e| e.to_string())?;
+        streams_body::handed_over(&streams.stream(0)).await?;
+        streams_body::handed_over(&streams.stream(9)).await
+    });
 }
 
 /// Rank 0 issues stream A's op then stream B's, rank 1 the other way round, with the same

@@ -306,8 +306,49 @@ impl<T: Send + 'static> Work<T> {
 
     /// A handle whose result is `f` applied to this one's successful result.
     pub fn and_then<U: Send + 'static>(self, f: impl FnOnce(T) -> Result<U, CommError> + Send + 'static) -> Work<U> {
+        self.then(move |r| r.and_then(f))
+    }
+
+    /// A handle whose error is `f` applied to this one's (a success passes through).
+    ///
+    /// ```
+    /// use comm_core::{CommError, Work};
+    /// let w = Work::<u8>::ready(Err(CommError::Shutdown("gone".into())));
+    /// let w = w.map_err(|e| CommError::Shutdown(format!("{e}; and more")));
+    /// assert!(w.wait().unwrap_err().to_string().contains("and more"));
+    /// ```
+    pub fn map_err(self, f: impl FnOnce(CommError) -> CommError + Send + 'static) -> Work<T> {
+        self.then(move |r| r.map_err(f))
+    }
+
+    /// This op's handle that also reports `first`, an op issued before it: its result is
+    /// `first`'s error if `first` failed, else this op's result. Both ops run to completion
+    /// either way (a hook on it reports this op).
+    ///
+    /// ```
+    /// use comm_core::{CommError, Work};
+    /// let (check, first) = Work::<()>::pending();
+    /// let both = Work::ready(Ok(5u8)).after(first);
+    /// assert!(!both.is_completed());
+    /// check.complete(Err(CommError::mismatch("all_gather", "ranks differ")));
+    /// assert!(matches!(both.wait(), Err(CommError::Mismatch { .. })));
+    /// ```
+    pub fn after(self, first: Work<()>) -> Work<T> {
+        match first.inline_completion() {
+            Some(c) if c.error.is_none() => self,
+            _ => Work {
+                inner: Inner::Boxed(Box::new(After { first, first_result: None, work: self })),
+                spin: Duration::ZERO,
+            },
+        }
+    }
+
+    fn then<U: Send + 'static>(
+        self,
+        f: impl FnOnce(Result<T, CommError>) -> Result<U, CommError> + Send + 'static,
+    ) -> Work<U> {
         match self.inner {
-            Inner::Ready(mut r) => Work::ready(r.take().expect("Ready work holds its result").and_then(f)),
+            Inner::Ready(mut r) => Work::ready(f(r.take().expect("Ready work holds its result"))),
             _ => Work { inner: Inner::Boxed(Box::new(Map { work: self, f: Some(f) })), spin: Duration::ZERO },
         }
     }
@@ -360,7 +401,7 @@ struct Map<T, F> {
 impl<T, U, F> Source<U> for Map<T, F>
 where
     T: Send + 'static,
-    F: FnOnce(T) -> Result<U, CommError> + Send,
+    F: FnOnce(Result<T, CommError>) -> Result<U, CommError> + Send,
 {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<U, CommError>> {
         let r = std::task::ready!(Pin::new(&mut self.work).poll(cx));
@@ -381,12 +422,54 @@ where
     }
 }
 
-impl<T, U, F: FnOnce(T) -> Result<U, CommError>> Map<T, F> {
+impl<T, U, F: FnOnce(Result<T, CommError>) -> Result<U, CommError>> Map<T, F> {
     fn apply(&mut self, r: Result<T, CommError>) -> Result<U, CommError> {
         match self.f.take() {
-            Some(f) => r.and_then(f),
+            Some(f) => f(r),
             None => Err(CommError::invalid("Work", "polled after completion")),
         }
+    }
+}
+
+/// [`Work::after`]: `first`'s error, else `work`'s result.
+struct After<T> {
+    first: Work<()>,
+    /// `first`'s result once taken.
+    first_result: Option<Result<(), CommError>>,
+    work: Work<T>,
+}
+
+impl<T: Send + 'static> After<T> {
+    fn combine(&mut self, r: Result<T, CommError>) -> Result<T, CommError> {
+        match self.first_result.take() {
+            Some(Err(e)) => Err(e),
+            _ => r,
+        }
+    }
+}
+
+impl<T: Send + 'static> Source<T> for After<T> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<T, CommError>> {
+        if self.first_result.is_none() {
+            self.first_result = Some(std::task::ready!(Pin::new(&mut self.first).poll(cx)));
+        }
+        let r = std::task::ready!(Pin::new(&mut self.work).poll(cx));
+        Poll::Ready(self.combine(r))
+    }
+    fn is_completed(&self) -> bool {
+        (self.first_result.is_some() || self.first.is_completed()) && self.work.is_completed()
+    }
+    fn wait(&mut self) -> Result<T, CommError> {
+        if self.first_result.is_none() {
+            let first = std::mem::replace(&mut self.first, Work::ready(Ok(())));
+            self.first_result = Some(first.wait());
+        }
+        let work = std::mem::replace(&mut self.work, Work::ready(Err(CommError::invalid("Work", "waited twice"))));
+        let r = work.wait();
+        self.combine(r)
+    }
+    fn add_hook(&mut self, hook: Hook) {
+        self.work.add_hook(hook);
     }
 }
 

@@ -71,3 +71,135 @@ pub(crate) async fn tasks_on_streams(pg: &ProcessGroup, tasks: u64, ops: u64) ->
         other => Err(format!("an op after shutdown: {other:?}")),
     }
 }
+
+/// How the tasks of a misuse scenario share one group (or stream).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Sharing {
+    /// Each task holds a clone and issues when it likes.
+    Clones,
+    /// The tasks take turns behind a `tokio::sync::Mutex` (one op in flight per rank), which
+    /// orders them on a rank but not across ranks.
+    Mutex,
+}
+
+/// What one task of a misuse scenario saw.
+#[derive(Debug)]
+struct Outcome {
+    /// Ops whose result came back wrong.
+    wrong: u64,
+    /// The op that first failed (its number in the task) and the error.
+    failed: Option<(u64, CommError)>,
+}
+
+/// `tasks` tasks per rank share `pg` as `sharing` says, each issuing `ops` same-shaped
+/// all_reduces (i64, so every sum is exact) with random pauses, until one fails. Every task
+/// must end with only right results, or with an error: never wrong results and no error. The
+/// summary says how many tasks failed and at which op.
+pub(crate) async fn misuse(pg: &ProcessGroup, sharing: Sharing, tasks: u64, ops: u64) -> Result<String, String> {
+    let (me, n) = (pg.rank() as i64, pg.world_size() as i64);
+    let shared = std::sync::Arc::new(tokio::sync::Mutex::new(pg.clone()));
+    let handles: Vec<_> = (0..tasks)
+        .map(|task| {
+            let (pg, shared) = (pg.clone(), shared.clone());
+            tokio::spawn(async move {
+                let mut out = Outcome { wrong: 0, failed: None };
+                // Different pauses on every rank: the tasks interleave differently.
+                let mut draw = mix(task * 7919 + me as u64 * 104_729 + 1);
+                let value = |r: i64, i: u64| ((task as i64) << 32) + ((i as i64) << 8) + r;
+                for i in 0..ops {
+                    draw = mix(draw);
+                    match draw % 4 {
+                        0 => tokio::time::sleep(Duration::from_micros(draw % 150)).await,
+                        1 => tokio::task::yield_now().await,
+                        _ => {}
+                    }
+                    let buf = HostBuffer::from_slice(&[value(me, i); 8]);
+                    let got = match sharing {
+                        Sharing::Clones => pg.all_reduce(buf, ReduceOp::Sum).await,
+                        Sharing::Mutex => {
+                            let group = shared.lock().await;
+                            group.all_reduce(buf, ReduceOp::Sum).await
+                        }
+                    };
+                    match got.and_then(|b| b.to_vec::<i64>()) {
+                        Ok(v) => out.wrong += u64::from(v != [(0..n).map(|r| value(r, i)).sum::<i64>(); 8]),
+                        Err(e) => {
+                            out.failed = Some((i, e));
+                            break;
+                        }
+                    }
+                }
+                out
+            })
+        })
+        .collect();
+    let (mut failed_at, mut named, mut first) = (Vec::new(), false, String::new());
+    for (t, h) in handles.into_iter().enumerate() {
+        let out = h.await.map_err(|e| e.to_string())?;
+        match out.failed {
+            None if out.wrong > 0 => {
+                return Err(format!("rank {me} task {t}: {} of {ops} results wrong and no error", out.wrong))
+            }
+            None => {}
+            Some((i, e)) => {
+                if !matches!(e, CommError::Mismatch { .. } | CommError::Poisoned { .. } | CommError::PeerLost { .. }) {
+                    return Err(format!("rank {me} task {t}: op {i} failed with an unexpected error: {e}"));
+                }
+                // The advice reaches some task of every rank that saw the misuse.
+                named |= e.to_string().contains("its own stream");
+                if failed_at.iter().all(|&j| i < j) {
+                    first = e.to_string();
+                }
+                failed_at.push(i);
+            }
+        }
+    }
+    if !failed_at.is_empty() && !named {
+        return Err(format!("rank {me}: no task's error said what went wrong (failed at ops {failed_at:?})"));
+    }
+    failed_at.sort_unstable();
+    let n = failed_at.len();
+    Ok(format!("{sharing:?} × {tasks}: {n} of {tasks} tasks stopped by an error, at ops {failed_at:?}; first: {first}"))
+}
+
+/// The deterministic patterns the issuer check must never flag, on `pg`: ops from the main
+/// task, then from a spawned task (README's example), then request handlers spawned one after
+/// another, each issuing a few ops; every result right.
+pub(crate) async fn handed_over(pg: &ProcessGroup) -> Result<(), String> {
+    let n = pg.world_size() as f32;
+    let sum = move |pg: ProcessGroup| async move {
+        let got = pg.all_reduce(HostBuffer::from_slice(&[1.0f32; 16]), ReduceOp::Sum).await?;
+        Ok::<bool, CommError>(got.to_vec::<f32>()?.iter().all(|&x| x == n))
+    };
+    let mut right = sum(pg.clone()).await.map_err(|e| e.to_string())?;
+    right &= tokio::spawn(sum(pg.clone())).await.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?;
+    right &= sum(pg.clone()).await.map_err(|e| e.to_string())?;
+    for request in 0..20 {
+        let pg = pg.clone();
+        let handler = tokio::spawn(async move {
+            let mut right = true;
+            for _ in 0..=request % 3 {
+                right &= sum(pg.clone()).await?;
+            }
+            pg.barrier().await?;
+            Ok::<bool, CommError>(right)
+        });
+        right &= handler.await.map_err(|e| e.to_string())?.map_err(|e| format!("handler {request}: {e}"))?;
+    }
+    // From a plain thread too (a thread outside tokio is an issuer of its own).
+    let from_thread = pg.clone();
+    right &= std::thread::spawn(move || {
+        from_thread.all_reduce(HostBuffer::from_slice(&[1.0f32; 16]), ReduceOp::Sum).wait().map(|b| b.to_vec::<f32>())
+    })
+    .join()
+    .map_err(|_| "the thread panicked".to_owned())?
+    .and_then(|v| v)
+    .map_err(|e| e.to_string())?
+    .iter()
+    .all(|&x| x == n);
+    if right {
+        Ok(())
+    } else {
+        Err("a deterministic hand-over gave wrong sums".into())
+    }
+}
