@@ -173,6 +173,23 @@ fn tasks_on_their_own_streams_across_hosts() {
     assert_eq!(job.lines("STREAMS-OK").len(), 4, "{job}");
 }
 
+/// Tasks sharing a group (clones, a Mutex) or a stream are stopped by the issuer check before
+/// any sees a wrong sum, and hand-overs in one order are not flagged: hier on 2 × 2 hosts, and
+/// the mpi backend on one host of 3 ranks.
+#[test]
+fn tasks_sharing_a_group_are_stopped_hier_and_mpi() {
+    for (sizes, backend) in [(&[3][..], "mpi"), (&[2, 2][..], "hier")] {
+        // The timeout bounds only the exit: MPI's finalisation waits it out for the ops the
+        // poisoned groups left behind (ARCHITECTURE.md, mpi "Finalisation").
+        let envs = [("COMM_TIMEOUT", "8"), ("COMM_BACKEND", backend)];
+        let Some(job) = job(sizes, "misuse", &envs, Duration::from_secs(120)) else { return };
+        // Every rank passed. A rank whose failed groups left MPI requests behind skips
+        // MPI_Finalize at exit, as documented, and mpirun may then exit 1 after the last line.
+        assert_eq!(job.lines("MISUSE-OK").len(), sizes.iter().sum::<usize>(), "{job}");
+        assert!(job.code == Some(0) || job.code == Some(1), "{job}");
+    }
+}
+
 #[test]
 fn a_killed_rank_ends_the_job_on_every_host() {
     let envs = [("COMM_TIMEOUT", "10")];
@@ -201,6 +218,7 @@ fn child() {
             "kill" => kill().await,
             "surfaces" => surfaces().await,
             "streams" => streams().await,
+            "misuse" => misuse().await,
             other => {
                 eprintln!("unknown scenario {other}");
                 2
@@ -283,6 +301,30 @@ async fn streams() -> i32 {
     let pg = comm_api::init(Config::from_env().unwrap()).await.expect("init");
     let checked = streams_body::tasks_on_streams(&pg, 4, 300).await;
     reported("STREAMS", &pg, checked)
+}
+
+async fn misuse() -> i32 {
+    use streams_body::Sharing;
+    let pg = comm_api::init(Config::from_env().unwrap()).await.expect("init");
+    let all: Vec<Rank> = (0..pg.world_size()).collect();
+    let mut checked = streams_body::handed_over(&pg).await;
+    for (sharing, tasks) in [(Sharing::Clones, 2), (Sharing::Mutex, 3)] {
+        if checked.is_ok() {
+            let sub = pg.new_group(&all).await.expect("new_group").expect("a member");
+            checked =
+                streams_body::misuse(&sub, sharing, tasks, 300).await.map(|s| println!("rank {}: {s}", pg.rank()));
+        }
+    }
+    if checked.is_ok() {
+        let streams = pg.streams().await.expect("streams");
+        for key in [0, 5] {
+            if checked.is_ok() {
+                let summary = streams_body::misuse(&streams.stream(key), Sharing::Clones, 2, 300).await;
+                checked = summary.map(|s| println!("rank {} stream {key}: {s}", pg.rank()));
+            }
+        }
+    }
+    reported("MISUSE", &pg, checked)
 }
 
 /// A scenario's exit code; `<MARKER>-OK` printed when it passed, for the parent to count.
