@@ -187,3 +187,110 @@ fn two_deepspeed_jobs_never_pair() {
     });
     check(&lines);
 }
+
+#[path = "../../discovery/tests/support/fake_torch.rs"]
+mod fake_torch;
+
+/// Rank `rank` of a job as `launcher` starts it, on `port`: what `two_jobs` exports.
+fn launched(launcher: &str, job: u32, rank: u32, port: &str) -> Vec<(&'static str, String)> {
+    let mut vars = match launcher {
+        "mpirun" => vec![
+            ("OMPI_COMM_WORLD_RANK", rank.to_string()),
+            ("OMPI_COMM_WORLD_SIZE", "2".into()),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", rank.to_string()),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
+            ("OMPI_MCA_ess_base_jobid", format!("{}", 1000 + job)),
+        ],
+        "srun" => vec![
+            ("SLURM_JOB_ID", "4242".into()),
+            ("SLURM_STEP_ID", (job - 1).to_string()),
+            ("SLURM_PROCID", rank.to_string()),
+            ("SLURM_NTASKS", "2".into()),
+            ("SLURM_LOCALID", rank.to_string()),
+            ("SLURM_TASKS_PER_NODE", "2".into()),
+            ("SLURM_NODELIST", "localhost".into()),
+        ],
+        "mpiexec.mpich" => vec![
+            ("PMI_RANK", rank.to_string()),
+            ("PMI_SIZE", "2".into()),
+            ("MPI_LOCALRANKID", rank.to_string()),
+            ("MPI_LOCALNRANKS", "2".into()),
+        ],
+        // Started by hand, with a token of each job's own or none.
+        "tokens" | "by hand" => vec![
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "2".into()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("LOCAL_WORLD_SIZE", "2".into()),
+        ],
+        "torchrun" => vec![
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "2".into()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("LOCAL_WORLD_SIZE", "2".into()),
+            ("GROUP_RANK", "0".into()),
+            ("TORCHELASTIC_RESTART_COUNT", "0".into()),
+            ("TORCHELASTIC_RUN_ID", format!("run-{job}")),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True".into()),
+        ],
+        other => panic!("no launcher {other}"),
+    };
+    if launcher == "tokens" {
+        vars.push(("COMM_JOB_TOKEN", format!("token-of-job-{job}")));
+    }
+    vars.push(("MASTER_ADDR", "127.0.0.1".into()));
+    vars.push(("MASTER_PORT", port.to_owned()));
+    vars
+}
+
+/// Another job's torch store (torch.distributed, a torchrun agent) holds the port: two jobs
+/// of every launcher next to it are refused at once, saying so; none writes to that store.
+#[test]
+fn jobs_next_to_another_jobs_torch_store_are_refused() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        return child();
+    }
+    let torch = fake_torch::FakeTorchStore::start();
+    let p = torch.port().to_string();
+    for launcher in ["mpirun", "srun", "mpiexec.mpich", "tokens", "by hand"] {
+        let lines = two_jobs("jobs_next_to_another_jobs_torch_store_are_refused", |job, rank| {
+            launched(launcher, job, rank, &p)
+        });
+        assert_eq!(lines.len(), 4, "{launcher}: every rank reports: {lines:?}");
+        for l in &lines {
+            let clear = l.contains("torch TCPStore") || (launcher == "by hand" && l.contains("cannot tell this job"));
+            assert!(l.starts_with("REFUSED") && clear, "{launcher}: {l} (all: {lines:?})");
+        }
+    }
+    assert!(torch.keys().is_empty(), "{:?}", torch.keys());
+}
+
+/// Two torchrun jobs whose agents share one store (and a job of another launcher next to a
+/// torchrun job): each torchrun job keeps to keys of its own and gets its own sums; the other
+/// launcher's job is refused, and the torchrun job is unharmed.
+#[test]
+fn torchrun_jobs_keep_to_their_own_keys() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        return child();
+    }
+    let agent = fake_torch::FakeTorchStore::start();
+    let p = agent.port().to_string();
+    let lines = two_jobs("torchrun_jobs_keep_to_their_own_keys", |job, rank| launched("torchrun", job, rank, &p));
+    assert_eq!((ok_lines(&lines, 1), ok_lines(&lines, 2)), (2, 2), "{lines:?}");
+    let jobs: std::collections::BTreeSet<_> =
+        agent.keys().iter().filter_map(|k| String::from_utf8_lossy(k).split('/').nth(1).map(str::to_owned)).collect();
+    assert_eq!(jobs.len(), 2, "two prefixes, one per job: {:?}", agent.keys());
+    for other in ["mpirun", "tokens"] {
+        let agent = fake_torch::FakeTorchStore::start();
+        let p = agent.port().to_string();
+        let lines = two_jobs("torchrun_jobs_keep_to_their_own_keys", |job, rank| {
+            launched(if job == 1 { "torchrun" } else { other }, job, rank, &p)
+        });
+        let refused = lines.iter().filter(|l| l.starts_with("REFUSED") && l.contains("torch TCPStore")).count();
+        assert_eq!((ok_lines(&lines, 1), refused), (2, 2), "torchrun next to {other}: {lines:?}");
+    }
+}
+
+fn ok_lines(lines: &[String], job: u32) -> usize {
+    lines.iter().filter(|l| **l == format!("OK job {job}")).count()
+}

@@ -56,15 +56,29 @@ impl Job {
     /// Serves the job's rendezvous store from this process, so that it outlives any rank,
     /// unless the launcher's environment names a store of its own (`COMM_STORE`). `None`
     /// when it cannot bind the address (not this machine's): then rank 0 serves it, as
-    /// without commrun.
-    pub fn serve_store(&mut self, getenv: impl Fn(&str) -> Option<String>) -> Option<discovery::StoreServer> {
+    /// without commrun. A port that is taken is an error: something else (another job's
+    /// store, a torch store) listens there, and the ranks would meet it instead.
+    pub fn serve_store(
+        &mut self,
+        getenv: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<discovery::StoreServer>, String> {
         if getenv("COMM_STORE").is_some_and(|v| !v.trim().is_empty()) {
-            return None;
+            return Ok(None);
         }
-        let server = discovery::StoreServer::bind(&self.master_addr, self.master_port, &self.token).ok()?;
+        let server = match discovery::StoreServer::bind(&self.master_addr, self.master_port, &self.token) {
+            Ok(server) => server,
+            Err(comm_core::CommError::Io { source, .. }) if source.kind() == std::io::ErrorKind::AddrInUse => {
+                return Err(format!(
+                    "port {} of {} is taken (another job's store, or torch's?): pass a free --master-port, or none \
+                     for a free one",
+                    self.master_port, self.master_addr
+                ))
+            }
+            Err(_) => return Ok(None),
+        };
         self.master_port = server.local_addr().port();
         self.serves_store = true;
-        Some(server)
+        Ok(Some(server))
     }
 
     /// The environment variables of `rank` (in `0..world_size`).
@@ -170,14 +184,19 @@ mod tests {
     #[test]
     fn commrun_serves_the_store_where_it_can() {
         let mut job = Job::resolve(&opts(2), env(&[("MASTER_PORT", "0")])).unwrap();
-        let server = job.serve_store(env(&[])).expect("127.0.0.1 is this machine's");
+        let server = job.serve_store(env(&[])).unwrap().expect("127.0.0.1 is this machine's");
         assert_eq!(server.local_addr().port(), job.master_port);
         let ranks: HashMap<_, _> = job.rank_env(1).into_iter().collect();
         assert_eq!(ranks["COMM_STORE"], "external");
+        // Its port taken (by the server above): an error naming it, not rank 0 serving there.
+        let o = Options { master_port: Some(job.master_port), ..opts(2) };
+        let mut second = Job::resolve(&o, env(&[])).unwrap();
+        let err = second.serve_store(env(&[])).unwrap_err();
+        assert!(err.contains(&format!("port {} of 127.0.0.1 is taken", job.master_port)), "{err}");
         // A store named by the environment, or an address of another machine: rank 0 serves.
         for (addr, getenv) in [("127.0.0.1", env(&[("COMM_STORE", "torch")])), ("192.0.2.1", env(&[]))] {
             let mut job = Job::resolve(&opts(2), env(&[("MASTER_ADDR", addr)])).unwrap();
-            assert!(job.serve_store(getenv).is_none(), "{addr}");
+            assert!(job.serve_store(getenv).unwrap().is_none(), "{addr}");
             assert!(!job.rank_env(0).iter().any(|(k, _)| *k == "COMM_STORE"));
         }
     }

@@ -226,7 +226,13 @@ pub fn run(opts: &Options) -> i32 {
         }
     };
     // Held until every rank has ended: the store outlives any of them.
-    let _store = job.serve_store(|key| std::env::var(key).ok());
+    let _store = match job.serve_store(|key| std::env::var(key).ok()) {
+        Ok(store) => store,
+        Err(msg) => {
+            eprintln!("commrun: {msg}");
+            return 2;
+        }
+    };
     let mut incoming = match Incoming::install() {
         Ok(incoming) => incoming,
         Err(err) => {

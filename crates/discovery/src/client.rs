@@ -27,7 +27,7 @@ const REPLY_GRACE: Duration = Duration::from_secs(10);
 /// two jobs that use the same address and port from ever pairing. The launcher that started
 /// the ranks decides:
 ///
-/// 1. `COMM_JOB_TOKEN` when set (commrun sets a random one; set but empty means none).
+/// 1. `COMM_JOB_TOKEN` when set and not blank (commrun sets a random one; empty is the same as unset).
 /// 2. The identity of the launcher that started this process: Open MPI's job id (or its PMIx
 ///    namespace) under `mpirun`, even inside a Slurm allocation (two `mpirun`s of one
 ///    `salloc` are two jobs); the PMIx namespace under a PMIx launcher; Slurm's job **and
@@ -61,7 +61,8 @@ pub(crate) fn job_token_from(
     var: impl Fn(&str) -> Option<String>,
     ancestors: impl Fn() -> Vec<Ancestor>,
 ) -> Result<String, CommError> {
-    if let Some(t) = var("COMM_JOB_TOKEN") {
+    // An empty (or blank) token is no token: every job would share it.
+    if let Some(t) = var("COMM_JOB_TOKEN").filter(|t| !t.trim().is_empty()) {
         return Ok(t);
     }
     let set = |name: &str| var(name).map(|v| v.trim().to_owned()).filter(|v| !v.is_empty());

@@ -28,8 +28,10 @@ const WORLD_SIZE_KEY: &str = "discovery/world_size";
 /// - [`StoreKind::External`]: the store is already served there; every rank connects.
 /// - [`StoreKind::Torch`] (torchrun, `TORCHELASTIC_USE_AGENT_STORE=True`): torchrun's agent
 ///   already serves a torch `TCPStore` on `master_port`, so nobody binds it; every rank
-///   connects a [`TorchStore`] with keys under `comm/r<TORCHELASTIC_RESTART_COUNT>/` (a
-///   restarted job does not see the previous attempt's keys).
+///   connects a [`TorchStore`] with keys under `comm/<job>/r<TORCHELASTIC_RESTART_COUNT>/`
+///   (`<job>`: a digest of the job token, so two jobs never read each other's keys; a
+///   restarted job does not see the previous attempt's keys). Only then is a torch store
+///   used: one found on the port otherwise is another job's, and refused.
 ///
 /// Every request on the store is bounded by `timeout` too (waits by their own timeouts).
 /// Our own store's clients present [`job_token`] (torch's store has no such check).
@@ -85,25 +87,11 @@ pub async fn rendezvous(
             (Arc::new(torch_store(info, &shown, timeout, bind).await?), None)
         }
         StoreKind::Rank0 if info.rank == 0 => {
-            // Without a job identity our store must not be served; torch's may already be there.
-            let bound = match job_token(info) {
-                Ok(token) => bind_rank0(&info.master_addr, info.master_port, &token).await.map(|s| (s, token)),
-                Err(e) => Err(e),
-            };
-            let (server, token) = match bound {
-                Ok(bound) => bound,
-                // torch may already serve its store there (torch.distributed initialised by this
-                // job, a launcher's agent): then that is the job's store, for every rank.
-                Err(e) if is_addr_in_use(&e) || matches!(e, CommError::Config(_)) => {
-                    let addr = &info.master_addr;
-                    match probe(addr, info.master_port, bind, PROBE_LIMIT).await {
-                        Probe::Torch => {
-                            let store = torch_store(info, &shown, timeout, bind).await?;
-                            return check_world_size(info, &shown, Arc::new(store), None).await;
-                        }
-                        _ => return Err(e),
-                    }
-                }
+            // Without a job identity our store must not be served.
+            let token = job_token(info)?;
+            let server = match bind_rank0(&info.master_addr, info.master_port, &token).await {
+                Ok(server) => server,
+                Err(e) if is_addr_in_use(&e) => return Err(port_taken(info, &shown, bind, e).await),
                 Err(e) => return Err(e),
             };
             // Connect to what was actually bound: the wildcard fallback, or an ephemeral port.
@@ -124,7 +112,7 @@ pub async fn rendezvous(
             if info.master_port == 0 {
                 return Err(needs_port("store"));
             }
-            (connect_ours_or_torch(info, &shown, timeout, bind).await?, None)
+            (connect_ours(info, &shown, timeout, bind).await?, None)
         }
     };
     check_world_size(info, &shown, store, server).await
@@ -133,27 +121,19 @@ pub async fn rendezvous(
 /// How long a probe waits for a torch store's PING echo (it answers in microseconds).
 const PROBE_LIMIT: Duration = Duration::from_secs(2);
 
-/// Rank 0's store, or torch's store when that is what serves the port (rank 0 found the port
-/// taken by one): a torch handshake tells them apart at once, since our server closes the
-/// connection on it. Retries while nothing listens, until `timeout`.
-async fn connect_ours_or_torch(
+/// Rank 0's store (or the one served for the job), retrying while nothing listens, until
+/// `timeout`. A torch store on the port is another job's (a job uses torch's store only under
+/// torchrun, `StoreKind::Torch`): refused at once, as our store of another job is by its
+/// handshake.
+async fn connect_ours(
     info: &WorldInfo,
     shown: &str,
     timeout: Duration,
     bind: Option<IpAddr>,
 ) -> Result<Arc<dyn Store>, CommError> {
-    // A rank that has no job identity can only use a torch store already serving the port
-    // (torch.distributed is up, so it is there already): else it is refused at once, as rank
-    // 0 is, instead of waiting for a store no rank of its job will serve.
-    let token = match job_token(info) {
-        Ok(token) => token,
-        Err(e) => {
-            return match probe(&info.master_addr, info.master_port, bind, PROBE_LIMIT.min(timeout)).await {
-                Probe::Torch => Ok(Arc::new(torch_store(info, shown, timeout, bind).await?)),
-                _ => Err(e),
-            };
-        }
-    };
+    // A rank that has no job identity is refused at once, as rank 0 is, instead of waiting
+    // for a store no rank of its job will serve.
+    let token = job_token(info)?;
     // Out of time before anything answered (an address that does not resolve in time lands
     // here too): said with the whole budget, not what was left of it.
     let never_came_up = |why: String| {
@@ -170,7 +150,7 @@ async fn connect_ours_or_torch(
         let probed = probe(&info.master_addr, info.master_port, bind, PROBE_LIMIT.min(left)).await;
         let left = deadline.saturating_duration_since(Instant::now());
         match probed {
-            Probe::Torch => return Ok(Arc::new(torch_store(info, shown, left, bind).await?)),
+            Probe::Torch => return Err(torch_not_ours(info, shown)),
             Probe::Unreachable(why) if left.is_zero() => return Err(never_came_up(why)),
             Probe::Silent if left.is_zero() => {
                 let limit = comm_core::config::fmt_duration(PROBE_LIMIT.min(timeout));
@@ -193,13 +173,33 @@ async fn connect_ours_or_torch(
     }
 }
 
+/// Rank 0 found its port taken: by a torch store (said so), or by something else.
+async fn port_taken(info: &WorldInfo, shown: &str, bind: Option<IpAddr>, e: CommError) -> CommError {
+    match probe(&info.master_addr, info.master_port, bind, PROBE_LIMIT).await {
+        Probe::Torch => torch_not_ours(info, shown),
+        _ => CommError::Config(format!(
+            "rank 0 cannot serve the job's store at {shown}: the port is taken ({e}); another job may be using it: \
+             set MASTER_PORT to a free port"
+        )),
+    }
+}
+
+fn torch_not_ours(info: &WorldInfo, shown: &str) -> CommError {
+    CommError::Config(format!(
+        "rank {}: a torch TCPStore serves {shown}, and it is not this job's (this job was not started by torchrun \
+         with its agent store): another job's torch.distributed or torchrun holds the port, and sharing it would \
+         mix the two jobs; set MASTER_PORT to a free port",
+        info.rank
+    ))
+}
+
 async fn torch_store(
     info: &WorldInfo,
     shown: &str,
     timeout: Duration,
     bind: Option<IpAddr>,
 ) -> Result<TorchStore, CommError> {
-    let prefix = torch_prefix();
+    let prefix = torch_prefix(&job_token(info)?);
     let store = TorchStore::connect(&info.master_addr, info.master_port, &prefix, timeout, bind)
         .await?
         .with_request_timeout(timeout);
@@ -230,10 +230,14 @@ async fn check_world_size(
     Ok((store, server))
 }
 
-/// The key prefix in torch's store: ours, per restart of the job.
-fn torch_prefix() -> String {
+/// The key prefix in torch's store: ours, per job (a digest of its token, so jobs sharing an
+/// agent's store never read each other's keys) and per restart of the job.
+pub(crate) fn torch_prefix(token: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::new().chain_update(b"comm torch prefix\0").chain_update(token.as_bytes()).finalize();
+    let job: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
     let restart = std::env::var("TORCHELASTIC_RESTART_COUNT").ok().filter(|r| !r.trim().is_empty());
-    format!("comm/r{}/", restart.as_deref().map_or("0", str::trim))
+    format!("comm/{job}/r{}/", restart.as_deref().map_or("0", str::trim))
 }
 
 /// Binds `addr:port`, or all interfaces on `port` when that exact address cannot be bound.
@@ -270,4 +274,15 @@ async fn bind(addr: &str, port: u16, token: &str) -> Result<StoreServer, CommErr
     let bound =
         rx.await.unwrap_or_else(|_| Err(CommError::Store("the store server thread exited before binding".into())));
     starting.finish(bound)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn jobs_get_torch_prefixes_of_their_own() {
+        let (a, b) = (super::torch_prefix("job-a"), super::torch_prefix("job-b"));
+        assert_ne!(a, b, "two tokens never share keys");
+        assert_eq!(a, super::torch_prefix("job-a"), "every rank of a job computes the same prefix");
+        assert!(a.starts_with("comm/") && a.len() == "comm/".len() + 16 + "/r0/".len(), "{a}");
+    }
 }

@@ -424,8 +424,16 @@ fn job_tokens_come_from_the_launcher_when_unset() {
     };
     let tok = |launcher, local, vars| job_token_from(&on(launcher, local), vars, parent);
     assert_eq!(tok(Launcher::Slurm, 4, env(&[("COMM_JOB_TOKEN", "abc"), ("SLURM_JOB_ID", "7")])).unwrap(), "abc");
-    // Set but empty is a choice too: no token.
-    assert_eq!(tok(Launcher::Slurm, 4, env(&[("COMM_JOB_TOKEN", ""), ("SLURM_JOB_ID", "7")])).unwrap(), "");
+    // An empty (or blank) token is no token: the launcher's identity, or the same refusal as unset.
+    assert_eq!(
+        tok(Launcher::Slurm, 4, env(&[("COMM_JOB_TOKEN", ""), ("SLURM_JOB_ID", "7")])).unwrap(),
+        "slurm:7.batch"
+    );
+    let by_hand = |vars| tok(Launcher::Torchrun, 4, vars).unwrap_err().to_string();
+    let unset = by_hand(env(&[("MASTER_PORT", "29500")]));
+    assert!(unset.contains("started by hand"), "{unset}");
+    assert_eq!(by_hand(env(&[("COMM_JOB_TOKEN", ""), ("MASTER_PORT", "29500")])), unset);
+    assert_eq!(by_hand(env(&[("COMM_JOB_TOKEN", "  "), ("MASTER_PORT", "29500")])), unset);
     // Two steps of one Slurm job are two jobs.
     let step0 = tok(Launcher::Slurm, 4, env(&[("SLURM_JOB_ID", "123456"), ("SLURM_STEP_ID", "0")])).unwrap();
     let step1 = tok(Launcher::Slurm, 4, env(&[("SLURM_JOB_ID", "123456"), ("SLURM_STEP_ID", "1")])).unwrap();

@@ -100,7 +100,7 @@ async fn against_a_real_torch_tcpstore(backend: &str) {
 /// torch.distributed already serves its store on MASTER_PORT (nothing told us): rank 0 finds
 /// the port taken by a torch store and every rank uses it.
 #[tokio::test]
-async fn a_real_torch_store_on_master_port_is_found() {
+async fn a_real_torch_store_on_master_port_is_refused() {
     let Some(python) = std::env::var_os("COMM_TEST_TORCH_PYTHON") else {
         println!("skipped: set COMM_TEST_TORCH_PYTHON to a Python that has torch to run this test");
         return;
@@ -121,11 +121,13 @@ async fn a_real_torch_store_on_master_port_is_found() {
     for rank in 0..3 {
         let mut w = comm_core::WorldInfo::single();
         (w.rank, w.world_size, w.local_rank, w.local_world_size, w.master_port) = (rank, 3, rank, 3, port);
+        w.source.launcher = comm_core::Launcher::Explicit;
         ranks.push(tokio::spawn(async move { discovery::rendezvous(&w, Duration::from_secs(30)).await }));
     }
+    // Not this job's store (it was not started by torchrun): every rank is refused.
     for t in ranks {
-        let (store, server) = t.await.unwrap().unwrap();
-        assert!(server.is_none() && format!("{store:?}").contains("TorchStore"), "{store:?}");
+        let e = t.await.unwrap().map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains("torch TCPStore"), "{e}");
     }
     drop(child.stdin.take());
     assert!(child.wait().unwrap().success());

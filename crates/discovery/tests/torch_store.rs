@@ -198,7 +198,9 @@ fn torch_world(rank: u32, world_size: u32, port: u16) -> WorldInfo {
         master_addr: "127.0.0.1".into(),
         master_port: port,
         store: StoreKind::Torch,
-        source: WorldSource { launcher: Launcher::Torchrun, variables: Vec::new() },
+        // An explicit config: the port is the job's (its identity), whatever this test's
+        // environment holds.
+        source: WorldSource { launcher: Launcher::Explicit, variables: Vec::new() },
     }
 }
 
@@ -216,7 +218,14 @@ async fn rendezvous_through_the_agent_store_binds_nothing() {
         assert!(server.is_none(), "nobody serves: torchrun's agent does");
         stores.push(store);
     }
-    assert_eq!(srv.value(b"comm/r0/discovery/world_size").as_deref(), Some(&b"4"[..]));
+    // Under the job's own prefix: `comm/<digest of the job token>/r<restart>/`.
+    let keys = srv.keys();
+    let key =
+        keys.iter().map(|k| String::from_utf8_lossy(k).into_owned()).find(|k| k.ends_with("discovery/world_size"));
+    let key = key.unwrap_or_else(|| panic!("no world size key in {keys:?}"));
+    let job = key.strip_prefix("comm/").and_then(|k| k.strip_suffix("/r0/discovery/world_size"));
+    assert!(job.is_some_and(|j| j.len() == 16 && j.bytes().all(|b| b.is_ascii_hexdigit())), "{key}");
+    assert_eq!(srv.value(key.as_bytes()).as_deref(), Some(&b"4"[..]));
     stores[3].set("hello", b"from 3").await.unwrap();
     assert_eq!(stores[0].get("hello", T).await.unwrap(), b"from 3");
     // A rank with another world size is told so.
@@ -225,18 +234,22 @@ async fn rendezvous_through_the_agent_store_binds_nothing() {
 }
 
 #[tokio::test]
-async fn a_torch_store_already_on_the_port_is_found_and_used() {
-    // torch.distributed initialised by the job (or a launcher's agent) holds MASTER_PORT, and
-    // nothing told us: rank 0 finds the port taken by a torch store, the others probe it.
+async fn a_torch_store_that_is_not_the_jobs_is_refused() {
+    // Another job's torch.distributed (or torchrun agent) holds MASTER_PORT, and this job was
+    // not started by torchrun: rank 0 finds the port taken, the others probe it; every rank is
+    // refused at once, saying so, and nothing is written to that store.
     let srv = FakeTorchStore::start();
+    let start = std::time::Instant::now();
     let mut ranks = Vec::new();
     for r in 0..3 {
         let w = WorldInfo { store: StoreKind::Rank0, ..torch_world(r, 3, srv.port()) };
         ranks.push(tokio::spawn(async move { rendezvous(&w, T).await }));
     }
     for t in ranks {
-        let (store, server) = t.await.unwrap().unwrap();
-        assert!(server.is_none() && format!("{store:?}").contains("TorchStore"), "{store:?}");
+        let e = t.await.unwrap().map(|_| ()).unwrap_err();
+        assert!(matches!(e, CommError::Config(_)), "{e}");
+        assert!(e.to_string().contains("torch TCPStore") && e.to_string().contains("MASTER_PORT"), "{e}");
     }
-    assert_eq!(srv.value(b"comm/r0/discovery/world_size").as_deref(), Some(&b"3"[..]));
+    assert!(start.elapsed() < T / 2, "refused at once, not at the timeout: {:?}", start.elapsed());
+    assert!(srv.keys().is_empty(), "{:?}", srv.keys());
 }

@@ -92,6 +92,13 @@ impl FakeTorchStore {
         self.state.lock().unwrap().kv.get(key).cloned()
     }
 
+    /// Every stored key (full, prefixed), sorted.
+    pub fn keys(&self) -> Vec<Vec<u8>> {
+        let mut keys: Vec<_> = self.state.lock().unwrap().kv.keys().cloned().collect();
+        keys.sort();
+        keys
+    }
+
     /// Sets a full key directly, waking waiters (like another torch client would).
     pub fn put(&self, key: &[u8], value: &[u8]) {
         set(&mut self.state.lock().unwrap(), key, value);
