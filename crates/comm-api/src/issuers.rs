@@ -34,7 +34,19 @@ const FAILED: u64 = u64::MAX;
 /// a thread's, times two, plus one for a thread; never 0). Both ids count up in the order
 /// tasks are spawned and threads made.
 fn current() -> u64 {
-    /// Keeps the `u64` that `Id` and `ThreadId` hash as (their only field).
+    thread_local! {
+        // `thread::current()` clones a handle (two atomic ops): read the id once per thread.
+        static THREAD: u64 = id_of(&std::thread::current().id());
+    }
+    let issuer = match tokio::task::try_id() {
+        Some(id) => id_of(&id) << 1,
+        None => (THREAD.with(|t| *t) << 1) | 1,
+    };
+    issuer.max(2) & (FAILED - 1)
+}
+
+/// The `u64` that a tokio task `Id` or a `ThreadId` holds (their only field), through `Hash`.
+fn id_of(id: &impl Hash) -> u64 {
     struct Capture(u64);
     impl Hasher for Capture {
         fn finish(&self) -> u64 {
@@ -48,17 +60,8 @@ fn current() -> u64 {
         }
     }
     let mut h = Capture(0);
-    let thread = match tokio::task::try_id() {
-        Some(id) => {
-            id.hash(&mut h);
-            0
-        }
-        None => {
-            std::thread::current().id().hash(&mut h);
-            1
-        }
-    };
-    ((h.0 << 1) | thread).max(2) & (FAILED - 1)
+    id.hash(&mut h);
+    h.0
 }
 
 fn describe(issuer: u64) -> String {
