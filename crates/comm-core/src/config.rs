@@ -16,13 +16,15 @@ pub fn clamp_timeout(timeout: Duration) -> Duration {
 }
 
 /// A size: a whole number followed by an optional binary, case-insensitive unit: `B`,
-/// `K`/`KB`/`KiB` (1024), `M`/`MB`/`MiB`, `G`/`GB`/`GiB`. Spaces may separate them.
+/// `K`/`KB`/`KiB` (1024), `M`/`MB`/`MiB`, `G`/`GB`/`GiB`, `T`/`TB`/`TiB`. Spaces may separate
+/// them.
 ///
 /// ```
 /// use comm_core::config::parse_size;
 /// assert_eq!(parse_size("4MiB"), Ok(4 << 20));
 /// assert_eq!(parse_size("512k"), Ok(512 << 10));
 /// assert_eq!(parse_size("65536"), Ok(65536));
+/// assert_eq!(parse_size("1TiB"), Ok(1 << 40));
 /// assert!(parse_size("18446744073709551615G").is_err()); // overflow: an error, not a wrap
 /// ```
 pub fn parse_size(s: &str) -> Result<usize, String> {
@@ -38,12 +40,13 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
-        other => return Err(format!("`{s}`: unknown unit `{other}` (expected B, KiB, MiB, GiB or K, M, G)")),
+        "t" | "tb" | "tib" => 1 << 40,
+        other => return Err(format!("`{s}`: unknown unit `{other}` (expected B, KiB, MiB, GiB, TiB or K, M, G, T)")),
     };
     n.checked_mul(mult).ok_or_else(|| format!("`{s}`: size too large"))
 }
 
-/// A timeout in seconds (fractions allowed): positive and finite; above [`MAX_TIMEOUT`] it is
+/// A timeout in seconds (fractions allowed): positive; above [`MAX_TIMEOUT`] (`inf` too) it is
 /// taken as `MAX_TIMEOUT`.
 ///
 /// ```
@@ -51,11 +54,12 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 /// use comm_core::config::{parse_timeout, MAX_TIMEOUT};
 /// assert_eq!(parse_timeout("1.5"), Ok(Duration::from_millis(1500)));
 /// assert_eq!(parse_timeout("1e20"), Ok(MAX_TIMEOUT));
+/// assert_eq!(parse_timeout("inf"), Ok(MAX_TIMEOUT));
 /// assert!(parse_timeout("0").is_err() && parse_timeout("nan").is_err());
 /// ```
 pub fn parse_timeout(s: &str) -> Result<Duration, String> {
-    let secs = s.trim().parse::<f64>().ok().filter(|x| x.is_finite() && *x > 0.0);
-    let secs = secs.ok_or_else(|| format!("`{s}` is not a positive number of seconds"))?;
+    let secs = s.trim().parse::<f64>().ok().filter(|x| *x > 0.0);
+    let secs = secs.ok_or_else(|| format!("`{s}` is not a positive number of seconds (or `inf`)"))?;
     if secs >= MAX_TIMEOUT.as_secs_f64() {
         return Ok(MAX_TIMEOUT);
     }
@@ -181,7 +185,9 @@ mod tests {
         for (s, want) in [("8B", 8), ("4 KiB", 4096), ("4kb", 4096), ("64MiB", 64 << 20), ("2g", 2 << 30), ("0", 0)] {
             assert_eq!(parse_size(s), Ok(want), "{s}");
         }
-        for s in ["", "x", "4 TiB", "-1", "1.5M", "99999999999999999999", "18446744073709551615K"] {
+        assert_eq!(parse_size("1TiB"), Ok(1 << 40));
+        assert_eq!(parse_size("2 t"), Ok(2 << 40));
+        for s in ["", "x", "4 PiB", "-1", "1.5M", "99999999999999999999", "18446744073709551615K"] {
             assert!(parse_size(s).is_err(), "{s}");
         }
     }
@@ -191,7 +197,9 @@ mod tests {
         assert_eq!(parse_timeout(" 15 "), Ok(Duration::from_secs(15)));
         assert_eq!(parse_timeout("1e19"), Ok(MAX_TIMEOUT));
         assert_eq!(parse_timeout("1e-12"), Ok(Duration::from_nanos(1)));
-        for s in ["0", "-3", "inf", "NaN", "ten", ""] {
+        assert_eq!(parse_timeout("inf"), Ok(MAX_TIMEOUT));
+        assert_eq!(parse_timeout("Infinity"), Ok(MAX_TIMEOUT));
+        for s in ["0", "-3", "-inf", "NaN", "ten", ""] {
             assert!(parse_timeout(s).is_err(), "{s}");
         }
         assert_eq!(clamp_timeout(Duration::MAX), MAX_TIMEOUT);

@@ -42,8 +42,9 @@ pub struct Options {
     pub quiet_ranks: bool,
 
     /// A rank killed by a signal (a crash, kill -9) does not stop the others: they can shrink
-    /// their groups and go on (`ProcessGroup::shrink`). commrun then exits with 0 when every
-    /// other rank does; a rank that exits with a non-zero code still fails the job, at its end.
+    /// their groups and go on (`ProcessGroup::shrink`). A job that ends with fewer ranks than
+    /// it started with exits with the lost rank's code unless --allow-shrink; a rank that exits
+    /// with a non-zero code still fails the job, at its end.
     #[arg(long)]
     pub enable_recovery: bool,
 
@@ -51,8 +52,21 @@ pub struct Options {
     /// (implies --enable-recovery). The replacement gets the rank's environment and
     /// COMM_JOIN=1: it joins the running group (`Builder::join`) when the others admit it
     /// (`ProcessGroup::grow`).
+    /// Replacements start after a back-off (--restart-backoff).
     #[arg(long, value_name = "N", default_value = "0")]
     pub max_restarts: u32,
+
+    /// Seconds before the first replacement starts; it doubles while the lost processes had
+    /// run less than a second (a crash loop), up to 5 s, and starts over after one that ran
+    /// longer. 0: no back-off.
+    #[arg(long, value_name = "SECONDS", default_value = "0.1", value_parser = parse_seconds)]
+    pub restart_backoff: Duration,
+
+    /// With recovery, a job that ends with fewer ranks than it started with (a rank lost and not
+    /// replaced) is a success. Without it commrun says so on its last line and exits with the
+    /// lost rank's code.
+    #[arg(long)]
+    pub allow_shrink: bool,
 
     /// Seconds to wait after SIGTERM (or a forwarded signal) before sending SIGKILL.
     #[arg(long, value_name = "SECONDS", default_value = "5", value_parser = parse_seconds)]

@@ -136,6 +136,8 @@ mod tests {
             quiet_ranks: false,
             enable_recovery: false,
             max_restarts: 0,
+            allow_shrink: false,
+            restart_backoff: Duration::from_millis(100),
             timeout_kill: Duration::from_secs(5),
             command: vec!["true".into()],
         }

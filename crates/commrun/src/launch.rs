@@ -98,6 +98,8 @@ struct Rank {
     pid: Pid,
     /// Set once its exit was observed (it is a zombie until [`Rank::reap`]).
     exit: Option<Exit>,
+    /// When it was started (a replacement that dies young backs the next one off further).
+    started: Instant,
 }
 
 impl Rank {
@@ -213,6 +215,11 @@ fn build_command(opts: &Options, job: &Job, rank: u32) -> Command {
     cmd
 }
 
+/// The longest delay before a replacement starts.
+const RESTART_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// A lost process that ran this long resets the back-off.
+const RESTART_BACKOFF_RESET: Duration = Duration::from_secs(1);
+
 /// Runs the job described by `opts` to its end and returns commrun's exit code: 0 when every
 /// rank exited with 0; the first failing rank's code (128 + signal for a rank killed by a
 /// signal); 128 + signal when commrun itself got SIGINT/SIGTERM/SIGHUP; 127 (126) when the
@@ -293,7 +300,7 @@ impl Spawner<'_> {
                 126
             }
         })?;
-        let started = Rank { rank, pid: Pid::from_child(&child), exit: None };
+        let started = Rank { rank, pid: Pid::from_child(&child), exit: None, started: Instant::now() };
         let pipes: [(Option<Box<dyn Read + Send>>, bool); 2] = [
             (child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>), false),
             (child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>), true),
@@ -325,6 +332,11 @@ fn supervise(ranks: &mut Vec<Rank>, incoming: &mut Incoming, mut stop: Option<St
     let grace = spawner.opts.timeout_kill;
     let recovery = spawner.opts.enable_recovery || spawner.opts.max_restarts > 0;
     let mut restarts_left = spawner.opts.max_restarts;
+    // Replacements due (when, rank): started after a back-off, so a replacement that crashes at
+    // once does not spin through the restarts.
+    let mut due: Vec<(Instant, u32)> = Vec::new();
+    let first_backoff = spawner.opts.restart_backoff.min(RESTART_BACKOFF_MAX);
+    let mut backoff = first_backoff;
     let mut deadline = stop.map(|_| {
         signal_all(ranks, Signal::TERM);
         Instant::now() + grace
@@ -376,18 +388,17 @@ fn supervise(ranks: &mut Vec<Rank>, incoming: &mut Incoming, mut stop: Option<St
                 let rank = ranks[i].rank;
                 if restarts_left > 0 {
                     restarts_left -= 1;
-                    eprintln!("commrun: rank {rank} {exit}; starting a replacement (COMM_JOIN=1)");
-                    match spawner.start(rank, true) {
-                        Ok(started) => {
-                            ranks.push(started);
-                            running += 1;
-                        }
-                        Err(code) => {
-                            stop = Some(Stop::SpawnFailed(code));
-                            signal_all(ranks, Signal::TERM);
-                            deadline = Some(Instant::now() + grace);
-                        }
+                    // The back-off grows while processes die young (a crash loop), and starts
+                    // over after one that ran a while.
+                    if ranks[i].started.elapsed() >= RESTART_BACKOFF_RESET {
+                        backoff = first_backoff;
                     }
+                    eprintln!(
+                        "commrun: rank {rank} {exit}; starting a replacement (COMM_JOIN=1) in {}",
+                        comm_core::config::fmt_duration(backoff)
+                    );
+                    due.push((Instant::now() + backoff, rank));
+                    backoff = (backoff * 2).min(RESTART_BACKOFF_MAX);
                 } else if ranks.iter().any(|r| r.exit.is_none()) {
                     eprintln!("commrun: rank {rank} {exit}; the others go on (--enable-recovery)");
                 }
@@ -400,7 +411,25 @@ fn supervise(ranks: &mut Vec<Rank>, incoming: &mut Incoming, mut stop: Option<St
                 deadline = Some(Instant::now() + grace);
             }
         }
-        if running == 0 {
+        if stop.is_some() {
+            due.clear();
+        }
+        while let Some(i) = due.iter().position(|(at, _)| Instant::now() >= *at) {
+            let (_, rank) = due.remove(i);
+            match spawner.start(rank, true) {
+                Ok(started) => {
+                    ranks.push(started);
+                    running += 1;
+                }
+                Err(code) => {
+                    stop = Some(Stop::SpawnFailed(code));
+                    signal_all(ranks, Signal::TERM);
+                    deadline = Some(Instant::now() + grace);
+                    due.clear();
+                }
+            }
+        }
+        if running == 0 && due.is_empty() {
             break;
         }
         if let Some(deadline) = deadline {
@@ -424,12 +453,35 @@ fn supervise(ranks: &mut Vec<Rank>, incoming: &mut Incoming, mut stop: Option<St
     }
     match stop {
         Some(stop) => stop.exit_code(),
-        // Every process was lost: nobody went on.
-        None if ranks.iter().all(|r| r.exit.is_some_and(|e| !e.success())) => {
-            ranks.first().and_then(|r| r.exit).map_or(1, Exit::shell_code)
-        }
-        None => 0,
+        None => shrunk_exit(ranks, spawner.opts.nproc, spawner.opts.allow_shrink),
     }
+}
+
+/// The exit code of a job that nobody stopped: 0 when every rank's last process succeeded;
+/// else (ranks lost to signals, not replaced) the first lost rank's code, unless
+/// `allow_shrink`, said on the last line either way.
+fn shrunk_exit(ranks: &[Rank], world: u32, allow_shrink: bool) -> i32 {
+    // A rank's last process is its latest replacement (pushed after the one it replaces).
+    let last = |rank: u32| ranks.iter().rev().find(|r| r.rank == rank).and_then(|r| r.exit);
+    let lost: Vec<(u32, Exit)> = (0..world).filter_map(|r| last(r).filter(|e| !e.success()).map(|e| (r, e))).collect();
+    let Some(&(_, first)) = lost.first() else { return 0 };
+    let names: Vec<String> = lost.iter().map(|(r, e)| format!("rank {r} {e}")).collect();
+    let finished = world as usize - lost.len();
+    if finished == 0 {
+        eprintln!("commrun: every rank was lost ({})", names.join(", "));
+        return first.shell_code();
+    }
+    if allow_shrink {
+        eprintln!("commrun: the job finished with {finished} of {world} ranks ({}); --allow-shrink", names.join(", "));
+        return 0;
+    }
+    eprintln!(
+        "commrun: the job finished with {finished} of {world} ranks ({}); exiting with code {} (--allow-shrink makes \
+         this a success)",
+        names.join(", "),
+        first.shell_code()
+    );
+    first.shell_code()
 }
 
 /// Waits for the output threads to drain the pipes; gives up once no line was passed on for

@@ -379,3 +379,32 @@ fn concurrent_jobs_get_different_ports_and_tokens() {
     assert_ne!(results[0].0, results[1].0, "ports");
     assert_ne!(results[0].1, results[1].1, "tokens");
 }
+
+/// Replacements that crash at once: restarts back off (100 ms, doubling), and a job that ends
+/// with fewer ranks than it started with says so on its last line and fails with the lost
+/// rank's code, unless --allow-shrink.
+#[test]
+fn restarts_back_off_and_a_shrunk_job_is_not_a_success() {
+    let prog = r#"if [ "$RANK" = 1 ]; then kill -9 $$; fi; sleep 1.5"#;
+    for allow in [false, true] {
+        let mut args = vec!["-n", "2", "--max-restarts", "3"];
+        if allow {
+            args.push("--allow-shrink");
+        }
+        args.extend(["--", "sh", "-c", prog]);
+        let (out, took) = run(&args, Duration::from_secs(30));
+        let err = text(&out.stderr);
+        let delays: Vec<&str> =
+            err.lines().filter_map(|l| l.split("starting a replacement (COMM_JOIN=1) in ").nth(1)).collect();
+        assert_eq!(delays, ["0.1 s", "0.2 s", "0.4 s"], "{err}");
+        assert!(took >= Duration::from_millis(700), "the three back-offs take 0.7 s: {took:?}");
+        let last = err.lines().last().unwrap_or_default();
+        assert!(last.contains("the job finished with 1 of 2 ranks (rank 1 was killed by signal 9"), "{err}");
+        if allow {
+            assert_eq!(out.status.code(), Some(0), "{err}");
+        } else {
+            assert_eq!(out.status.code(), Some(137), "{err}");
+            assert!(last.contains("--allow-shrink makes this a success"), "{err}");
+        }
+    }
+}
