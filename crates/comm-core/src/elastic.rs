@@ -18,9 +18,11 @@
 //!
 //! Growing admits newcomers (processes that replace lost ranks): a newcomer takes a ticket
 //! (`elastic/join/waiting`, a counter of the job's store) and waits for its assignment under
-//! `elastic/join/ticket/<n>`. In [`Elastic::grow`], the group's rank 0 claims the next `n`
-//! tickets (`elastic/join/admitted`) and writes each its rank (after the members') and the
-//! new group's name; the members and the newcomers then build that group together.
+//! `elastic/join/ticket/<n>`. In [`Elastic::grow`], the group's rank 0 waits until `n`
+//! newcomers hold tickets it has not handed out, claims them (`elastic/join/admitted`) and
+//! writes each its rank (after the members') and the new group's name; the members and the
+//! newcomers then build that group together. A grow whose newcomers do not come in time claims
+//! nothing (rank 0 tells the members so: one verdict), so a late newcomer joins the next one.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -73,6 +75,10 @@ pub const MAX_WORLD: u32 = 1 << 16;
 
 const WAITING: &str = "elastic/join/waiting";
 const ADMITTED: &str = "elastic/join/admitted";
+/// Rank 0's answer to the members of a grow whose newcomers did not come in time.
+const GAVE_UP: &str = "gave up: ";
+/// How often rank 0 looks for newcomers while it grows the group.
+const POLL_GROW: Duration = Duration::from_millis(10);
 
 /// The shrinks and grows of one group, numbered the same on every member.
 #[derive(Debug)]
@@ -106,6 +112,23 @@ impl Elastic {
         let prefix = format!("{}/grow/{}", self.prefix, self.grows.fetch_add(1, Ordering::SeqCst));
         let count_key = format!("{prefix}/n");
         if me == 0 {
+            // Tickets are claimed only once that many newcomers hold them: a grow that times
+            // out claims none, so a late newcomer's ticket goes to the next grow.
+            let started = Instant::now();
+            let admitted = store.add(ADMITTED, 0).await?;
+            loop {
+                let arrived = store.add(WAITING, 0).await? - admitted;
+                if arrived >= i64::from(n) {
+                    break;
+                }
+                if started.elapsed() >= timeout {
+                    let why = format!("{arrived} of {n} newcomers asked to join (they call `join`)");
+                    // The members' verdict too, so that all of them fail this grow alike.
+                    store.set(&count_key, format!("{GAVE_UP}{why}").as_bytes()).await?;
+                    return Err(CommError::timeout("grow", started.elapsed(), why));
+                }
+                tokio::time::sleep(POLL_GROW.min(timeout.saturating_sub(started.elapsed()))).await;
+            }
             let last = store.add(ADMITTED, i64::from(n)).await?;
             for i in 0..n {
                 let ticket = last - i64::from(n - i) + 1;
@@ -114,7 +137,12 @@ impl Elastic {
             }
             store.set(&count_key, n.to_string().as_bytes()).await?;
         } else {
-            let theirs = store.get(&count_key, timeout).await?;
+            // Rank 0 waits up to `timeout` for the newcomers, then says how the grow went.
+            let started = Instant::now();
+            let theirs = store.get(&count_key, timeout.saturating_mul(2)).await?;
+            if let Some(why) = theirs.strip_prefix(GAVE_UP.as_bytes()) {
+                return Err(CommError::timeout("grow", started.elapsed(), String::from_utf8_lossy(why)));
+            }
             if theirs != n.to_string().as_bytes() {
                 return Err(CommError::mismatch(
                     "grow",
@@ -325,31 +353,67 @@ mod tests {
     async fn newcomers_get_the_places_after_the_members() {
         let store = Arc::new(MemoryStore::new());
         let t = Duration::from_secs(10);
-        // Two newcomers wait, one before the members grow and one after.
-        let early = tokio::spawn({
+        let newcomer = |delay: Duration| {
             let store = store.clone();
-            async move { admission(&*store, t).await }
-        });
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                admission(&*store, t).await
+            })
+        };
+        // Two newcomers: one waits before the members grow, one comes while they do.
+        let (early, late) = (newcomer(Duration::ZERO), newcomer(Duration::from_millis(50)));
         let (a, b) = (Elastic::new("g"), Elastic::new("g"));
         let (m1, m0) = tokio::join!(b.grow(&*store, 1, 3, 2, t), a.grow(&*store, 0, 3, 2, t));
         assert_eq!(m0.unwrap(), Admitted { rank: 0, world: 5, prefix: "g/grow/0".into() });
         assert_eq!(m1.unwrap().rank, 1);
-        let late = admission(&*store, t).await.unwrap();
-        let mut got = [early.await.unwrap().unwrap().rank, late.rank];
+        let (early, late) = (early.await.unwrap().unwrap(), late.await.unwrap().unwrap());
+        let mut got = [early.rank, late.rank];
         got.sort_unstable();
-        assert_eq!(got, [3, 4]);
-        assert_eq!(late.world, 5);
+        assert_eq!((got, late.world), ([3, 4], 5));
         // The next grow is another group; a member asked for another count is told.
+        let third = newcomer(Duration::ZERO);
         let (m1, m0) = tokio::join!(b.grow(&*store, 1, 5, 2, t), a.grow(&*store, 0, 5, 1, t));
         assert_eq!(m0.unwrap().prefix, "g/grow/1");
         assert!(matches!(m1, Err(CommError::Mismatch { .. })), "{m1:?}");
-        // Nobody admits a third newcomer beyond the one ticket of that grow.
-        assert_eq!(admission(&*store, t).await.unwrap().rank, 5);
+        assert_eq!(third.await.unwrap().unwrap().rank, 5);
+        // Nobody admits a newcomer no grow asked for.
         let e = admission(&*store, Duration::from_millis(20)).await.unwrap_err();
         assert!(e.to_string().contains("no group admitted"), "{e}");
         for n in [0, MAX_WORLD] {
             assert!(a.grow(&*store, 0, 5, n, t).await.is_err());
         }
+    }
+
+    /// A grow whose newcomer is late times out on every member alike and claims no ticket: the
+    /// newcomer joins the next grow, also when it comes while that one waits; one that never
+    /// comes fails every try.
+    #[tokio::test]
+    async fn a_grow_that_times_out_claims_nothing() {
+        let store = Arc::new(MemoryStore::new());
+        let (a, b) = (Elastic::new("g"), Elastic::new("g"));
+        let short = Duration::from_millis(60);
+        for attempt in 0..2 {
+            let (m1, m0) = tokio::join!(b.grow(&*store, 1, 2, 1, short), a.grow(&*store, 0, 2, 1, short));
+            for m in [m0, m1] {
+                match m {
+                    Err(CommError::Timeout { detail, .. }) if detail.contains("0 of 1 newcomers") => {}
+                    other => panic!("try {attempt}: {other:?}"),
+                }
+            }
+        }
+        // The newcomer comes during the third try.
+        let late = tokio::spawn({
+            let store = store.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                admission(&*store, Duration::from_secs(10)).await
+            }
+        });
+        let t = Duration::from_secs(10);
+        let (m1, m0) = tokio::join!(b.grow(&*store, 1, 2, 1, t), a.grow(&*store, 0, 2, 1, t));
+        assert_eq!(m0.unwrap(), Admitted { rank: 0, world: 3, prefix: "g/grow/2".into() });
+        assert_eq!(m1.unwrap().rank, 1);
+        assert_eq!(late.await.unwrap().unwrap(), Admitted { rank: 2, world: 3, prefix: "g/grow/2".into() });
     }
 
     #[test]

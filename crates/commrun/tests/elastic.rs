@@ -66,6 +66,7 @@ fn launch_with(name: &str, args: &[&str], envs: &[(&str, &str)], check: impl FnO
             match s.as_str() {
                 "kill_shrink_rejoin_cycles_leak_nothing" => cycles().await,
                 "a_stopped_rank_is_left_out_and_told" => stopped().await,
+                "a_late_newcomer_joins_the_retried_grow" => late_newcomer().await,
                 s => rank(scenario(s)).await,
             }
         };
@@ -369,4 +370,56 @@ fn two_at_once() {
 #[test]
 fn lost_during_shrink() {
     job("lost_during_shrink");
+}
+
+/// A replacement slow to start (it calls `join` 1.5 s after it was started, with a 1 s
+/// timeout): the survivor's first grow times out, claiming nothing, and its retry admits the
+/// newcomer; both then sum right at world 2.
+async fn late_newcomer() -> Result<(), String> {
+    let e = |e: comm_api::CommError| e.to_string();
+    let b = comm_api::builder(Config::from_env().map_err(e)?).backend(BackendKind::Shm);
+    if std::env::var_os("COMM_JOIN").is_some() {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let pg = b.join().await.map_err(|err| format!("join: {err}"))?;
+        step(&pg, pg.rank(), 3.0, 2).await.map_err(e)?;
+        println!("newcomer ok at rank {} of {}", pg.rank(), pg.world_size());
+        return pg.shutdown().await.map_err(e);
+    }
+    let pg = b.connect().await.map_err(e)?;
+    if pg.rank() == 1 {
+        kill_self();
+    }
+    if step(&pg, 0, 0.0, 2).await.is_ok() {
+        return Err("an all_reduce without the killed rank succeeded".into());
+    }
+    let mut pg = pg.shrink().await.map_err(|err| format!("shrink: {err}"))?;
+    let mut timeouts = 0;
+    loop {
+        match pg.grow(1).await {
+            Ok(grown) => {
+                pg = grown;
+                break;
+            }
+            Err(comm_api::CommError::Timeout { .. }) if timeouts < 4 => {
+                timeouts += 1;
+                // The group it tried to grow still works.
+                step(&pg, 0, 1.0, 2).await.map_err(|err| format!("after a timed-out grow: {err}"))?;
+            }
+            Err(err) => return Err(format!("grow, after {timeouts} timeouts: {err}")),
+        }
+    }
+    step(&pg, 0, 3.0, 2).await.map_err(e)?;
+    println!("member ok at world {} after {timeouts} timed-out grows", pg.world_size());
+    pg.shutdown().await.map_err(e)
+}
+
+#[test]
+fn a_late_newcomer_joins_the_retried_grow() {
+    let envs = [("COMM_TIMEOUT", "1")];
+    let args = ["-n", "2", "--max-restarts", "1"];
+    launch_with("a_late_newcomer_joins_the_retried_grow", &args, &envs, |stdout, stderr| {
+        assert!(stdout.contains("newcomer ok at rank 1 of 2"), "{stdout}\n{stderr}");
+        let member = stdout.lines().find(|l| l.contains("member ok at world 2")).unwrap_or_default();
+        assert!(!member.contains("after 0 timed-out"), "the first grow should have timed out: {stdout}\n{stderr}");
+    });
 }
