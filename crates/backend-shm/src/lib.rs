@@ -185,12 +185,15 @@ async fn get_from(
     abort: Option<&str>,
 ) -> Result<String, CommError> {
     let known = known.get(r as usize).copied().flatten();
+    let since = std::time::Instant::now();
+    let budget = deadline.saturating_duration_since(since);
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         let slice = if known.is_some() || abort.is_some() { left.min(Duration::from_millis(20)) } else { left };
         match store.get(key, slice).await {
             Err(CommError::Timeout { .. }) if !left.is_zero() && slice < left => {}
-            other => return other.map(|v| String::from_utf8_lossy(&v).into_owned()),
+            Err(e) => return Err(e.waited(since, budget)),
+            Ok(v) => return Ok(String::from_utf8_lossy(&v).into_owned()),
         }
         if let Some(e) = match abort {
             Some(prefix) => ShmBackend::gave_up(store, prefix).await,

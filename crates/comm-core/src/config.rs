@@ -67,26 +67,32 @@ pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs).max(Duration::from_nanos(1)))
 }
 
-/// `d` for a message: seconds rounded to the millisecond (`3 s`, `0.3 s`, `1.5 s`), below
-/// that microseconds or nanoseconds, so a 3 s budget never reads as `2.9999989 s` or `0 s`.
+/// `d` for a message, rounded for people: `5.0 s` and `1.5 s` below 10 s, whole seconds from
+/// there (`300 s`), whole milliseconds below a second (`300 ms`), microseconds below that
+/// (`40 µs`), then nanoseconds: one formatter for every duration the crates print.
 ///
 /// ```
 /// use std::time::Duration;
 /// use comm_core::config::fmt_duration;
-/// assert_eq!(fmt_duration(Duration::from_nanos(2_999_998_908)), "3 s");
-/// assert_eq!(fmt_duration(Duration::from_millis(300)), "0.3 s");
+/// assert_eq!(fmt_duration(Duration::from_nanos(2_999_998_908)), "3.0 s");
+/// assert_eq!(fmt_duration(Duration::from_millis(5_007)), "5.0 s");
+/// assert_eq!(fmt_duration(Duration::from_secs(300)), "300 s");
+/// assert_eq!(fmt_duration(Duration::from_millis(300)), "300 ms");
 /// assert_eq!(fmt_duration(Duration::from_micros(40)), "40 µs");
+/// assert_eq!(fmt_duration(Duration::from_nanos(1_000)), "1 µs");
 /// assert_eq!(fmt_duration(Duration::ZERO), "0 s");
 /// ```
 pub fn fmt_duration(d: Duration) -> String {
-    if d.is_zero() || d >= Duration::from_micros(500) {
-        let s = format!("{:.3}", d.as_secs_f64());
-        return format!("{} s", s.trim_end_matches('0').trim_end_matches('.'));
+    let secs = d.as_secs_f64();
+    match d {
+        _ if d.is_zero() => "0 s".to_owned(),
+        _ if secs >= 9.95 => format!("{secs:.0} s"),
+        _ if secs >= 0.9995 => format!("{secs:.1} s"),
+        _ if d >= Duration::from_micros(999_500) => "1.0 s".to_owned(),
+        _ if d >= Duration::from_nanos(999_500) => format!("{:.0} ms", secs * 1e3),
+        _ if d >= Duration::from_nanos(1_000) => format!("{:.0} µs", secs * 1e6),
+        _ => format!("{} ns", d.as_nanos()),
     }
-    if d >= Duration::from_micros(1) {
-        return format!("{} µs", (d.as_nanos() as f64 / 1e3).round());
-    }
-    format!("{} ns", d.as_nanos())
 }
 
 /// Panics when fault injection (`COMM_FAULT_INJECT=panic:OP`, [`Faults::panic_at`]) names op

@@ -194,15 +194,13 @@ impl Elastic {
 /// A newcomer's place: takes a ticket and waits up to `timeout` for a group to admit it
 /// ([`Elastic::grow`] on its members).
 pub async fn admission(store: &dyn Store, timeout: Duration) -> Result<Admitted, CommError> {
+    let since = Instant::now();
     let ticket = store.add(WAITING, 1).await?;
     let place = match store.get(&format!("elastic/join/ticket/{ticket}"), timeout).await {
         Ok(place) => place,
-        Err(CommError::Timeout { after, .. }) => {
-            return Err(CommError::timeout(
-                "join",
-                after,
-                format!("no group admitted this process (ticket {ticket}): its members call grow to admit it"),
-            ))
+        Err(CommError::Timeout { .. }) => {
+            let why = format!("no group admitted this process (ticket {ticket}): its members call grow to admit it");
+            return Err(CommError::timeout("join", timeout, why).waited(since, timeout));
         }
         Err(e) => return Err(e),
     };

@@ -117,6 +117,37 @@ impl CommError {
         CommError::Timeout { op: op.into(), after, detail: detail.into() }
     }
 
+    /// This error as the end of a wait that began at `since` with `budget`: a
+    /// [`CommError::Timeout`] gets the time waited as its `after` (what its message says),
+    /// naming the budget when the two differ by more than a tenth (a wait cut into slices, a
+    /// budget partly spent before); other errors pass through.
+    ///
+    /// ```
+    /// use std::time::{Duration, Instant};
+    /// use comm_core::CommError;
+    /// let since = Instant::now() - Duration::from_secs(5);
+    /// // The last slice of a 5 s wait timed out after 5 ms: the error says 5 s.
+    /// let e = CommError::timeout("store get", Duration::from_millis(5), "key k never set");
+    /// assert!(e.waited(since, Duration::from_secs(5)).to_string().starts_with("store get timed out after 5.0 s:"));
+    /// let e = CommError::timeout("join", Duration::from_millis(5), "no group admitted it");
+    /// assert!(e.waited(since, Duration::from_secs(1)).to_string().contains("(its budget: 1.0 s)"));
+    /// ```
+    pub fn waited(self, since: std::time::Instant, budget: Duration) -> CommError {
+        match self {
+            CommError::Timeout { op, detail, .. } => {
+                let after = since.elapsed();
+                let (a, b) = (after.as_secs_f64(), budget.as_secs_f64());
+                let detail = if (a - b).abs() > 0.1 * b {
+                    format!("{detail} (its budget: {})", crate::config::fmt_duration(budget))
+                } else {
+                    detail
+                };
+                CommError::Timeout { op, after, detail }
+            }
+            other => other,
+        }
+    }
+
     /// Shorthand for [`CommError::Io`] from an error convertible to `std::io::Error`.
     pub fn io(context: impl Into<String>, source: impl Into<std::io::Error>) -> Self {
         CommError::Io { context: context.into(), source: source.into() }

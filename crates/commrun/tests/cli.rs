@@ -396,7 +396,7 @@ fn restarts_back_off_and_a_shrunk_job_is_not_a_success() {
         let err = text(&out.stderr);
         let delays: Vec<&str> =
             err.lines().filter_map(|l| l.split("starting a replacement (COMM_JOIN=1) in ").nth(1)).collect();
-        assert_eq!(delays, ["0.1 s", "0.2 s", "0.4 s"], "{err}");
+        assert_eq!(delays, ["100 ms", "200 ms", "400 ms"], "{err}");
         assert!(took >= Duration::from_millis(700), "the three back-offs take 0.7 s: {took:?}");
         let last = err.lines().last().unwrap_or_default();
         assert!(last.contains("the job finished with 1 of 2 ranks (rank 1 was killed by signal 9"), "{err}");

@@ -78,7 +78,7 @@ fn in_memory_export_has_names_attributes_status_and_parents() {
     let bc = by("comm.broadcast");
     assert_eq!(bc.parent_span_id, step.span_context.span_id());
     match &bc.status {
-        Status::Error { description } => assert!(description.contains("timed out after 3 s"), "{description}"),
+        Status::Error { description } => assert!(description.contains("timed out after 3.0 s"), "{description}"),
         other => panic!("broadcast status {other:?}"),
     }
 
