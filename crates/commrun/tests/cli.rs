@@ -408,3 +408,14 @@ fn restarts_back_off_and_a_shrunk_job_is_not_a_success() {
         }
     }
 }
+
+/// The store commrun serves says why it closes a connection on commrun's stderr, without a
+/// `tracing` subscriber anywhere: here a client that is not a store client.
+#[test]
+fn the_stores_warnings_reach_the_terminal() {
+    let prog = r#"if [ "$RANK" = 0 ]; then exec 3<>/dev/tcp/127.0.0.1/$MASTER_PORT; printf 'GET / HTTP/1.0\r\n\r\n' >&3; sleep 0.5; fi"#;
+    let (out, _) = run(&["-n", "2", "--", "bash", "-c", prog], Duration::from_secs(30));
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("comm store:") && err.contains("is not a store client"), "{err}");
+}

@@ -18,6 +18,16 @@ use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
 use crate::auth;
 use crate::wire::{self, FrameError, Request};
 
+/// A warning of the store's: to stderr, where a rank serving the store (and commrun) show it,
+/// whether or not the program installed a `tracing` subscriber; and to `tracing`.
+macro_rules! warn {
+    ($($t:tt)*) => {{
+        let msg = format!($($t)*);
+        eprintln!("{msg}");
+        tracing::warn!("{msg}");
+    }};
+}
+
 /// torch's VALIDATE command byte and the first bytes of its magic, read as our length prefix.
 const TORCH_PROBE: u32 = u32::from_le_bytes([crate::torch::cmd::VALIDATE, 0xce, 0xf7, 0x85]);
 
@@ -38,6 +48,8 @@ pub struct StoreServer {
     local_addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
+    /// What the server holds for all its clients together (see `Held`).
+    held: Arc<AtomicUsize>,
 }
 
 impl fmt::Debug for StoreServer {
@@ -50,13 +62,16 @@ impl fmt::Debug for StoreServer {
 pub(crate) struct Starting {
     stop: oneshot::Sender<()>,
     thread: JoinHandle<()>,
+    held: Arc<AtomicUsize>,
 }
 
 impl Starting {
     /// The server, once its thread reported `bound`.
     pub(crate) fn finish(self, bound: Result<SocketAddr, CommError>) -> Result<StoreServer, CommError> {
         match bound {
-            Ok(local_addr) => Ok(StoreServer { local_addr, stop: Some(self.stop), thread: Some(self.thread) }),
+            Ok(local_addr) => {
+                Ok(StoreServer { local_addr, stop: Some(self.stop), thread: Some(self.thread), held: self.held })
+            }
             Err(e) => {
                 // The thread reported its failure and is exiting: reap it.
                 let _ = self.thread.join();
@@ -77,9 +92,11 @@ pub struct ServerLimits {
     pub frame_deadline: Duration,
     /// Most bytes of keys and values the store holds (one store per job); a request past it
     /// fails with a [`CommError::Store`] naming the quota, and the server goes on serving.
-    /// Frames being received, on every connection together, are held to the same number
-    /// (at least one largest frame): a connection past it waits for room within its frame
-    /// deadline.
+    /// Frames over 4 KiB being received, on every connection together, are held to the same
+    /// number (at least one largest frame): a connection past it waits for room within its
+    /// frame deadline (smaller frames, every rendezvous request among them, never wait). So are
+    /// the unread responses and pending waits of every connection together: a connection that
+    /// would pass it is closed.
     pub quota: usize,
     /// Most bytes one connection may have the server hold for it: responses it has not read
     /// yet and the keys of its pending waits (one response is always allowed, so the largest
@@ -149,6 +166,12 @@ impl StoreServer {
         starting.finish(bound)
     }
 
+    /// Bytes the server holds for its clients now: responses they have not read and the keys
+    /// of their pending waits (at most [`ServerLimits::quota`] and one response).
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Acquire)
+    }
+
     /// The address the server listens on (with the actual port when bound to port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
@@ -191,6 +214,8 @@ pub(crate) fn start(
     }
     let (stop_tx, stop_rx) = oneshot::channel();
     let (addr, token) = (addr.to_owned(), Arc::<[u8]>::from(token.as_bytes()));
+    let held = Arc::new(AtomicUsize::new(0));
+    let held_by_all = held.clone();
     let thread = std::thread::Builder::new()
         .name("comm-store-server".into())
         .spawn(move || {
@@ -207,12 +232,12 @@ pub(crate) fn start(
                     Ok(a) => report(Ok(a)),
                     Err(e) => return report(Err(CommError::io("reading the store's bound address", e))),
                 }
-                serve(listener, token, limits, stop_rx).await;
+                serve(listener, token, limits, held_by_all, stop_rx).await;
             });
             // Dropping the runtime here cancels every connection task, closing their sockets.
         })
         .map_err(|e| CommError::io("spawning the store server thread", e))?;
-    Ok(Starting { stop: stop_tx, thread })
+    Ok(Starting { stop: stop_tx, thread, held })
 }
 
 /// Resolves `addr` and listens on the first of its addresses that binds.
@@ -250,7 +275,13 @@ async fn listen(addr: &str, port: u16) -> Result<TcpListener, CommError> {
 }
 
 /// Accepts connections until told to stop.
-async fn serve(listener: TcpListener, token: Arc<[u8]>, limits: ServerLimits, mut stop: oneshot::Receiver<()>) {
+async fn serve(
+    listener: TcpListener,
+    token: Arc<[u8]>,
+    limits: ServerLimits,
+    held: Arc<AtomicUsize>,
+    mut stop: oneshot::Receiver<()>,
+) {
     let store = Arc::new(Quota::new(MemoryStore::new(), limits.quota));
     let frames = Arc::new(Semaphore::new(limits.quota.clamp(wire::MAX_FRAME, Semaphore::MAX_PERMITS)));
     let open = Arc::new(Semaphore::new(limits.connections.min(Semaphore::MAX_PERMITS)));
@@ -260,11 +291,17 @@ async fn serve(listener: TcpListener, token: Arc<[u8]>, limits: ServerLimits, mu
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     let Ok(slot) = open.clone().try_acquire_owned() else {
-                        tracing::warn!("comm store: refusing {peer}: {} connections are open already", limits.connections);
+                        warn!("comm store: refusing {peer}: {} connections are open already", limits.connections);
                         continue;
                     };
                     let _ = stream.set_nodelay(true);
-                    let served = Served { token: token.clone(), store: store.clone(), frames: frames.clone(), limits };
+                    let served = Served {
+                        token: token.clone(),
+                        store: store.clone(),
+                        frames: frames.clone(),
+                        held: held.clone(),
+                        limits,
+                    };
                     tokio::spawn(async move {
                         connection(stream, peer, served).await;
                         drop(slot);
@@ -272,7 +309,7 @@ async fn serve(listener: TcpListener, token: Arc<[u8]>, limits: ServerLimits, mu
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!("comm store: accept failed: {e}");
+                    warn!("comm store: accept failed: {e}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },
@@ -286,6 +323,8 @@ struct Served {
     store: Arc<Quota>,
     /// The budget of frames being received ([`ServerLimits::quota`]).
     frames: Arc<Semaphore>,
+    /// What all connections hold for their clients together ([`Held`]).
+    held: Arc<AtomicUsize>,
     limits: ServerLimits,
 }
 
@@ -294,17 +333,22 @@ struct Served {
 struct Held {
     bytes: AtomicUsize,
     limit: usize,
-    /// Rung when a response or a wait would pass the limit: the connection is closed.
+    /// What every connection of the job holds together, within [`ServerLimits::quota`].
+    job: Arc<AtomicUsize>,
+    job_limit: usize,
+    /// Rung when a response or a wait would pass a limit: the connection is closed.
     over: Notify,
 }
 
 impl Held {
-    /// Counts `n` more bytes, or rings `over` when that passes the limit and something is
-    /// held already. Whether they were counted.
+    /// Counts `n` more bytes, or rings `over` when that passes this connection's limit or the
+    /// job's, and this connection holds something already. Whether they were counted.
     fn take(&self, n: usize) -> bool {
         let before = self.bytes.fetch_add(n, Ordering::AcqRel);
-        if before > 0 && before.saturating_add(n) > self.limit {
-            self.bytes.fetch_sub(n, Ordering::AcqRel);
+        let job_before = self.job.fetch_add(n, Ordering::AcqRel);
+        let over = before.saturating_add(n) > self.limit || job_before.saturating_add(n) > self.job_limit;
+        if before > 0 && over {
+            self.give(n);
             self.over.notify_one();
             return false;
         }
@@ -313,6 +357,7 @@ impl Held {
 
     fn give(&self, n: usize) {
         self.bytes.fetch_sub(n, Ordering::AcqRel);
+        self.job.fetch_sub(n, Ordering::AcqRel);
     }
 
     /// Queues a response for the writer, counted until written.
@@ -331,7 +376,7 @@ fn wait_cost(keys: &[String]) -> usize {
 
 /// Serves one connection: the handshake, then requests until it closes or misbehaves.
 async fn connection(stream: TcpStream, peer: SocketAddr, served: Served) {
-    let Served { token, store, frames, limits } = served;
+    let Served { token, store, frames, held: held_by_all, limits } = served;
     let (mut rd, mut wr) = stream.into_split();
     if !handshake(&mut rd, &mut wr, peer, &token).await {
         return;
@@ -339,16 +384,23 @@ async fn connection(stream: TcpStream, peer: SocketAddr, served: Served) {
     // Responses go through a writer task so reading never waits on writing: a client that
     // pipelines requests without reading cannot deadlock against the server (and what it
     // leaves unread is bounded by `Held`).
-    let held = Arc::new(Held { bytes: AtomicUsize::new(0), limit: limits.per_client, over: Notify::new() });
+    let held = Arc::new(Held {
+        bytes: AtomicUsize::new(0),
+        limit: limits.per_client,
+        job: held_by_all.clone(),
+        job_limit: limits.quota,
+        over: Notify::new(),
+    });
     let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
     let writer = tokio::spawn(write_responses(wr, rx, held.clone()));
     loop {
         let read = tokio::select! {
             _ = held.over.notified() => {
-                tracing::warn!(
+                warn!(
                     "comm store: closing the connection from {peer}: it would make the server hold more than {} bytes \
-                     of unread responses and pending waits",
-                    limits.per_client
+                     of unread responses and pending waits for it, or {} for all clients together",
+                    limits.per_client,
+                    limits.quota
                 );
                 break;
             }
@@ -362,7 +414,7 @@ async fn connection(stream: TcpStream, peer: SocketAddr, served: Served) {
                 break;
             }
             Err(e) => {
-                tracing::warn!("comm store: closing the connection from {peer}: {e}");
+                warn!("comm store: closing the connection from {peer}: {e}");
                 break;
             }
         };
@@ -372,7 +424,7 @@ async fn connection(stream: TcpStream, peer: SocketAddr, served: Served) {
         let (id, req) = match decoded {
             Ok(r) => r,
             Err(e) => {
-                tracing::warn!("comm store: closing the connection from {peer}: malformed request ({})", e.0);
+                warn!("comm store: closing the connection from {peer}: malformed request ({})", e.0);
                 break;
             }
         };
@@ -427,7 +479,7 @@ async fn handshake(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: Socket
     match tokio::time::timeout(HELLO_TIMEOUT, authenticate(rd, wr, peer, token)).await {
         Ok(ok) => ok,
         Err(_) => {
-            tracing::warn!("comm store: {peer} did not complete the handshake within {HELLO_TIMEOUT:?}; closing");
+            warn!("comm store: {peer} did not complete the handshake within {HELLO_TIMEOUT:?}; closing");
             false
         }
     }
@@ -444,7 +496,7 @@ async fn authenticate(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: Soc
             return false;
         }
         Err(e) => {
-            tracing::warn!("comm store: {peer} is not a store client ({e}); closing");
+            warn!("comm store: {peer} is not a store client ({e}); closing");
             return false;
         }
     };
@@ -452,14 +504,14 @@ async fn authenticate(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: Soc
     let version = match (d.take(wire::MAGIC.len()), d.u32()) {
         (Ok(m), Ok(v)) if m == wire::MAGIC => v,
         _ => {
-            tracing::warn!("comm store: {peer} is not a store client (bad handshake); closing");
+            warn!("comm store: {peer} is not a store client (bad handshake); closing");
             return false;
         }
     };
     let status = |s: u8| wire::Enc::new().raw(&wire::MAGIC).u8(s).u32(wire::VERSION);
     let client_nonce = d.rest().to_vec();
     if version != wire::VERSION || client_nonce.len() != auth::NONCE {
-        tracing::warn!("comm store: refusing {peer}: protocol version {version}, this server speaks {}", wire::VERSION);
+        warn!("comm store: refusing {peer}: protocol version {version}, this server speaks {}", wire::VERSION);
         if let Ok(frame) = status(wire::HELLO_BAD_VERSION).finish(wire::HELLO_MAX) {
             let _ = wire::write_frame(wr, &frame).await;
         }
@@ -480,7 +532,7 @@ async fn authenticate(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: Soc
     };
     let ok = auth::verify(token, auth::Role::Client, &client_nonce, &server_nonce, &answer);
     if !ok {
-        tracing::warn!("comm store: refusing {peer}: job token mismatch (a client of another job?)");
+        warn!("comm store: refusing {peer}: job token mismatch (a client of another job?)");
     }
     let verdict = status(if ok { wire::HELLO_OK } else { wire::HELLO_BAD_TOKEN }).finish(wire::HELLO_MAX);
     let sent = match verdict {

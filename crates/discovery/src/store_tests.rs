@@ -347,6 +347,59 @@ async fn unread_responses_are_bounded() {
     still_serves(&srv).await;
 }
 
+/// Many authenticated clients, each under its own bound, cannot together make the server hold
+/// more than the job's quota (and one response): 32 clients pipelining GETs of a 1 MiB value
+/// without reading, 4 MiB each allowed, 8 MiB for the job.
+#[tokio::test]
+async fn unread_responses_of_all_clients_are_bounded_together() {
+    let limits = crate::ServerLimits::default().with_per_client(4 << 20).with_quota(8 << 20);
+    let srv = StoreServer::bind_with("127.0.0.1", 0, "", limits).unwrap();
+    client(&srv, "").await.set("big", &vec![9u8; 1 << 20]).await.unwrap();
+    let mut raws = Vec::new();
+    for _ in 0..32 {
+        let mut raw = raw_client(&srv).await;
+        for id in 0..8u64 {
+            let get = Enc::new().u64(id).u8(wire::op::GET).bytes(b"big").duration(T).finish(wire::MAX_FRAME).unwrap();
+            if raw.write_all(&get).await.is_err() {
+                break;
+            }
+        }
+        raws.push(raw);
+    }
+    let mut most = 0;
+    for _ in 0..20 {
+        most = most.max(srv.held());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(most <= (9 << 20) + 4096, "the server held {most} bytes for its clients, over the job's 8 MiB");
+    drop(raws);
+    still_serves(&srv).await;
+}
+
+/// A client stalling in the middle of large frames (the whole frame budget) does not hold up
+/// another client's small requests: a rendezvous goes on at once.
+#[tokio::test]
+async fn stalled_large_frames_do_not_delay_small_ones() {
+    let limits =
+        crate::ServerLimits { frame_deadline: Duration::from_secs(30), ..Default::default() }.with_quota(1 << 20);
+    let srv = StoreServer::bind_with("127.0.0.1", 0, "", limits).unwrap();
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut raw = raw_client(&srv).await;
+        // Announces a frame of the whole budget (at least one largest frame) and sends one
+        // byte of it.
+        raw.write_all(&(wire::MAX_FRAME as u32).to_le_bytes()).await.unwrap();
+        raw.write_all(&[0]).await.unwrap();
+        stalled.push(raw);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let t = Instant::now();
+    let c = client(&srv, "").await;
+    c.set("rank/1", b"here").await.unwrap();
+    assert_eq!(c.get("rank/1", T).await.unwrap(), b"here");
+    assert!(t.elapsed() < Duration::from_secs(1), "a small request waited {:?} behind stalled frames", t.elapsed());
+}
+
 /// Pending waits count their keys against the same bound: a client that piles up waits on
 /// many keys is disconnected, and the waits it left are dropped.
 #[tokio::test]

@@ -88,9 +88,12 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> R
     Ok(read_frame_held(r, max, None).await?.map(|(f, _)| f))
 }
 
-/// [`read_frame`], holding `budget` permits for the frame's length from the moment its length
-/// is known (waiting for them first): frames in flight on every connection together stay
-/// within the budget. The permits come back with the frame.
+/// The largest frame read without taking from the frames' budget.
+pub(crate) const SMALL_FRAME: usize = 4 << 10;
+
+/// [`read_frame`], holding `budget` permits for the length of a frame over [`SMALL_FRAME`]
+/// from the moment its length is known (waiting for them first): large frames in flight on
+/// every connection together stay within the budget. The permits come back with the frame.
 async fn read_frame_held<R: AsyncRead + Unpin>(
     r: &mut R,
     max: usize,
@@ -109,9 +112,14 @@ async fn read_frame_held<R: AsyncRead + Unpin>(
     if len as usize > max {
         return Err(FrameError::TooLarge(len));
     }
+    // A small frame (every rendezvous request) takes nothing from the budget: frames that
+    // other clients stall cannot hold it up. Each connection reads one frame at a time, so
+    // small frames hold at most connections × SMALL_FRAME.
     let permit = match budget {
-        Some(b) => Some(b.clone().acquire_many_owned(len).await.map_err(|_| FrameError::Truncated)?),
-        None => None,
+        Some(b) if len as usize > SMALL_FRAME => {
+            Some(b.clone().acquire_many_owned(len).await.map_err(|_| FrameError::Truncated)?)
+        }
+        _ => None,
     };
     let mut payload = Vec::with_capacity((len as usize).min(64 << 10));
     r.take(u64::from(len)).read_to_end(&mut payload).await.map_err(FrameError::Io)?;
