@@ -103,24 +103,19 @@ fn port() -> String {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
 }
 
+/// Two jobs of `launcher` (see [`launched`]) on one port never pair.
+fn two_jobs_of(test: &str, launcher: &str) {
+    let p = port();
+    check(&two_jobs(test, |job, rank| launched(launcher, job, rank, &p)));
+}
+
 #[test]
 fn two_mpich_jobs_never_pair() {
     if std::env::var_os(CHILD_ENV).is_some() {
         return child();
     }
     // Hydra exports ranks and sizes but no job id; both jobs use one (default-like) port.
-    let p = port();
-    let lines = two_jobs("two_mpich_jobs_never_pair", |_, rank| {
-        vec![
-            ("PMI_RANK", rank.to_string()),
-            ("PMI_SIZE", "2".into()),
-            ("MPI_LOCALRANKID", rank.to_string()),
-            ("MPI_LOCALNRANKS", "2".into()),
-            ("MASTER_ADDR", "127.0.0.1".into()),
-            ("MASTER_PORT", p.clone()),
-        ]
-    });
-    check(&lines);
+    two_jobs_of("two_mpich_jobs_never_pair", "mpiexec.mpich");
 }
 
 #[test]
@@ -129,21 +124,7 @@ fn two_slurm_steps_never_pair() {
         return child();
     }
     // Two `srun` steps of one allocation: same job id, different step ids.
-    let p = port();
-    let lines = two_jobs("two_slurm_steps_never_pair", |job, rank| {
-        vec![
-            ("SLURM_JOB_ID", "4242".into()),
-            ("SLURM_STEP_ID", (job - 1).to_string()),
-            ("SLURM_PROCID", rank.to_string()),
-            ("SLURM_NTASKS", "2".into()),
-            ("SLURM_LOCALID", rank.to_string()),
-            ("SLURM_TASKS_PER_NODE", "2".into()),
-            ("SLURM_NODELIST", "localhost".into()),
-            ("MASTER_ADDR", "127.0.0.1".into()),
-            ("MASTER_PORT", p.clone()),
-        ]
-    });
-    check(&lines);
+    two_jobs_of("two_slurm_steps_never_pair", "srun");
 }
 
 #[test]
@@ -152,19 +133,7 @@ fn two_open_mpi_jobs_never_pair() {
         return child();
     }
     // Each mpirun has its own job id.
-    let p = port();
-    let lines = two_jobs("two_open_mpi_jobs_never_pair", |job, rank| {
-        vec![
-            ("OMPI_COMM_WORLD_RANK", rank.to_string()),
-            ("OMPI_COMM_WORLD_SIZE", "2".into()),
-            ("OMPI_COMM_WORLD_LOCAL_RANK", rank.to_string()),
-            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
-            ("OMPI_MCA_ess_base_jobid", format!("{}", 1000 + job)),
-            ("MASTER_ADDR", "127.0.0.1".into()),
-            ("MASTER_PORT", p.clone()),
-        ]
-    });
-    check(&lines);
+    two_jobs_of("two_open_mpi_jobs_never_pair", "mpirun");
 }
 
 #[test]
@@ -174,24 +143,13 @@ fn two_deepspeed_jobs_never_pair() {
     }
     // The DeepSpeed launcher exports torchrun's variables plus LOCAL_SIZE, with MASTER_PORT
     // 29500 for every job unless told otherwise, and no job id.
-    let p = port();
-    let lines = two_jobs("two_deepspeed_jobs_never_pair", |_, rank| {
-        vec![
-            ("RANK", rank.to_string()),
-            ("WORLD_SIZE", "2".into()),
-            ("LOCAL_RANK", rank.to_string()),
-            ("LOCAL_SIZE", "2".into()),
-            ("MASTER_ADDR", "127.0.0.1".into()),
-            ("MASTER_PORT", p.clone()),
-        ]
-    });
-    check(&lines);
+    two_jobs_of("two_deepspeed_jobs_never_pair", "deepspeed");
 }
 
 #[path = "../../discovery/tests/support/fake_torch.rs"]
 mod fake_torch;
 
-/// Rank `rank` of a job as `launcher` starts it, on `port`: what `two_jobs` exports.
+/// Rank `rank` of job `job` as `launcher` starts it, on `port`: what `two_jobs` exports.
 fn launched(launcher: &str, job: u32, rank: u32, port: &str) -> Vec<(&'static str, String)> {
     let mut vars = match launcher {
         "mpirun" => vec![
@@ -215,6 +173,12 @@ fn launched(launcher: &str, job: u32, rank: u32, port: &str) -> Vec<(&'static st
             ("PMI_SIZE", "2".into()),
             ("MPI_LOCALRANKID", rank.to_string()),
             ("MPI_LOCALNRANKS", "2".into()),
+        ],
+        "deepspeed" => vec![
+            ("RANK", rank.to_string()),
+            ("WORLD_SIZE", "2".into()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("LOCAL_SIZE", "2".into()),
         ],
         // Started by hand, with a token of each job's own or none.
         "tokens" | "by hand" => vec![
