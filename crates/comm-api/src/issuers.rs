@@ -42,7 +42,7 @@ fn current() -> u64 {
         Some(id) => id_of(&id) << 1,
         None => (THREAD.with(|t| *t) << 1) | 1,
     };
-    issuer.max(2) & (FAILED - 1)
+    issuer.clamp(2, FAILED - 1)
 }
 
 /// The `u64` that a tokio task `Id` or a `ThreadId` holds (their only field), through `Hash`.
@@ -92,6 +92,9 @@ pub(crate) struct Issuers {
     /// Whether the group ever changed hands (then errors name its issuers).
     changed: AtomicBool,
     turns: Mutex<Turns>,
+    /// Why the group failed its check, once it did (read without the lock: a check can fail
+    /// on the thread that holds it, when its all_gather completes inline).
+    failed: OnceLock<String>,
 }
 
 #[derive(Debug, Default)]
@@ -100,8 +103,6 @@ struct Turns {
     count: u64,
     /// The issuer before the current one.
     previous: u64,
-    /// Why the group failed its check, once it did.
-    failed: Option<String>,
 }
 
 impl Issuers {
@@ -117,10 +118,10 @@ impl Issuers {
         if last == me {
             return self.explain(Collective::<R>::submit(&**backend, req));
         }
-        let mut turns = self.turns();
-        if let Some(why) = &turns.failed {
+        if let Some(why) = self.failed.get() {
             return Work::ready(Err(CommError::mismatch(R::NAME, why.clone())));
         }
+        let mut turns = self.turns();
         let last = self.last.load(Relaxed);
         if last == 0 || last == me {
             self.last.store(me, Relaxed);
@@ -133,8 +134,8 @@ impl Issuers {
         let check = Check::new(turns.count, me, last);
         let world = backend.world_size() as usize;
         let gathered = Collective::<AllGather>::submit(&**backend, AllGather { input: check.buffer(), output: None });
-        let (this, group) = (self.clone(), backend.clone());
-        let check = gathered.and_then(move |io| this.verify(R::NAME, &io.output, world, &*group));
+        let (this, group, history) = (self.clone(), backend.clone(), history(&turns, me));
+        let check = gathered.and_then(move |io| this.verify(R::NAME, &io.output, world, &*group, &history));
         self.last.store(me, Relaxed);
         let op = Collective::<R>::submit(&**backend, req);
         drop(turns);
@@ -144,37 +145,27 @@ impl Issuers {
     /// Checks that every rank's block is a turn check: one paired with a user's all_gather
     /// of the same shape (a rank that changed hands where its peers issued that) fails the
     /// group on every rank, through the backend, like any mismatch.
-    fn verify(&self, op: &'static str, all: &HostBuffer, world: usize, group: &dyn Backend) -> Result<(), CommError> {
+    fn verify(
+        &self,
+        op: &'static str,
+        all: &HostBuffer,
+        world: usize,
+        group: &dyn Backend,
+        history: &str,
+    ) -> Result<(), CommError> {
         let len = all.len() / world.max(1);
         let odd = (0..world).find(|&r| all.as_bytes().get(r * len..r * len + MAGIC.len()) != Some(&MAGIC[..]));
         let Some(rank) = odd else { return Ok(()) };
-        let why = format!(
-            "rank {rank} issued an all_gather where this rank's group changed hands ({}). {ADVICE}",
-            self.history()
-        );
+        let why =
+            format!("rank {rank} issued an all_gather where this rank's group changed hands ({history}). {ADVICE}");
         group.abort(&why);
-        self.turns().failed.get_or_insert(why.clone());
+        let _ = self.failed.set(why.clone());
         self.last.store(FAILED, Relaxed);
         Err(CommError::mismatch(op, why))
     }
 
     fn turns(&self) -> MutexGuard<'_, Turns> {
         self.turns.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The group's issuers, for messages: "tokio task 7, after tokio task 5 (3 changes)".
-    fn history(&self) -> String {
-        let turns = self.turns();
-        let last = self.last.load(Relaxed);
-        let now = if last == FAILED { "its last issuer".to_owned() } else { describe(last) };
-        match turns.count {
-            0 => format!("{now}, the group's only issuer on this rank"),
-            n => format!(
-                "{now}, after {} ({n} change{} of task)",
-                describe(turns.previous),
-                if n == 1 { "" } else { "s" }
-            ),
-        }
     }
 
     /// Adds the group's issuers to a `Mismatch` or to the poison one left, once the group has
@@ -197,12 +188,21 @@ impl Issuers {
     }
 
     fn hint(&self) -> String {
+        let history = history(&self.turns(), self.last.load(Relaxed));
         format!(
-            "this rank's collectives on the group came from more than one task ({}; the all_gather of {CHECK_LEN} to \
-             {} u8 a rank issues where its group changes hands is the issuer check). {ADVICE}",
-            self.history(),
+            "this rank's collectives on the group came from more than one task ({history}; the all_gather of \
+             {CHECK_LEN} to {} u8 a rank issues where its group changes hands is the issuer check). {ADVICE}",
             CHECK_LEN + 7
         )
+    }
+}
+
+/// The group's issuers, for messages: "tokio task 7, after tokio task 5 (3 changes of task)".
+fn history(turns: &Turns, last: u64) -> String {
+    let now = if last == FAILED { "its last issuer".to_owned() } else { describe(last) };
+    match turns.count {
+        0 => format!("{now}, the group's only issuer on this rank"),
+        n => format!("{now}, after {} ({n} change{} of task)", describe(turns.previous), if n == 1 { "" } else { "s" }),
     }
 }
 
@@ -251,6 +251,16 @@ impl Check {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn threads_and_tasks_are_told_apart() {
+        let on_thread = current();
+        assert_eq!(on_thread & 1, 1, "a thread outside tokio: {on_thread}");
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let in_task = rt.block_on(async { tokio::spawn(async { current() }).await.unwrap() });
+        assert_eq!(in_task & 1, 0, "a tokio task: {in_task}");
+        assert!(describe(on_thread).starts_with("thread") && describe(in_task).starts_with("tokio task"));
+    }
 
     #[test]
     fn checks_differ_by_how_the_issuer_changed() {

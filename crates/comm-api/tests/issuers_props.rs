@@ -120,3 +120,39 @@ proptest! {
         // Otherwise the ranks' groups changed hands alike: ARCHITECTURE.md's blind spot.
     }
 }
+
+/// A rank whose group changed hands where its peer issued an all_gather of exactly the turn
+/// check's shape: the check reads the peer's bytes, fails the op, and the group fails here
+/// (also when the check completes inline on the thread that is issuing it).
+#[test]
+fn a_check_paired_with_a_same_shaped_all_gather_fails() {
+    let mut ranks = comm_test::LocalWorld::new(2).into_iter();
+    let (r0, r1) = (ranks.next().unwrap(), ranks.next().unwrap());
+    let (pg0, pg1) =
+        (ProcessGroup::from_backend(r0, WorldInfo::single()), ProcessGroup::from_backend(r1, WorldInfo::single()));
+    let sum = |pg: &ProcessGroup| pg.all_reduce(HostBuffer::from_slice(&[1i64]), ReduceOp::Sum);
+    // Rank 1, one thread: an all_reduce, then an all_gather of 23 u8 (a change between two
+    // threads, the later one made later, is checked with 16 + 7 bytes).
+    let w1 = sum(&pg1);
+    let g1 = pg1.all_gather(HostBuffer::zeroed(comm_api::DType::U8, 23));
+    // Rank 0: the all_reduce from one thread, then an op from a thread made after it. Its
+    // check deposits last, so it completes inline, on the issuing thread.
+    let first = {
+        let pg0 = pg0.clone();
+        std::thread::spawn(move || sum(&pg0).wait()).join().unwrap()
+    };
+    assert_eq!(first.unwrap().to_vec::<i64>().unwrap(), [2]);
+    let second = {
+        let pg0 = pg0.clone();
+        std::thread::spawn(move || sum(&pg0).wait()).join().unwrap()
+    };
+    match second {
+        Err(CommError::Mismatch { detail, .. })
+            if detail.contains("issued an all_gather where this rank's group changed hands") => {}
+        other => panic!("{other:?}"),
+    }
+    // Rank 0's later ops fail at once.
+    assert!(matches!(sum(&pg0).wait(), Err(CommError::Mismatch { .. })));
+    assert_eq!(w1.wait().unwrap().to_vec::<i64>().unwrap(), [2]);
+    drop(g1);
+}

@@ -322,8 +322,8 @@ impl<T: Send + 'static> Work<T> {
     }
 
     /// This op's handle that also reports `first`, an op issued before it: its result is
-    /// `first`'s error if `first` failed, else this op's result. Both ops run to completion
-    /// either way (a hook on it reports this op).
+    /// `first`'s error as soon as `first` failed (this op then runs on, detached), else this
+    /// op's result (a hook on it reports this op). `is_completed` says true once both ended.
     ///
     /// ```
     /// use comm_core::{CommError, Work};
@@ -336,10 +336,7 @@ impl<T: Send + 'static> Work<T> {
     pub fn after(self, first: Work<()>) -> Work<T> {
         match first.inline_completion() {
             Some(c) if c.error.is_none() => self,
-            _ => Work {
-                inner: Inner::Boxed(Box::new(After { first, first_result: None, work: self })),
-                spin: Duration::ZERO,
-            },
+            _ => Work { inner: Inner::Boxed(Box::new(After { first: Some(first), work: self })), spin: Duration::ZERO },
         }
     }
 
@@ -433,40 +430,27 @@ impl<T, U, F: FnOnce(Result<T, CommError>) -> Result<U, CommError>> Map<T, F> {
 
 /// [`Work::after`]: `first`'s error, else `work`'s result.
 struct After<T> {
-    first: Work<()>,
-    /// `first`'s result once taken.
-    first_result: Option<Result<(), CommError>>,
+    /// `None` once it succeeded.
+    first: Option<Work<()>>,
     work: Work<T>,
-}
-
-impl<T: Send + 'static> After<T> {
-    fn combine(&mut self, r: Result<T, CommError>) -> Result<T, CommError> {
-        match self.first_result.take() {
-            Some(Err(e)) => Err(e),
-            _ => r,
-        }
-    }
 }
 
 impl<T: Send + 'static> Source<T> for After<T> {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<T, CommError>> {
-        if self.first_result.is_none() {
-            self.first_result = Some(std::task::ready!(Pin::new(&mut self.first).poll(cx)));
+        if let Some(first) = &mut self.first {
+            std::task::ready!(Pin::new(first).poll(cx))?;
+            self.first = None;
         }
-        let r = std::task::ready!(Pin::new(&mut self.work).poll(cx));
-        Poll::Ready(self.combine(r))
+        Pin::new(&mut self.work).poll(cx)
     }
     fn is_completed(&self) -> bool {
-        (self.first_result.is_some() || self.first.is_completed()) && self.work.is_completed()
+        self.first.as_ref().is_none_or(Work::is_completed) && self.work.is_completed()
     }
     fn wait(&mut self) -> Result<T, CommError> {
-        if self.first_result.is_none() {
-            let first = std::mem::replace(&mut self.first, Work::ready(Ok(())));
-            self.first_result = Some(first.wait());
+        if let Some(first) = self.first.take() {
+            first.wait()?;
         }
-        let work = std::mem::replace(&mut self.work, Work::ready(Err(CommError::invalid("Work", "waited twice"))));
-        let r = work.wait();
-        self.combine(r)
+        std::mem::replace(&mut self.work, Work::ready(Err(CommError::invalid("Work", "waited twice")))).wait()
     }
     fn add_hook(&mut self, hook: Hook) {
         self.work.add_hook(hook);
