@@ -258,3 +258,74 @@ fn ranks_disagreeing_on_direct_streams_are_told() {
         },
     );
 }
+
+/// One verdict per op: rank 2 stops (SIGSTOP) before an all_reduce; ranks 0 and 1 time out
+/// on it; rank 0 wakes rank 2 (SIGCONT) a second later, which then issues the op — and gets
+/// the peers' failure, not a sum. On the group, and on a direct stream (a group of its own).
+#[test]
+fn a_rank_woken_after_its_peers_timed_out_fails_the_op_too() {
+    let dir = std::env::temp_dir().join(format!("comm-verdict-{}", std::process::id()));
+    if std::env::var_os(comm_test::multiprocess::CHILD_ENV).is_none() {
+        std::fs::create_dir_all(&dir).unwrap();
+    }
+    let d = dir.clone();
+    multiprocess::run_with_env(
+        3,
+        "a_rank_woken_after_its_peers_timed_out_fails_the_op_too",
+        T,
+        move |_| vec![("COMM_TIMEOUT".into(), "1".into()), ("VERDICT_DIR".into(), d.to_string_lossy().into_owned())],
+        || async {
+            let e = |e: CommError| e.to_string();
+            let pg = init(Config::from_env().map_err(e)?).await.map_err(e)?;
+            let streams = pg.streams().await.map_err(e)?;
+            let dir = std::path::PathBuf::from(std::env::var("VERDICT_DIR").unwrap());
+            for (name, g) in [("group", pg.clone()), ("stream0", streams.stream(0))] {
+                let sum = |g: &ProcessGroup| g.all_reduce(HostBuffer::from_slice(&[1.0f32; 4]), ReduceOp::Sum);
+                for _ in 0..3 {
+                    sum(&g).await.map_err(e)?;
+                }
+                let pid_file = dir.join(name);
+                let got = match pg.rank() {
+                    2 => {
+                        std::fs::write(pid_file.with_extension("tmp"), std::process::id().to_string()).unwrap();
+                        std::fs::rename(pid_file.with_extension("tmp"), &pid_file).unwrap();
+                        rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::STOP)
+                            .unwrap();
+                        std::thread::sleep(Duration::from_millis(100));
+                        sum(&g).await
+                    }
+                    r => {
+                        let got = sum(&g).await;
+                        if r == 0 {
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                            let pid: i32 = std::fs::read_to_string(&pid_file).unwrap().parse().unwrap();
+                            let pid = rustix::process::Pid::from_raw(pid).unwrap();
+                            rustix::process::kill_process(pid, rustix::process::Signal::CONT).unwrap();
+                        }
+                        // The next part starts once rank 2 has its verdict (within the timeout).
+                        let done = pid_file.with_extension("done");
+                        let t = std::time::Instant::now();
+                        while !done.exists() && t.elapsed() < Duration::from_secs(20) {
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                        got
+                    }
+                };
+                if pg.rank() == 2 {
+                    std::fs::write(pid_file.with_extension("done"), b"").unwrap();
+                }
+                match got {
+                    Err(CommError::Timeout { detail, .. }) if pg.rank() < 2 && detail.contains("rank 2") => {}
+                    Err(CommError::Timeout { detail, .. } | CommError::PeerLost { detail, .. })
+                        if pg.rank() == 2 && detail.contains("given up waiting") => {}
+                    other => return Err(format!("{name}: rank {}: {other:?}", pg.rank())),
+                }
+                println!("rank {}: {name}: one verdict", pg.rank());
+            }
+            Ok(())
+        },
+    );
+    if std::env::var_os(comm_test::multiprocess::CHILD_ENV).is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

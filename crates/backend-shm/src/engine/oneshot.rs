@@ -269,7 +269,9 @@ impl Engine {
         self.write_header(k, &hdr);
         self.phase = Phase::Writable(k);
         self.write_phase(&mut op, k, &hdr);
-        self.announce(k);
+        if let Err(e) = self.announce(k) {
+            return Inline::Done(Err(e));
+        }
         // Even a rank that reads nothing (a broadcast's root...) waits for its peers: if every
         // rank took itself for the root, only the header check would tell.
         if !self.poll(budget, |e| e.headers_reached(k)) {

@@ -3,7 +3,7 @@
 
 #![allow(unsafe_code)] // see the SAFETY comments
 
-use std::sync::atomic::Ordering::{Acquire, Release, SeqCst};
+use std::sync::atomic::Ordering::{Acquire, SeqCst};
 use std::time::{Duration, Instant};
 
 use comm_core::{CommError, DType, OpKind, Rank, ReduceOp};
@@ -16,6 +16,17 @@ use crate::segment::Segment;
 use crate::sys::{futex_wait, futex_wake};
 
 use super::{describe, Choice, Engine, Io, Phase, Result};
+
+/// A step word a peer fenced: [`FENCED`], the fencer's rank from [`FENCER_SHIFT`], the step's
+/// low bits.
+const FENCED: u64 = 1 << 63;
+const FENCER_SHIFT: u32 = 40;
+const STEP_MASK: u64 = (1 << FENCER_SHIFT) - 1;
+
+/// Whether a header's step word `v` says its rank published step `k` (and was not fenced).
+fn published(v: u64, k: u64) -> bool {
+    v & FENCED == 0 && v >= k
+}
 
 impl Engine {
     pub(super) fn peer_step(&self, p: usize) -> u64 {
@@ -75,6 +86,13 @@ impl Engine {
                 self.check_late(p, target)?;
             }
             if start.elapsed() >= self.params.timeout {
+                // One verdict: fence the late peers' step first; one that published it meanwhile
+                // (its header's step word, set before its step counter) joined the op after all.
+                let late: Vec<usize> = late.into_iter().filter(|&p| self.fence(p, target)).collect();
+                if late.is_empty() {
+                    self.all_at = target;
+                    return Ok(());
+                }
                 let who: Vec<String> = late.iter().map(|p| format!("rank {p}")).collect();
                 return Err(CommError::timeout(
                     self.op,
@@ -121,7 +139,7 @@ impl Engine {
     /// which its sleeping protocol is built on).
     pub(super) fn headers_reached(&self, k: u64) -> bool {
         let at = self.lay.step_header(k);
-        (0..self.world).all(|p| p == self.rank || self.segs[p].u64_at(at).load(Acquire) >= k)
+        (0..self.world).all(|p| p == self.rank || published(self.segs[p].u64_at(at).load(Acquire), k))
     }
 
     /// Our buffer for step `k` from where a step of `bytes` starts ([`Layout::rotation`]),
@@ -136,21 +154,60 @@ impl Engine {
 
     /// Publishes step `k`, waits for every peer to publish it, and checks their headers.
     pub(super) fn publish(&mut self, k: u64, hdr: &StepHeader) -> Result<()> {
-        self.announce(k);
+        self.announce(k)?;
         self.wait_all(k)?;
         self.check_headers(k, hdr)
     }
 
-    /// Publishes step `k` (release) and wakes sleeping peers.
-    pub(super) fn announce(&mut self, k: u64) {
-        // The header's step word first: a peer that sees it reads the header and data.
-        self.me().u64_at(self.lay.step_header(k)).store(k, Release);
+    /// Publishes step `k` (release) and wakes sleeping peers; `Err` when a peer gave up
+    /// waiting for it first (ARCHITECTURE.md, "One verdict per op"): then the op failed on
+    /// the peers, and fails here too.
+    pub(super) fn announce(&mut self, k: u64) -> Result<()> {
+        // The header's step word first: a peer that sees it reads the header and data. Set
+        // by one compare-and-swap from the step before it in this slot, so that it and a
+        // peer's fence (`fence`) cannot both succeed.
+        let slot = self.me().u64_at(self.lay.step_header(k));
+        if let Err(seen) = slot.compare_exchange(k.saturating_sub(2), k, SeqCst, Acquire) {
+            let e = self.fenced(seen, k);
+            self.failed(&e);
+            return Err(e);
+        }
         self.me().u64_at(OFF_STEP).store(k, SeqCst);
         self.step = k;
         self.phase = Phase::Idle;
         for p in (0..self.world).filter(|&p| p != self.rank) {
             self.ring(p);
         }
+        Ok(())
+    }
+
+    /// Gives up waiting for `peer`'s step `k`: marks its step word of `k` so that it cannot
+    /// publish `k` any more (its `announce` fails instead). Whether the peer is now fenced
+    /// (by this rank or another); `false` when it published `k` after all.
+    fn fence(&self, peer: usize, k: u64) -> bool {
+        let slot = self.segs[peer].u64_at(self.lay.step_header(k));
+        let mark = FENCED | (self.rank as u64) << FENCER_SHIFT | (k & STEP_MASK);
+        match slot.compare_exchange(k.saturating_sub(2), mark, SeqCst, Acquire) {
+            Ok(_) => true,
+            Err(seen) => !published(seen, k),
+        }
+    }
+
+    /// The error of this rank's op at step `k`, which a peer fenced (`seen`): the op failed on
+    /// the peers (they waited past their timeout), so it fails here with what they said.
+    fn fenced(&self, seen: u64, k: u64) -> CommError {
+        let by = ((seen & !FENCED) >> FENCER_SHIFT) as usize;
+        let reason = self.peer_reason(by.min(self.world - 1));
+        let reason = if reason.is_empty() { "it timed out waiting for this rank".to_owned() } else { reason };
+        CommError::timeout(
+            self.op,
+            self.params.timeout,
+            format!(
+                "this rank came to op #{} (step {k}) after rank {by} had given up waiting for it, so the op failed \
+                 on every rank; rank {by} said: {reason}",
+                self.seq
+            ),
+        )
     }
 
     /// Once every peer published `k`: compares their step headers with ours and opens the
@@ -358,8 +415,8 @@ mod tests {
     use crate::engine::Params;
     use crate::layout::{OFF_STATE, STATE_CLOSED, STATE_READY};
 
-    #[test]
-    fn a_peer_gone_after_reaching_the_step_joined_it() {
+    /// Two ranks' segments and rank 0's engine over them (rank 1 is played by hand).
+    fn engine_and_peer() -> (Arc<comm_core::lane::Lane<Engine>>, Arc<Segment>, Layout) {
         let lay = Layout::new(2, 64 << 10, 16 << 10).expect("a small layout");
         let segs: Vec<Arc<Segment>> =
             (0..2).map(|r| Arc::new(Segment::anonymous(&format!("test-{r}"), lay.total).expect("memfd"))).collect();
@@ -378,6 +435,12 @@ mod tests {
             send_in_place_min: usize::MAX,
         };
         let (lane, _tx) = Engine::start(0, lay, segs, vec![None, None], params);
+        (lane, peer, lay)
+    }
+
+    #[test]
+    fn a_peer_gone_after_reaching_the_step_joined_it() {
+        let (lane, peer, _) = engine_and_peer();
         let mut e = lane.lock();
         peer.u32_at(OFF_STATE).store(STATE_CLOSED, SeqCst);
         // Closed after publishing step 3: it joined step 3, but cannot reach step 4.
@@ -385,5 +448,25 @@ mod tests {
         assert!(e.check_late(1, 3).is_ok());
         let lost = e.check_late(1, 4).expect_err("a closed peer short of the step is lost");
         assert!(matches!(lost, CommError::PeerLost { rank: 1, .. }), "{lost}");
+    }
+
+    /// A peer that gave up waiting fences the late rank's step: then the late rank cannot
+    /// publish it (its op fails, naming the peer), and a peer that published first is not
+    /// fenced (it joined the op).
+    #[test]
+    fn a_fenced_step_cannot_be_published_and_a_published_one_cannot_be_fenced() {
+        let (lane, peer, lay) = engine_and_peer();
+        let mut e = lane.lock();
+        // Rank 1 published step 1; rank 0 publishes it too, then gives up on rank 1's step 2.
+        peer.u64_at(lay.step_header(1)).store(1, SeqCst);
+        assert!(!e.fence(1, 1), "a published step is not fenced");
+        e.announce(1).unwrap();
+        assert!(e.fence(1, 2), "rank 1 had not published step 2");
+        assert!(!e.headers_reached(2) && e.fence(1, 2), "fenced once, fenced for every rank");
+        // Rank 1 fences rank 0's step 2 the same way: rank 0's announce fails.
+        e.me().u64_at(lay.step_header(2)).store(FENCED | 1 << FENCER_SHIFT | 2, SeqCst);
+        let err = e.announce(2).unwrap_err();
+        assert!(matches!(&err, CommError::Timeout { .. }) && err.to_string().contains("rank 1"), "{err}");
+        assert_eq!(e.peer_step(0), 1, "a fenced rank's step counter stays where it was");
     }
 }
