@@ -340,20 +340,24 @@ pub(crate) fn response(id: u64, status: u8, body: &[u8]) -> Bytes {
 mod tests {
     use super::*;
 
-    /// Frames being read hold their length of the shared budget until they are dropped: a
-    /// second frame waits for room (here past its deadline), and reads once there is.
+    /// Large frames being read hold their length of the shared budget until they are
+    /// dropped: a second one waits for room (here past its deadline), and reads once there
+    /// is; a small frame never waits.
     #[tokio::test]
     async fn frames_in_flight_share_one_budget() {
-        let budget = Arc::new(Semaphore::new(100));
+        const K: usize = 1 << 10;
+        let budget = Arc::new(Semaphore::new(100 * K));
         let frame = |n: usize| Enc::new().raw(&vec![1u8; n]).finish(MAX_FRAME).unwrap();
-        let (a, b) = (frame(80), frame(50));
+        let (a, b, small) = (frame(80 * K), frame(50 * K), frame(SMALL_FRAME));
         let held = read_frame_within(&mut &a[..], MAX_FRAME, Duration::from_secs(1), &budget).await.unwrap().unwrap();
-        assert_eq!((held.0.len(), budget.available_permits()), (80, 20));
+        assert_eq!((held.0.len(), budget.available_permits()), (80 * K, 20 * K));
         let short = Duration::from_millis(100);
         assert!(matches!(read_frame_within(&mut &b[..], MAX_FRAME, short, &budget).await, Err(FrameError::Stalled(_))));
+        let got = read_frame_within(&mut &small[..], MAX_FRAME, short, &budget).await.unwrap().unwrap();
+        assert_eq!((got.0.len(), got.1.is_none()), (SMALL_FRAME, true));
         drop(held);
         let got = read_frame_within(&mut &b[..], MAX_FRAME, short, &budget).await.unwrap().unwrap();
-        assert_eq!(got.0.len(), 50);
+        assert_eq!(got.0.len(), 50 * K);
     }
 
     fn frame_payload(f: &[u8]) -> &[u8] {
