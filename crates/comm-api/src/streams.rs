@@ -489,7 +489,7 @@ impl StreamBackend {
             return Work::ready(Err(e));
         }
         if let Some(cause) = self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()).clone() {
-            return Work::ready(Err(CommError::Poisoned { cause }));
+            return Work::ready(Err(CommError::Poisoned { cause: format!("stream {}: {cause}", self.key) }));
         }
         if self.closed.load(SeqCst) {
             return Work::ready(Err(CommError::Shutdown(format!("stream {} was shut down", self.key))));
@@ -993,11 +993,23 @@ impl Driver {
         Ok(())
     }
 
-    /// Fails every waiting op with `why`, and every later one.
+    /// Fails every waiting op with `why`, and every later one. An op still waiting for its
+    /// turn is told which stream and op it was, and a timeout stays a `Timeout`.
     fn fail_all(&mut self, why: String) {
         tracing::warn!(target: "comm", "streams: {why}");
         *self.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.clone());
-        for op in self.mine.drain().map(|(_, op)| op).chain(self.decided.drain(..)) {
+        let timeout = self.timeout;
+        for (key, op) in self.mine.drain() {
+            let what = format!("{} of stream {}", key.describe(), key.stream);
+            op.fail(&|name| {
+                if why.contains("timed out") {
+                    CommError::timeout(format!("{name} on stream {}", key.stream), timeout, format!("{what}: {why}"))
+                } else {
+                    CommError::Poisoned { cause: format!("{what}: {why}") }
+                }
+            });
+        }
+        for op in self.decided.drain(..) {
             op.fail(&|_| CommError::Poisoned { cause: why.clone() });
         }
     }

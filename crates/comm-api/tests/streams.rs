@@ -261,7 +261,8 @@ fn ranks_disagreeing_on_direct_streams_are_told() {
 
 /// One verdict per op: rank 2 stops (SIGSTOP) before an all_reduce; ranks 0 and 1 time out
 /// on it; rank 0 wakes rank 2 (SIGCONT) a second later, which then issues the op — and gets
-/// the peers' failure, not a sum. On the group, and on a direct stream (a group of its own).
+/// the peers' failure, not a sum. On the group, on a direct stream (a group of its own) and on
+/// an arbitrated stream (its error names the stream).
 #[test]
 fn a_rank_woken_after_its_peers_timed_out_fails_the_op_too() {
     let dir = std::env::temp_dir().join(format!("comm-verdict-{}", std::process::id()));
@@ -279,7 +280,9 @@ fn a_rank_woken_after_its_peers_timed_out_fails_the_op_too() {
             let pg = init(Config::from_env().map_err(e)?).await.map_err(e)?;
             let streams = pg.streams().await.map_err(e)?;
             let dir = std::path::PathBuf::from(std::env::var("VERDICT_DIR").unwrap());
-            for (name, g) in [("group", pg.clone()), ("stream0", streams.stream(0))] {
+            // The arbitrated stream first: a rank stopped past the timeout fails every
+            // arbitrated stream (their control group's heartbeats time out).
+            for (name, g) in [("stream7", streams.stream(7)), ("group", pg.clone()), ("stream0", streams.stream(0))] {
                 let sum = |g: &ProcessGroup| g.all_reduce(HostBuffer::from_slice(&[1.0f32; 4]), ReduceOp::Sum);
                 for _ in 0..3 {
                     sum(&g).await.map_err(e)?;
@@ -314,13 +317,18 @@ fn a_rank_woken_after_its_peers_timed_out_fails_the_op_too() {
                 if pg.rank() == 2 {
                     std::fs::write(pid_file.with_extension("done"), b"").unwrap();
                 }
+                let arbitrated = name == "stream7";
+                let text = got.as_ref().err().map(ToString::to_string).unwrap_or_default();
                 match got {
-                    Err(CommError::Timeout { detail, .. }) if pg.rank() < 2 && detail.contains("rank 2") => {}
+                    Err(CommError::Timeout { detail, .. })
+                        if !arbitrated && pg.rank() < 2 && detail.contains("rank 2") => {}
                     Err(CommError::Timeout { detail, .. } | CommError::PeerLost { detail, .. })
-                        if pg.rank() == 2 && detail.contains("given up waiting") => {}
+                        if !arbitrated && pg.rank() == 2 && detail.contains("given up waiting") => {}
+                    // An arbitrated stream's op fails on every rank, naming the stream.
+                    Err(e) if arbitrated && e.to_string().contains("stream 7") => {}
                     other => return Err(format!("{name}: rank {}: {other:?}", pg.rank())),
                 }
-                println!("rank {}: {name}: one verdict", pg.rank());
+                println!("rank {}: {name}: one verdict: {text}", pg.rank());
             }
             Ok(())
         },
