@@ -168,8 +168,8 @@ impl Issuers {
         self.turns.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Adds the group's issuers to a `Mismatch` or to the poison one left, once the group has
-    /// changed hands (an op of a group with one issuer has nothing to add).
+    /// Adds the group's issuers to a `Mismatch`, the poison one left or a `Timeout`, once the
+    /// group has changed hands (an op of a group with one issuer has nothing to add).
     fn explain<T: Send + 'static>(self: &Arc<Self>, work: Work<T>) -> Work<T> {
         if !self.changed.load(Relaxed) {
             return work;
@@ -217,6 +217,10 @@ fn add_hint(e: CommError, hint: &str) -> CommError {
         }
         CommError::Poisoned { cause } if !cause.contains(ADVICE) => {
             CommError::Poisoned { cause: format!("{cause}; {hint}") }
+        }
+        // Ranks waiting for ops their peers paired otherwise time out.
+        CommError::Timeout { op, after, detail } if !detail.contains(ADVICE) => {
+            CommError::Timeout { op, after, detail: format!("{detail}; {hint}") }
         }
         e => e,
     }

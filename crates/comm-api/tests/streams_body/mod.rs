@@ -142,7 +142,16 @@ pub(crate) async fn misuse(pg: &ProcessGroup, sharing: Sharing, tasks: u64, ops:
             }
             None => {}
             Some((i, e)) => {
-                if !matches!(e, CommError::Mismatch { .. } | CommError::Poisoned { .. } | CommError::PeerLost { .. }) {
+                // A Timeout too: on mpi and hier an arbitrated stream's peers may learn of the
+                // failure only when their control group times out.
+                let expected = matches!(
+                    e,
+                    CommError::Mismatch { .. }
+                        | CommError::Poisoned { .. }
+                        | CommError::PeerLost { .. }
+                        | CommError::Timeout { .. }
+                );
+                if !expected {
                     return Err(format!("rank {me} task {t}: op {i} failed with an unexpected error: {e}"));
                 }
                 // The advice reaches some task of every rank that saw the misuse.
