@@ -65,11 +65,8 @@ fn id_of(id: &impl Hash) -> u64 {
 }
 
 fn describe(issuer: u64) -> String {
-    match issuer {
-        0 => "nobody".into(),
-        _ if issuer & 1 == 0 => format!("tokio task {}", issuer >> 1),
-        _ => format!("thread {}", issuer >> 1),
-    }
+    let kind = if issuer & 1 == 0 { "tokio task" } else { "thread" };
+    format!("{kind} {}", issuer >> 1)
 }
 
 /// Whether the check runs (`COMM_ISSUER_CHECK`, default on in every build).

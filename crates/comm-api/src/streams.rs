@@ -202,6 +202,27 @@ impl Failure {
     }
 }
 
+/// Why the streams broke: said to every op, and whether the control group timed out (a
+/// waiting op then fails with `Timeout`).
+struct Broken {
+    why: String,
+    timed_out: bool,
+}
+
+impl Broken {
+    /// The control group failed with `e`.
+    fn control(e: CommError) -> Broken {
+        let timed_out = matches!(e, CommError::Timeout { .. });
+        Broken { why: format!("the streams' control group failed: {e}"), timed_out }
+    }
+}
+
+impl From<String> for Broken {
+    fn from(why: String) -> Broken {
+        Broken { why, timed_out: false }
+    }
+}
+
 /// An op waiting for its turn, whatever its request type.
 trait Deferred: Send {
     fn run(self: Box<Self>, data: &Arc<dyn Backend>);
@@ -776,7 +797,7 @@ impl Driver {
     }
 
     /// Handles one event; `Err(why)` when the streams are broken.
-    fn handle(&mut self, ev: Event) -> Result<(), String> {
+    fn handle(&mut self, ev: Event) -> Result<(), Broken> {
         match ev {
             Event::Stop(done) => {
                 let (_, waiting) = self.stopping.get_or_insert_with(|| (Instant::now(), Vec::new()));
@@ -809,7 +830,7 @@ impl Driver {
             }
             Event::Frame(peer) => {
                 let work = self.recvs[peer as usize].take().expect("a frame event follows its receive");
-                let buf = work.wait().map_err(|e| format!("the streams' control group failed: {e}"))?;
+                let buf = work.wait().map_err(Broken::control)?;
                 let entries = decode(&buf, self.world).map_err(|e| format!("rank {peer} sent a bad frame: {e}"))?;
                 let Some(entries) = entries else {
                     self.gone[peer as usize] = true;
@@ -821,7 +842,7 @@ impl Driver {
                     match (self.rank, e.code) {
                         (0, POSTED) if e.key.involves(self.world).contains(&peer) => self.posted(peer, e.key, e.sig),
                         (r, code) if r != 0 && code != POSTED => self.verdict(e),
-                        _ => return Err(format!("rank {peer} sent an entry out of protocol: {e:?}")),
+                        _ => return Err(format!("rank {peer} sent an entry out of protocol: {e:?}").into()),
                     }
                 }
                 Ok(())
@@ -878,7 +899,7 @@ impl Driver {
     }
 
     /// Rank 0: decides every op it can, fails those that waited too long, then sends.
-    fn turn(&mut self) -> Result<(), String> {
+    fn turn(&mut self) -> Result<(), Broken> {
         if self.arbiter.is_some() {
             self.decide();
             self.expire();
@@ -973,7 +994,7 @@ impl Driver {
     }
 
     /// Sends what each peer is owed, or an empty frame when it has heard nothing for a while.
-    fn flush(&mut self) -> Result<(), String> {
+    fn flush(&mut self) -> Result<(), Broken> {
         let now = Instant::now();
         for p in self.peers() {
             let p = p as usize;
@@ -984,7 +1005,7 @@ impl Driver {
                 let work = Collective::<SendTo>::submit(&*self.control, SendTo { buf, dst: p as u32, tag: 0 });
                 if let Some(c) = work.inline_completion() {
                     if let Some(e) = c.error {
-                        return Err(format!("the streams' control group failed: {e}"));
+                        return Err(Broken::control(e.duplicate()));
                     }
                 }
             }
@@ -995,14 +1016,14 @@ impl Driver {
 
     /// Fails every waiting op with `why`, and every later one. An op still waiting for its
     /// turn is told which stream and op it was, and a timeout stays a `Timeout`.
-    fn fail_all(&mut self, why: String) {
+    fn fail_all(&mut self, Broken { why, timed_out }: Broken) {
         tracing::warn!(target: "comm", "streams: {why}");
         *self.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.clone());
         let timeout = self.timeout;
         for (key, op) in self.mine.drain() {
             let what = format!("{} of stream {}", key.describe(), key.stream);
             op.fail(&|name| {
-                if why.contains("timed out") {
+                if timed_out {
                     CommError::timeout(format!("{name} on stream {}", key.stream), timeout, format!("{what}: {why}"))
                 } else {
                     CommError::Poisoned { cause: format!("{what}: {why}") }
