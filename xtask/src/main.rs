@@ -1,5 +1,5 @@
 //! Project automation: `cargo xtask test [--quick]`, `cargo xtask ci`, `cargo xtask bench [...]`,
-//! `cargo xtask gpu-test [--no-run]`.
+//! `cargo xtask tidy`, `cargo xtask gpu-test [--no-run]`.
 //!
 //! `std` with clap (arguments) and indicatif (the bench progress bar), so it builds in seconds
 //! before anything else.
@@ -15,6 +15,7 @@ mod bench;
 mod mpi;
 mod progress;
 mod test;
+mod tidy;
 
 use bench::bench;
 use test::{gpu_test, test};
@@ -25,7 +26,7 @@ use test::{gpu_test, test};
 enum Cli {
     /// Every check CI runs (`--quick`: without fmt and clippy).
     ///
-    /// Installs the mpi backend's system packages when missing (apt, as root), fmt check,
+    /// Installs the mpi backend's system packages when missing (apt, as root), tidy, fmt check,
     /// clippy -D warnings (with the mpi feature), cargo test --workspace, the mpi backend's
     /// tests (conformance suite under mpirun at 1-4 ranks, faults), every comm-api example under
     /// commrun -n 2 and -n 3 and under mpirun -np 2, and comm-bench smoke runs on shm and mpi
@@ -34,6 +35,13 @@ enum Cli {
     Test(TestArgs),
     /// The same as `test` (what .ci/run calls).
     Ci(TestArgs),
+    /// The structure rules (`test` runs them first).
+    ///
+    /// No import circle among one crate's files, no source file over 800 lines, README's
+    /// Environment table and the `COMM_*` variables the code reads agree, every type
+    /// ARCHITECTURE's vocabulary table names exists, README's first screen names
+    /// `cargo xtask test` and `cargo xtask bench`.
+    Tidy,
     /// Installs the system packages the mpi backend needs.
     ///
     /// apt, when missing, as root; `test` does this first.
@@ -91,6 +99,7 @@ fn main() -> ExitCode {
     let result = match cli {
         Cli::Test(t) | Cli::Ci(t) => test(t.quick),
         Cli::Bench(b) => bench(*b),
+        Cli::Tidy => step("tidy", tidy::tidy),
         Cli::Deps => step("system packages of the mpi backend", || {
             if mpi::ensure_packages()? {
                 Ok(())

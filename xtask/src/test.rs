@@ -29,6 +29,7 @@ pub(crate) fn test(quick: bool) -> Result {
         with_mpi = mpi::ensure_packages()?;
         Ok(())
     })?;
+    step("tidy", crate::tidy::tidy)?;
     if quick {
         println!("== fmt, clippy: skipped (--quick) ==");
     } else {

@@ -7,7 +7,7 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 
 use comm_core::handle::Poison;
-use comm_core::lane::{self, Class, LaneState, Queued, Ran};
+use comm_core::lane::{self, Backlog, Class, LaneState, Ran};
 use comm_core::{CommError, Work};
 
 /// What an op did on the lane.
@@ -26,8 +26,8 @@ struct Order {
 }
 
 impl LaneState for Order {
-    fn is_idle(&self, _: Class, queued: &Queued) -> bool {
-        queued.any() == 0
+    fn is_idle(&self, _: Class, backlog: &Backlog) -> bool {
+        backlog.any() == 0
     }
 
     fn contain_panic(&mut self, message: &str) {
@@ -48,7 +48,7 @@ impl Lane {
         // Hier ops wait on inner groups, which spin themselves: no budget here.
         let lane =
             Arc::new(lane::Lane::new(Order { poison: poison.clone() }, Arc::default(), poison, Default::default()));
-        let queued = lane.queued().clone();
+        let queued = lane.backlog().clone();
         std::thread::Builder::new()
             .name(name)
             .spawn(move || {
@@ -77,14 +77,14 @@ impl Lane {
             false => op,
         };
         let (done, work) = Work::pending();
-        self.lane.queued().add(Class::Collective);
+        self.lane.backlog().add(Class::Collective);
         let lane = self.lane.clone();
         let job: Job = Box::new(move || {
             issued(lane.run_locked(|_| op())).forward(done);
         });
         if self.tx.send(job).is_err() {
             // The thread is gone: the job (and its completer) is dropped, the work says so.
-            self.lane.queued().done(Class::Collective);
+            self.lane.backlog().done(Class::Collective);
         }
         work
     }

@@ -66,7 +66,7 @@ pub(crate) fn nccl_error_string(code: nsys::ncclResult_t) -> Option<String> {
     if !nccl_lib_present() {
         return None;
     }
-    std::panic::catch_unwind(|| {
+    comm_core::catch_panic(|| {
         // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any code.
         let p = unsafe { nsys::ncclGetErrorString(code) };
         cstr(p)
@@ -77,7 +77,7 @@ pub(crate) fn nccl_error_string(code: nsys::ncclResult_t) -> Option<String> {
 
 /// NCCL's last error message (per communicator when one is given, else the thread's last).
 fn nccl_last_error(comm: nsys::ncclComm_t) -> Option<String> {
-    std::panic::catch_unwind(|| {
+    comm_core::catch_panic(|| {
         // SAFETY: `comm` is null or a live communicator of the calling thread; NCCL returns a
         // NUL-terminated string it owns. (Missing in NCCL < 2.13: the loader panics, caught.)
         let p = unsafe { nsys::ncclGetLastError(comm) };

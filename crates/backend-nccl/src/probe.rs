@@ -51,14 +51,7 @@ pub(crate) trait Machine {
 struct System;
 
 fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
-        let msg = p
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| p.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-            .unwrap_or_else(|| "unknown panic".into());
-        Err(format!("{what} panicked in cudarc's loader: {msg}"))
-    })
+    comm_core::catch_panic(f).unwrap_or_else(|msg| Err(format!("{what} panicked in cudarc's loader: {msg}")))
 }
 
 impl Machine for System {

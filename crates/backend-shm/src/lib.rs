@@ -26,15 +26,15 @@ use async_trait::async_trait;
 use comm_core::cpus::CpuSet;
 use comm_core::elastic::{self, Elastic, Shrunk};
 use comm_core::handle::{self, shutdown_done, Admission, Subgroups};
-use comm_core::lane::{Class, Lane, Ran};
+use comm_core::lane::{CallerWait, Class, Lane, Ran};
 use comm_core::{config, Backend, Collective, CommError, DType, Group, HostBuffer, OpKind, Rank, Store, Work};
 
-use engine::{Command, Engine, Inline, OneShot, Params, Queued, Then};
+use engine::{Command, Engine, Inline, OneShot, OneShotOutput, Params, Queued, Then};
 use layout::{
     Layout, MAGIC, OFF_DOORBELL, OFF_MAGIC, OFF_RANK, OFF_SLEEPING, OFF_STATE, OFF_VERSION, OFF_WINDOW, OFF_WORLD,
     STATE_READY, VERSION,
 };
-use plans::{Limits, OneShotOutput, Pending, Plan};
+use plans::{Limits, Pending, Plan};
 use segment::Segment;
 use sys::ProcId;
 
@@ -211,7 +211,7 @@ impl ShmBackend {
     /// How long this group's waits spin before they sleep: [`ShmOptions::spin`], or what
     /// start-up chose from the CPUs the ranks may run on together.
     pub fn spin(&self) -> Duration {
-        self.inner.lane.spin()
+        self.inner.lane.wait().spin
     }
 
     /// The CPU this group's worker thread is bound to, if any (see [`ShmOptions::pin`]).
@@ -456,11 +456,11 @@ impl ShmBackend {
     fn enqueue(&self, cmd: Command) {
         let inner = &*self.inner;
         // Every command counts as a collective: a message must not overtake any of them.
-        inner.lane.queued().add(Class::Collective);
+        inner.lane.backlog().add(Class::Collective);
         // If the worker is gone the command (and its Completer) is dropped, which completes
         // the Work with `Shutdown`.
         if inner.tx.send(cmd).is_err() {
-            inner.lane.queued().done(Class::Collective);
+            inner.lane.backlog().done(Class::Collective);
         }
         self.ring_worker();
     }
@@ -487,7 +487,7 @@ impl ShmBackend {
     }
 
     fn one_step<T: OneShotOutput + Send + 'static>(&self, op: OneShot) -> Work<T> {
-        let ran = self.inline(Class::Collective, op, |e, op, budget| match e.try_inline(op, budget) {
+        let ran = self.inline(Class::Collective, op, |e, op, wait| match e.try_inline(op, wait) {
             Inline::Done(r) => Ok(Work::ready(r.map(T::from_one_shot))),
             Inline::Parked => {
                 let (done, work) = Work::pending();
@@ -521,7 +521,7 @@ impl ShmBackend {
         let (done, work) = Work::pending();
         let mut op: Box<dyn Queued> = Box::new(Pending { req, done });
         if !R::P2P && size <= inner.inline_max {
-            let ran = self.inline(Class::Collective, op, |e, op, budget| match e.try_inline(open, budget) {
+            let ran = self.inline(Class::Collective, op, |e, op, wait| match e.try_inline(open, wait) {
                 Inline::Done(Ok(_)) => {
                     op.run(e, true);
                     None
@@ -552,7 +552,7 @@ impl ShmBackend {
         &self,
         class: Class,
         x: X,
-        f: impl FnOnce(&mut Engine, X, Duration) -> T,
+        f: impl FnOnce(&mut Engine, X, CallerWait) -> T,
     ) -> Result<Result<T, CommError>, X> {
         let Ran { out, hand_over } = self.inner.lane.try_inline(class, x, f)?;
         // A parked op, a message in flight, or commands taken while waiting: the worker goes
@@ -566,13 +566,12 @@ impl ShmBackend {
     /// A send or receive queued straight into the engine and progressed on the caller's thread
     /// (ARCHITECTURE.md, "Direct point-to-point"); else queued.
     fn direct<R: Plan>(&self, req: R) -> Work<R::Output> {
-        let ran = self.inline(Class::P2p, req, |engine, req, spin| {
+        let ran = self.inline(Class::P2p, req, |engine, req, wait| {
             let (done, work) = Work::pending();
             R::accept(Box::new(Pending { req, done }), engine);
             // A send writes what the free slots take and leaves the rest (to the worker, or this
             // thread's next receive); a receive waits a moment for its message.
-            let budget = if R::KIND == OpKind::Send { None } else { Some(spin) };
-            engine.progress_inline(budget, || work.is_completed());
+            engine.progress_inline((R::KIND != OpKind::Send).then_some(wait), || work.is_completed());
             work
         });
         // A panic reached the op's completer, which reports it.

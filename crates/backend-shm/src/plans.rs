@@ -7,7 +7,7 @@ use comm_core::ops::{
 };
 use comm_core::{CommError, Completer, DType, HostBuffer, InOut, Op, OpKind};
 
-use crate::engine::{Done, Engine, OneShot, Queued};
+use crate::engine::{Engine, OneShot, OneShotOutput, Queued};
 
 type Result<T, E = CommError> = std::result::Result<T, E>;
 
@@ -89,55 +89,6 @@ pub(crate) fn arrival<R: Op>(req: &R) -> OneShot {
     let dtype = req.dtype().unwrap_or(DType::U8);
     let count = if R::KIND == OpKind::AllToAll { 0 } else { req.bytes() / dtype.size() };
     OneShot::Arrive { kind: R::KIND, dtype, count }
-}
-
-/// What a one-step op hands back: its buffer, or nothing (barrier).
-pub trait OneShotOutput: Sized {
-    fn from_one_shot(op: OneShot) -> Self;
-    fn done(c: Completer<Self>) -> Done;
-}
-
-impl OneShotOutput for HostBuffer {
-    /// The result buffer (the barrier's is empty).
-    fn from_one_shot(op: OneShot) -> Self {
-        match op {
-            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf,
-            other => InOut::from_one_shot(other).output,
-        }
-    }
-    fn done(c: Completer<Self>) -> Done {
-        Done::Buf(c)
-    }
-}
-
-impl OneShotOutput for InOut {
-    /// Input and output of an op that reads one buffer and fills another.
-    fn from_one_shot(op: OneShot) -> Self {
-        let empty = |d: DType| HostBuffer::zeroed(d, 0);
-        match op {
-            OneShot::AllGather { input, out }
-            | OneShot::ReduceScatter { input, out, .. }
-            | OneShot::AllToAll { input, out, .. } => InOut { input, output: out },
-            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => {
-                InOut { output: empty(buf.dtype()), input: buf }
-            }
-            OneShot::Scatter { input, out, .. } => {
-                InOut { input: input.unwrap_or_else(|| empty(out.dtype())), output: out }
-            }
-            OneShot::Gather { input, out, .. } => InOut { output: out.unwrap_or_else(|| empty(input.dtype())), input },
-            OneShot::Barrier | OneShot::Arrive { .. } => InOut { input: empty(DType::U8), output: empty(DType::U8) },
-        }
-    }
-    fn done(c: Completer<Self>) -> Done {
-        Done::Io(c)
-    }
-}
-
-impl OneShotOutput for () {
-    fn from_one_shot(_: OneShot) {}
-    fn done(c: Completer<Self>) -> Done {
-        Done::Unit(c)
-    }
 }
 
 impl Plan for AllReduce {

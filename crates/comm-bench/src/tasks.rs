@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use comm_api::{CommError, HostBuffer, ProcessGroup, ReduceOp, Streams};
 
-use crate::Plan;
+use crate::cli::Plan;
 
 /// Alternating slices of each measurement per size, so both see the same machine.
 const SLICES: usize = 5;

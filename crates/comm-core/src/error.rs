@@ -186,6 +186,12 @@ impl CommError {
     }
 }
 
+/// Runs `f`, catching a panic that unwinds out of it: its message instead. The one place the
+/// workspace catches panics (workers, inline ops, loader calls), so each is reported alike.
+pub fn catch_panic<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|payload| panic_message(&*payload))
+}
+
 /// The message of a caught panic (`catch_unwind`'s payload), for the error that reports it.
 pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload

@@ -36,7 +36,7 @@ mod world;
 pub use buffer::{set_large_buffers, ExternalStorage, HostBuffer, LargeBuffers};
 pub use collective::{Backend, Collective, Group};
 pub use dtype::{DType, Element, ReduceOp};
-pub use error::{panic_message, CommError};
+pub use error::{catch_panic, panic_message, CommError};
 pub use ops::{InOut, Op, OpKind};
 pub use store::{MemoryStore, Store};
 pub use work::{Completer, Completion, Work};

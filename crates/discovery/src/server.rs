@@ -48,7 +48,7 @@ pub struct StoreServer {
     local_addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
-    /// What the server holds for all its clients together (see `Held`).
+    /// What the server holds for all its clients together (see `Holdings`).
     held: Arc<AtomicUsize>,
 }
 
@@ -323,14 +323,14 @@ struct Served {
     store: Arc<Quota>,
     /// The budget of frames being received ([`ServerLimits::quota`]).
     frames: Arc<Semaphore>,
-    /// What all connections hold for their clients together ([`Held`]).
+    /// What all connections hold for their clients together ([`Holdings`]).
     held: Arc<AtomicUsize>,
     limits: ServerLimits,
 }
 
 /// What one connection makes the server hold: its unread responses and pending waits' keys,
 /// within [`ServerLimits::per_client`].
-struct Held {
+struct Holdings {
     bytes: AtomicUsize,
     limit: usize,
     /// What every connection of the job holds together, within [`ServerLimits::quota`].
@@ -340,7 +340,7 @@ struct Held {
     over: Notify,
 }
 
-impl Held {
+impl Holdings {
     /// Counts `n` more bytes, or rings `over` when that passes this connection's limit or the
     /// job's, and this connection holds something already. Whether they were counted.
     fn take(&self, n: usize) -> bool {
@@ -383,8 +383,8 @@ async fn connection(stream: TcpStream, peer: SocketAddr, served: Served) {
     }
     // Responses go through a writer task so reading never waits on writing: a client that
     // pipelines requests without reading cannot deadlock against the server (and what it
-    // leaves unread is bounded by `Held`).
-    let held = Arc::new(Held {
+    // leaves unread is bounded by `Holdings`).
+    let held = Arc::new(Holdings {
         bytes: AtomicUsize::new(0),
         limit: limits.per_client,
         job: held_by_all.clone(),
@@ -459,7 +459,7 @@ async fn connection(stream: TcpStream, peer: SocketAddr, served: Served) {
 fn spawn_wait(
     id: u64,
     tx: mpsc::UnboundedSender<Bytes>,
-    held: Arc<Held>,
+    held: Arc<Holdings>,
     cost: usize,
     wait: impl Future<Output = Result<Vec<u8>, CommError>> + Send + 'static,
 ) {
@@ -542,7 +542,7 @@ async fn authenticate(rd: &mut OwnedReadHalf, wr: &mut OwnedWriteHalf, peer: Soc
     sent && ok
 }
 
-async fn write_responses(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Bytes>, held: Arc<Held>) {
+async fn write_responses(mut wr: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Bytes>, held: Arc<Holdings>) {
     while let Some(frame) = rx.recv().await {
         let written = wire::write_frame(&mut wr, &frame).await;
         held.give(frame.len());

@@ -54,6 +54,21 @@ pub fn bandwidth(op: &str, bytes: u64, n: u32, ns: f64) -> Option<(f64, f64)> {
     Some((algbw, algbw * factor))
 }
 
+/// Base-1024 size: `512 B`, `1.00 KiB`, `64.00 MiB`.
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut v = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.2} {}", UNITS[unit])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

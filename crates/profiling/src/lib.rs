@@ -44,9 +44,10 @@ pub mod otel;
 mod summary;
 mod timeline;
 
+pub use bandwidth::human_size;
 pub use layer::{recorded_as, without_profiling, Profiling, ProfilingLayer};
 pub use logger::{CommsConfig, CommsLogger};
-pub use summary::{human_size, Row, StragglerRow, Stragglers, Summary};
+pub use summary::{Row, StragglerRow, Stragglers, Summary};
 pub use timeline::{chrome_trace, Timeline, TraceEvent, MAX_EVENTS};
 
 /// The `tracing` target of every span this crate opens (`comm.<op>`, `comm.new_group`):

@@ -7,7 +7,7 @@ use comm_core::ops::{AllGather, AllReduce};
 use comm_core::{Collective, CommError, HostBuffer, ReduceOp};
 use serde::{Deserialize, Serialize};
 
-use crate::bandwidth::bandwidth;
+use crate::bandwidth::{bandwidth, human_size};
 use crate::logger::{Key, Stats};
 use crate::{without_profiling, CommsLogger};
 
@@ -108,21 +108,6 @@ pub struct StragglerRow {
     pub fastest_rank: u32,
     /// The rank with the largest total over these calls.
     pub slowest_rank: u32,
-}
-
-/// Base-1024 size: `512 B`, `1.00 KiB`, `64.00 MiB`.
-pub fn human_size(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-    if bytes < 1024 {
-        return format!("{bytes} B");
-    }
-    let mut v = bytes as f64 / 1024.0;
-    let mut unit = 0;
-    while v >= 1024.0 && unit + 1 < UNITS.len() {
-        v /= 1024.0;
-        unit += 1;
-    }
-    format!("{v:.2} {}", UNITS[unit])
 }
 
 fn us(ns: u64) -> f64 {
@@ -326,6 +311,21 @@ fn parse_list(text: &str) -> Vec<(&str, usize)> {
 }
 
 impl CommsLogger {
+    /// The summary of what was recorded on this process, without printing.
+    pub fn summary(&self) -> Summary {
+        let rows = self.rows().iter().map(|(k, s)| Row::new(k, s)).collect();
+        Summary { rank: self.recorded_rank(), rows, stragglers: None }
+    }
+
+    /// Prints this process's summary table to standard output and returns it (DeepSpeed's
+    /// `log_summary(return_dict=True)`; the data is `serde`-serializable). For the
+    /// per-rank straggler view see [`log_summary_with_stragglers`](Self::log_summary_with_stragglers).
+    pub fn log_summary(&self) -> Summary {
+        let s = self.summary();
+        println!("{s}");
+        s
+    }
+
     /// [`summary`](Self::summary) plus the straggler view over `group`, without printing.
     ///
     /// **Collective**: every rank of `group` must call it (like DeepSpeed's

@@ -4,13 +4,13 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use comm_core::lane::Ticket;
-use comm_core::{CommError, Completer, DType, HostBuffer, Rank};
+use comm_core::{config, CommError, Completer, DType, HostBuffer, OpKind, Rank};
 
 use crate::raw::{self, Comm, Request};
 
 use super::header::OpLabel;
-use super::p2p::P2p;
-use super::plans::{Active, Born, Env, Pool, Reply, Step, Steps};
+use super::p2p::{finish, mpi_tag, poll, P2p};
+use super::steps::{bury, exchange, internal, Active, Born, Env, Pool, Reply, Step, Steps};
 use super::{GroupInfo, Params};
 
 pub(super) struct Group {
@@ -172,9 +172,64 @@ impl Group {
     }
 }
 
-/// Keeps an unfinished request (and its buffers) until MPI completes it, if ever.
-pub(super) fn bury(req: Request, graveyard: &mut Vec<Request>) {
-    if !req.is_done() {
-        graveyard.push(req);
+/// Starts a group's next collective: the header exchange first (with checking on).
+pub(super) fn start_collective(
+    g: &mut Group,
+    steps: Steps,
+    ticket: Option<Ticket>,
+    half: Option<&raw::HalfOps>,
+    pool: &Pool,
+    graveyard: &mut Vec<Request>,
+    born: &mut Born,
+) {
+    let Steps { name, header, payload, whole, start, reply } = steps;
+    config::injected_panic(g.params.panic_at, name, g.info.rank);
+    let what = OpLabel { name, seq: g.seq, direct: false };
+    let checked = g.info.size > 1 && (g.params.check || header.op == OpKind::NewGroup.code());
+    let env = g.env(half, pool);
+    let first = if checked {
+        exchange(&env, header, payload, whole, start, what).map(|(req, cont)| Step::Wait(req, cont))
+    } else if whole.is_some() {
+        Err(internal("an input planned beside an exchange that does not happen"))
+    } else {
+        start(&env, None)
+    };
+    g.next((ticket, what, Instant::now(), reply), first, graveyard, born);
+}
+
+impl Group {
+    /// Progresses every send and receive in flight; whether any finished.
+    pub(super) fn progress_p2p(&mut self, graveyard: &mut Vec<Request>, now: Instant) -> bool {
+        let g = self;
+        let mut any = false;
+        let mut i = 0;
+        // Receives still unmatched in this pass: a later receive from the same rank with the same
+        // tag must not match first (its probe would take a message that arrived since theirs).
+        let mut waiting: Vec<(Rank, i32)> = Vec::new();
+        while i < g.p2p.len() {
+            // Receives are matched in posting order (the list keeps it), as MPI matches them.
+            let p = &mut g.p2p[i];
+            let key = (p.peer, mpi_tag(p.tag, p.dtype));
+            let unmatched = p.recv && p.req.is_none();
+            if unmatched && waiting.contains(&key) {
+                i += 1;
+                continue;
+            }
+            let Some(result) = poll(p, &g.comm, now, g.params.timeout) else {
+                if unmatched && g.p2p[i].req.is_none() {
+                    waiting.push(key);
+                }
+                i += 1;
+                continue;
+            };
+            any = true;
+            let p = g.p2p.remove(i);
+            // Poisoned before the op completes: the caller's next op must find it so.
+            if let Err(e) = &result {
+                g.poison(e, graveyard);
+            }
+            finish(p, result, graveyard);
+        }
+        any
     }
 }

@@ -1,113 +1,9 @@
 //! The header exchange that starts every checked collective: one fixed-size slot per rank
 //! (header, and a small op's data), compared alike on every rank.
 
-use std::time::Instant;
+use comm_core::{CommError, DType, HostBuffer, OpKind, Rank, ReduceOp};
 
-use comm_core::lane::Ticket;
-use comm_core::{config, CommError, DType, HostBuffer, OpKind, Rank, ReduceOp};
-
-use crate::raw::{self, Bufs, Request};
-
-use super::group::Group;
-use super::held;
-use super::plans::{internal, take, wait, Born, Cont, Env, Pool, Start, Step, Steps};
-
-/// Issues the exchange before a collective (a long all_reduce input's start beside it,
-/// [`beside_len`]); the continuation checks the headers and starts the op, on any thread.
-pub(super) fn exchange(
-    env: &Env<'_>,
-    header: Header,
-    payload: Option<Vec<u8>>,
-    whole: Option<HostBuffer>,
-    start: Start,
-    what: OpLabel,
-) -> Result<(Request, Cont), CommError> {
-    let (comm, size, pool) = (env.comm, env.size, env.pool);
-    let (slot, in_slot) = (exchange_slot_bytes(size), slot_max(size));
-    let beside = whole.as_ref().map_or(0, |w| beside_len(w.byte_len(), size));
-    let data = match (&payload, &whole) {
-        (Some(p), _) => Some(&p[..]),
-        (None, Some(w)) => Some(&w.as_bytes()[beside..]),
-        (None, None) => None,
-    };
-    if data.is_some_and(|d| d.len() > in_slot) {
-        return Err(internal("an exchange payload longer than the slot"));
-    }
-    let inline = data.is_some();
-    // Our slot: the header (with the [`ALONE`] bit), then the data.
-    let p = data.unwrap_or_default();
-    let mut mine = pool.buffer(DType::U8, 32 + p.len());
-    let mut words = header.encode();
-    if held::alone(env.gid) {
-        words[1] |= ALONE;
-    }
-    mine.as_bytes_mut()[..32].copy_from_slice(bytemuck::cast_slice(&words));
-    mine.as_bytes_mut()[32..].copy_from_slice(p);
-    // An all_reduce reads its own input from its buffer: only the header is copied over.
-    let own = if whole.is_some() { 32 } else { mine.byte_len() };
-    // Not zeroed when kept from an earlier op: every message starts with a whole header, and
-    // data is read only from peers whose header (so whose length) matches.
-    let req = raw::iexchange(comm, mine, slot, own, pool.buffer(DType::U8, slot * size))?;
-    // The start is sent now, so its transfer overlaps the headers' round trip; received once
-    // the headers agree (its length follows from theirs: `header.extra`).
-    let (sends, input) = match whole {
-        Some(w) if beside > 0 => (Some(raw::imessages(comm, raw::bulk_tag(), Some((w, 0..beside)), None, &[])?), None),
-        w => (None, w),
-    };
-    let cont: Cont = Box::new(move |env: &Env<'_>, bufs: Bufs| {
-        env.pool.recycle(bufs.send);
-        let mut ex = Exchange { all: take(bufs.recv)?, slot, bulk: None, input };
-        if let Err(e) = verify(&ex, env.size, &header, env.rank, what) {
-            return drain(env, &ex, sends, e);
-        }
-        let may_block = ex.all_alone(env.size);
-        let Some(sends) = sends else {
-            let step = start(&Env { may_block, ..*env }, inline.then_some(&mut ex));
-            env.pool.recycle(Some(ex.all));
-            return step;
-        };
-        let len = bulk_len(&header, env.size).ok_or_else(|| internal("an all_reduce sent a part it has not"))?;
-        let parts: Vec<_> = (0..env.size).filter(|&p| p != env.rank).map(|p| (p, p * len, len)).collect();
-        let recvs =
-            raw::imessages(env.comm, raw::bulk_tag(), None, Some(env.pool.buffer(DType::U8, len * env.size)), &parts)?;
-        Ok(wait(recvs, move |_, b| {
-            let peers = take(b.recv)?;
-            Ok(wait(sends, move |env, b| {
-                ex.input = b.send;
-                ex.bulk = Some(Bulk { peers, len });
-                let step = start(&Env { may_block, ..*env }, Some(&mut ex));
-                env.pool.recycle(Some(ex.all));
-                env.pool.recycle(ex.bulk.map(|b| b.peers));
-                step
-            }))
-        }))
-    });
-    Ok((req, cont))
-}
-
-/// After a failed header check: receives what the peers sent beside the exchange and completes
-/// our own sends, so no message of the failed op stays queued in MPI; then fails with `e`.
-fn drain(env: &Env<'_>, ex: &Exchange, sends: Option<Request>, e: CommError) -> Result<Step, CommError> {
-    let mut parts = Vec::new();
-    let mut at = 0;
-    for p in (0..env.size).filter(|&p| p != env.rank) {
-        if let Some(len) = ex.header(p).and_then(|h| bulk_len(&h, env.size)) {
-            parts.push((p, at, len));
-            at += len;
-        }
-    }
-    let fail = move |_: &Env<'_>, _: Bufs| -> Result<Step, CommError> { Err(e) };
-    let then = move |env: &Env<'_>, b: Bufs| match sends {
-        Some(sends) => Ok(wait(sends, fail)),
-        None => fail(env, b),
-    };
-    if parts.is_empty() {
-        return then(env, Bufs::default());
-    }
-    // Lengths from the peers' headers: an allocation that fails is an error, not an abort.
-    let recvs = raw::imessages(env.comm, raw::bulk_tag(), None, Some(HostBuffer::try_zeroed(DType::U8, at)?), &parts)?;
-    Ok(wait(recvs, then))
-}
+use crate::raw;
 
 /// How many bytes a rank with header `h` sent beside the exchange of a group of `n` (the start
 /// of an all_reduce's input longer than its slot), if it did.
@@ -263,8 +159,8 @@ pub(super) struct Exchange {
 /// The starts of all_reduce inputs exchanged beside the slots.
 pub(super) struct Bulk {
     /// Peer `p`'s at `p × len` (this rank's block unused).
-    peers: HostBuffer,
-    len: usize,
+    pub(super) peers: HostBuffer,
+    pub(super) len: usize,
 }
 
 impl Exchange {
@@ -324,31 +220,6 @@ impl std::fmt::Display for OpLabel {
             false => write!(f, "{} #{}", self.name, self.seq),
         }
     }
-}
-
-/// Starts a group's next collective: the header exchange first (with checking on).
-pub(super) fn start_collective(
-    g: &mut Group,
-    steps: Steps,
-    ticket: Option<Ticket>,
-    half: Option<&raw::HalfOps>,
-    pool: &Pool,
-    graveyard: &mut Vec<Request>,
-    born: &mut Born,
-) {
-    let Steps { name, header, payload, whole, start, reply } = steps;
-    config::injected_panic(g.params.panic_at, name, g.info.rank);
-    let what = OpLabel { name, seq: g.seq, direct: false };
-    let checked = g.info.size > 1 && (g.params.check || header.op == OpKind::NewGroup.code());
-    let env = g.env(half, pool);
-    let first = if checked {
-        exchange(&env, header, payload, whole, start, what).map(|(req, cont)| Step::Wait(req, cont))
-    } else if whole.is_some() {
-        Err(internal("an input planned beside an exchange that does not happen"))
-    } else {
-        start(&env, None)
-    };
-    g.next((ticket, what, Instant::now(), reply), first, graveyard, born);
 }
 
 /// Compares every rank's header with rank 0's (so every rank reaches the same verdict).

@@ -5,15 +5,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
-use comm_core::lane::{self as shared, Class, LaneState, Queued, Ran, Ticket};
+use comm_core::lane::{self as shared, Backlog, CallerWait, Class, LaneState, Ran, Ticket};
 use comm_core::{CommError, Completer, HostBuffer};
 
 use crate::raw::{self, Polled};
 
-use super::header::{exchange, OpLabel};
+use super::header::OpLabel;
 use super::op::{Job, Pending, Plan, Post};
 use super::p2p::P2p;
-use super::plans::{Active, Env, Out, Pool, Reply, Step, Steps};
+use super::steps::{exchange, Active, Env, Out, Pool, Reply, Step, Steps};
 use super::{p2p, reject_with, Command, GroupInfo, Params};
 
 /// A group's lane, shared by its handles and the worker: a caller runs an op itself when the
@@ -35,8 +35,8 @@ pub(super) struct Caller {
 }
 
 impl LaneState for Caller {
-    fn is_idle(&self, class: Class, queued: &Queued) -> bool {
-        self.comm.is_some() && queued.of(class) == 0
+    fn is_idle(&self, class: Class, backlog: &Backlog) -> bool {
+        self.comm.is_some() && backlog.of(class) == 0
     }
 
     fn contain_panic(&mut self, message: &str) {
@@ -45,9 +45,12 @@ impl LaneState for Caller {
 }
 
 impl Lane {
-    pub(super) fn new(comm: raw::SharedComm, params: Params, poison: Poison, spin: Duration) -> Lane {
+    /// `spin`: how long a caller spins for its peers; `share`: how many threads of the process
+    /// may spin at once (the CPUs this rank may call its own).
+    pub(super) fn new(comm: raw::SharedComm, params: Params, poison: Poison, spin: Duration, share: usize) -> Lane {
         let caller = Caller { comm: Some(comm), seq: 0, pool: Pool::default(), poison: poison.clone() };
-        Lane { lane: shared::Lane::new(caller, Arc::default(), poison, spin), params }
+        let wait = CallerWait { spin, then_yield: DIRECT_YIELD, share };
+        Lane { lane: shared::Lane::new(caller, Arc::default(), poison, wait), params }
     }
 }
 
@@ -77,7 +80,7 @@ pub(crate) fn submit_direct<R: Plan>(
         Ok(Ran { out: Ok(finished), .. }) => finished.complete(info),
         // A panic reached the op's completer, which reports it (as the group's poison).
         Ok(Ran { out: Err(_), .. }) => {}
-        Err(op) => return Some((op, Some(lane.lane.queued().ticket(class)))),
+        Err(op) => return Some((op, Some(lane.lane.backlog().ticket(class)))),
     }
     None
 }
@@ -101,7 +104,7 @@ fn collective_direct(
         Err(e) => Err(e),
         Ok((mut req, cont)) => {
             let started = Instant::now();
-            let polled = spin_poll(started, lane.lane.spin(), || match req.test() {
+            let polled = lane.lane.wait().wait(|_| match req.test() {
                 Polled::Pending => None,
                 Polled::Done(_) => Some(Ok(())),
                 Polled::Failed { err, .. } => Some(Err(what.failed(err))),
@@ -109,7 +112,7 @@ fn collective_direct(
             let Some(polled) = polled else {
                 // Peers are late: the worker polls it (a task this thread would run may be what they
                 // wait for); counted in the lane and sent under the lock, so it runs first.
-                let ticket = lane.lane.queued().ticket(Class::Collective);
+                let ticket = lane.lane.backlog().ticket(Class::Collective);
                 let active = Active { ticket: Some(ticket), what, started, req, cont, reply };
                 return tx
                     .send(Command::Adopt(info.gid, Box::new(active)))
@@ -143,11 +146,10 @@ fn p2p_direct(
         Ok(p) => p,
         Err(refused) => return Finished::Refused(refused),
     };
-    let poll = || p2p::poll(&mut p, comm, Instant::now(), timeout);
-    if let Some(result) = spin_poll(Instant::now(), lane.lane.spin(), poll) {
+    if let Some(result) = lane.lane.wait().wait(|_| p2p::poll(&mut p, comm, Instant::now(), timeout)) {
         return Finished::Done(Box::new(p), result);
     }
-    p.ticket = Some(lane.lane.queued().ticket(Class::P2p));
+    p.ticket = Some(lane.lane.backlog().ticket(Class::P2p));
     tx.send(Command::AdoptP2p(info.gid, Box::new(p))).map_or_else(|e| Finished::Gone(e.0), |()| Finished::Nothing)
 }
 
@@ -196,30 +198,8 @@ impl Finished {
 /// no wait for the receiver's answer.
 const P2P_DIRECT_MAX: usize = 2 << 10;
 
-/// Yields a direct op's caller makes after its spin budget before handing the op to the worker.
-const DIRECT_YIELDS: u32 = 16;
-
-/// Polls on the caller's thread until `poll` gives a result: spinning until `spin` has passed
-/// since `started`, then yielding [`DIRECT_YIELDS`] times; `None` if it still has none (the
-/// worker goes on with the op).
-fn spin_poll<T>(started: Instant, spin: Duration, mut poll: impl FnMut() -> Option<T>) -> Option<T> {
-    let (mut yields, mut polls) = (0, 0u32);
-    loop {
-        polls = polls.wrapping_add(1);
-        if let Some(t) = poll() {
-            return Some(t);
-        }
-        // The clock read only every 16th poll: it costs about as much as a poll.
-        if !polls.is_multiple_of(16) || started.elapsed() < spin {
-            std::hint::spin_loop();
-        } else if yields < DIRECT_YIELDS {
-            yields += 1;
-            std::thread::yield_now();
-        } else {
-            return None;
-        }
-    }
-}
+/// How long a direct op's caller yields after its spin before it hands the op to the worker.
+const DIRECT_YIELD: Duration = Duration::from_micros(20);
 
 /// A direct op's steps after its exchange, each request polled on this thread to its end.
 fn steps_direct(env: &Env<'_>, mut step: Step, started: Instant, what: OpLabel) -> Result<Out, CommError> {
@@ -229,22 +209,23 @@ fn steps_direct(env: &Env<'_>, mut step: Step, started: Instant, what: OpLabel) 
             Step::Done(out) => return Ok(out),
             Step::Wait(req, cont) => (req, cont),
         };
-        let bufs = loop {
-            match req.test() {
-                Polled::Done(_) => break req.into_bufs()?,
-                Polled::Failed { err, .. } => return Err(what.failed(err)),
-                Polled::Pending if started.elapsed() >= timeout => {
-                    // The request stays with MPI: dropping it leaks its buffers (raw rule 3).
-                    return Err(CommError::timeout(
-                        what.to_string(),
-                        timeout,
-                        format!("a rank of the group of {size} stopped in the middle of it (died, or hangs)"),
-                    ));
-                }
-                // Yield between polls, as the worker does: the transport may need the core.
-                Polled::Pending => std::thread::yield_now(),
-            }
+        // Every rank is in the op: the caller yields between polls until the timeout, as the
+        // worker does (the transport may need the core).
+        let wait = CallerWait { spin: Duration::ZERO, then_yield: timeout.saturating_sub(started.elapsed()), share: 0 };
+        let polled = wait.wait(|_| match req.test() {
+            Polled::Pending => None,
+            Polled::Done(_) => Some(Ok(())),
+            Polled::Failed { err, .. } => Some(Err(what.failed(err))),
+        });
+        let Some(polled) = polled else {
+            // The request stays with MPI: dropping it leaks its buffers (raw rule 3).
+            return Err(CommError::timeout(
+                what.to_string(),
+                timeout,
+                format!("a rank of the group of {size} stopped in the middle of it (died, or hangs)"),
+            ));
         };
+        let bufs = polled.and_then(|()| req.into_bufs())?;
         step = cont(env, bufs)?;
     }
 }

@@ -9,7 +9,7 @@ use crate::raw::{Comm, Polled};
 use crate::{kernels, raw};
 
 use super::header::WHOLE_MAX;
-use super::plans::internal;
+use super::steps::internal;
 
 /// Fewest bytes a gather threshold takes: what one exchange slot carries (an input that fits
 /// it costs no message of its own). Also the threshold until measured.

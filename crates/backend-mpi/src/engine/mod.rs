@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use comm_core::cpus::CpuSet;
 use comm_core::handle::{self, Poison};
+use comm_core::lane::{run_worker, Turn, Worker};
 use comm_core::{CommError, Completer, Rank};
 
 use crate::raw::{self, Comm, PendingDup, Polled, Request};
@@ -21,18 +22,18 @@ mod measure;
 mod op;
 mod p2p;
 mod plans;
+mod steps;
 
 pub(crate) use comm_core::lane::Ticket;
-use group::{bury, Group};
-use header::start_collective;
+use group::{start_collective, Group};
 pub(crate) use held::Held;
 pub(crate) use lane::{submit_direct, Lane};
 pub(crate) use measure::GATHER_MIN;
 use op::{Job, Queued};
 pub(crate) use op::{NewGroup, Pending, Plan};
-use p2p::{progress_p2p, P2p};
-pub(crate) use plans::Active;
-use plans::{internal, Born, Pool};
+use p2p::P2p;
+pub(crate) use steps::Active;
+use steps::{bury, internal, Born, Pool};
 
 /// Identifies a group (communicator) inside the worker.
 pub(crate) type Gid = u64;
@@ -125,6 +126,47 @@ pub(crate) struct Engine {
     multiple: bool,
 }
 
+impl Worker for Engine {
+    /// One turn of the loop.
+    fn turn(&mut self) -> Turn {
+        let mut progressed = false;
+        while let Ok(m) = self.rx.try_recv() {
+            progressed = true;
+            self.accept(m);
+        }
+        progressed |= self.progress();
+        self.reap();
+        if self.ending.as_ref().is_some_and(|e| {
+            self.groups.values().all(Group::idle) && self.dups.is_empty() || Instant::now() >= e.deadline
+        }) {
+            return Turn::Done;
+        }
+        if progressed {
+            self.last_progress = Instant::now();
+        } else {
+            self.idle();
+        }
+        Turn::Again
+    }
+
+    /// A panic (with `abort_on_panic` off) poisons every group, so pending and later ops fail
+    /// and shutdown completes; a second one ends the worker.
+    fn contain_panic(&mut self, message: &str, nth: u32) -> Turn {
+        let e = CommError::Backend {
+            backend: "mpi",
+            source: format!("the MPI worker of rank {} panicked: {message}", self.world.rank).into(),
+        };
+        for g in self.groups.values_mut() {
+            g.poison(&e, &mut self.graveyard);
+        }
+        if nth > 1 {
+            Turn::Done
+        } else {
+            Turn::Again
+        }
+    }
+}
+
 /// The words of the CPU mask the node's ranks exchange at start: 4096 CPUs.
 const CPU_WORDS: usize = 64;
 
@@ -188,55 +230,13 @@ impl Engine {
     }
 
     pub(crate) fn run(mut self) {
-        let mut panics = 0;
-        loop {
-            // A panic (with `abort_on_panic` off) poisons every group, so pending and later ops
-            // fail and shutdown completes; a second one ends the worker.
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.turn())) {
-                Ok(true) => break,
-                Ok(false) => {}
-                Err(payload) => {
-                    panics += 1;
-                    self.contain_panic(&comm_core::panic_message(&*payload));
-                    if panics > 1 {
-                        break;
-                    }
-                }
-            }
-        }
+        run_worker(&mut self);
         self.finish();
     }
 
-    /// One turn of the loop; whether the worker is done.
-    fn turn(&mut self) -> bool {
-        let mut progressed = false;
-        while let Ok(m) = self.rx.try_recv() {
-            progressed = true;
-            self.accept(m);
-        }
-        progressed |= self.progress();
-        self.reap();
-        if self.ending.as_ref().is_some_and(|e| {
-            self.groups.values().all(Group::idle) && self.dups.is_empty() || Instant::now() >= e.deadline
-        }) {
-            return true;
-        }
-        if progressed {
-            self.last_progress = Instant::now();
-        } else {
-            self.idle();
-        }
-        false
-    }
-
-    fn contain_panic(&mut self, message: &str) {
-        let e = CommError::Backend {
-            backend: "mpi",
-            source: format!("the MPI worker of rank {} panicked: {message}", self.world.rank).into(),
-        };
-        for g in self.groups.values_mut() {
-            g.poison(&e, &mut self.graveyard);
-        }
+    /// The CPUs this rank may call its own: at most this many of its threads spin at once.
+    fn cpu_share(&self) -> usize {
+        (self.world.node_cpus / (self.world.local_size.max(1) as usize)).max(1)
     }
 
     /// Nothing progressed: spin, then yield between polls while a collective (or, for a
@@ -371,7 +371,7 @@ impl Engine {
         let now = Instant::now();
         for g in self.groups.values_mut() {
             any |= g.hear(now, &mut self.graveyard);
-            any |= progress_p2p(g, &mut self.graveyard, now);
+            any |= g.progress_p2p(&mut self.graveyard, now);
             loop {
                 if g.active.is_none() {
                     let Some((steps, ticket)) = g.queue.pop_front() else { break };
@@ -474,7 +474,7 @@ impl Engine {
         let poison = Poison::new();
         // Fault injection targets the worker: its groups keep every op there.
         let lane = (self.multiple && params.panic_at.is_none())
-            .then(|| Arc::new(Lane::new(comm.share(), params.clone(), poison.clone(), self.spin)));
+            .then(|| Arc::new(Lane::new(comm.share(), params.clone(), poison.clone(), self.spin, self.cpu_share())));
         let info = GroupInfo {
             gid,
             rank: comm.rank() as Rank,

@@ -4,7 +4,7 @@
 use comm_core::ops::Op;
 use comm_core::{CommError, Completer, DType, HostBuffer, OpKind, Rank};
 
-use super::plans::Steps;
+use super::steps::Steps;
 use super::{GroupInfo, Params};
 
 /// How one request type runs on this backend. Public only in name (this module is private),

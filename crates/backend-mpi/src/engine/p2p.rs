@@ -7,9 +7,8 @@ use comm_core::{CommError, Completer, DType, HostBuffer, Rank};
 
 use crate::raw::{self, Comm, Polled, Request};
 
-use super::group::{bury, Group};
 use super::op::Post;
-use super::plans::{internal, take};
+use super::steps::{bury, internal, take};
 
 /// The MPI tag of a user tag: the dtype in the low 3 bits, so a receive matches only its dtype.
 pub(super) fn mpi_tag(tag: u32, dtype: DType) -> i32 {
@@ -69,39 +68,6 @@ fn match_recv(p: &mut P2p, comm: &Comm) -> Result<bool, CommError> {
     };
     p.req = Some(raw::imrecv(m, into)?);
     Ok(true)
-}
-
-pub(super) fn progress_p2p(g: &mut Group, graveyard: &mut Vec<Request>, now: Instant) -> bool {
-    let mut any = false;
-    let mut i = 0;
-    // Receives still unmatched in this pass: a later receive from the same rank with the same
-    // tag must not match first (its probe would take a message that arrived since theirs).
-    let mut waiting: Vec<(Rank, i32)> = Vec::new();
-    while i < g.p2p.len() {
-        // Receives are matched in posting order (the list keeps it), as MPI matches them.
-        let p = &mut g.p2p[i];
-        let key = (p.peer, mpi_tag(p.tag, p.dtype));
-        let unmatched = p.recv && p.req.is_none();
-        if unmatched && waiting.contains(&key) {
-            i += 1;
-            continue;
-        }
-        let Some(result) = poll(p, &g.comm, now, g.params.timeout) else {
-            if unmatched && g.p2p[i].req.is_none() {
-                waiting.push(key);
-            }
-            i += 1;
-            continue;
-        };
-        any = true;
-        let p = g.p2p.remove(i);
-        // Poisoned before the op completes: the caller's next op must find it so.
-        if let Err(e) = &result {
-            g.poison(e, graveyard);
-        }
-        finish(p, result, graveyard);
-    }
-    any
 }
 
 /// Polls `p` once (matching a receive's message first): `None` while it is in flight within

@@ -8,7 +8,7 @@ use comm_core::{CommError, DType, HostBuffer};
 use mpi::ffi;
 
 use super::request::{count, counts, recv_ptr, send_ptr, Bufs, Issued, Request};
-use super::{check, datatype, in_place, tag_ub, Comm};
+use super::{check, datatype, exchange_tag, in_place, Comm};
 
 /// A collective's nonblocking call given a request slot, else its blocking form (see
 /// [`Request::start`]).
@@ -47,23 +47,6 @@ pub(crate) fn iallgather(comm: &Comm, send: HostBuffer, recv: HostBuffer, blocki
         // SAFETY: `s` holds `n` elements and `r` holds `size × n` (rule 2).
         unsafe { call!(req, MPI_Iallgather / MPI_Allgather(s, n, dt, r, n, dt, comm.raw)) }
     })
-}
-
-/// The tag of [`iexchange`]'s messages: the top block of tags, which user tags (`tag << 3 |
-/// dtype`, tag ≤ `(MPI_TAG_UB >> 3) - 1`) never reach.
-pub(crate) fn exchange_tag() -> i32 {
-    (tag_ub() >> 3) << 3
-}
-
-/// The tag of an all_reduce input sent beside the exchange ([`imessages`]): the next in the
-/// reserved block (of 8, as `MPI_TAG_UB` is `2^k - 1`: the worker checks it).
-pub(crate) fn bulk_tag() -> i32 {
-    exchange_tag() + 1
-}
-
-/// The tag of a poisoned group's notice to its peers ([`take_notice`]).
-pub(crate) fn notice_tag() -> i32 {
-    exchange_tag() + 2
 }
 
 /// An all-gather of small slots by point-to-point messages (cheaper than `MPI_Iallgather`):

@@ -207,6 +207,23 @@ pub(crate) fn tag_ub() -> i32 {
     }
 }
 
+/// The tag of [`iexchange`](calls::iexchange)'s messages: the top block of tags, which user tags (`tag << 3 |
+/// dtype`, tag ≤ `(MPI_TAG_UB >> 3) - 1`) never reach.
+pub(crate) fn exchange_tag() -> i32 {
+    (tag_ub() >> 3) << 3
+}
+
+/// The tag of an all_reduce input sent beside the exchange ([`imessages`](calls::imessages)): the next in the
+/// reserved block (of 8, as `MPI_TAG_UB` is `2^k - 1`: the worker checks it).
+pub(crate) fn bulk_tag() -> i32 {
+    exchange_tag() + 1
+}
+
+/// The tag of a poisoned group's notice to its peers ([`take_notice`](request::take_notice)).
+pub(crate) fn notice_tag() -> i32 {
+    exchange_tag() + 2
+}
+
 /// Ends the whole job: `MPI_Abort(MPI_COMM_WORLD, code)`. Callable from any thread (MPI is
 /// initialised with `MPI_THREAD_MULTIPLE` for this); the caller checks that MPI is live.
 pub(crate) fn abort(code: i32) {

@@ -7,8 +7,7 @@ use std::mem::MaybeUninit;
 use comm_core::{CommError, HostBuffer};
 use mpi::ffi;
 
-use super::calls::notice_tag;
-use super::{check, datatype, error, Comm, MpiError};
+use super::{check, datatype, error, notice_tag, Comm, MpiError};
 
 /// The buffers a request uses, handed back on completion.
 #[derive(Debug, Default)]

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
+use comm_core::lane::{run_worker, Turn, Worker};
 use comm_core::{CommError, Completer, Op};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
 
@@ -199,6 +200,7 @@ pub(crate) fn main(setup: Setup, ready: Once<Ready>, init: Receiver<InitRequest>
         setup,
         shutdown: None,
         disconnected: false,
+        wait: Wait { idle: 0, spin_until: Instant::now() },
     }
     .run();
 }
@@ -218,6 +220,7 @@ struct Engine {
     setup: Setup,
     shutdown: Option<Vec<Completer<()>>>,
     disconnected: bool,
+    wait: Wait,
 }
 
 /// Most p2p ops batched into one NCCL group.
@@ -231,6 +234,7 @@ pub(crate) const SPIN: Duration = Duration::from_micros(50);
 const YIELD_TURNS: u32 = 32;
 
 /// The worker's waiting state between progress.
+#[derive(Clone, Copy)]
 struct Wait {
     /// Turns without progress since the spinning ended.
     idle: u32,
@@ -244,38 +248,40 @@ impl Wait {
     }
 }
 
+impl Worker for Engine {
+    /// One turn of the loop.
+    fn turn(&mut self) -> Turn {
+        let mut wait = self.wait;
+        let turn = self.turn_waiting(&mut wait);
+        self.wait = wait;
+        turn
+    }
+
+    /// A panic is contained: the group is poisoned with its message (the op that panicked
+    /// reports `Poisoned`, later ones fail fast) and shutdown still completes; a second one ends
+    /// the loop as a shutdown would.
+    fn contain_panic(&mut self, message: &str, nth: u32) -> Turn {
+        self.poison(format!("backend `nccl`: the worker panicked: {message}"));
+        if nth > 1 {
+            Turn::Done
+        } else {
+            Turn::Again
+        }
+    }
+}
+
 impl Engine {
     fn run(mut self) {
-        let mut wait = Wait { idle: 0, spin_until: Instant::now() };
-        let mut panics = 0;
-        loop {
-            // A panic is contained: the group is poisoned with its message (the op that
-            // panicked reports `Poisoned`, later ones fail fast) and shutdown still completes;
-            // a second one ends the loop as a shutdown would.
-            let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.turn(&mut wait)));
-            match turn {
-                Ok(true) => break,
-                Ok(false) => {}
-                Err(payload) => {
-                    let message = comm_core::panic_message(&*payload);
-                    self.poison(format!("backend `nccl`: the worker panicked: {message}"));
-                    panics += 1;
-                    if panics > 1 {
-                        break;
-                    }
-                }
-            }
-        }
+        run_worker(&mut self);
         self.close();
     }
 
-    /// One turn of the loop; whether the worker is done.
-    fn turn(&mut self, wait: &mut Wait) -> bool {
+    fn turn_waiting(&mut self, wait: &mut Wait) -> Turn {
         if self.reap() {
             wait.progress();
         }
         if self.in_flight.is_empty() && (self.shutdown.is_some() || self.disconnected) {
-            return true;
+            return Turn::Done;
         }
         match self.next(wait) {
             Some(Command::Op(r)) => {
@@ -285,7 +291,7 @@ impl Engine {
             Some(Command::Shutdown(done)) => self.shutdown.get_or_insert_with(Vec::new).push(done),
             None => {}
         }
-        false
+        Turn::Again
     }
 
     /// The next command. For [`SPIN`] after the last progress the channel (and, by the loop,

@@ -8,12 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm_core::handle::Poison;
-use comm_core::lane::{self, Class, Lane, LaneState};
+use comm_core::lane::{self, run_worker, Class, Lane, LaneState, Turn, Worker};
 use comm_core::ops::{RecvFrom, SendTo};
 use comm_core::{config, CommError, Completer, DType, HostBuffer, InOut, OpKind, ReduceOp};
 
 use crate::layout::*;
-use crate::plans::OneShotOutput;
 use crate::segment::Segment;
 use crate::sys::{futex_wait, ProcId};
 
@@ -64,7 +63,7 @@ mod stores;
 mod zero_copy;
 
 use oneshot::Parked;
-pub(crate) use oneshot::{Inline, OneShot, Then};
+pub(crate) use oneshot::{Inline, OneShot, OneShotOutput, Then};
 pub(crate) use steps::init_segment;
 
 /// What one turn of the worker did.
@@ -183,7 +182,7 @@ pub struct Engine {
     params: Params,
     rx: Receiver<Command>,
     /// Commands sent but not yet taken from `rx`: an inline op may only run when it is 0.
-    pending: Arc<lane::Queued>,
+    pending: Arc<lane::Backlog>,
     parked: Option<Parked>,
     /// Set by the worker when the group is poisoned; the handle reads it to fail fast.
     poison: Poison,
@@ -245,7 +244,7 @@ impl Engine {
         procs: Vec<Option<ProcId>>,
         params: Params,
     ) -> (Arc<Lane<Engine>>, Sender<Command>) {
-        let (world, (tx, rx), pending, poison) = (lay.world, channel(), Arc::<lane::Queued>::default(), Poison::new());
+        let (world, (tx, rx), pending, poison) = (lay.world, channel(), Arc::<lane::Backlog>::default(), Poison::new());
         let engine = Engine {
             rank,
             world,
@@ -281,7 +280,8 @@ impl Engine {
             write_stores: (0..16).map(|_| stores::Stores::writes(params.stream)).collect(),
             oneshot_timed: None,
         };
-        (Arc::new(Lane::new(engine, pending, poison, params.spin)), tx)
+        let wait = lane::CallerWait { spin: params.spin, then_yield: INLINE_YIELD, share: params.cpus };
+        (Arc::new(Lane::new(engine, pending, poison, wait)), tx)
     }
 
     fn p2p_idle(&self) -> bool {
@@ -423,10 +423,10 @@ impl Engine {
 impl LaneState for Engine {
     /// A collective: see [`Engine::is_idle`]. A message: nothing still on its way to the
     /// worker (it could be a message to the same peer, which must go first).
-    fn is_idle(&self, class: Class, queued: &lane::Queued) -> bool {
+    fn is_idle(&self, class: Class, backlog: &lane::Backlog) -> bool {
         match class {
             Class::Collective => Engine::is_idle(self),
-            Class::P2p => queued.any() == 0,
+            Class::P2p => backlog.any() == 0,
         }
     }
 
@@ -442,74 +442,91 @@ impl LaneState for Engine {
 /// The worker thread: runs [`Engine::work`] under the lock and sleeps on the doorbell,
 /// unlocked, whenever there is nothing to do. `spin`: how long it keeps polling while only
 /// point-to-point traffic waits on peers before it sleeps ([`Params::spin`]).
-pub(crate) fn worker(engine: Arc<Lane<Engine>>, me: Arc<Segment>, spin: Duration) {
-    let lock = || engine.lock();
-    let mut broken = false;
-    // One turn under the lock; `None` when `wait` is false and a caller holds the engine. Callers
-    // are woken after the unlock (ARCHITECTURE.md, "Waking callers unlocked").
-    let mut work = |wait: bool| {
-        let turn = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let mut engine = match engine.try_lock() {
-                Some(g) => g,
-                None if wait => lock(),
-                None => return None,
-            };
-            let flow = if broken { engine.drain_after_panic() } else { engine.work() };
-            let finished = engine.finished.take();
-            drop(engine);
-            if let Some((done, r)) = finished {
-                done.complete(r);
-            }
-            Some(flow)
-        }));
-        turn.unwrap_or_else(|payload| {
-            // A bug, not a peer's fault: contain it so this rank fails cleanly (peers told,
-            // pending ops failed, shutdown answered) instead of going half-alive.
-            broken |= !lock().on_panic(&comm_core::panic_message(&*payload));
-            Some(Flow::Busy)
-        })
+pub(crate) fn worker(lane: Arc<Lane<Engine>>, me: Arc<Segment>, spin: Duration) {
+    run_worker(&mut WorkerThread { lane, me, spin, broken: false, quiet_at: None, idle_since: None });
+}
+
+/// What the worker thread keeps between turns.
+struct WorkerThread {
+    lane: Arc<Lane<Engine>>,
+    me: Arc<Segment>,
+    spin: Duration,
+    /// A second panic showed the engine cannot be trusted: turns only drain (see
+    /// [`Engine::drain_after_panic`]).
+    broken: bool,
+    /// The doorbell's value when a turn last found nothing to do: until it rings again, a turn
+    /// only tries the lock (16 µs stalls otherwise: ARCHITECTURE.md, "Callers own the lock...").
+    quiet_at: Option<u32>,
+    /// Since when turns have found point-to-point traffic in flight and nothing to do.
+    idle_since: Option<Instant>,
+}
+
+/// One pass under the lock; `None` when `wait` is false and a caller holds the engine. Callers
+/// are woken after the unlock (ARCHITECTURE.md, "Waking callers unlocked").
+fn work(lane: &Lane<Engine>, broken: bool, wait: bool) -> Option<Flow> {
+    let mut engine = match lane.try_lock() {
+        Some(g) => g,
+        None if wait => lane.lock(),
+        None => return None,
     };
-    // The doorbell's value when a turn last found nothing to do: until it rings again, a turn
-    // only tries the lock (16 µs stalls otherwise: ARCHITECTURE.md, "Callers own the lock...").
-    let mut quiet_at = None;
-    // Since when turns have found point-to-point traffic in flight and nothing to do.
-    let mut idle_since = None;
-    loop {
-        let bell = me.u32_at(OFF_DOORBELL);
+    let flow = if broken { engine.drain_after_panic() } else { engine.work() };
+    let finished = engine.finished.take();
+    drop(engine);
+    if let Some((done, r)) = finished {
+        done.complete(r);
+    }
+    Some(flow)
+}
+
+impl Worker for WorkerThread {
+    fn turn(&mut self) -> Turn {
+        let bell = self.me.u32_at(OFF_DOORBELL);
         let seen = bell.load(SeqCst);
-        let wait = quiet_at != Some(seen);
-        let wait_for = match work(wait) {
-            Some(Flow::Exit) => return,
+        let wait = self.quiet_at != Some(seen);
+        let wait_for = match work(&self.lane, self.broken, wait) {
+            Some(Flow::Exit) => return Turn::Done,
             Some(Flow::Busy) => {
-                (quiet_at, idle_since) = (None, None);
-                continue;
+                (self.quiet_at, self.idle_since) = (None, None);
+                return Turn::Again;
             }
             Some(Flow::Idle) => {
-                quiet_at = None;
+                self.quiet_at = None;
                 // Poll for the next chunk or acknowledgement first (ARCHITECTURE.md, shm step 3).
-                if idle_since.get_or_insert_with(Instant::now).elapsed() < spin {
+                if self.idle_since.get_or_insert_with(Instant::now).elapsed() < self.spin {
                     std::thread::yield_now();
-                    continue;
+                    return Turn::Again;
                 }
                 SLEEP_PEERS
             }
             Some(Flow::Quiet) => {
-                (quiet_at, idle_since) = (Some(seen), None);
+                (self.quiet_at, self.idle_since) = (Some(seen), None);
                 SLEEP_LOCAL
             }
             None => SLEEP_LOCAL,
         };
         // Announce the sleep, then look once more: a peer that published before seeing the
         // flag is visible now; one that publishes later rings the bell.
-        me.u32_at(OFF_SLEEPING).fetch_or(wait_for, SeqCst);
-        let flow = work(wait_for == SLEEP_PEERS);
+        let sleeping = self.me.u32_at(OFF_SLEEPING);
+        sleeping.fetch_or(wait_for, SeqCst);
+        let flow = work(&self.lane, self.broken, wait_for == SLEEP_PEERS);
         if matches!(flow, Some(Flow::Idle | Flow::Quiet) | None) {
             futex_wait(bell, seen, Duration::from_millis(10));
         }
-        me.u32_at(OFF_SLEEPING).fetch_and(!wait_for, SeqCst);
-        if matches!(flow, Some(Flow::Exit)) {
-            return;
+        sleeping.fetch_and(!wait_for, SeqCst);
+        match flow {
+            Some(Flow::Exit) => Turn::Done,
+            _ => Turn::Again,
         }
+    }
+
+    /// A bug, not a peer's fault: contained so this rank fails cleanly (peers told, pending ops
+    /// failed, shutdown answered) instead of going half-alive; after a second panic turns only
+    /// drain.
+    fn contain_panic(&mut self, message: &str, _nth: u32) -> Turn {
+        self.me.u32_at(OFF_SLEEPING).store(0, SeqCst);
+        self.broken |= !self.lane.lock().on_panic(message);
+        (self.quiet_at, self.idle_since) = (None, None);
+        Turn::Again
     }
 }
 

@@ -1,15 +1,13 @@
 //! One-step collectives: the form small ops take, run inline by the caller or by the worker.
 
-use std::time::{Duration, Instant};
-
-use comm_core::lane::SpinSlot;
-use comm_core::{config, DType, HostBuffer, OpKind, Rank, ReduceOp};
+use comm_core::lane::CallerWait;
+use comm_core::{config, Completer, DType, HostBuffer, InOut, OpKind, Rank, ReduceOp};
 use comm_kernels as kernels;
 
 use crate::layout::{StepHeader, CARRIED};
 
 use super::stores::to_window;
-use super::{Done, Engine, Io, Phase, Queued, Result, AUX_ARRIVE, INLINE_YIELD};
+use super::{Done, Engine, Io, Phase, Queued, Result, AUX_ARRIVE};
 
 /// A collective that takes exactly one step (its data fits the window). These are the
 /// latency-bound ops, which the caller's thread runs inline when the group is idle.
@@ -249,9 +247,9 @@ pub(crate) enum Then {
 }
 
 impl Engine {
-    /// Runs `op` on the caller's thread: publishes it and waits up to `budget` for the
-    /// peers. Call only when [`is_idle`](Self::is_idle).
-    pub(crate) fn try_inline(&mut self, mut op: OneShot, budget: Duration) -> Inline {
+    /// Runs `op` on the caller's thread: publishes it and waits for the peers as `wait` says.
+    /// Call only when [`is_idle`](Self::is_idle).
+    pub(crate) fn try_inline(&mut self, mut op: OneShot, wait: CallerWait) -> Inline {
         if let Some(e) = self.poison_error() {
             return Inline::Done(Err(e));
         }
@@ -274,7 +272,7 @@ impl Engine {
         }
         // Even a rank that reads nothing (a broadcast's root...) waits for its peers: if every
         // rank took itself for the root, only the header check would tell.
-        if !self.poll(budget, |e| e.headers_reached(k)) {
+        if !self.poll(wait, |e| e.headers_reached(k)) {
             self.parked = Some(Parked { op, k, hdr, then: None });
             return Inline::Parked;
         }
@@ -282,45 +280,9 @@ impl Engine {
         Inline::Done(self.read_step(&mut op, k, &hdr).map(|()| op))
     }
 
-    /// Polls `ready` on the caller's thread: spins for `budget`, then yields for
-    /// [`INLINE_YIELD`]; whether it became true.
-    fn poll(&self, budget: Duration, ready: impl Fn(&Engine) -> bool) -> bool {
-        // The clock is first read after 64 polls, then every 64th: a read costs as much as a
-        // few polls, and most ops are done before (the budget starts a few polls late).
-        let mut t0 = None;
-        let mut polls = 0u32;
-        let mut budget = budget;
-        // Taken at the first poll that fails: an op whose peers are there costs nothing more.
-        let mut slot: Option<Option<SpinSlot>> = None;
-        while !ready(self) {
-            if slot.is_none() && !budget.is_zero() {
-                let taken = SpinSlot::try_take(self.params.cpus);
-                if taken.is_none() {
-                    budget = Duration::ZERO;
-                }
-                slot = Some(taken);
-            }
-            polls = polls.wrapping_add(1);
-            if !polls.is_multiple_of(64) && !budget.is_zero() {
-                std::hint::spin_loop();
-                continue;
-            }
-            let waited = t0.get_or_insert_with(Instant::now).elapsed();
-            if waited >= budget + INLINE_YIELD {
-                return false;
-            }
-            if waited < budget {
-                // A true spin: the peer runs on another core and arrives within microseconds
-                // (`budget` is zero when ranks outnumber their CPUs).
-                std::hint::spin_loop();
-            } else {
-                // Then give the core away while waiting a little longer: on a busy or small
-                // machine the peer may need it, and parking costs two wake-ups (ours and our
-                // caller's), which would make the ranks alternate between parking.
-                std::thread::yield_now();
-            }
-        }
-        true
+    /// Polls `ready` on the caller's thread as `wait` says; whether it became true.
+    fn poll(&self, wait: CallerWait, ready: impl Fn(&Engine) -> bool) -> bool {
+        wait.wait(|_| ready(self).then_some(())).is_some()
     }
 
     /// Gives the parked op (after [`Inline::Parked`]) what follows it.
@@ -428,5 +390,54 @@ pub(super) fn concat(views: &[&[u8]], me: usize, own: &[u8], dst: &mut [u8], str
     for (p, v) in views.iter().enumerate() {
         let to = p * stride + at;
         dst[to..to + own.len()].copy_from_slice(if p == me { own } else { &v[..own.len()] });
+    }
+}
+
+/// What a one-step op hands back: its buffer, or nothing (barrier).
+pub trait OneShotOutput: Sized {
+    fn from_one_shot(op: OneShot) -> Self;
+    fn done(c: Completer<Self>) -> Done;
+}
+
+impl OneShotOutput for HostBuffer {
+    /// The result buffer (the barrier's is empty).
+    fn from_one_shot(op: OneShot) -> Self {
+        match op {
+            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => buf,
+            other => InOut::from_one_shot(other).output,
+        }
+    }
+    fn done(c: Completer<Self>) -> Done {
+        Done::Buf(c)
+    }
+}
+
+impl OneShotOutput for InOut {
+    /// Input and output of an op that reads one buffer and fills another.
+    fn from_one_shot(op: OneShot) -> Self {
+        let empty = |d: DType| HostBuffer::zeroed(d, 0);
+        match op {
+            OneShot::AllGather { input, out }
+            | OneShot::ReduceScatter { input, out, .. }
+            | OneShot::AllToAll { input, out, .. } => InOut { input, output: out },
+            OneShot::AllReduce { buf, .. } | OneShot::Broadcast { buf, .. } => {
+                InOut { output: empty(buf.dtype()), input: buf }
+            }
+            OneShot::Scatter { input, out, .. } => {
+                InOut { input: input.unwrap_or_else(|| empty(out.dtype())), output: out }
+            }
+            OneShot::Gather { input, out, .. } => InOut { output: out.unwrap_or_else(|| empty(input.dtype())), input },
+            OneShot::Barrier | OneShot::Arrive { .. } => InOut { input: empty(DType::U8), output: empty(DType::U8) },
+        }
+    }
+    fn done(c: Completer<Self>) -> Done {
+        Done::Io(c)
+    }
+}
+
+impl OneShotOutput for () {
+    fn from_one_shot(_: OneShot) {}
+    fn done(c: Completer<Self>) -> Done {
+        Done::Unit(c)
     }
 }

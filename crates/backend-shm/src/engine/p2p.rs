@@ -1,15 +1,15 @@
 //! Point-to-point: per-pair mailboxes, progressed between and during collectives.
 
 use std::sync::atomic::Ordering::{Acquire, Release, SeqCst};
-use std::time::{Duration, Instant};
 
+use comm_core::lane::CallerWait;
 use comm_core::{CommError, DType, OpKind};
 
 use crate::layout::{MsgHeader, CARRIED, IN_PLACE, OFF_RECEIVING, SLOTS};
 
 use super::steps::{read_chunk, write_chunk};
 use super::zero_copy::{copy_in_place, decode, encode, place_of};
-use super::{Engine, Result, INLINE_YIELD};
+use super::{Engine, Result};
 
 impl Engine {
     pub(super) fn progress_p2p(&mut self) -> Result<bool> {
@@ -25,32 +25,32 @@ impl Engine {
         Ok(any)
     }
 
-    /// Progresses point-to-point traffic on a caller's thread until `done()` (`budget` `None`:
-    /// one pass): spinning for `budget`, then yielding for [`INLINE_YIELD`] unless the awaited
-    /// peer waits in a receive itself (`OFF_RECEIVING`; why: ARCHITECTURE.md, "Direct
-    /// point-to-point"). An error poisons the group, as on the worker, and ends the wait.
-    pub(crate) fn progress_inline(&mut self, budget: Option<Duration>, done: impl Fn() -> bool) {
-        let start = Instant::now();
-        if budget.is_some() {
-            self.me().u32_at(OFF_RECEIVING).store(1, Release);
+    /// Progresses point-to-point traffic on a caller's thread until `done()`, waiting as `wait`
+    /// says (`None`: one pass), but not yielding for an awaited peer that waits in a receive
+    /// itself (`OFF_RECEIVING`; why: ARCHITECTURE.md, "Direct point-to-point"). An error poisons
+    /// the group, as on the worker, and ends the wait.
+    pub(crate) fn progress_inline(&mut self, wait: Option<CallerWait>, done: impl Fn() -> bool) {
+        let Some(wait) = wait else {
+            self.p2p_pass();
+            return;
+        };
+        self.me().u32_at(OFF_RECEIVING).store(1, Release);
+        wait.wait(|yielding| (!self.p2p_pass() || done() || yielding && self.awaited_peer_receiving()).then_some(()));
+        self.me().u32_at(OFF_RECEIVING).store(0, Release);
+    }
+
+    /// One pass over point-to-point traffic; whether the group is still healthy (an error
+    /// poisons it, as on the worker).
+    fn p2p_pass(&mut self) -> bool {
+        if self.poisoned.is_some() {
+            return false;
         }
-        loop {
-            if self.poisoned.is_some() {
-                break;
-            }
-            if let Err(e) = self.progress_p2p() {
+        match self.progress_p2p() {
+            Ok(_) => true,
+            Err(e) => {
                 self.poison_with(&e);
-                break;
+                false
             }
-            let Some(budget) = budget.filter(|_| !done()) else { break };
-            match start.elapsed() {
-                t if t < budget => std::hint::spin_loop(),
-                t if t < budget + INLINE_YIELD && !self.awaited_peer_receiving() => std::thread::yield_now(),
-                _ => break,
-            }
-        }
-        if budget.is_some() {
-            self.me().u32_at(OFF_RECEIVING).store(0, Release);
         }
     }
 

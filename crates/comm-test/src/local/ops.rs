@@ -7,7 +7,6 @@ use std::sync::Arc;
 use comm_core::ops::{AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, Reduce, ReduceScatter, Scatter};
 use comm_core::{Backend, CommError, Completer, DType, HostBuffer, InOut, Op, Rank};
 
-use super::rank::new_handle;
 use super::{GroupCtx, Payload, Sig};
 use crate::reference;
 
@@ -217,23 +216,5 @@ impl Op for NewGroup {
             return Err(CommError::invalid(Self::NAME, format!("ranks {:?} are not strictly increasing", self.ranks)));
         }
         Ok(())
-    }
-}
-
-impl LocalOp for NewGroup {
-    fn sig(&self) -> Sig {
-        Sig { ranks: Some(self.ranks.clone()), ..Sig::new(Self::NAME) }
-    }
-    fn run(reqs: Vec<Self>, ctx: &GroupCtx) -> Result<Vec<Self::Output>, CommError> {
-        let ranks = &reqs[0].ranks;
-        let mut st = ctx.world.lock();
-        let parent =
-            &st.groups.get(&ctx.gid).ok_or_else(|| CommError::Shutdown("the parent group is gone".into()))?.members;
-        let members = ranks.iter().map(|&r| parent[r as usize]).collect();
-        let gid = st.add_group(members);
-        let size = ranks.len() as u32;
-        Ok((0..reqs.len() as Rank)
-            .map(|r| ranks.iter().position(|&m| m == r).map(|i| new_handle(&ctx.world, &mut st, gid, i as Rank, size)))
-            .collect())
     }
 }

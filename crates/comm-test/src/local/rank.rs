@@ -14,7 +14,7 @@ use comm_core::ops::{
 use comm_core::{Backend, Collective, CommError, Completer, Group, HostBuffer, Op, Rank, Work};
 
 use super::ops::{fail, fill, finish, LocalOp, NewGroup};
-use super::{Channel, Deferred, Entry, FinishFn, GroupCtx, Payload, Posted, Slot, State, World};
+use super::{Channel, Deferred, Entry, FinishFn, GroupCtx, Payload, Posted, Sig, Slot, State, World};
 
 pub(super) fn new_handle(world: &Arc<World>, st: &mut State, gid: u64, rank: Rank, size: u32) -> Arc<dyn Backend> {
     st.handles += 1;
@@ -288,5 +288,24 @@ impl Group for LocalRank {
     async fn shutdown(&self) -> Result<(), CommError> {
         self.shut.store(true, Ordering::Release);
         Ok(())
+    }
+}
+
+/// A new group's handles are made here, where handles live.
+impl LocalOp for NewGroup {
+    fn sig(&self) -> Sig {
+        Sig { ranks: Some(self.ranks.clone()), ..Sig::new(Self::NAME) }
+    }
+    fn run(reqs: Vec<Self>, ctx: &GroupCtx) -> Result<Vec<Self::Output>, CommError> {
+        let ranks = &reqs[0].ranks;
+        let mut st = ctx.world.lock();
+        let parent =
+            &st.groups.get(&ctx.gid).ok_or_else(|| CommError::Shutdown("the parent group is gone".into()))?.members;
+        let members = ranks.iter().map(|&r| parent[r as usize]).collect();
+        let gid = st.add_group(members);
+        let size = ranks.len() as u32;
+        Ok((0..reqs.len() as Rank)
+            .map(|r| ranks.iter().position(|&m| m == r).map(|i| new_handle(&ctx.world, &mut st, gid, i as Rank, size)))
+            .collect())
     }
 }

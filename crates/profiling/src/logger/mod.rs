@@ -7,8 +7,6 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, Weak};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
-use crate::summary::{Row, Summary};
-
 mod direct;
 mod rows;
 mod subscriber;
@@ -287,27 +285,17 @@ impl CommsLogger {
         self.rows().iter().map(|(_, s)| s.count + s.errors).sum()
     }
 
+    /// The rank recorded ops came from, once one was.
+    pub(crate) fn recorded_rank(&self) -> Option<u32> {
+        self.inner.rank.get().copied()
+    }
+
     /// Names of the ops recorded, sorted (`get_logged_comm_ops`).
     pub fn logged_ops(&self) -> Vec<String> {
         let mut ops: Vec<String> = self.rows().iter().map(|(k, _)| k.op.to_owned()).collect();
         ops.sort();
         ops.dedup();
         ops
-    }
-
-    /// The summary of what was recorded on this process, without printing.
-    pub fn summary(&self) -> Summary {
-        let rows = self.rows().iter().map(|(k, s)| Row::new(k, s)).collect();
-        Summary { rank: self.inner.rank.get().copied(), rows, stragglers: None }
-    }
-
-    /// Prints this process's summary table to standard output and returns it (DeepSpeed's
-    /// `log_summary(return_dict=True)`; the data is `serde`-serializable). For the
-    /// per-rank straggler view see [`log_summary_with_stragglers`](Self::log_summary_with_stragglers).
-    pub fn log_summary(&self) -> Summary {
-        let s = self.summary();
-        println!("{s}");
-        s
     }
 
     #[inline]

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::bandwidth::bandwidth;
-use crate::summary::human_size;
+use crate::bandwidth::human_size;
 
 use super::{CommsLogger, VERBOSE};
 

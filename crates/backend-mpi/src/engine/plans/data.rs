@@ -5,10 +5,11 @@ use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank};
 
 use crate::engine::header::{inline_max, Exchange, Header, INLINE_ANY};
 use crate::engine::op::{Job, Plan};
+use crate::engine::steps::{done, done_io, take, wait, Env, Reply, Step, Steps};
 use crate::engine::Params;
 use crate::raw;
 
-use super::{done, done_io, take, wait, Env, Part, Reply, Step, Steps, DIRECT_MAX};
+use super::{Part, DIRECT_MAX};
 
 /// The transfer of an all_to_all.
 fn ialltoallv(env: &Env<'_>, input: HostBuffer, out: HostBuffer, parts: &[Vec<Part>; 2]) -> Result<Step, CommError> {

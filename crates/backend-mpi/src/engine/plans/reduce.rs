@@ -5,13 +5,11 @@ use comm_core::{CommError, Completer, DType, HostBuffer, InOut, OpKind, Rank, Re
 
 use crate::engine::header::{beside_len, inline_max, Exchange, Header};
 use crate::engine::op::{Job, Plan};
+use crate::engine::steps::{done, done_io, internal, take, wait, Env, Reply, Step, Steps};
 use crate::engine::Params;
 use crate::{kernels, raw};
 
-use super::{
-    blocks, direct_native, direct_reduction, done, done_io, internal, local_reduction, mpi_op, take, wait, Env, Part,
-    Reply, Step, Steps,
-};
+use super::{blocks, direct_native, direct_reduction, local_reduction, mpi_op, Part};
 
 /// all_reduce (`root == None`) or reduce to `root` in a group of `n`; non-roots get their input.
 pub(super) fn plan_reduce(
