@@ -53,7 +53,7 @@ pub(crate) fn loadable(name: &str) -> bool {
 }
 
 /// `cuDriverGetVersion` (e.g. 13000 for CUDA 13.0). Panics when libcuda is missing: call after
-/// [`cuda_lib_present`] (and inside `catch_unwind`).
+/// [`cuda_lib_present`] (and inside `comm_core::catch_panic`).
 pub(crate) fn driver_version() -> Result<i32, DriverError> {
     let mut v = 0;
     // SAFETY: writes one int through a valid pointer.

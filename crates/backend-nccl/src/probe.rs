@@ -2,8 +2,8 @@
 //!
 //! cudarc loads libraries lazily and *panics* on the first call when a library (or a symbol)
 //! is missing. The probe first asks cudarc's non-panicking presence checks, and runs every call
-//! that loads something inside `catch_unwind` (with `panic = "abort"` a missing *symbol* would
-//! still abort the process; a missing library never gets that far).
+//! that loads something inside `comm_core::catch_panic` (with `panic = "abort"` a missing
+//! *symbol* would still abort the process; a missing library never gets that far).
 
 use std::sync::OnceLock;
 
