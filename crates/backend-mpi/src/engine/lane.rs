@@ -1,6 +1,7 @@
 //! Each group's lane: callers run small ops on their own thread while the worker holds none of
 //! the group's ops of that class (see ARCHITECTURE.md, "The path of a small op").
 
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,9 @@ use super::{p2p, reject_with, Command, GroupInfo, Params};
 pub(crate) struct Lane {
     pub(super) lane: shared::Lane<Caller>,
     pub(super) params: Params,
+    /// Direct collectives handed to the worker (`Command::Adopt`) that it has not taken yet:
+    /// they were issued before anything it has queued, so it starts nothing else meanwhile.
+    pub(super) handing_over: AtomicUsize,
 }
 
 /// What a caller running an op uses, under the lane's lock.
@@ -50,7 +54,11 @@ impl Lane {
     pub(super) fn new(comm: raw::SharedComm, params: Params, poison: Poison, spin: Duration, share: usize) -> Lane {
         let caller = Caller { comm: Some(comm), seq: 0, pool: Pool::default(), poison: poison.clone() };
         let wait = CallerWait { spin, then_yield: DIRECT_YIELD, share };
-        Lane { lane: shared::Lane::new(caller, Arc::default(), poison, wait), params }
+        Lane {
+            lane: shared::Lane::new(caller, Arc::default(), poison, wait),
+            params,
+            handing_over: AtomicUsize::new(0),
+        }
     }
 }
 
@@ -114,9 +122,14 @@ fn collective_direct(
                 // wait for); counted in the lane and sent under the lock, so it runs first.
                 let ticket = lane.lane.backlog().ticket(Class::Collective);
                 let active = Active { ticket: Some(ticket), what, started, req, cont, reply };
-                return tx
-                    .send(Command::Adopt(info.gid, Box::new(active)))
-                    .map_or_else(|e| Finished::Gone(e.0), |()| Finished::Nothing);
+                lane.handing_over.fetch_add(1, SeqCst);
+                return tx.send(Command::Adopt(info.gid, Box::new(active))).map_or_else(
+                    |e| {
+                        lane.handing_over.fetch_sub(1, SeqCst);
+                        Finished::Gone(e.0)
+                    },
+                    |()| Finished::Nothing,
+                );
             };
             // Every rank is in the op now: its further steps (a large exact reduction) run here too.
             polled.and_then(|()| req.into_bufs()).and_then(|bufs| steps_direct(&env, cont(&env, bufs)?, started, what))

@@ -2,6 +2,7 @@
 //! runs every op as nonblocking steps polled in one loop (see ARCHITECTURE.md, "The MPI backend").
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -124,6 +125,14 @@ pub(crate) struct Engine {
     spin: Duration,
     /// MPI provides `MPI_THREAD_MULTIPLE`: groups get a lane for direct ops.
     multiple: bool,
+}
+
+/// Whether no caller runs a direct op on `g` now and none handed one over that the worker has
+/// not taken, so its next queued collective may start: such an op was issued before the queued
+/// one and must run first. Once the lane was seen free, no caller goes direct before the queue
+/// is empty (the queued ops' tickets are counted in the lane).
+fn lane_free(g: &Group) -> bool {
+    g.info.lane.as_ref().is_none_or(|l| l.lane.try_lock().is_some() && l.handing_over.load(SeqCst) == 0)
 }
 
 impl Worker for Engine {
@@ -293,10 +302,18 @@ impl Engine {
                 }
             }
             Command::Adopt(gid, a) => match self.groups.get_mut(&gid) {
-                Some(g) if g.active.is_none() && g.poisoned.is_none() => g.active = Some(*a),
                 Some(g) => {
-                    let e =
-                        g.poison_error().unwrap_or_else(|| internal("a direct op was handed over while another ran"));
+                    if let Some(lane) = &g.info.lane {
+                        lane.handing_over.fetch_sub(1, SeqCst);
+                    }
+                    if g.active.is_none() && g.poisoned.is_none() {
+                        g.active = Some(*a);
+                        return;
+                    }
+                    let running = g.active.as_ref().map(|r| r.what.to_string()).unwrap_or_default();
+                    let e = g.poison_error().unwrap_or_else(|| {
+                        internal(&format!("{} was handed over while {running} ran (group {gid})", a.what))
+                    });
                     let Active { req, reply, .. } = *a;
                     reply.fail(e);
                     bury(req, &mut self.graveyard);
@@ -374,6 +391,9 @@ impl Engine {
             any |= g.progress_p2p(&mut self.graveyard, now);
             loop {
                 if g.active.is_none() {
+                    if g.queue.is_empty() || !lane_free(g) {
+                        break;
+                    }
                     let Some((steps, ticket)) = g.queue.pop_front() else { break };
                     any = true;
                     g.seq += 1;
