@@ -188,6 +188,7 @@ impl CommError {
 
 /// Runs `f`, catching a panic that unwinds out of it: its message instead. The one place the
 /// workspace catches panics (workers, inline ops, loader calls), so each is reported alike.
+#[inline]
 pub fn catch_panic<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|payload| panic_message(&*payload))
 }

@@ -144,7 +144,17 @@ impl CallerWait {
     /// Polls until `poll` gives a value, or the wait's budget is spent (`None`). `poll` is told
     /// whether the spin is over (it may then end the wait by giving a value: there is no point
     /// in yielding for a peer that waits on us).
+    #[inline]
     pub fn wait<T>(&self, mut poll: impl FnMut(bool) -> Option<T>) -> Option<T> {
+        // Most waits end at their first poll: that one costs no more than the poll.
+        match poll(false) {
+            Some(t) => Some(t),
+            None => self.keep_waiting(poll),
+        }
+    }
+
+    #[cold]
+    fn keep_waiting<T>(&self, mut poll: impl FnMut(bool) -> Option<T>) -> Option<T> {
         // The clock is first read after 64 polls, then every 64th, and the core is yielded only
         // then: a read costs as much as a few polls, and most waits end before (the spin starts
         // a few polls late). Without a spin every poll reads it and yields.
@@ -155,9 +165,6 @@ impl CallerWait {
         // Taken at the first poll that fails: a wait whose peers are there costs nothing more.
         let mut slot: Option<Option<SpinSlot>> = None;
         loop {
-            if let Some(t) = poll(yielding) {
-                return Some(t);
-            }
             if slot.is_none() && !spin.is_zero() {
                 let taken = SpinSlot::try_take(self.share);
                 if taken.is_none() {
@@ -168,16 +175,19 @@ impl CallerWait {
             polls = polls.wrapping_add(1);
             if !polls.is_multiple_of(64) && !spin.is_zero() {
                 std::hint::spin_loop();
-                continue;
-            }
-            let waited = t0.get_or_insert_with(Instant::now).elapsed();
-            if waited < spin {
-                std::hint::spin_loop();
-            } else if waited < spin + self.then_yield {
-                yielding = true;
-                std::thread::yield_now();
             } else {
-                return None;
+                let waited = t0.get_or_insert_with(Instant::now).elapsed();
+                if waited < spin {
+                    std::hint::spin_loop();
+                } else if waited < spin + self.then_yield {
+                    yielding = true;
+                    std::thread::yield_now();
+                } else {
+                    return None;
+                }
+            }
+            if let Some(t) = poll(yielding) {
+                return Some(t);
             }
         }
     }
