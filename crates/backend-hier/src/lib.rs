@@ -176,6 +176,15 @@ impl Group for HierBackend {
         };
         sub_group(&self.lane, parent, ranks).await
     }
+    /// Fails the group here and every inner group it runs on, whose peers (on this host and
+    /// the others) are told by theirs.
+    fn abort(&self, cause: &str) {
+        self.admission.poison().set(cause);
+        self.parts.groups().for_each(|g| g.abort(cause));
+    }
+    fn poison(&self) -> Option<&Poison> {
+        Some(self.admission.poison())
+    }
     /// Fails at once: between hosts a group runs over MPI, which cannot shrink here.
     async fn shrink(&self) -> Result<Shrunk, CommError> {
         Err(CommError::Unavailable {
@@ -261,6 +270,12 @@ impl Group for Sub {
     }
     async fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Backend>>, CommError> {
         sub_group(&self.lane, self.inner.clone(), ranks.to_vec()).await
+    }
+    fn abort(&self, cause: &str) {
+        self.inner.abort(cause)
+    }
+    fn poison(&self) -> Option<&Poison> {
+        self.inner.poison()
     }
     async fn shutdown(&self) -> Result<(), CommError> {
         let inner = self.inner.clone();

@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use comm_core::elastic::Shrunk;
-use comm_core::handle::{self, shutdown_done, Admission};
+use comm_core::handle::{self, shutdown_done, Admission, Poison};
 use comm_core::{config, Backend, Collective, CommError, Group, Launcher, Rank, Work, WorldInfo, WorldSource};
 
 use engine::{Command, GroupInfo, NewGroup, Params, Pending, Plan};
@@ -404,10 +404,15 @@ impl Group for MpiBackend {
         shutdown_done(work).await
     }
 
-    /// Later ops fail at once; the worker, on its next turn (within 100 ms when idle), poisons
-    /// the group and sends the peers its notice (see `Group::hear`).
+    /// Later ops fail at once; the worker, woken, fails the group's ops in flight and sends
+    /// the peers its notice (see `Group::hear`), which fails theirs.
     fn abort(&self, cause: &str) {
         self.inner.info.poison.set(cause);
+        let _ = self.inner.tx.send(Command::Hear(self.inner.info.gid));
+    }
+
+    fn poison(&self) -> Option<&Poison> {
+        Some(&self.inner.info.poison)
     }
 
     /// Fails at once: see [`NO_SHRINK`].

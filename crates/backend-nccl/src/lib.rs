@@ -419,6 +419,14 @@ impl Group for NcclBackend {
         Ok(Some(Arc::new(g)))
     }
 
+    /// Fails the group on this rank: later ops fail at once, queued ones when the worker takes
+    /// them. NCCL has no channel to tell the peers: their ops on it fail at their timeout.
+    fn abort(&self, cause: &str) {
+        self.inner.admission.poison().set(cause);
+    }
+    fn poison(&self) -> Option<&Poison> {
+        Some(self.inner.admission.poison())
+    }
     async fn shutdown(&self) -> Result<(), CommError> {
         if !self.inner.admission.begin_shutdown() {
             return Ok(());

@@ -65,6 +65,8 @@ pub(crate) const SLOTS: u64 = 2;
 pub(crate) const STATE_READY: u32 = 1;
 pub(crate) const STATE_ABORTED: u32 = 2;
 pub(crate) const STATE_CLOSED: u32 = 3;
+/// Between `READY` and `ABORTED` while the reason is written (`engine::publish_abort`).
+pub(crate) const STATE_WRITING: u32 = 4;
 
 /// Offsets of one segment, identical on every rank of a group.
 #[derive(Clone, Copy, Debug)]

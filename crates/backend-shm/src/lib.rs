@@ -25,7 +25,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use comm_core::cpus::CpuSet;
 use comm_core::elastic::{self, Elastic, Shrunk};
-use comm_core::handle::{self, shutdown_done, Admission, Subgroups};
+use comm_core::handle::{self, shutdown_done, Admission, Poison, Subgroups};
 use comm_core::lane::{CallerWait, Class, Lane, Ran};
 use comm_core::{config, Backend, Collective, CommError, DType, Group, HostBuffer, OpKind, Rank, Store, Work};
 
@@ -646,10 +646,18 @@ impl Group for ShmBackend {
         shutdown_done(work).await
     }
 
-    /// The worker poisons the group as it takes the command (ahead of queued collectives),
-    /// writing the cause into this rank's segment, where the peers' waits see it.
+    /// Later ops fail at once; the worker fails the group's ops as it takes the command (ahead
+    /// of queued collectives), writing the cause into this rank's segment, where the peers'
+    /// waits see it.
     fn abort(&self, cause: &str) {
+        self.inner.admission.poison().set(cause);
+        // Said at once, so that a process that exits next still tells its peers why.
+        engine::publish_abort(&self.inner.me, cause);
         self.enqueue(Command::Abort(cause.to_owned()));
+    }
+
+    fn poison(&self) -> Option<&Poison> {
+        Some(self.inner.admission.poison())
     }
 
     /// On one host a rank's death is exact (its process is gone), so the survivors' agreement

@@ -702,6 +702,38 @@ impl ProcessGroup {
     pub async fn shutdown(&self) -> Result<(), CommError> {
         self.backend.shutdown().await
     }
+
+    /// Fails this group on every rank (torchcomms' `abort`, NCCL's `ncclCommRevoke`): its ops in
+    /// flight and later ones fail here with `Poisoned`, and on the other ranks with `PeerLost`
+    /// naming this rank and `reason`, as soon as their backend hears of it (shm, mpi, hier:
+    /// within milliseconds; nccl tells no peer, whose ops fail at their timeout). Local, no
+    /// wait; the group cannot be used again (make a new one, or `shrink`). On a stream it fails
+    /// every arbitrated stream (they share one group).
+    pub fn abort(&self, reason: &str) {
+        self.backend.abort(&format!("{reason} (ProcessGroup::abort on rank {})", self.rank()));
+    }
+
+    /// What failed this group on this rank, once something did (c10d's `get_error`): the
+    /// first failure, as every later op reports it (`Poisoned`). `None` while it is healthy,
+    /// and on backends without a failure state (`local`, streams).
+    pub fn error(&self) -> Option<CommError> {
+        self.backend.poison().and_then(|p| p.cause()).map(|cause| CommError::Poisoned { cause })
+    }
+
+    /// Runs `hook` once, with the cause, when this group fails on this rank (an op's error
+    /// that poisons it, a peer's failure or abort, [`abort`](Self::abort)); at once if it has
+    /// already. It runs on the thread that fails the group, often the backend's worker: keep it
+    /// short (flip a health flag, send to a channel). `Unsupported` where the backend keeps no
+    /// failure state (`local`, streams).
+    pub fn on_failure(&self, hook: impl FnOnce(&str) + Send + 'static) -> Result<(), CommError> {
+        let poison = self.backend.poison().ok_or(CommError::Unsupported {
+            op: "on_failure",
+            dtype: None,
+            backend: self.backend.backend_name(),
+        })?;
+        poison.on_set(Box::new(hook));
+        Ok(())
+    }
 }
 
 /// The indices of `bufs` grouped by dtype, groups in order of first appearance (the same on

@@ -150,3 +150,20 @@ async fn single_process_world_does_everything_locally() {
     let e = pg.barrier().await.unwrap_err();
     assert!(matches!(e, comm_api::CommError::Shutdown(_)), "{e}");
 }
+
+/// `abort` on one rank fails another rank's op in flight and every later op, with the reason;
+/// `LocalWorld` keeps no failure state, so `error()` is `None` and `on_failure` is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_fails_the_ops_in_flight_of_every_rank() {
+    let pgs = world(2);
+    let waiting = pgs[0].all_reduce(HostBuffer::from_slice(&[1.0f32]), ReduceOp::Sum);
+    pgs[1].abort("maintenance");
+    let e = waiting.await.expect_err("rank 1 never joined");
+    assert!(e.to_string().contains("maintenance (ProcessGroup::abort on rank 1)"), "{e}");
+    for pg in &pgs {
+        let later = pg.barrier().await.expect_err("the group is aborted");
+        assert!(later.to_string().contains("maintenance"), "{later}");
+        assert!(pg.error().is_none());
+        assert!(matches!(pg.on_failure(|_| {}), Err(comm_api::CommError::Unsupported { .. })));
+    }
+}

@@ -18,6 +18,9 @@ use comm_test::mpirun::{Job, Launch};
 mod streams_body;
 mod surfaces;
 
+#[path = "common/abort.rs"]
+mod abort;
+
 const CHILD: &str = "COMM_HIER_CHILD";
 const LAYOUT: &str = "COMM_HIER_TEST_LAYOUT";
 
@@ -190,6 +193,21 @@ fn tasks_sharing_a_group_are_stopped_hier_and_mpi() {
     }
 }
 
+/// `pg.abort(reason)` on rank 1 reaches every rank, on another host too: their op in flight
+/// fails naming the reason, `error()` and the failure hook say it (the mpi backend on one host
+/// of 3 ranks, hier on 2 × 2).
+#[test]
+fn abort_reaches_every_rank_hier_and_mpi() {
+    for (sizes, backend) in [(&[3][..], "mpi"), (&[2, 2][..], "hier")] {
+        let envs = [("COMM_TIMEOUT", "5"), ("COMM_BACKEND", backend)];
+        let Some(job) = job(sizes, "abort", &envs, Duration::from_secs(120)) else { return };
+        assert_eq!(job.lines("ABORT-OK").len(), sizes.iter().sum::<usize>(), "{job}");
+        // The ranks' ops end within seconds of the abort, not at the 5 s timeout; MPI's
+        // finalisation may wait for requests the failed group left behind (mpi "Finalisation").
+        assert!(job.code == Some(0) || job.code == Some(1), "{job}");
+    }
+}
+
 #[test]
 fn a_killed_rank_ends_the_job_on_every_host() {
     let envs = [("COMM_TIMEOUT", "10")];
@@ -219,6 +237,10 @@ fn child() {
             "surfaces" => surfaces().await,
             "streams" => streams().await,
             "misuse" => misuse().await,
+            "abort" => {
+                let pg = comm_api::init(Config::from_env().unwrap()).await.expect("init");
+                reported("ABORT", &pg, abort::abort_scenario(&pg).await)
+            }
             other => {
                 eprintln!("unknown scenario {other}");
                 2

@@ -12,6 +12,9 @@ use comm_test::{multiprocess, SuiteConfig};
 mod shm;
 use shm::{connect, leftovers, T};
 
+#[path = "common/abort.rs"]
+mod abort;
+
 async fn suite(cfg: SuiteConfig) -> Result<(), String> {
     let pg = connect().await?;
     let report = comm_test::suite::run(pg.backend().clone(), &cfg).await?;
@@ -179,6 +182,17 @@ fn peer_exits_before_collective() {
         }
         println!("rank {}: {msg} after {:?}", pg.rank(), t.elapsed());
         Ok(())
+    });
+}
+
+/// `pg.abort(reason)` on one rank fails the others' op in flight with `PeerLost` naming the
+/// rank and the reason (shortly after, not at the timeout), `pg.error()` says it on every
+/// rank, every rank's failure hook runs once, and later ops fail fast.
+#[test]
+fn abort_reaches_every_rank() {
+    multiprocess::run(3, "abort_reaches_every_rank", T, || async {
+        let pg = connect().await?;
+        abort::abort_scenario(&pg).await
     });
 }
 

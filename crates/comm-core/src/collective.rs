@@ -3,6 +3,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 use crate::elastic::Shrunk;
+use crate::handle::Poison;
 use crate::ops::{
     AllGather, AllReduce, AllToAll, Barrier, Broadcast, Gather, RecvFrom, Reduce, ReduceScatter, Scatter, SendTo,
 };
@@ -36,6 +37,12 @@ pub trait Group: Send + Sync {
     /// instead of waiting out their timeout. For a layer over several groups (hier) whose op
     /// failed in one of them. Default: nothing.
     fn abort(&self, _cause: &str) {}
+    /// The group's failure state on this rank, where the backend keeps one: what failed it, and
+    /// the hooks that run when something does. Default: none (the facade's `error()` is then
+    /// always `None` and failure hooks are refused).
+    fn poison(&self) -> Option<&Poison> {
+        None
+    }
     /// After a failure: a new group of the ranks of this one that are still alive,
     /// renumbered in their old order, agreed on by every survivor (see [`crate::elastic`]).
     /// Called by every survivor; ops still in flight on this group fail, and its resources
@@ -98,6 +105,9 @@ impl<T: Group + ?Sized> Group for Arc<T> {
     }
     fn abort(&self, cause: &str) {
         (**self).abort(cause)
+    }
+    fn poison(&self) -> Option<&Poison> {
+        (**self).poison()
     }
     async fn shrink(&self) -> Result<Shrunk, CommError> {
         (**self).shrink().await

@@ -15,11 +15,21 @@ use crate::{CommError, Op, Rank, Work};
 #[derive(Clone, Debug, Default)]
 pub struct Poison(Arc<PoisonState>);
 
-#[derive(Debug, Default)]
+/// What runs once when a group fails, with the cause ([`Poison::on_set`]).
+pub type FailureHook = Box<dyn FnOnce(&str) + Send>;
+
+#[derive(Default)]
 struct PoisonState {
     /// Set once `cause` is: every op checks it, so a healthy group's check is one load.
     set: AtomicBool,
     cause: Mutex<Option<String>>,
+    hooks: Mutex<Vec<FailureHook>>,
+}
+
+impl std::fmt::Debug for PoisonState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoisonState").field("set", &self.set).field("cause", &self.cause).finish_non_exhaustive()
+    }
 }
 
 impl Poison {
@@ -34,9 +44,29 @@ impl Poison {
         if slot.is_some() {
             return false;
         }
-        *slot = Some(cause.into());
+        let cause = cause.into();
+        *slot = Some(cause.clone());
         self.0.set.store(true, SeqCst);
+        drop(slot);
+        // Taken after the flag is up: a hook added meanwhile either is taken here or sees it.
+        let hooks = std::mem::take(&mut *self.0.hooks.lock().unwrap_or_else(|p| p.into_inner()));
+        for hook in hooks {
+            hook(&cause);
+        }
         true
+    }
+
+    /// Runs `hook` once with the cause when the group is poisoned, on the thread that poisons
+    /// it (at once, on this thread, if it is already).
+    pub fn on_set(&self, hook: FailureHook) {
+        let mut hooks = self.0.hooks.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.0.set.load(SeqCst) {
+            return hooks.push(hook);
+        }
+        drop(hooks);
+        if let Some(cause) = self.cause() {
+            hook(&cause);
+        }
     }
 
     /// The cause, once poisoned.
@@ -234,6 +264,28 @@ mod tests {
         assert!(!p.set("timeout"));
         let e = p.check().unwrap_err();
         assert!(matches!(&e, CommError::Poisoned { cause } if cause == "peer 1 died"), "{e}");
+    }
+
+    #[test]
+    fn failure_hooks_run_once_with_the_first_cause() {
+        let p = Poison::new();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let hook = |tag: &'static str| -> FailureHook {
+            let seen = seen.clone();
+            Box::new(move |cause: &str| seen.lock().unwrap().push(format!("{tag}: {cause}")))
+        };
+        p.on_set(hook("before"));
+        p.on_set(hook("before too"));
+        assert!(seen.lock().unwrap().is_empty());
+        // Set from another thread (as a worker does); a later cause runs nothing.
+        let q = p.clone();
+        std::thread::spawn(move || q.set("rank 1 aborted: drain")).join().unwrap();
+        assert!(!p.set("timeout"));
+        p.on_set(hook("after"));
+        assert_eq!(
+            *seen.lock().unwrap(),
+            ["before: rank 1 aborted: drain", "before too: rank 1 aborted: drain", "after: rank 1 aborted: drain"]
+        );
     }
 
     #[test]

@@ -459,6 +459,9 @@ impl<C: Group> Group for Profiling<C> {
     fn abort(&self, cause: &str) {
         self.inner.abort(cause)
     }
+    fn poison(&self) -> Option<&comm_core::handle::Poison> {
+        self.inner.poison()
+    }
 }
 
 #[cfg(test)]

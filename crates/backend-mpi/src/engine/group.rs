@@ -163,6 +163,8 @@ impl Group {
         };
         // The op in flight fails with the real cause (its receives from the failed peer will
         // never match: cancelled, so MPI can still be finalised); what is queued, as poisoned.
+        // The group is marked failed first: whoever the op's failure wakes sees it (`error()`).
+        self.info.poison.set(e.to_string());
         if let Some(mut a) = self.active.take() {
             a.reply.fail(e.duplicate());
             a.req.cancel();

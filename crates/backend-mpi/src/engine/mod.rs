@@ -91,6 +91,8 @@ pub(crate) enum Command {
     Release(Gid),
     /// The process is exiting: finish, finalise MPI.
     Exit,
+    /// A caller poisoned the group (`abort`): fail what is in flight and tell the peers now.
+    Hear(Gid),
 }
 
 /// Facts about the world fixed at initialisation.
@@ -320,6 +322,11 @@ impl Engine {
                 }
                 None => refuse(Command::Adopt(gid, a), &|| CommError::Shutdown("the group was shut down".into())),
             },
+            Command::Hear(gid) => {
+                if let Some(g) = self.groups.get_mut(&gid) {
+                    g.hear(Instant::now(), &mut self.graveyard);
+                }
+            }
             Command::AdoptP2p(gid, p) => match self.groups.get_mut(&gid) {
                 Some(g) => match g.poison_error() {
                     None => g.p2p.push(*p),
@@ -420,6 +427,8 @@ impl Engine {
                     }
                 };
                 let a = g.active.take().expect("active checked above");
+                // Marked failed before the op fails (see `Group::hear`).
+                g.info.poison.set(e.to_string());
                 a.reply.fail(e.duplicate());
                 bury(a.req, &mut self.graveyard);
                 g.poison(&e, &mut self.graveyard);
@@ -604,7 +613,7 @@ fn refuse(m: Command, e: &dyn Fn() -> CommError) {
         }
         Command::World(_, d) => d.complete(Err(e())),
         Command::Shutdown(_, d) => d.complete(Ok(())),
-        Command::Release(_) | Command::Exit => {}
+        Command::Release(_) | Command::Exit | Command::Hear(_) => {}
     }
 }
 

@@ -8,7 +8,7 @@ use comm_core::{CommError, Rank};
 
 use crate::layout::{OFF_REASON, OFF_STATE, REASON_LEN, STATE_ABORTED, STATE_CLOSED};
 
-use super::steps::write_reason;
+use super::steps::publish_abort;
 use super::{Command, Engine, Flow, Parked, Phase, Result, Then};
 
 impl Engine {
@@ -88,9 +88,7 @@ impl Engine {
     /// any op fails: a peer reading a message sent in place checks this after its copy, so it
     /// never takes a buffer its owner got back meanwhile.
     pub(super) fn give_up(&mut self, cause: &str) {
-        let me = self.segs[self.rank].clone();
-        write_reason(&me, cause);
-        me.u32_at(OFF_STATE).store(STATE_ABORTED, SeqCst);
+        publish_abort(&self.segs[self.rank], cause);
         self.ring_all();
     }
 

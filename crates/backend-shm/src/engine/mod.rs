@@ -64,7 +64,7 @@ mod zero_copy;
 
 use oneshot::Parked;
 pub(crate) use oneshot::{Inline, OneShot, OneShotOutput, Then};
-pub(crate) use steps::init_segment;
+pub(crate) use steps::{init_segment, publish_abort};
 
 /// What one turn of the worker did.
 pub(crate) enum Flow {

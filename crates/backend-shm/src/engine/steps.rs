@@ -10,7 +10,8 @@ use comm_core::{CommError, DType, OpKind, Rank, ReduceOp};
 
 use crate::layout::{
     body, Layout, MsgHeader, StepHeader, CARRIED, CARRIED_AT, OFF_DOORBELL, OFF_RANK, OFF_REASON, OFF_SLEEPING,
-    OFF_STEP, OFF_VERSION, OFF_WINDOW, OFF_WORLD, REASON_LEN, SLEEP_ENGINE, SLEEP_PEERS, VERSION,
+    OFF_STATE, OFF_STEP, OFF_VERSION, OFF_WINDOW, OFF_WORLD, REASON_LEN, SLEEP_ENGINE, SLEEP_PEERS, STATE_ABORTED,
+    STATE_READY, STATE_WRITING, VERSION,
 };
 use crate::segment::Segment;
 use crate::sys::{futex_wait, futex_wake};
@@ -351,15 +352,28 @@ pub(crate) fn init_segment(me: &Segment, world: u32, rank: u32, window: usize) {
 }
 
 /// Writes why this rank gave up, for peers to report; the caller then stores `STATE_ABORTED`.
-pub(super) fn write_reason(me: &Segment, cause: &str) {
+/// Says in this rank's segment that it gave up the group, with `cause`, where the peers' waits
+/// see it (state `ABORTED`, the reason beside it). Once: the caller that moves the state word
+/// from `READY` writes; any other waits until that one is done (a rank that gave up releases
+/// the buffers its peers read only after saying so). Whether this call wrote it.
+pub(crate) fn publish_abort(me: &Segment, cause: &str) -> bool {
+    let state = me.u32_at(OFF_STATE);
+    if state.compare_exchange(STATE_READY, STATE_WRITING, SeqCst, SeqCst).is_err() {
+        while state.load(SeqCst) == STATE_WRITING {
+            std::hint::spin_loop();
+        }
+        return false;
+    }
     let bytes = cause.as_bytes();
     let n = bytes.len().min(REASON_LEN - 1);
     for (i, b) in bytes[..n].iter().chain(std::iter::once(&0)).enumerate() {
-        // SAFETY: the reason area is written only here, once (the group is poisoned once),
-        // before the caller's state store releases it; peers read it only after acquiring
-        // STATE_ABORTED.
+        // SAFETY: the reason area is written only here, by the one caller that moved the state
+        // word from READY to WRITING, before the state store below releases it; peers read it
+        // only after acquiring STATE_ABORTED.
         unsafe { me.write(OFF_REASON + i, *b) };
     }
+    state.store(STATE_ABORTED, SeqCst);
+    true
 }
 
 /// Writes chunk `chunk` of a message to `peer` into our mailbox slot for it (its data in the

@@ -289,6 +289,10 @@ impl Group for LocalRank {
         self.shut.store(true, Ordering::Release);
         Ok(())
     }
+    /// Fails the group for every rank of the world: pending and later ops fail.
+    fn abort(&self, cause: &str) {
+        GroupCtx { world: self.world.clone(), gid: self.gid }.poison(cause);
+    }
 }
 
 /// A new group's handles are made here, where handles live.
