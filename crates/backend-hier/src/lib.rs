@@ -225,15 +225,24 @@ impl<R: Plan> Collective<R> for HierBackend {
             if let Err(e) = poison.check() {
                 return Issued::Done(Err(e));
             }
-            let issued = req.issue(&parts);
-            if let Issued::Done(Err(e)) = &issued {
-                let cause = format!("{} failed: {e}", R::NAME);
-                poison.set(cause.clone());
-                // The inner groups may be left mid-op, with ranks of other hosts waiting in them:
-                // fail them too, so those ranks learn now rather than at their timeout.
-                parts.groups().for_each(|g| g.abort(&cause));
+            match req.issue(&parts) {
+                Issued::Done(Err(e)) => {
+                    let cause = format!("{} failed: {e}", R::NAME);
+                    poison.set(cause.clone());
+                    // The inner groups may be left mid-op, with ranks of other hosts waiting in
+                    // them: fail them too, so those ranks learn now rather than at their timeout.
+                    parts.groups().for_each(|g| g.abort(&cause));
+                    Issued::Done(Err(e))
+                }
+                // The world group it went to poisons itself; so does this group, alike.
+                Issued::Straight(w) => Issued::Straight(w.map_err(move |e| {
+                    if e.poisons_group() {
+                        poison.set(format!("{} failed: {e}", R::NAME));
+                    }
+                    e
+                })),
+                done => done,
             }
-            issued
         })
     }
 }
