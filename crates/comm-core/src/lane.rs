@@ -9,10 +9,11 @@
 //!   worker is done with it (a [`Ticket`], or [`Backlog::add`]/[`Backlog::done`]), so an inline
 //!   caller never overtakes it.
 //!
-//! The rules every backend shares live here: the try-lock and the idle check, panic
-//! containment (the group is poisoned with the panic's message, the op fails with
-//! `Poisoned`), and the hand-over (whether the worker must go on with something an inline
-//! caller left). What the worker does, and which ops may run inline, is the backend's.
+//! The rules every backend shares live here: the try-lock and the idle check, how a caller
+//! waits for its peers ([`CallerWait`]), the worker's loop ([`run_worker`]), panic containment
+//! (the group is poisoned with the panic's message, the op fails with `Poisoned`), and the
+//! hand-over (whether the worker must go on with something an inline caller left). What the
+//! worker does in a turn, and which ops may run inline, is the backend's.
 
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
@@ -200,6 +201,18 @@ pub enum Turn {
     Again,
     /// The worker is done: the loop ends.
     Done,
+}
+
+impl Turn {
+    /// The usual answer to a loop's `nth` panic: go on after the first (to fail what is pending
+    /// and answer shutdown), end after the second.
+    pub fn after_panic(nth: u32) -> Turn {
+        if nth > 1 {
+            Turn::Done
+        } else {
+            Turn::Again
+        }
+    }
 }
 
 /// A backend's worker thread, run by [`run_worker`]: what it does in one turn of its loop (take

@@ -170,11 +170,7 @@ impl Worker for Engine {
         for g in self.groups.values_mut() {
             g.poison(&e, &mut self.graveyard);
         }
-        if nth > 1 {
-            Turn::Done
-        } else {
-            Turn::Again
-        }
+        Turn::after_panic(nth)
     }
 }
 

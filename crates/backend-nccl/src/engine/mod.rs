@@ -262,11 +262,7 @@ impl Worker for Engine {
     /// the loop as a shutdown would.
     fn contain_panic(&mut self, message: &str, nth: u32) -> Turn {
         self.poison(format!("backend `nccl`: the worker panicked: {message}"));
-        if nth > 1 {
-            Turn::Done
-        } else {
-            Turn::Again
-        }
+        Turn::after_panic(nth)
     }
 }
 
